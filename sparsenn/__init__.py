@@ -1,0 +1,41 @@
+"""sparsenn: sparse deep learning for PyTorch through one sparse einsum compiler."""
+
+from sparsenn.compiler import (
+    CompiledExpression,
+    CompilerNotFoundError,
+    KernelBuildError,
+    NotationError,
+    einsum,
+    explain,
+)
+from sparsenn.compiler import compile_expression as compile
+from sparsenn.formats import (
+    Format,
+    SparseTensor,
+    from_coo,
+    from_dense,
+    from_edge_index,
+    from_scipy,
+    from_torch,
+    parse_format,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SparseTensor",
+    "Format",
+    "parse_format",
+    "from_dense",
+    "from_torch",
+    "from_scipy",
+    "from_edge_index",
+    "from_coo",
+    "einsum",
+    "compile",
+    "explain",
+    "CompiledExpression",
+    "NotationError",
+    "KernelBuildError",
+    "CompilerNotFoundError",
+]

@@ -1,0 +1,247 @@
+"""C++ generation: wraps lowered loop nests into a self-contained translation unit.
+
+The unit includes only the C++ standard library (no PyTorch headers, so it builds in
+a fraction of a second) and exports ``extern "C"`` entry points over raw pointers:
+
+``int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle)``
+    computes the expression. ``arrays`` holds each slot's arrays (see
+    :func:`slot_arrays`) followed, for a dense output, by the zero-initialised output.
+    For a sparse output, ``*handle`` receives per-chunk level buffers.
+``void sn_sizes(void* handle, int64_t* sizes)``
+    per output level: stored coordinates and counts; then the number of values.
+``int sn_finish(void* handle, void* const* arrays, int wide, int nthreads)``
+    writes pos/crd (int32, or int64 when ``wide``) and values into caller-owned arrays
+    (prefix sums of the per-parent counts) and frees the handle.
+``void sn_free(void* handle)``
+
+Errors (allocation failure) are returned as non-zero codes, never thrown across the
+C boundary.
+"""
+
+from __future__ import annotations
+
+from .lower import LoweredKernel, Slot
+
+__all__ = ["generate_source", "slot_arrays"]
+
+_CTYPES = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
+
+_PRELUDE = r"""
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <new>
+#include <utility>
+#include <vector>
+
+typedef @V@ V;
+typedef @I@ I;
+
+static inline void sn_fail(int& flag) {
+#pragma omp atomic write
+  flag = 1;
+}
+
+/* Output levels appended by one chunk of the outermost loop: per compressed level its
+   coordinates and, per parent position, how many children it got. */
+struct Chunk {
+  std::vector<std::vector<int64_t>> cnt;
+  std::vector<std::vector<I>> crd;
+  std::vector<V> val;
+  void init(int rank) { cnt.assign(rank, {}); crd.assign(rank, {}); val.clear(); }
+};
+
+struct Result {
+  int rank, num_dense;
+  std::vector<Chunk> chunks;
+  Result(int r, int d) : rank(r), num_dense(d) {}
+};
+
+/* Append sorted, unique linear keys over output levels [level, rank) to a chunk. */
+template <class Take>
+static void emit_sorted(Chunk& C, int level, int rank, const int64_t* dims,
+                        const std::vector<int64_t>& keys, Take take) {
+  const int m = rank - level;
+  int64_t prev[16], cur[16];
+  bool first = true;
+  for (int64_t key : keys) {
+    int64_t rest = key;
+    for (int j = m - 1; j >= 0; --j) { cur[j] = rest % dims[j]; rest /= dims[j]; }
+    int d = 0;
+    if (!first) while (d < m && cur[d] == prev[d]) ++d;
+    for (int j = d; j < m; ++j) {
+      const int l = level + j;
+      C.crd[l].push_back((I)cur[j]);
+      if (j > 0) C.cnt[l].back()++;
+      if (l + 1 < rank) C.cnt[l + 1].push_back(0);
+      prev[j] = cur[j];
+    }
+    C.val.push_back(take(key));
+    first = false;
+  }
+}
+
+/* Dense workspace: values and touched flags over the whole workspace, plus the list of
+   touched keys; drained in key order (sorted, or scanned when most keys are touched). */
+struct DenseWS {
+  std::vector<V> val;
+  std::vector<uint8_t> used;
+  std::vector<int64_t> list;
+  void init(int64_t n) { val.assign(n, V(0)); used.assign(n, 0); }
+  inline void add(int64_t x, V v) {
+    if (used[x]) { val[x] += v; } else { used[x] = 1; val[x] = v; list.push_back(x); }
+  }
+  void drain(Chunk& C, int level, int rank, const int64_t* dims) {
+    const int64_t n = (int64_t)val.size(), k = (int64_t)list.size();
+    if (k == 0) return;
+    if (k * (64 - __builtin_clzll((unsigned long long)k)) < n) {
+      std::sort(list.begin(), list.end());
+    } else {
+      list.clear();
+      for (int64_t x = 0; x < n; ++x) if (used[x]) list.push_back(x);
+    }
+    emit_sorted(C, level, rank, dims, list, [&](int64_t x) {
+      const V v = val[x]; used[x] = 0; val[x] = V(0); return v; });
+    list.clear();
+  }
+};
+
+/* Sparse accumulator: (key, value) pairs, stably sorted and combined at drain time. */
+struct SparseWS {
+  std::vector<std::pair<int64_t, V>> entries;
+  std::vector<int64_t> keys;
+  std::vector<V> vals;
+  void init(int64_t) {}
+  inline void add(int64_t x, V v) { entries.emplace_back(x, v); }
+  void drain(Chunk& C, int level, int rank, const int64_t* dims) {
+    if (entries.empty()) return;
+    std::stable_sort(entries.begin(), entries.end(),
+                     [](const std::pair<int64_t, V>& a, const std::pair<int64_t, V>& b) { return a.first < b.first; });
+    keys.clear(); vals.clear();
+    for (const auto& kv : entries) {
+      if (!keys.empty() && keys.back() == kv.first) vals.back() += kv.second;
+      else { keys.push_back(kv.first); vals.push_back(kv.second); }
+    }
+    entries.clear();
+    size_t n = 0;
+    emit_sorted(C, level, rank, dims, keys, [&](int64_t) { return vals[n++]; });
+  }
+};
+
+extern "C" void sn_sizes(void* handle, int64_t* sizes) {
+  const Result* r = (const Result*)handle;
+  for (int l = 0; l < r->rank; ++l) {
+    int64_t crd = 0, cnt = 0;
+    for (const Chunk& c : r->chunks) {
+      if (c.crd.empty()) continue;
+      crd += (int64_t)c.crd[l].size();
+      cnt += (int64_t)c.cnt[l].size();
+    }
+    sizes[2 * l] = crd;
+    sizes[2 * l + 1] = cnt;
+  }
+  int64_t vals = 0;
+  for (const Chunk& c : r->chunks) vals += (int64_t)c.val.size();
+  sizes[2 * r->rank] = vals;
+}
+
+/* pos arrays are exclusive prefix sums of the concatenated per-parent counts. */
+template <class J>
+static void sn_fill(const Result* r, void* const* out, int nthreads) {
+  const int64_t nc = (int64_t)r->chunks.size();
+  int slot = 0;
+  std::vector<int64_t> crd_off(nc + 1), cnt_off(nc + 1), sum_off(nc + 1);
+  for (int l = r->num_dense; l < r->rank; ++l) {
+    J* pos = (J*)out[slot++];
+    J* crd = (J*)out[slot++];
+    crd_off[0] = cnt_off[0] = sum_off[0] = 0;
+    for (int64_t c = 0; c < nc; ++c) {
+      const Chunk& ch = r->chunks[c];
+      const bool live = !ch.crd.empty();
+      crd_off[c + 1] = crd_off[c] + (live ? (int64_t)ch.crd[l].size() : 0);
+      cnt_off[c + 1] = cnt_off[c] + (live ? (int64_t)ch.cnt[l].size() : 0);
+      int64_t s = 0;
+      if (live) for (int64_t v : ch.cnt[l]) s += v;
+      sum_off[c + 1] = sum_off[c] + s;
+    }
+    pos[0] = 0;
+    if (l == 0) pos[1] = (J)crd_off[nc];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int64_t c = 0; c < nc; ++c) {
+      const Chunk& ch = r->chunks[c];
+      if (ch.crd.empty()) continue;
+      std::copy(ch.crd[l].begin(), ch.crd[l].end(), crd + crd_off[c]);
+      if (l > 0) {
+        int64_t run = sum_off[c];
+        J* p = pos + cnt_off[c] + 1;
+        for (int64_t v : ch.cnt[l]) { run += v; *p++ = (J)run; }
+      }
+    }
+  }
+  V* val = (V*)out[slot];
+  int64_t off = 0;
+  std::vector<int64_t> val_off(nc + 1, 0);
+  for (int64_t c = 0; c < nc; ++c) { val_off[c] = off; off += (int64_t)r->chunks[c].val.size(); }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+  for (int64_t c = 0; c < nc; ++c)
+    std::copy(r->chunks[c].val.begin(), r->chunks[c].val.end(), val + val_off[c]);
+}
+
+extern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {
+  Result* r = (Result*)handle;
+  int code = 0;
+  try {
+    if (wide) sn_fill<int64_t>(r, out, nthreads); else sn_fill<int32_t>(r, out, nthreads);
+  } catch (const std::bad_alloc&) {
+    code = 1;
+  }
+  delete r;
+  return code;
+}
+
+extern "C" void sn_free(void* handle) { delete (Result*)handle; }
+"""
+
+
+def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
+    """The arrays a slot passes, in order: ("pos"|"crd", level) ..., ("val", -1);
+    a dense slot passes ("dense", -1)."""
+    if slot.fmt is None:
+        return [("dense", -1)]
+    arrays: list[tuple[str, int]] = []
+    for level, lvl in enumerate(slot.fmt.levels):
+        if lvl.has_pos:
+            arrays.append(("pos", level))
+        if lvl.has_crd:
+            arrays.append(("crd", level))
+    return arrays + [("val", -1)]
+
+
+def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
+    """The complete C++ translation unit for ``kernel``."""
+    prelude = _PRELUDE.replace("@V@", _CTYPES[value_dtype]).replace("@I@", _CTYPES[index_dtype])
+    unpack, n = [], 0
+    for s, slot in enumerate(kernel.slots):
+        for kind, level in slot_arrays(slot):
+            if kind == "dense":
+                name, ctype = f"d{s}", "V"
+            elif kind == "val":
+                name, ctype = f"s{s}_val", "V"
+            else:
+                name, ctype = f"s{s}_{kind}{level}", "I"
+            unpack.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
+            n += 1
+    if kernel.dense_output:
+        unpack.append(f"    V* __restrict__ out = (V*)arrays[{n}];")
+        unpack.append("    (void)handle;")
+    return (
+        prelude
+        + '\nextern "C" int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle) {\n'
+        + "  try {\n"
+        + "\n".join(unpack)
+        + "\n"
+        + kernel.body
+        + "\n    return 0;\n"
+        + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
+    )

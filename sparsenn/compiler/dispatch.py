@@ -1,0 +1,408 @@
+"""Dispatch: validate operands, find or build a plan, run its kernel.
+
+``einsum(equation, *operands)`` and :func:`compile_expression` share one path:
+
+1. parse (cached per equation), validate every operand once in Python (type, dtype,
+   device, rank, index sizes) with errors naming the operand;
+2. all-dense expressions go straight to ``torch.einsum``;
+3. otherwise look up a :class:`Plan` keyed by the expression, operand formats, shapes,
+   per-level fill (rounded to powers of two), dtype and index width; on a miss, infer the
+   output format, schedule, lower, generate C++ and load it through the JIT cache;
+4. re-store operands the schedule wants in another mode order, call the kernel with the
+   GIL released (ctypes), and assemble a dense tensor or a :class:`SparseTensor`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor, parse_format
+
+from . import jit
+from .codegen import generate_source, slot_arrays
+from .infer import infer_output_format
+from .lower import LoweredKernel, lower
+from .notation import Assignment, parse_einsum, parse_expression
+from .schedule import OperandInfo, Schedule, schedule
+
+__all__ = ["einsum", "compile_expression", "explain", "Plan", "CompiledExpression"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64)
+_MAX_OUTPUT_RANK = 8
+
+
+@dataclass
+class Plan:
+    assignment: Assignment
+    operand_formats: tuple[Format | None, ...]
+    output_format: Format | None  # native format the kernel assembles
+    schedule: Schedule
+    kernel: LoweredKernel
+    source: str
+    library: ctypes.CDLL | None = None
+
+    def load(self) -> ctypes.CDLL:
+        if self.library is None:
+            self.library = jit.load_library(self.source, "sparse_einsum")
+            self.library.sn_run.restype = ctypes.c_int
+            self.library.sn_finish.restype = ctypes.c_int
+        return self.library
+
+
+_plans: dict[tuple, Plan] = {}
+_plans_lock = threading.Lock()
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _describe(assignment: Assignment, n: int) -> str:
+    return f"operand {n} ({assignment.operand_names[n]})"
+
+
+def _prepare_operands(assignment: Assignment, operands: Sequence) -> list:
+    """Check types, dtypes, devices, ranks and index sizes; returns the operands with
+    dense ones made contiguous and dense-format SparseTensors turned into tensors."""
+    if len(operands) != assignment.num_operands:
+        raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
+    prepared = []
+    dtype = None
+    for n, op in enumerate(operands):
+        what = _describe(assignment, n)
+        if isinstance(op, SparseTensor):
+            op.check_unmodified()
+            values = op.values
+        elif isinstance(op, torch.Tensor):
+            values = op
+            if op.layout != torch.strided:
+                raise TypeError(
+                    f"{what} is a torch sparse tensor ({op.layout}); wrap it with "
+                    "sparsenn.SparseTensor.from_torch(...)"
+                )
+        else:
+            raise TypeError(f"{what} must be a torch.Tensor or SparseTensor, got {type(op).__name__}")
+        if values.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{what} has dtype {values.dtype}; sparsenn supports float32 and float64")
+        if values.device.type != "cpu":
+            raise ValueError(f"{what} is on device {values.device}; sparsenn kernels run on the CPU")
+        if dtype is None:
+            dtype = values.dtype
+        elif values.dtype != dtype:
+            raise TypeError(
+                f"{what} has dtype {values.dtype} but earlier operands have {dtype}; "
+                "convert them to one dtype first"
+            )
+        if isinstance(op, SparseTensor):
+            if op.format.block is not None:
+                unblocked = Format(op.format.levels[: op.ndim], op.format.mode_order, None)
+                op = op.asformat(unblocked)
+            elif op.format.is_dense:
+                op = op.to_dense()
+        elif not op.is_contiguous():
+            op = op.contiguous()
+        prepared.append(op)
+    sizes: dict[str, tuple[int, int]] = {}
+    for term in assignment.terms:
+        for access in term.factors:
+            op = prepared[access.operand]
+            shape = tuple(op.shape)
+            what = _describe(assignment, access.operand)
+            if len(shape) != len(access.indices):
+                raise ValueError(
+                    f"{what} has {len(shape)} dimension(s) but the expression indexes it with "
+                    f"{len(access.indices)} ({''.join(access.indices)})"
+                )
+            for index, size in zip(access.indices, shape):
+                if index in sizes and sizes[index][0] != size:
+                    other = _describe(assignment, sizes[index][1])
+                    raise ValueError(
+                        f"index '{index}' has size {size} in {what} but size {sizes[index][0]} in {other}"
+                    )
+                sizes.setdefault(index, (size, access.operand))
+    return prepared
+
+
+def _bucket(n: int) -> int:
+    return 0 if n <= 0 else 1 << round(math.log2(n))
+
+
+def _info(op) -> OperandInfo:
+    if isinstance(op, SparseTensor):
+        positions = tuple(_bucket(op.num_positions(l)) for l in range(len(op.format.levels)))
+        return OperandInfo(op.format, tuple(op.shape), positions)
+    return OperandInfo(None, tuple(op.shape))
+
+
+def _native_output(requested: Format) -> Format:
+    """The kernel-assembled format closest to ``requested``: its dense prefix, then
+    compressed levels, in the same mode order."""
+    letters = requested.letters[: requested.rank]
+    dense = len(letters) - len(letters.lstrip("d"))
+    native = parse_format("d" * dense + "c" * (len(letters) - dense), len(letters))
+    return Format(native.levels, requested.mode_order, None)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype, index_dtype) -> Plan:
+    infos = [_info(op) for op in prepared]
+    formats = tuple(i.format for i in infos)
+    key = (assignment, tuple(infos), out_format, dtype, index_dtype)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    rank = len(assignment.output)
+    if rank > _MAX_OUTPUT_RANK:
+        raise ValueError(f"output rank {rank} exceeds the supported maximum {_MAX_OUTPUT_RANK}")
+    if out_format is None:
+        output = infer_output_format(assignment, formats)
+    elif isinstance(out_format, str) and out_format.strip().lower() == "dense":
+        output = None
+    else:
+        if rank == 0:
+            raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result")
+        output = _native_output(parse_format(out_format, rank))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    sched = schedule(assignment, infos, output, itemsize)
+    lowered = lower(assignment, sched, formats)
+    source = generate_source(lowered, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
+    plan = Plan(assignment, formats, output, sched, lowered, source)
+    with _plans_lock:
+        _plans[key] = plan
+    return plan
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[torch.Tensor]:
+    tensors = []
+    for slot in plan.kernel.slots:
+        op = prepared[slot.operand]
+        if slot.fmt is None:
+            tensors.append(op)
+            continue
+        if op.format != slot.fmt:
+            op = op.asformat(slot.fmt)
+        for kind, level in slot_arrays(slot):
+            if kind == "val":
+                tensors.append(op.values.detach().contiguous())
+            else:
+                arr = (op.pos if kind == "pos" else op.crd)[level]
+                tensors.append(arr.to(index_dtype) if arr.dtype != index_dtype else arr)
+    return tensors
+
+
+def _run(plan: Plan, prepared: list, dtype: torch.dtype, index_dtype: torch.dtype):
+    lib = plan.load()
+    sizes = {}
+    for term in plan.assignment.terms:
+        for access in term.factors:
+            for index, size in zip(access.indices, prepared[access.operand].shape):
+                sizes[index] = size
+    dims = torch.tensor([sizes[i] for i in plan.kernel.indices], dtype=torch.int64)
+    tensors = _slot_tensors(plan, prepared, index_dtype)
+    out_shape = tuple(sizes[i] for i in plan.assignment.output)
+    out = None
+    if plan.output_format is None:
+        out = torch.zeros(out_shape, dtype=dtype)
+        tensors.append(out)
+    arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
+    handle = ctypes.c_void_p()
+    nthreads = torch.get_num_threads()
+    code = lib.sn_run(arrays, ctypes.c_void_p(dims.data_ptr()), nthreads, ctypes.byref(handle))
+    if code != 0:
+        if handle.value:
+            lib.sn_free(handle)
+        raise MemoryError("sparsenn kernel ran out of memory")
+    if out is not None:
+        return out
+    return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
+
+
+def _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads) -> SparseTensor:
+    fmt = plan.output_format
+    rank = len(out_shape)
+    counts = (ctypes.c_int64 * (2 * rank + 1))()
+    lib.sn_sizes(handle, counts)
+    level_dims = [out_shape[m] for m in fmt.mode_order]
+    num_dense = len(fmt.letters) - len(fmt.letters.lstrip("d"))
+    wide = index_dtype == torch.int64 or max([counts[2 * rank], *level_dims, 0]) >= 2**31 - 1
+    idx = torch.int64 if wide else torch.int32
+    pos: list = [None] * rank
+    crd: list = [None] * rank
+    arrays = []
+    parents = math.prod(level_dims[:num_dense])
+    for level in range(num_dense, rank):
+        n_crd, n_cnt = counts[2 * level], counts[2 * level + 1]
+        expected = parents if level > 0 else 0
+        if level > 0 and n_cnt != expected:
+            lib.sn_free(handle)
+            raise RuntimeError(f"internal error: output level {level} has {n_cnt} counts, expected {expected}")
+        pos[level] = torch.empty(max(parents, 1) + 1 if level == 0 else parents + 1, dtype=idx)
+        crd[level] = torch.empty(n_crd, dtype=idx)
+        arrays += [pos[level], crd[level]]
+        parents = n_crd
+    values = torch.empty(counts[2 * rank], dtype=dtype)
+    arrays.append(values)
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays])
+    if lib.sn_finish(handle, ptrs, int(wide), nthreads) != 0:
+        raise MemoryError("sparsenn kernel ran out of memory while assembling its output")
+    if num_dense == 0:
+        pos[0] = pos[0][:2]
+    return SparseTensor(out_shape, fmt, tuple(pos), tuple(crd), values, check=False)
+
+
+def _index_dtype(prepared: list) -> torch.dtype:
+    widths = [op.index_dtype for op in prepared if isinstance(op, SparseTensor)]
+    return torch.int64 if torch.int64 in widths else torch.int32
+
+
+def _evaluate(assignment: Assignment, operands: Sequence, out_format, requested=None):
+    prepared = _prepare_operands(assignment, operands)
+    if all(isinstance(op, torch.Tensor) for op in prepared):
+        result = _dense_fallback(assignment, prepared)
+        if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
+            return SparseTensor.from_dense(result, format=out_format)
+        return result
+    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
+    index_dtype = _index_dtype(prepared)
+    plan = _plan(assignment, prepared, out_format, dtype, index_dtype)
+    result = _run(plan, prepared, dtype, index_dtype)
+    if isinstance(result, SparseTensor) and out_format is not None:
+        wanted = parse_format(out_format, len(assignment.output))
+        if wanted != result.format:
+            result = result.asformat(wanted)
+    return result
+
+
+def _dense_fallback(assignment: Assignment, prepared: list) -> torch.Tensor:
+    """All operands dense: torch computes each term (broadcast over missing outputs)."""
+    letters = {}
+    for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
+        letters[i] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(letters)]
+    out = None
+    sizes = {i: s for t in assignment.terms for a in t.factors for i, s in zip(a.indices, prepared[a.operand].shape)}
+    for term in assignment.terms:
+        present = [i for i in assignment.output if i in term.indices]
+        lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
+        value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}", *[prepared[a.operand] for a in term.factors])
+        view = [sizes[i] if i in term.indices else 1 for i in assignment.output]
+        value = (term.coefficient * value).reshape(view).expand(*[sizes[i] for i in assignment.output])
+        out = value.clone() if out is None else out + value
+    return out
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+_einsum_cache: dict[tuple[str, int], Assignment] = {}
+
+
+def _parse_cached(equation: str, n: int) -> Assignment:
+    key = (equation, n)
+    assignment = _einsum_cache.get(key)
+    if assignment is None:
+        assignment = parse_einsum(equation, n)
+        _einsum_cache[key] = assignment
+    return assignment
+
+
+def einsum(equation: str, *operands, out_format=None):
+    """Einstein summation over dense ``torch.Tensor`` and :class:`SparseTensor` operands.
+
+    ``out_format`` overrides the inferred output format (``"dense"`` for a tensor).
+    Returns a dense ``torch.Tensor`` when the output is dense, else a ``SparseTensor``.
+    """
+    return _evaluate(_parse_cached(equation, len(operands)), operands, out_format)
+
+
+class CompiledExpression:
+    """A parsed sum-of-products expression, callable on operands (positional in order
+    of first appearance, or by name)."""
+
+    def __init__(self, text: str, out_format=None):
+        self.assignment = parse_expression(text)
+        self.out_format = out_format
+        self.text = text
+
+    @property
+    def operand_names(self) -> tuple[str, ...]:
+        return self.assignment.operand_names
+
+    def _bind(self, args, kwargs) -> list:
+        names = self.assignment.operand_names
+        if len(args) > len(names):
+            raise TypeError(f"{self.text!r} takes {len(names)} operands, got {len(args)}")
+        bound = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names:
+                raise TypeError(f"{self.text!r} has no operand named {name!r}")
+            if name in bound:
+                raise TypeError(f"operand {name!r} given twice")
+            bound[name] = value
+        missing = [n for n in names if n not in bound]
+        if missing:
+            raise TypeError(f"{self.text!r} is missing operand(s) {missing}")
+        return [bound[n] for n in names]
+
+    def __call__(self, *args, **kwargs):
+        return _evaluate(self.assignment, self._bind(args, kwargs), self.out_format)
+
+    def explain(self, *args, **kwargs) -> str:
+        return _explain(self.assignment, self._bind(args, kwargs), self.out_format)
+
+    def __repr__(self) -> str:
+        return f"CompiledExpression({self.text!r})"
+
+
+def compile_expression(text: str, out_format=None) -> CompiledExpression:
+    """Compile ``"D[i,j] = A[i,k] * B[k,j] + C[i,j]"`` into a callable."""
+    return CompiledExpression(text, out_format)
+
+
+def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
+    prepared = _prepare_operands(assignment, operands)
+    lines = [f"expression: {assignment}"]
+    for n, op in enumerate(prepared):
+        desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense {tuple(op.shape)}"
+        lines.append(f"  operand {n} ({assignment.operand_names[n]}): {desc}")
+    if all(isinstance(op, torch.Tensor) for op in prepared):
+        lines.append("all operands dense: dispatched to torch.einsum")
+        return "\n".join(lines)
+    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
+    plan = _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
+    s = plan.schedule
+    lines.append(f"output format: {'dense' if s.output_format is None else s.output_format}")
+    if s.shared:
+        lines.append(f"shared output loops: {','.join(s.shared)}")
+    for nest in s.nests:
+        tiles = ", ".join(f"{t.index} by {t.size}" for t in nest.tiles) or "none"
+        lines.append(
+            f"term {nest.term}: loop order {','.join(s.shared + nest.order)}; "
+            f"{'parallel' if nest.parallel else 'serial'}; tiles: {tiles}"
+        )
+    if s.workspace is not None:
+        lines.append(f"workspace: {s.workspace.kind} over {','.join(s.workspace.indices)} ({s.workspace.size} entries)")
+    else:
+        lines.append("workspace: none")
+    for (t, k), order in s.transposes:
+        lines.append(f"transpose: term {t} factor {k} re-stored in mode order {order}")
+    lines.append("why:")
+    lines += [f"  {r}" for r in s.reasons]
+    lines.append("generated C++:")
+    lines.append(plan.source)
+    return "\n".join(lines)
+
+
+def explain(equation: str, *operands, out_format=None) -> str:
+    """The parsed notation, output format, loop orders with reasons, workspace, tiles
+    and generated C++ for ``einsum(equation, *operands)``."""
+    return _explain(_parse_cached(equation, len(operands)), operands, out_format)

@@ -1,0 +1,325 @@
+"""Compile generated C++ kernels to shared libraries, cache them on disk and load them.
+
+Kernels are self-contained C++17 sources with ``extern "C"`` entry points. Each is
+built once per (source, flags, compiler, CPU) into a private cache directory, with a
+checksum beside it, and loaded with :class:`ctypes.CDLL` (which releases the GIL
+during calls).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import re
+import shlex
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
+
+# Imported for its side effect: torch loads its bundled libgomp.so.1 first, so kernels
+# (which link against the same soname) share torch's OpenMP runtime instead of a second one.
+import torch  # noqa: F401
+
+# No -ffast-math: results must match torch bit for bit up to summation order.
+CXX_FLAGS = (
+    "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-fno-math-errno",
+)
+# Bump when the cache layout or build procedure changes, to invalidate old entries.
+FORMAT_VERSION = "1"
+BUILD_TIMEOUT_S = 600
+_MAX_NAME_LEN = 40
+_MAX_LOG_CHARS = 4000
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ compiler rejected a generated kernel."""
+
+
+class CompilerNotFoundError(RuntimeError):
+    """No usable C++ compiler was found."""
+
+
+_libraries: dict[str, ctypes.CDLL] = {}  # source text -> loaded library
+_build_lock = threading.Lock()
+_dir_lock = threading.Lock()
+_resolved_dir: tuple[str | None, pathlib.Path] | None = None  # ($SPARSENN_CACHE_DIR, dir)
+_fallback_dir: pathlib.Path | None = None
+
+
+def load_library(source: str, name: str = "kernel") -> ctypes.CDLL:
+    """Return the compiled, loaded library for ``source``, building it if needed.
+
+    ``name`` is only a readable hint used in file names.
+    """
+    lib = _libraries.get(source)
+    if lib is not None:
+        return lib
+    with _build_lock:
+        lib = _libraries.get(source)
+        if lib is None:
+            lib = _load_or_build(source, _sanitise(name))
+            _libraries[source] = lib
+        return lib
+
+
+def cache_dir() -> pathlib.Path:
+    """The directory holding compiled kernels (resolved once per $SPARSENN_CACHE_DIR value)."""
+    global _resolved_dir
+    env = os.environ.get("SPARSENN_CACHE_DIR")
+    with _dir_lock:
+        if _resolved_dir is None or _resolved_dir[0] != env:
+            _resolved_dir = (env, _resolve_cache_dir(_preferred_cache_dir(env)))
+        return _resolved_dir[1]
+
+
+def compiler_info() -> str:
+    """First line of the compiler's ``--version`` output, e.g. ``g++ (Debian 12.2.0-14) 12.2.0``."""
+    return _compiler_version(_compiler())
+
+
+# ---------------------------------------------------------------------------- cache dir
+
+
+def _preferred_cache_dir(env: str | None) -> pathlib.Path:
+    if env:
+        return pathlib.Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return pathlib.Path(base).expanduser() / "sparsenn"
+
+
+def _resolve_cache_dir(path: pathlib.Path) -> pathlib.Path:
+    """Create ``path`` privately and check it is safe; fall back to a temp dir if unusable."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        return _use_fallback_dir(path, str(exc))
+    _check_private(path)
+    if not os.access(path, os.W_OK | os.X_OK):
+        return _use_fallback_dir(path, "not writable")
+    return path
+
+
+def _check_private(path: pathlib.Path) -> None:
+    """Refuse directories others could plant libraries in: loading a library runs its code."""
+    st = path.stat()
+    problems = []
+    if st.st_uid != os.getuid():
+        problems.append(f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problems.append(f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+    if problems:
+        raise PermissionError(
+            f"refusing to use kernel cache directory {path}: it is {' and '.join(problems)}. "
+            "Loading a cached kernel executes its code, so the directory must be private. "
+            f"Fix it with `chmod go-w {shlex.quote(str(path))}` (and chown it to yourself), "
+            "or set SPARSENN_CACHE_DIR to a private directory."
+        )
+
+
+def _use_fallback_dir(path: pathlib.Path, reason: str) -> pathlib.Path:
+    global _fallback_dir
+    if _fallback_dir is None:
+        _fallback_dir = pathlib.Path(tempfile.mkdtemp(prefix="sparsenn-"))
+    warnings.warn(
+        f"cannot use kernel cache directory {path} ({reason}); caching compiled kernels in "
+        f"{_fallback_dir} for this process only. Set SPARSENN_CACHE_DIR to a writable directory.",
+        RuntimeWarning,
+    )
+    return _fallback_dir
+
+
+# ------------------------------------------------------------------ compiler and cache key
+
+
+def _compiler() -> tuple[str, ...]:
+    return _find_compiler(os.environ.get("CXX"), os.environ.get("PATH"))
+
+
+@functools.lru_cache(maxsize=None)
+def _find_compiler(cxx_env: str | None, path_env: str | None) -> tuple[str, ...]:
+    """The compiler command: ``$CXX`` if set, else the first of c++, g++, clang++ on PATH."""
+    hint = (
+        "sparsenn compiles its sparse kernels at runtime and needs a C++17 compiler with "
+        "OpenMP: install one (e.g. `apt-get install g++`, `dnf install gcc-c++` or "
+        "`conda install -c conda-forge gxx`) or set CXX to the compiler's path."
+    )
+    if cxx_env:
+        command = shlex.split(cxx_env)
+        found = shutil.which(command[0], path=path_env) if command else None
+        if found is None:
+            raise CompilerNotFoundError(f"CXX is set to {cxx_env!r}, which was not found. {hint}")
+        return (found, *command[1:])
+    for candidate in ("c++", "g++", "clang++"):
+        found = shutil.which(candidate, path=path_env)
+        if found is not None:
+            return (found,)
+    raise CompilerNotFoundError(
+        f"no C++ compiler found (looked for c++, g++ and clang++ on PATH). {hint}"
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(compiler: tuple[str, ...]) -> str:
+    result = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=60)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        raise CompilerNotFoundError(
+            f"`{shlex.join(compiler)} --version` failed: {result.stderr.strip()}"
+        )
+    return lines[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_identity() -> str:
+    """Hash of the CPU model and feature flags, since kernels are built with -march=native."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    model = next((line for line in lines if line.startswith("model name")), "")
+    flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    identity = model + "\n" + flags if model or flags else platform.processor() + platform.machine()
+    return hashlib.sha256(identity.encode()).hexdigest()
+
+
+def _cache_key(source: str, compiler: tuple[str, ...]) -> str:
+    digest = hashlib.sha256()
+    compiler_id = _compiler_version(compiler)
+    for part in (FORMAT_VERSION, " ".join(CXX_FLAGS), compiler_id, _cpu_identity(), source):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def _sanitise(name: str) -> str:
+    """Reduce a name hint to a short, safe file-name stem."""
+    return re.sub(r"[^A-Za-z0-9_]+", "_", name).strip("_")[:_MAX_NAME_LEN] or "kernel"
+
+
+# ------------------------------------------------------------------------- load / build
+
+
+def _load_or_build(source: str, name: str) -> ctypes.CDLL:
+    """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
+    compiler = _compiler()
+    key = _cache_key(source, compiler)
+    root = cache_dir()
+    so_path = root / f"{name}_{key[:24]}.so"
+    with _file_lock(root / f"{key}.lock"):
+        lib = _load_cached(so_path)
+        if lib is None:
+            _build(source, so_path, compiler, key)
+            lib = ctypes.CDLL(str(so_path))
+    return lib
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _load_cached(so_path: pathlib.Path) -> ctypes.CDLL | None:
+    """The library at ``so_path`` if present and intact; warns and returns None if damaged."""
+    if not so_path.exists():
+        return None
+    checksum_path = _checksum_path(so_path)
+    try:
+        expected = checksum_path.read_text().strip()
+    except OSError:
+        expected = None
+    if expected != hashlib.sha256(so_path.read_bytes()).hexdigest():
+        warnings.warn(
+            f"cached kernel {so_path} is corrupt or has no valid {checksum_path.name}; rebuilding",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    try:
+        return ctypes.CDLL(str(so_path))
+    except OSError as exc:
+        warnings.warn(
+            f"cannot load cached kernel {so_path} ({exc}); rebuilding", RuntimeWarning, stacklevel=4
+        )
+        return None
+
+
+def _checksum_path(so_path: pathlib.Path) -> pathlib.Path:
+    return so_path.with_name(so_path.name + ".sha256")
+
+
+def _build(source: str, so_path: pathlib.Path, compiler: tuple[str, ...], key: str) -> None:
+    """Compile ``source`` in a private temp dir and atomically move the result to ``so_path``."""
+    root = so_path.parent
+    build_dir = pathlib.Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        src, out = build_dir / "kernel.cpp", build_dir / "kernel.so"
+        src.write_text(source)
+        ok, log = _compile(compiler, build_dir, src.name, out.name)
+        if not ok:
+            failed = root / "failed" / f"{key}.cpp"
+            failed.parent.mkdir(mode=0o700, exist_ok=True)
+            shutil.copyfile(src, failed)
+            raise KernelBuildError(
+                f"failed to compile kernel {so_path.stem} (source saved to {failed}):\n{_trim(log)}"
+            )
+        checksum = build_dir / "kernel.so.sha256"
+        checksum.write_text(hashlib.sha256(out.read_bytes()).hexdigest() + "\n")
+        os.replace(src, so_path.with_suffix(".cpp"))
+        os.replace(checksum, _checksum_path(so_path))
+        os.replace(out, so_path)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+
+
+def _compile(
+    compiler: tuple[str, ...], build_dir: pathlib.Path, src: str, out: str
+) -> tuple[bool, str]:
+    """Compile ``build_dir/src`` to ``build_dir/out``; returns (success, compiler output)."""
+    ninja = _ninja()
+    if ninja is None:
+        command = [*compiler, *CXX_FLAGS, src, "-o", out]
+    else:
+        compile_command = shlex.join([*compiler, *CXX_FLAGS]).replace("$", "$$")
+        (build_dir / "build.ninja").write_text(
+            f"rule cxx\n  command = {compile_command} $in -o $out\n  description = CXX $out\n"
+            f"build {out}: cxx {src}\n"
+        )
+        command = [ninja, "-C", str(build_dir)]
+    try:
+        result = subprocess.run(
+            command, cwd=build_dir, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        return False, f"compilation timed out after {BUILD_TIMEOUT_S} s"
+    return result.returncode == 0, (result.stdout + result.stderr).strip()
+
+
+@functools.lru_cache(maxsize=None)
+def _ninja() -> str | None:
+    """Path of the ninja executable (from the ``ninja`` package or PATH), or None."""
+    try:
+        import ninja
+    except ImportError:
+        return shutil.which("ninja")
+    path = pathlib.Path(ninja.BIN_DIR) / "ninja"
+    return str(path) if path.is_file() else shutil.which("ninja")
+
+
+def _trim(log: str) -> str:
+    return log if len(log) <= _MAX_LOG_CHARS else log[:_MAX_LOG_CHARS] + "\n... (output truncated)"

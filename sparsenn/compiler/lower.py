@@ -1,0 +1,587 @@
+"""Lowering: a scheduled assignment to C++ loop nests that co-iterate level formats.
+
+The lowerer never asks "is this CSR?". It walks each factor's storage levels in loop
+order and uses only the level capabilities (TACO's format abstraction):
+
+* a *locatable* (dense) level under parent position ``p`` has child ``p * N + i``;
+* a *compressed* level iterates ``crd[pos[p] .. pos[p+1])``;
+* a *singleton* level has exactly one coordinate per parent position, or, under a
+  non-unique parent, iterates the parent's segment of equal coordinates;
+* a *non-unique* level (followed by a singleton) groups equal coordinates into a
+  segment ``[q, qe)`` that its child iterates.
+
+At each loop the factors whose next level is indexed by the loop variable are
+co-iterated: no sparse level gives a dense loop (locating dense levels), one sparse
+level a loop over its positions, several sparse levels a merge that visits only their
+intersection (a product is zero elsewhere). Sums of terms with a sparse output are
+co-iterated as a *union* of the terms' streams at the shared output loops; below them a
+workspace absorbs scattered writes. The outermost loop is split into coordinate chunks
+(``lower_bound`` into sparse levels) that OpenMP threads take dynamically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from sparsenn.formats import Format
+
+from .notation import Assignment, Term
+from .schedule import Nest, Schedule
+
+__all__ = ["Slot", "LoweredKernel", "lower"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One operand as the kernel reads it: stored as is, re-stored in ``mode_order``
+    (a transpose the schedule asked for), or a dense tensor (``fmt is None``)."""
+
+    operand: int
+    fmt: Format | None
+
+
+@dataclass(frozen=True)
+class LoweredKernel:
+    body: str  # the statements of sn_run's try-block
+    slots: tuple[Slot, ...]
+    indices: tuple[str, ...]  # index variables, in the order of the dims array
+    dense_output: bool
+
+
+@dataclass(frozen=True)
+class _State:
+    """A factor during lowering: which storage level it reads next and where it is."""
+
+    slot: int
+    levels: tuple[tuple[str, str, bool], ...]  # (index, letter, unique); () if dense tensor
+    dense_indices: tuple[str, ...]  # for a dense tensor: its indices, row-major
+    depth: int = 0
+    pos: str = "0"
+    seg_end: str | None = None
+
+    @property
+    def sparse(self) -> bool:
+        return bool(self.levels)
+
+    def next_index(self) -> str | None:
+        return self.levels[self.depth][0] if self.depth < len(self.levels) else None
+
+
+class _Writer:
+    def __init__(self, depth: int = 2):
+        self.lines: list[str] = []
+        self.depth = depth
+        self.counter = 0
+
+    def line(self, text: str) -> None:
+        self.lines.append("  " * self.depth + text)
+
+    def open(self, text: str) -> None:
+        self.line(text + " {")
+        self.depth += 1
+
+    def close(self, text: str = "}") -> None:
+        self.depth -= 1
+        self.line(text)
+
+    def fresh(self, prefix: str) -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+
+class _Lowerer:
+    def __init__(self, assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]):
+        self.a = assignment
+        self.s = sched
+        self.w = _Writer()
+        self.indices = tuple(sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)))
+        self.slots: list[Slot] = []
+        self.formats = formats
+
+    # -- names ---------------------------------------------------------------
+    def var(self, index: str) -> str:
+        return f"i{self.indices.index(index)}"
+
+    def dim(self, index: str) -> str:
+        return f"N{self.indices.index(index)}"
+
+    def slot_of(self, slot: Slot) -> int:
+        if slot not in self.slots:
+            self.slots.append(slot)
+        return self.slots.index(slot)
+
+    def initial_states(self, t: int, term: Term) -> list[_State]:
+        states = []
+        for k, access in enumerate(term.factors):
+            fmt = self.formats[access.operand]
+            if fmt is None:
+                n = self.slot_of(Slot(access.operand, None))
+                states.append(_State(n, (), access.indices))
+                continue
+            order = self.s.factor_mode_order(t, k)
+            if order is not None and order != fmt.mode_order:
+                fmt = Format(fmt.levels, order, None)
+            n = self.slot_of(Slot(access.operand, fmt))
+            levels = tuple(
+                (access.indices[m], lvl.letter, lvl.unique) for m, lvl in zip(fmt.mode_order, fmt.levels)
+            )
+            states.append(_State(n, levels, ()))
+        return states
+
+    def offset(self, indices: Sequence[str]) -> str:
+        """Row-major linear offset of ``indices`` (Horner form)."""
+        if not indices:
+            return "0"
+        expr = self.var(indices[0])
+        for index in indices[1:]:
+            expr = f"({expr}) * {self.dim(index)} + {self.var(index)}"
+        return expr
+
+    def product(self, states: Sequence[_State]) -> str:
+        parts = []
+        for st in states:
+            if st.sparse:
+                parts.append(f"s{st.slot}_val[{st.pos}]")
+            else:
+                parts.append(f"d{st.slot}[{self.offset(st.dense_indices)}]")
+        return " * ".join(parts) if parts else "V(1)"
+
+    # -- one loop of an intersection -----------------------------------------------
+    def level_range(self, st: _State) -> tuple[str, str]:
+        _, letter, _ = st.levels[st.depth]
+        arr = f"s{st.slot}"
+        if letter == "c":
+            return f"{arr}_pos{st.depth}[{st.pos}]", f"{arr}_pos{st.depth}[{st.pos} + 1]"
+        if st.seg_end is not None:
+            return st.pos, st.seg_end
+        return st.pos, f"{st.pos} + 1"
+
+    def crd(self, st: _State) -> str:
+        return f"s{st.slot}_crd{st.depth}"
+
+    def emit_loop(
+        self,
+        index: str,
+        states: list[_State],
+        body: Callable[[list[_State]], None],
+        bounds: tuple[str, str] | None = None,
+    ) -> None:
+        """Co-iterate ``index`` over the factors in ``states`` (intersection)."""
+        w, var, n = self.w, self.var(index), self.dim(index)
+        sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
+        locate = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] == "d"]
+        new = list(states)
+
+        def locate_dense():
+            for k in locate:
+                st = states[k]
+                p = w.fresh("p")
+                w.line(f"const int64_t {p} = (int64_t){st.pos} * {n} + {var};")
+                new[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+
+        if not sparse:
+            lo, hi = bounds or ("0", n)
+            w.open(f"for (int64_t {var} = {lo}; {var} < {hi}; ++{var})")
+            locate_dense()
+            body(new)
+            w.close()
+            return
+
+        ranges = []
+        for k in sparse:
+            lo, hi = self.level_range(states[k])
+            qlo, qhi = w.fresh("q"), w.fresh("h")
+            crd = self.crd(states[k])
+            if bounds is not None:
+                w.line(f"const I {qhi}_0 = {hi};")
+                w.line(f"I {qlo} = (I)(std::lower_bound({crd} + {lo}, {crd} + {qhi}_0, (I)({bounds[0]})) - {crd});")
+                w.line(f"const I {qhi} = (I)(std::lower_bound({crd} + {qlo}, {crd} + {qhi}_0, (I)({bounds[1]})) - {crd});")
+            else:
+                w.line(f"I {qlo} = {lo};")
+                w.line(f"const I {qhi} = {hi};")
+            ranges.append((k, qlo, qhi, crd))
+
+        def advance_end(k, q, h, crd):
+            """Segment end of the coordinate at q (q + 1 for a unique level)."""
+            unique = states[k].levels[states[k].depth][2]
+            if unique:
+                return f"({q} + 1)", None
+            e = w.fresh("e")
+            w.line(f"I {e} = {q} + 1;")
+            w.line(f"while ({e} < {h} && {crd}[{e}] == {crd}[{q}]) ++{e};")
+            return e, e
+
+        if len(ranges) == 1:
+            k, q, h, crd = ranges[0]
+            unique = states[k].levels[states[k].depth][2]
+            w.open(f"while ({q} < {h})" if not unique else f"for (; {q} < {h}; ++{q})")
+            w.line(f"const int64_t {var} = {crd}[{q}];")
+            end, seg = advance_end(k, q, h, crd)
+            new[k] = replace(states[k], depth=states[k].depth + 1, pos=q, seg_end=seg)
+            locate_dense()
+            body(new)
+            if not unique:
+                w.line(f"{q} = {end};")
+            w.close()
+            return
+
+        cond = " && ".join(f"{q} < {h}" for _, q, h, _ in ranges)
+        w.open(f"while ({cond})")
+        coords = []
+        for k, q, h, crd in ranges:
+            c = w.fresh("c")
+            w.line(f"const int64_t {c} = {crd}[{q}];")
+            coords.append(c)
+        w.line(f"const int64_t {var} = std::min({{{', '.join(coords)}}});")
+        ends = []
+        for (k, q, h, crd), c in zip(ranges, coords):
+            unique = states[k].levels[states[k].depth][2]
+            if unique:
+                ends.append(f"({q} + 1)")
+                new[k] = replace(states[k], depth=states[k].depth + 1, pos=q, seg_end=None)
+            else:
+                e = w.fresh("e")
+                w.line(f"I {e} = {q} + 1;")
+                w.line(f"if ({c} == {var}) while ({e} < {h} && {crd}[{e}] == {c}) ++{e};")
+                ends.append(e)
+                new[k] = replace(states[k], depth=states[k].depth + 1, pos=q, seg_end=e)
+        w.open(f"if ({' && '.join(f'{c} == {var}' for c in coords)})")
+        locate_dense()
+        body(new)
+        w.close()
+        for (k, q, h, crd), c, e in zip(ranges, coords, ends):
+            w.line(f"if ({c} == {var}) {q} = {e};")
+        w.close()
+
+    def emit_order(
+        self,
+        order: Sequence[str],
+        states: list[_State],
+        leaf: Callable[[list[_State]], None],
+        bounds: dict[str, tuple[str, str]],
+        around: dict[int, tuple[Callable[[], None], Callable[[], None]]] | None = None,
+        position: int = 0,
+    ) -> None:
+        """Emit ``order[position:]`` as nested loops, ``around[j]`` wrapping loop j."""
+        if position == len(order):
+            leaf(states)
+            return
+        before, after = (around or {}).get(position, (None, None))
+        if before:
+            before()
+        self.emit_loop(
+            order[position],
+            states,
+            lambda st: self.emit_order(order, st, leaf, bounds, around, position + 1),
+            bounds.get(order[position]),
+        )
+        if after:
+            after()
+
+
+def _chunk_prologue(w: _Writer, extent: str) -> None:
+    w.line(f"const int64_t sn_extent = {extent};")
+    w.line("const int64_t sn_nchunks = std::min<int64_t>(sn_extent, (int64_t)nthreads * 8);")
+
+
+def lower(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]) -> LoweredKernel:
+    """C++ statements computing ``assignment`` per ``sched`` (see the module doc)."""
+    lo = _Lowerer(assignment, sched, formats)
+    w = lo.w
+    for n, _ in enumerate(lo.indices):
+        w.line(f"const int64_t N{n} = dims[{n}]; (void)N{n};")
+    if sched.output_format is None:
+        _lower_dense_output(lo)
+    else:
+        _lower_sparse_output(lo)
+    return LoweredKernel("\n".join(w.lines), tuple(lo.slots), lo.indices, sched.output_format is None)
+
+
+# ----------------------------------------------------------------------------- dense output
+
+
+def _lower_dense_output(lo: _Lowerer) -> None:
+    a, w = lo.a, lo.w
+    out_offset = lo.offset(a.output)
+    for nest in lo.s.nests:
+        term = a.terms[nest.term]
+        states = lo.initial_states(nest.term, term)
+        coef = repr(float(term.coefficient))
+        order = nest.order
+        # Trailing reduction loops accumulate in a register, then add to the output once.
+        split = len(order)
+        while split > 0 and order[split - 1] not in a.output:
+            split -= 1
+        around = {}
+        if split < len(order):
+            acc = w.fresh("acc")
+            around[split] = (
+                lambda acc=acc: w.line(f"V {acc} = 0;"),
+                lambda acc=acc: w.line(f"out[{out_offset}] += V({coef}) * {acc};"),
+            )
+
+            def leaf(st, acc=acc):
+                w.line(f"{acc} += {lo.product(st)};")
+        else:
+
+            def leaf(st):
+                w.line(f"out[{out_offset}] += V({coef}) * {lo.product(st)};")
+
+        tiles = [t for t in nest.tiles if t.index != order[0]]
+        w.open("")
+        if nest.parallel:
+            w.line("#pragma omp parallel num_threads(nthreads)")
+            w.open("")
+        bounds = {}
+        for tile in tiles:
+            tv = f"T{lo.indices.index(tile.index)}"
+            n = lo.dim(tile.index)
+            w.open(f"for (int64_t {tv} = 0; {tv} < {n}; {tv} += {tile.size})")
+            bounds[tile.index] = (tv, f"std::min<int64_t>({tv} + {tile.size}, {n})")
+        if nest.parallel:
+            _chunk_prologue(w, lo.dim(order[0]))
+            w.line("#pragma omp for schedule(dynamic, 1)")
+            w.open("for (int64_t sn_chunk = 0; sn_chunk < sn_nchunks; ++sn_chunk)")
+            w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_nchunks;")
+            w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_nchunks;")
+            bounds[order[0]] = ("sn_lo", "sn_hi")
+        lo.emit_order(order, states, leaf, bounds, around)
+        if nest.parallel:
+            w.close()
+        for _ in tiles:
+            w.close()
+        if nest.parallel:
+            w.close()
+        w.close()
+
+
+# ----------------------------------------------------------------------------- sparse output
+
+
+def _lower_sparse_output(lo: _Lowerer) -> None:
+    """Chunks of the first shared loop append into per-chunk level buffers."""
+    a, s, w = lo.a, lo.s, lo.w
+    fmt = s.output_format
+    rank = len(s.output_order)
+    num_dense = len(fmt.letters) - len(fmt.letters.lstrip("d"))
+    shared = s.shared
+    w.line(f"Result* res = new Result({rank}, {num_dense});")
+    w.line("*handle = res;")
+    _chunk_prologue(w, lo.dim(shared[0]) if shared else "1")
+    w.line("const int64_t sn_chunks = std::max<int64_t>(sn_nchunks, 1);")
+    w.line("res->chunks.resize(sn_chunks);")
+    w.line("int sn_error = 0;")
+    w.line(f"#pragma omp parallel num_threads({'nthreads' if shared else '1'})")
+    w.open("")
+    if s.workspace is not None:
+        ws = s.workspace
+        w.line(f"{'DenseWS' if ws.kind == 'dense' else 'SparseWS'} ws;")
+        dims = ", ".join(lo.dim(i) for i in ws.indices)
+        w.line(f"const int64_t ws_dims[] = {{{dims}}};")
+        w.line(f"try {{ ws.init({' * '.join(lo.dim(i) for i in ws.indices)}); }} catch (const std::bad_alloc&) {{ sn_fail(sn_error); }}")
+    w.line("#pragma omp for schedule(dynamic, 1)")
+    w.open("for (int64_t sn_chunk = 0; sn_chunk < sn_chunks; ++sn_chunk)")
+    w.line("if (sn_error) continue;")
+    w.open("try")
+    w.line("Chunk& C = res->chunks[sn_chunk];")
+    w.line("C.init(res->rank);")
+    w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_chunks;")
+    w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_chunks;")
+    terms = [(n.term, a.terms[n.term], n) for n in s.nests]
+    states = {t: lo.initial_states(t, term) for t, term, _ in terms}
+    if len(terms) == 1:
+        _shared_single(lo, terms[0], states[terms[0][0]], 0, num_dense, rank)
+    else:
+        _shared_union(lo, terms, states, {t: "true" for t, _, _ in terms}, 0, num_dense, rank)
+    w.close("} catch (const std::bad_alloc&) { sn_fail(sn_error); }")
+    w.close()  # chunk loop
+    w.close()  # parallel region
+    w.line("if (sn_error) return sn_error;")
+
+
+def _append_open(lo: _Lowerer, level: int, rank: int, num_dense: int, coord: str) -> str | None:
+    """Code before visiting the children of output level ``level`` at ``coord``."""
+    w = lo.w
+    if level >= num_dense:
+        w.line(f"C.crd[{level}].push_back({coord});")
+    if level + 1 >= rank:
+        return None
+    mark = w.fresh("m")
+    child = f"C.crd[{level + 1}].size()"
+    if level >= num_dense or level + 1 == num_dense:
+        w.line(f"const size_t {mark} = {child};")
+        return mark
+    return None
+
+
+def _append_close(lo: _Lowerer, level: int, rank: int, num_dense: int, mark: str | None) -> None:
+    w = lo.w
+    if mark is None:
+        return
+    child = f"C.crd[{level + 1}].size()"
+    if level >= num_dense:
+        w.line(f"if ({child} == {mark}) C.crd[{level}].pop_back(); else C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+    else:
+        w.line(f"C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+
+
+def _term_value(lo: _Lowerer, t: int, term: Term, nest: Nest, states: list[_State], target: str) -> None:
+    """Emit ``target += coef * sum_{local loops} product`` (no output index left)."""
+    w = lo.w
+    coef = repr(float(term.coefficient))
+
+    def leaf(st):
+        w.line(f"{target} += V({coef}) * {lo.product(st)};")
+
+    lo.emit_order(nest.order, states, leaf, {})
+
+
+def _workspace_fill_and_drain(lo, terms, states_of, active, level: int, rank: int) -> None:
+    """Each active term scatters into the workspace; then drain it into levels >= level."""
+    w, s = lo.w, lo.s
+    ws = s.workspace
+    for t, term, nest in terms:
+        coef = repr(float(term.coefficient))
+
+        def leaf(st, coef=coef):
+            w.line(f"ws.add({lo.offset(ws.indices)}, V({coef}) * {lo.product(st)});")
+
+        w.open(f"if ({active[t]})")
+        lo.emit_order(nest.order, states_of[t], leaf, {})
+        w.close()
+    w.line(f"ws.drain(C, {level}, {rank}, ws_dims);")
+
+
+def _shared_single(lo: _Lowerer, term_info, states, level, num_dense, rank) -> None:
+    """Shared output loops for a single term: plain intersection co-iteration."""
+    w, s = lo.w, lo.s
+    t, term, nest = term_info
+    if level == len(s.shared):
+        if s.workspace is not None:
+            _workspace_fill_and_drain(lo, [term_info], {t: states}, {t: "true"}, level, rank)
+            return
+        w.line("V sn_val = 0;")
+        _term_value(lo, t, term, nest, states, "sn_val")
+        w.line("C.val.push_back(sn_val);")
+        return
+    index = s.shared[level]
+    bounds = ("sn_lo", "sn_hi") if level == 0 else None
+
+    def body(st):
+        mark = _append_open(lo, level, rank, num_dense, lo.var(index))
+        _shared_single(lo, term_info, st, level + 1, num_dense, rank)
+        _append_close(lo, level, rank, num_dense, mark)
+
+    lo.emit_loop(index, states, body, bounds)
+
+
+def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -> None:
+    """Shared output loops for a sum: co-iterate the union of the terms' streams.
+
+    Each term's stream at this loop is the intersection of its sparse levels (or every
+    coordinate, if it has none); ``active[t]`` is the C++ condition that term ``t``
+    contributes under the enclosing coordinates.
+    """
+    w, s = lo.w, lo.s
+    if level == len(s.shared):
+        if s.workspace is not None:
+            _workspace_fill_and_drain(lo, terms, states, active, level, rank)
+            return
+        w.line("V sn_val = 0;")
+        for t, term, nest in terms:
+            w.open(f"if ({active[t]})")
+            _term_value(lo, t, term, nest, states[t], "sn_val")
+            w.close()
+        w.line("C.val.push_back(sn_val);")
+        return
+    index = s.shared[level]
+    var, n = lo.var(index), lo.dim(index)
+    bounds = ("sn_lo", "sn_hi") if level == 0 else None
+    dense_level = level < num_dense
+    # Per term: cursors over its sparse levels at this index.
+    cursors = {}
+    any_dense_term = False
+    for t, _, _ in terms:
+        its = []
+        for k, st in enumerate(states[t]):
+            if st.next_index() == index and st.levels[st.depth][1] != "d":
+                lo_, hi_ = lo.level_range(st)
+                q, h, crd = w.fresh("q"), w.fresh("h"), lo.crd(st)
+                if bounds:
+                    w.line(f"const I {h}_0 = {active[t]} ? (I)({hi_}) : (I)0;")
+                    w.line(f"I {q} = {active[t]} ? (I)(std::lower_bound({crd} + {lo_}, {crd} + {h}_0, (I)sn_lo) - {crd}) : (I)0;")
+                    w.line(f"const I {h} = {active[t]} ? (I)(std::lower_bound({crd} + {q}, {crd} + {h}_0, (I)sn_hi) - {crd}) : (I)0;")
+                else:
+                    w.line(f"I {q} = {active[t]} ? (I)({lo_}) : (I)0;")
+                    w.line(f"const I {h} = {active[t]} ? (I)({hi_}) : (I)0;")
+                its.append((k, q, h, crd))
+        cursors[t] = its
+        any_dense_term |= not its
+    lo_b, hi_b = bounds or ("0", n)
+    if dense_level or any_dense_term:
+        # Every coordinate may be present: walk them all, advancing sparse cursors.
+        w.open(f"for (int64_t {var} = {lo_b}; {var} < {hi_b}; ++{var})")
+        coord_of = {}
+        for t, _, _ in terms:
+            if not cursors[t]:
+                coord_of[t] = None
+                continue
+            for k, q, h, crd in cursors[t]:
+                w.line(f"while ({q} < {h} && {crd}[{q}] < {var}) ++{q};")
+            coord_of[t] = " && ".join(f"{q} < {h} && {crd}[{q}] == {var}" for _, q, h, crd in cursors[t])
+        hit = {t: (active[t] if c is None else f"({c})") for t, c in coord_of.items()}
+    else:
+        # All terms sparse here: step to the smallest next coordinate of any term.
+        w.open("for (;;)")
+        cts = {}
+        for t, _, _ in terms:
+            ct = w.fresh("ct")
+            cts[t] = ct
+            its = cursors[t]
+            w.line(f"int64_t {ct} = INT64_MAX;")
+            w.open("for (;;)")
+            w.line(f"if ({' || '.join(f'{q} >= {h}' for _, q, h, _ in its)}) break;")
+            w.line(f"const int64_t mx = std::max({{(int64_t){', (int64_t)'.join(f'{crd}[{q}]' for _, q, _, crd in its)}}});")
+            for _, q, h, crd in its:
+                w.line(f"while ({q} < {h} && {crd}[{q}] < mx) ++{q};")
+            w.line(f"if ({' || '.join(f'{q} >= {h}' for _, q, h, _ in its)}) break;")
+            w.line(f"if ({' && '.join(f'{crd}[{q}] == mx' for _, q, _, crd in its)}) {{ {ct} = mx; break; }}")
+            w.close()
+        w.line(f"const int64_t {var} = std::min({{{', '.join(cts.values())}}});")
+        w.line(f"if ({var} == INT64_MAX) break;")
+        hit = {t: f"({cts[t]} == {var})" for t, _, _ in terms}
+    # Segment ends and new positions for the terms present at this coordinate.
+    new_states, new_active, advances = {}, {}, []
+    for t, _, _ in terms:
+        flag = w.fresh("a")
+        w.line(f"const bool {flag} = {hit[t]};")
+        new_active[t] = flag
+        st_list = list(states[t])
+        for k, q, h, crd in cursors[t]:
+            st = st_list[k]
+            if st.levels[st.depth][2]:
+                st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=None)
+                advances.append((flag, q, f"{q} + 1"))
+            else:
+                e = w.fresh("e")
+                w.line(f"I {e} = {q} + 1;")
+                w.line(f"if ({flag}) while ({e} < {h} && {crd}[{e}] == {crd}[{q}]) ++{e};")
+                st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=e)
+                advances.append((flag, q, e))
+        for k, st in enumerate(st_list):
+            if st.next_index() == index and st.levels[st.depth][1] == "d":
+                p = w.fresh("p")
+                w.line(f"const int64_t {p} = (int64_t){st.pos} * {n} + {var};")
+                st_list[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+        new_states[t] = st_list
+    any_active = " || ".join(new_active.values())
+    w.open(f"if ({any_active})" if not dense_level else "")
+    mark = _append_open(lo, level, rank, num_dense, var)
+    _shared_union(lo, terms, new_states, new_active, level + 1, num_dense, rank)
+    _append_close(lo, level, rank, num_dense, mark)
+    w.close()
+    for flag, q, end in advances:
+        w.line(f"if ({flag}) {q} = {end};")
+    w.close()
+

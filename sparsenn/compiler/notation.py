@@ -1,0 +1,269 @@
+"""Index notation: the compiler's first IR, and the two parsers that produce it.
+
+An expression is an :class:`Assignment` ``Out[o...] = sum_t c_t * prod_f T_f[idx_f...]``:
+a sum of products (terms), each term summed over its own indices that do not appear
+in the output (Einstein convention scoped per term). Operands are referred to by
+position; user-chosen names are kept only for display and never reach generated code.
+
+Two front ends build it:
+
+* :func:`parse_einsum` — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit output);
+* :func:`parse_expression` — index notation for sums of products,
+  ``"D[i,j] = A[i,k] * B[k,j] + C[i,j]"``, with ``+``, ``-``, ``*`` and parentheses
+  (products are distributed over sums).
+
+Both are strict hand-written parsers: no ``eval``/``exec``, every error names the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["Access", "Term", "Assignment", "parse_einsum", "parse_expression", "NotationError"]
+
+
+class NotationError(ValueError):
+    """A malformed einsum equation or index-notation expression."""
+
+
+@dataclass(frozen=True)
+class Access:
+    """``operand[indices]``: operand position and one index variable per mode."""
+
+    operand: int
+    indices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Term:
+    """``coefficient * prod(factors)``, summed over its indices absent from the output."""
+
+    coefficient: float
+    factors: tuple[Access, ...]
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        """Index variables of the term, in order of first appearance."""
+        seen: dict[str, None] = {}
+        for access in self.factors:
+            for index in access.indices:
+                seen.setdefault(index, None)
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """``Out[output] = sum(terms)``; ``operand_names`` are for display only."""
+
+    output: tuple[str, ...]
+    terms: tuple[Term, ...]
+    operand_names: tuple[str, ...]
+
+    @property
+    def num_operands(self) -> int:
+        return len(self.operand_names)
+
+    def reduction_indices(self, term: Term) -> tuple[str, ...]:
+        return tuple(i for i in term.indices if i not in self.output)
+
+    def __str__(self) -> str:
+        def access(a: Access) -> str:
+            return f"{self.operand_names[a.operand]}[{','.join(a.indices)}]"
+
+        parts = []
+        for n, term in enumerate(self.terms):
+            sign = "-" if term.coefficient < 0 else "+"
+            body = " * ".join(access(a) for a in term.factors)
+            red = self.reduction_indices(term)
+            if red:
+                body = f"sum_{{{','.join(red)}}} {body}"
+            parts.append(body if n == 0 and sign == "+" else f"{sign} {body}")
+        out = f"Out[{','.join(self.output)}]"
+        return f"{out} = {' '.join(parts)}".replace("= - ", "= -")
+
+
+def _check_access(indices: tuple[str, ...], where: str) -> None:
+    seen = set()
+    for index in indices:
+        if index in seen:
+            raise NotationError(
+                f"index '{index}' appears twice in {where}; repeated indices within one "
+                "operand (diagonals) are not supported — take the diagonal first"
+            )
+        seen.add(index)
+
+
+def parse_einsum(equation: str, num_operands: int) -> Assignment:
+    """Parse a torch-style einsum equation for ``num_operands`` operands.
+
+    Letters ``a-zA-Z`` are indices; spaces are ignored; without ``->`` the output is
+    the alphabetically sorted indices that appear exactly once (torch's rule).
+    """
+    if not isinstance(equation, str):
+        raise TypeError(f"einsum equation must be a str, got {type(equation).__name__}")
+    eq = equation.replace(" ", "")
+    if eq.count("->") > 1:
+        raise NotationError(f"einsum equation {equation!r} has more than one '->'")
+    if "..." in eq:
+        raise NotationError(f"einsum equation {equation!r}: ellipsis '...' is not supported")
+    lhs, arrow, rhs = eq.partition("->")
+    bad = set(re.sub(r"[A-Za-z,]", "", lhs)) | set(re.sub(r"[A-Za-z]", "", rhs))
+    if bad:
+        raise NotationError(
+            f"einsum equation {equation!r} contains invalid characters {sorted(bad)}; "
+            "indices must be letters a-z, A-Z"
+        )
+    inputs = lhs.split(",")
+    if len(inputs) != num_operands:
+        raise NotationError(
+            f"einsum equation {equation!r} names {len(inputs)} operand(s) but "
+            f"{num_operands} were given"
+        )
+    accesses = []
+    for n, spec in enumerate(inputs):
+        indices = tuple(spec)
+        _check_access(indices, f"operand {n} ({spec!r})")
+        accesses.append(Access(n, indices))
+    counts: dict[str, int] = {}
+    for access in accesses:
+        for index in access.indices:
+            counts[index] = counts.get(index, 0) + 1
+    if arrow:
+        output = tuple(rhs)
+        _check_access(output, f"the output ({rhs!r})")
+        for index in output:
+            if index not in counts:
+                raise NotationError(
+                    f"output index '{index}' of {equation!r} does not appear in any operand"
+                )
+    else:
+        output = tuple(sorted(i for i, c in counts.items() if c == 1))  # ASCII: A-Z before a-z, as torch
+    names = tuple(f"operand{n}" for n in range(num_operands))
+    return Assignment(output, (Term(1.0, tuple(accesses)),), names)
+
+
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<sym>[\[\],=+\-*()]))")
+
+
+def _tokenize(text: str) -> list[str]:
+    tokens, pos = [], 0
+    text = text.rstrip()
+    while pos < len(text):
+        match = _TOKEN.match(text, pos)
+        if match is None or match.end() == pos:
+            raise NotationError(f"unexpected character {text[pos:].lstrip()[:1]!r} at column {pos} in {text!r}")
+        tokens.append(match.group("name") or match.group("sym"))
+        pos = match.end()
+    return tokens
+
+
+class _ExpressionParser:
+    """Recursive descent over ``name[idx,...] = expr`` with + - * and parentheses.
+
+    Each parsed sub-expression is a list of (coefficient, [(name, indices), ...]) products.
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.tokens = _tokenize(text)
+        self.pos = 0
+
+    def _peek(self) -> str | None:
+        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
+
+    def _take(self, expected: str | None = None) -> str:
+        token = self._peek()
+        if token is None:
+            raise NotationError(f"unexpected end of expression {self.text!r}")
+        if expected is not None and token != expected:
+            raise NotationError(f"expected {expected!r} but found {token!r} in {self.text!r}")
+        self.pos += 1
+        return token
+
+    def _name(self) -> str:
+        token = self._take()
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token):
+            raise NotationError(f"expected a tensor name but found {token!r} in {self.text!r}")
+        return token
+
+    def access(self) -> tuple[str, tuple[str, ...]]:
+        name = self._name()
+        self._take("[")
+        indices: list[str] = []
+        if self._peek() != "]":
+            indices.append(self._name())
+            while self._peek() == ",":
+                self._take(",")
+                indices.append(self._name())
+        self._take("]")
+        _check_access(tuple(indices), f"{name}[{','.join(indices)}]")
+        return name, tuple(indices)
+
+    def expr(self) -> list:
+        products = self.product()
+        while self._peek() in ("+", "-"):
+            sign = -1.0 if self._take() == "-" else 1.0
+            products += [(sign * c, f) for c, f in self.product()]
+        return products
+
+    def product(self) -> list:
+        products = self.factor()
+        while self._peek() == "*":
+            self._take("*")
+            right = self.factor()
+            products = [(c1 * c2, f1 + f2) for c1, f1 in products for c2, f2 in right]
+        return products
+
+    def factor(self) -> list:
+        token = self._peek()
+        if token == "-":
+            self._take("-")
+            return [(-c, f) for c, f in self.factor()]
+        if token == "(":
+            self._take("(")
+            inner = self.expr()
+            self._take(")")
+            return inner
+        return [(1.0, [self.access()])]
+
+    def assignment(self):
+        target = self.access()
+        self._take("=")
+        products = self.expr()
+        if self._peek() is not None:
+            raise NotationError(f"unexpected {self._peek()!r} after the expression in {self.text!r}")
+        return target, products
+
+
+def parse_expression(text: str) -> Assignment:
+    """Parse ``"Out[i,j] = A[i,k] * B[k,j] + C[i,j]"`` into an :class:`Assignment`.
+
+    Operands are numbered by first appearance on the right-hand side; a name used twice
+    refers to the same operand (its accesses must then have the same rank).
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"expression must be a str, got {type(text).__name__}")
+    (out_name, output), products = _ExpressionParser(text).assignment()
+    names: list[str] = []
+    ranks: dict[str, int] = {}
+    terms = []
+    for coefficient, factors in products:
+        accesses = []
+        for name, indices in factors:
+            if name == out_name:
+                raise NotationError(f"output tensor {out_name!r} also appears on the right-hand side")
+            if name not in ranks:
+                ranks[name] = len(indices)
+                names.append(name)
+            elif ranks[name] != len(indices):
+                raise NotationError(
+                    f"tensor {name!r} is used with {ranks[name]} and {len(indices)} indices"
+                )
+            accesses.append(Access(names.index(name), indices))
+        terms.append(Term(coefficient, tuple(accesses)))
+    all_indices = {i for t in terms for a in t.factors for i in a.indices}
+    for index in output:
+        if index not in all_indices:
+            raise NotationError(f"output index '{index}' does not appear on the right-hand side")
+    return Assignment(tuple(output), tuple(terms), tuple(names))

@@ -1,0 +1,378 @@
+"""Loop ordering, workspace insertion and tiling (Scorch Algorithms 1 and 3).
+
+The scheduler sees each operand through :class:`OperandInfo`: its format (``None`` for
+a dense ``torch.Tensor``), its shape and the number of stored positions per storage
+level. It returns a :class:`Schedule`:
+
+* **Dense output.** Each term is its own loop nest accumulating into the output. The
+  loop order is chosen by a cost model over all orders of the term's indices (a greedy
+  search beyond :data:`EXHAUSTIVE_LIMIT` indices). The cost of an order is the expected
+  work of the nest: at each loop, co-iterating the sparse levels indexed there
+  (``sum`` of fiber lengths, with an expected intersection of ``N * prod(f_k / N)``) or
+  ``N`` for a dense loop, times the iterations of the enclosing loops; a sparse operand
+  whose storage order disagrees with the loop order is re-stored in that order first
+  (a transpose costing ``TRANSPOSE_COST * nnz``); a nest whose outermost loop is a
+  reduction cannot run in parallel and pays :data:`SERIAL_PENALTY`.
+* **Sparse output.** The output is assembled level by level, so its first ``p`` storage
+  levels are *shared* loops common to all terms (co-iterated as a union of the terms);
+  the remaining output levels, if any, are scattered into a **workspace** (dense for
+  rows of moderate size, a sorted sparse accumulator otherwise) that is drained in
+  order. ``p`` and every term's order are chosen by the same cost model plus the
+  workspace's cost. SpGEMM gets Gustavson's ``i,k,j`` with a row workspace; SDDMM
+  iterates its sampling pattern with an inner dense reduction.
+* **Tiling** (Algorithm 3, dense outputs): a dense loop is tiled when some access is
+  reused across another loop, the index is dense in every operand, and it is not the
+  parent of a sparse loop; the tile makes the reused data fit in the last-level cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from sparsenn.formats import Format
+
+from .notation import Assignment, Term
+
+__all__ = ["OperandInfo", "Nest", "Workspace", "Schedule", "schedule", "cache_sizes"]
+
+EXHAUSTIVE_LIMIT = 6
+TRANSPOSE_COST = 4.0
+SERIAL_PENALTY = 2.0
+DENSE_WORKSPACE_LIMIT = 1 << 22
+SPARSE_ACCUMULATOR_COST = 4.0
+
+
+@dataclass(frozen=True)
+class OperandInfo:
+    """What the scheduler knows about one operand."""
+
+    format: Format | None
+    shape: tuple[int, ...]
+    positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
+
+    @property
+    def nnz(self) -> int:
+        return self.positions[-1] if self.positions else math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Tile:
+    index: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Nest:
+    """One term's loop nest, below the shared loops."""
+
+    term: int
+    order: tuple[str, ...]
+    tiles: tuple[Tile, ...] = ()
+    parallel: bool = False
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workspace:
+    """A per-thread accumulator over the output levels below the shared loops."""
+
+    kind: str  # "dense" or "sparse"
+    indices: tuple[str, ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    output_format: Format | None
+    output_order: tuple[str, ...]  # output indices in storage-level order
+    shared: tuple[str, ...]  # shared output loops (sparse output only)
+    nests: tuple[Nest, ...]
+    workspace: Workspace | None
+    # storage mode order each factor must be read in: ((term, factor), mode_order)
+    transposes: tuple[tuple[tuple[int, int], tuple[int, ...]], ...]
+    cost: float
+    reasons: tuple[str, ...] = field(default=(), compare=False)
+
+    def factor_mode_order(self, term: int, factor: int) -> tuple[int, ...] | None:
+        for key, order in self.transposes:
+            if key == (term, factor):
+                return order
+        return None
+
+
+@lru_cache(maxsize=1)
+def cache_sizes() -> tuple[int, int]:
+    """(L2 per core, last-level cache) in bytes, read from sysfs."""
+    sizes = {}
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(base):
+            try:
+                with open(f"{base}/{entry}/level") as f:
+                    level = int(f.read())
+                with open(f"{base}/{entry}/type") as f:
+                    kind = f.read().strip()
+                with open(f"{base}/{entry}/size") as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if kind == "Instruction":
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+            sizes[level] = int(text.rstrip("KM")) * scale
+    except OSError:
+        pass
+    l2 = sizes.get(2, 1 << 20)
+    return l2, sizes.get(3, max(l2, 8 << 20))
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+@dataclass
+class _Factor:
+    """A factor's storage levels as (index, letter), in the order the nest reads them."""
+
+    operand: int
+    sparse: bool
+    levels: list[tuple[str, str]]
+    fibers: list[float]
+    natural: bool
+    nnz: int
+
+
+def _estimate_positions(letters: str, sizes: Sequence[int], nnz: int) -> list[float]:
+    positions, parent, full = [], 1.0, 1.0
+    for letter, size in zip(letters, sizes):
+        full *= max(size, 1)
+        if letter == "d":
+            parent = parent * size
+        elif letter == "c":
+            parent = float(min(nnz, full))
+        positions.append(parent)
+    return positions
+
+
+def _factor(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> _Factor:
+    if info.format is None:
+        return _Factor(access.operand, False, [], [], True, info.nnz)
+    fmt = info.format
+    natural = [access.indices[m] for m in fmt.mode_order]
+    wanted = sorted(natural, key=lambda i: loop_rank[i])
+    letters = fmt.letters
+    if wanted == natural:
+        positions = list(info.positions)
+    else:
+        sizes = [info.shape[access.indices.index(i)] for i in wanted]
+        positions = _estimate_positions(letters, sizes, info.nnz)
+    fibers, parent = [], 1.0
+    for p in positions:
+        fibers.append(p / parent if parent > 0 else 0.0)
+        parent = p
+    return _Factor(access.operand, True, list(zip(wanted, letters)), fibers, wanted == natural, info.nnz)
+
+
+def _nest_cost(
+    term: Term,
+    order: Sequence[str],
+    infos: Sequence[OperandInfo],
+    dims: dict[str, int],
+) -> tuple[float, float, list[_Factor]]:
+    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``."""
+    rank = {i: n for n, i in enumerate(order)}
+    factors = [_factor(a, infos[a.operand], rank, term) for a in term.factors]
+    depth = [0] * len(factors)
+    cost, iters = 0.0, 1.0
+    for index in order:
+        n = float(max(dims[index], 1))
+        fibers = []
+        for k, f in enumerate(factors):
+            if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
+                if f.levels[depth[k]][1] != "d":
+                    fibers.append(f.fibers[depth[k]])
+                depth[k] += 1
+        if fibers:
+            trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
+            work = sum(fibers) if len(fibers) > 1 else fibers[0]
+        else:
+            trip = work = n
+        cost += iters * max(work, 1.0)
+        iters *= trip
+    cost += iters * len(term.factors)
+    cost += sum(TRANSPOSE_COST * f.nnz for f in factors if f.sparse and not f.natural)
+    return cost, iters, factors
+
+
+def _orders(indices: Sequence[str], cost_of) -> list[tuple[str, ...]]:
+    """Candidate orders: all permutations up to EXHAUSTIVE_LIMIT, else a greedy build."""
+    if len(indices) <= EXHAUSTIVE_LIMIT:
+        return list(itertools.permutations(indices))
+    order: list[str] = []
+    rest = list(indices)
+    while rest:
+        best = min(rest, key=lambda i: cost_of(tuple(order + [i] + [r for r in rest if r != i])))
+        order.append(best)
+        rest.remove(best)
+    return [tuple(order)]
+
+
+# ----------------------------------------------------------------------------- tiling
+
+
+def _tiles(
+    term: Term,
+    output: tuple[str, ...],
+    order: Sequence[str],
+    factors: list[_Factor],
+    infos: Sequence[OperandInfo],
+    dims: dict[str, int],
+    itemsize: int,
+) -> tuple[Tile, ...]:
+    """Algorithm 3: tile dense, reused loops that are not parents of a sparse loop."""
+    all_indices = set(order)
+    accesses = [set(a.indices) for a in term.factors] + [set(output)]
+    working = set().union(*(s for s in accesses if s < all_indices))
+    sparse_indices = {i for f in factors for i, letter in f.levels if letter != "d"}
+    working -= sparse_indices
+    last_sparse = max((order.index(i) for i in sparse_indices if i in order), default=-1)
+    working = {i for i in working if order.index(i) > last_sparse}
+    _, llc = cache_sizes()
+    tiles = []
+    for index in sorted(working, key=order.index):
+        # Data reused across the other loops: each dense operand holding `index`.
+        footprint = 0
+        for access in term.factors:
+            if infos[access.operand].format is None and index in access.indices:
+                footprint += math.prod(dims[i] for i in access.indices if i != index)
+        if footprint == 0:
+            continue
+        size = (llc // 2) // (footprint * itemsize)
+        size = 1 << max(size, 1).bit_length() - 1
+        if 8 <= size < dims[index]:
+            tiles.append(Tile(index, size))
+    return tuple(tiles)
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _transposes(t: int, factors: list[_Factor], term: Term, infos) -> list:
+    out = []
+    for k, (f, access) in enumerate(zip(factors, term.factors)):
+        if f.sparse and not f.natural:
+            out.append(((t, k), tuple(access.indices.index(i) for i, _ in f.levels)))
+    return out
+
+
+def _nest_indices(term: Term, output: tuple[str, ...]) -> list[str]:
+    return list(term.indices) + [i for i in output if i not in term.indices]
+
+
+def schedule(
+    assignment: Assignment,
+    infos: Sequence[OperandInfo],
+    output_format: Format | None,
+    itemsize: int = 4,
+) -> Schedule:
+    """Choose loop orders, workspace and tiles for ``assignment`` (see module doc)."""
+    dims: dict[str, int] = {}
+    for term in assignment.terms:
+        for access in term.factors:
+            for m, index in enumerate(access.indices):
+                dims[index] = infos[access.operand].shape[m]
+    if output_format is None:
+        return _schedule_dense(assignment, infos, dims, itemsize)
+    return _schedule_sparse(assignment, infos, dims, output_format)
+
+
+def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
+    nests, transposes, reasons, total = [], [], [], 0.0
+    for t, term in enumerate(assignment.terms):
+        indices = _nest_indices(term, assignment.output)
+
+        def cost_of(order, term=term):
+            cost = _nest_cost(term, order, infos, dims)[0]
+            parallel = order[0] in assignment.output
+            return cost if parallel else cost * SERIAL_PENALTY
+
+        candidates = _orders(indices, cost_of)
+        costs = {o: cost_of(o) for o in candidates}
+        best = min(candidates, key=lambda o: costs[o])
+        _, _, factors = _nest_cost(term, best, infos, dims)
+        tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
+        parallel = best[0] in assignment.output
+        nests.append(Nest(t, best, tiles, parallel, costs[best]))
+        transposes += _transposes(t, factors, term, infos)
+        total += costs[best]
+        reasons.append(_explain_choice(t, best, costs, factors, parallel))
+    return Schedule(
+        None, assignment.output, (), tuple(nests), None, tuple(transposes), total, tuple(reasons)
+    )
+
+
+def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule:
+    out_order = tuple(assignment.output[m] for m in output_format.mode_order)
+    num_dense = len(output_format.letters) - len(output_format.letters.lstrip("d"))
+    best = None
+    for p in range(num_dense, len(out_order) + 1):
+        shared = out_order[:p]
+        rest = out_order[p:]
+        nests, transposes, reasons, total = [], [], [], 0.0
+        leaf_total = 0.0
+        for t, term in enumerate(assignment.terms):
+            local = [i for i in _nest_indices(term, assignment.output) if i not in shared]
+            candidates = _orders(local, lambda o, term=term: _nest_cost(term, shared + o, infos, dims)[0])
+            costs = {o: _nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
+            order = min(candidates, key=lambda o: costs[o])
+            _, leaves, factors = _nest_cost(term, shared + order, infos, dims)
+            nests.append(Nest(t, order, (), p > 0, costs[order]))
+            transposes += _transposes(t, factors, term, infos)
+            reasons.append(_explain_choice(t, shared + order, {shared + o: c for o, c in costs.items()}, factors, p > 0))
+            total += costs[order]
+            leaf_total += leaves
+        workspace = None
+        if rest:
+            size = math.prod(dims[i] for i in rest)
+            kind = "dense" if size <= DENSE_WORKSPACE_LIMIT else "sparse"
+            outer = max(math.prod(dims[i] for i in shared), 1)
+            per_row = max(min(leaf_total / outer, size), 1.0)
+            drain = leaf_total * math.log2(per_row + 2)
+            if kind == "sparse":
+                drain *= SPARSE_ACCUMULATOR_COST
+            total += drain + leaf_total
+            workspace = Workspace(kind, rest, size)
+        if p == 0:
+            total *= SERIAL_PENALTY
+        reasons.append(
+            f"shared output loops {list(shared)}"
+            + (f", {workspace.kind} workspace over {list(rest)}" if workspace else ", no workspace")
+            + f": cost {total:.3g}"
+        )
+        candidate = Schedule(
+            output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total, tuple(reasons)
+        )
+        if best is None or candidate.cost < best.cost:
+            best = candidate
+    return best
+
+
+def _explain_choice(t, best, costs, factors, parallel) -> str:
+    ranked = sorted(costs.items(), key=lambda kv: kv[1])
+    runner = f"; next best {','.join(ranked[1][0])} (cost {ranked[1][1]:.3g})" if len(ranked) > 1 else ""
+    filters = [
+        f"{i}: {sum(1 for f in factors if (i, 'c') in f.levels or (i, 's') in f.levels)} sparse level(s)"
+        for i in best
+    ]
+    moved = [f.operand for f in factors if f.sparse and not f.natural]
+    text = (
+        f"term {t}: order {','.join(best)} (cost {costs[best]:.3g}{runner}); "
+        f"filters {'; '.join(filters)}; {'parallel' if parallel else 'serial'} outer loop"
+    )
+    if moved:
+        text += f"; re-stores operand(s) {moved} in loop order (transpose)"
+    return text

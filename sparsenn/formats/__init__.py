@@ -1,0 +1,27 @@
+"""Sparse tensor storage: level kinds, formats and SparseTensor."""
+
+from sparsenn.formats.format import Format, parse_format
+from sparsenn.formats.level import Compressed, Dense, Level, Singleton
+from sparsenn.formats.tensor import (
+    SparseTensor,
+    from_coo,
+    from_dense,
+    from_edge_index,
+    from_scipy,
+    from_torch,
+)
+
+__all__ = [
+    "Compressed",
+    "Dense",
+    "Format",
+    "Level",
+    "Singleton",
+    "SparseTensor",
+    "from_coo",
+    "from_dense",
+    "from_edge_index",
+    "from_scipy",
+    "from_torch",
+    "parse_format",
+]

@@ -1,0 +1,247 @@
+"""SparseTensor: a tensor stored as a tree of levels (TACO layout).
+
+The root has one position, 0. A dense level of size ``N`` maps parent position
+``p`` and coordinate ``i`` to ``p * N + i``; a compressed level stores the
+children of ``p`` at ``pos[p] .. pos[p+1] - 1`` with coordinates ``crd``; a
+singleton level stores one coordinate ``crd[p]`` per parent position.
+``values[q]`` is the value at position ``q`` of the last storage level.
+Stored coordinates, read in storage order, are sorted and unique.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from sparsenn.formats import export
+from sparsenn.formats.construct import Constructors
+from sparsenn.formats.format import Format, parse_format
+from sparsenn.formats.pack import logical_coords, pack, unpack
+from sparsenn.formats.validate import (
+    INT32_LIMIT,
+    VALUE_DTYPES,
+    check_array,
+    check_arrays,
+    check_levels,
+    check_order,
+    choose_index_dtype,
+)
+
+if TYPE_CHECKING:
+    import scipy.sparse
+
+
+class SparseTensor(Constructors):
+    """A sparse tensor: ``shape``, ``format`` and per-storage-level arrays.
+
+    ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed and singleton
+    levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when every
+    dimension, level size and position count is below 2**31, else int64), None
+    for other levels. ``values`` is a 1-D float32/float64 tensor with one entry
+    per position of the last storage level (dense inner levels, e.g. BSR
+    blocks, store explicit zeros). ``values`` may require grad; it is never
+    copied or detached.
+
+    ``check=True`` validates every array (ValueError/TypeError naming it);
+    ``check=False`` trusts the caller and costs O(number of levels).
+    ``index_dtype`` is only needed when no level has index arrays.
+    """
+
+    def __init__(self, shape: Sequence[int], format: str | Format, pos: Sequence[Tensor | None],
+                 crd: Sequence[Tensor | None], values: Tensor, check: bool = True,
+                 index_dtype: torch.dtype | None = None) -> None:
+        shape = tuple(operator.index(n) for n in shape)
+        if any(n < 0 for n in shape):
+            raise ValueError(f"shape {shape} has a negative dimension")
+        fmt = parse_format(format, len(shape))
+        sizes = tuple(size for _, size, _ in fmt.storage_levels(shape))
+        pos, crd = tuple(pos), tuple(crd)
+        arrays = [a for a in pos + crd if a is not None]
+        if check:
+            array_dtype = check_arrays(fmt, pos, crd, values)
+            if array_dtype is not None and index_dtype not in (None, array_dtype):
+                raise TypeError(f"index_dtype {index_dtype} differs from the index arrays' dtype {array_dtype}")
+            if array_dtype == torch.int32 and max(shape + sizes, default=0) >= INT32_LIMIT:
+                raise ValueError(f"int32 index arrays cannot address shape {shape}; use torch.int64")
+            counts = check_levels(fmt, sizes, pos, crd, values)
+            if array_dtype == torch.int32 and max(counts, default=0) >= INT32_LIMIT:
+                raise ValueError(f"int32 index arrays cannot address {max(counts)} positions; use torch.int64")
+            check_order(fmt, pos, crd)
+        if arrays:
+            index_dtype = arrays[0].dtype
+        else:
+            counts = [math.prod(sizes[:depth + 1]) for depth in range(len(sizes))]
+            index_dtype = choose_index_dtype(shape + sizes + tuple(counts), index_dtype)
+        self.shape: tuple[int, ...] = shape
+        self.format: Format = fmt
+        self.pos: tuple[Tensor | None, ...] = pos
+        self.crd: tuple[Tensor | None, ...] = crd
+        self.values: Tensor = values
+        self.level_sizes: tuple[int, ...] = sizes
+        self.index_dtype: torch.dtype = index_dtype
+        self._versions: tuple[int | None, ...] = tuple(None if a is None else a._version for a in pos + crd)
+
+    # ----------------------------------------------------------------- properties
+    @property
+    def ndim(self) -> int:
+        """Number of logical modes."""
+        return len(self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """dtype of ``values`` (float32 or float64)."""
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the arrays (always CPU)."""
+        return self.values.device
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored values (explicit zeros of dense inner levels included)."""
+        return self.values.numel()
+
+    def numel(self) -> int:
+        """Number of elements of the logical (dense) tensor."""
+        return math.prod(self.shape)
+
+    @property
+    def density(self) -> float:
+        """``nnz / numel``; 0.0 for an empty shape."""
+        numel = self.numel()
+        return self.nnz / numel if numel else 0.0
+
+    def num_positions(self, level: int) -> int:
+        """Positions of storage level ``level`` (the root, above level 0, has one)."""
+        last = range(len(self.format.levels))[level]
+        count = 1
+        for index in range(last + 1):
+            count = self.format.levels[index].num_positions(count, self.level_sizes[index], self.pos[index])
+        return count
+
+    def check_unmodified(self) -> None:
+        """Raise ValueError if a pos/crd array was modified in place since construction."""
+        now = tuple(None if a is None else a._version for a in self.pos + self.crd)
+        if now != self._versions:
+            raise ValueError("index arrays of this SparseTensor were modified in place after construction; "
+                             "build a new SparseTensor instead of editing pos/crd")
+
+    def __repr__(self) -> str:
+        return (f"SparseTensor(shape={self.shape}, format={self.format}, nnz={self.nnz}, "
+                f"dtype={self.dtype}, index_dtype={self.index_dtype})")
+
+    # ------------------------------------------------------------ views of storage
+    def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:
+        """A SparseTensor sharing this tensor's index arrays (and modification record)."""
+        view = SparseTensor(shape, fmt, self.pos, self.crd, values, check=False, index_dtype=self.index_dtype)
+        view._versions = self._versions
+        return view
+
+    def with_values(self, values: Tensor) -> SparseTensor:
+        """Same pattern (index arrays shared) with new ``values``; autograd is kept."""
+        check_array("values", values, VALUE_DTYPES)
+        if values.numel() != self.nnz:
+            raise ValueError(f"values has length {values.numel()}, expected {self.nnz}")
+        return self._share(self.shape, self.format, values)
+
+    def to(self, dtype: torch.dtype) -> SparseTensor:
+        """Convert ``values`` to float32 or float64; index arrays are shared."""
+        if dtype not in VALUE_DTYPES:
+            raise TypeError(f"SparseTensor values must be float32 or float64, got {dtype}")
+        return self if dtype == self.dtype else self.with_values(self.values.to(dtype))
+
+    def permute(self, *dims: int | Sequence[int]) -> SparseTensor:
+        """Reorder logical modes: result mode ``k`` is mode ``dims[k]`` of this tensor.
+
+        Only ``shape`` and ``mode_order`` change; all arrays are shared. Blocked
+        formats keep row-major blocks, so their ``values`` are re-laid out
+        block by block (a differentiable copy); index arrays are still shared.
+        """
+        order = tuple(dims[0]) if len(dims) == 1 and not isinstance(dims[0], int) else dims
+        order = tuple(operator.index(d) + (self.ndim if operator.index(d) < 0 else 0) for d in order)
+        if sorted(order) != list(range(self.ndim)):
+            raise ValueError(f"permute dims {dims} are not a permutation of range({self.ndim})")
+        inverse = [0] * self.ndim
+        for new, old in enumerate(order):
+            inverse[old] = new
+        fmt = self.format
+        mode_order = tuple(inverse[m] for m in fmt.mode_order)
+        shape = tuple(self.shape[d] for d in order)
+        values = self.values
+        block = None
+        if fmt.block is not None:
+            block = tuple(fmt.block[d] for d in order)
+            blocks = values.view(-1, *fmt.block).permute(0, *(1 + d for d in order))
+            values = blocks.reshape(-1)
+        return self._share(shape, Format(fmt.levels, mode_order, block), values)
+
+    def transpose(self, dim0: int = 0, dim1: int = 1) -> SparseTensor:
+        """Swap modes ``dim0`` and ``dim1`` (see ``permute``)."""
+        order = list(range(self.ndim))
+        order[dim0], order[dim1] = order[dim1], order[dim0]
+        return self.permute(order)
+
+    @property
+    def T(self) -> SparseTensor:
+        """All modes reversed (the matrix transpose for rank 2)."""
+        return self.permute(tuple(reversed(range(self.ndim))))
+
+    # ----------------------------------------------------------------- conversion
+    def coords(self) -> tuple[Tensor, Tensor]:
+        """``(indices, values)`` of the stored entries, in storage order.
+
+        ``indices`` is ``(ndim, nnz)`` int64 with one row per logical mode;
+        ``values`` is ``self.values`` itself (not a copy).
+        """
+        keys = unpack(self.format, self.shape, self.pos, self.crd)
+        return logical_coords(self.format, self.shape, keys), self.values
+
+    def to_dense(self) -> Tensor:
+        """A new strided tensor of ``shape`` (differentiable with respect to ``values``)."""
+        if self.format.is_dense:
+            order = self.format.mode_order
+            stored = self.values.view([self.shape[m] for m in order])
+            inverse = sorted(range(self.ndim), key=order.__getitem__)
+            return stored.permute(inverse).clone(memory_format=torch.contiguous_format)
+        indices, values = self.coords()
+        return values.new_zeros(self.shape).index_put(tuple(indices), values)
+
+    def asformat(self, format: str | Format, index_dtype: torch.dtype | None = None) -> SparseTensor:
+        """Convert to another format without densifying (a dense source drops its zeros).
+
+        Stored entries, explicit zeros included, stay stored. ``index_dtype=None``
+        keeps this tensor's index width, widened to int64 if the result needs it.
+        """
+        target = parse_format(format, self.ndim)
+        if target == self.format and index_dtype in (None, self.index_dtype):
+            return self
+        if index_dtype is None and self.index_dtype == torch.int64:
+            index_dtype = torch.int64
+        if self.format.is_dense:
+            return SparseTensor.from_dense(self.to_dense(), target, index_dtype)
+        indices, values = self.coords()
+        packed = pack(target, self.shape, indices, values, index_dtype=index_dtype)
+        return SparseTensor(self.shape, target, packed.pos, packed.crd, packed.values,
+                            check=False, index_dtype=packed.index_dtype)
+
+    def to_torch(self, layout: torch.layout | None = None,
+                 blocksize: tuple[int, int] | None = None) -> Tensor:
+        """Convert to a torch tensor of ``layout`` (see ``export.to_torch``)."""
+        return export.to_torch(self, layout, blocksize)
+
+    def to_scipy(self) -> scipy.sparse.sparray:
+        """Convert a rank-2 tensor to a scipy sparse array (see ``export.to_scipy``)."""
+        return export.to_scipy(self)
+
+
+from_dense = SparseTensor.from_dense
+from_torch = SparseTensor.from_torch
+from_scipy = SparseTensor.from_scipy
+from_edge_index = SparseTensor.from_edge_index
+from_coo = SparseTensor.from_coo

@@ -1,0 +1,214 @@
+"""Every compiled kernel checked against torch.einsum on dense copies."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn import SparseTensor
+
+MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
+
+
+def random_dense(shape, density, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=g, dtype=dtype)
+    mask = torch.rand(shape, generator=g) < density
+    return values * mask
+
+
+def to_dense(x):
+    return x.to_dense() if isinstance(x, SparseTensor) else x
+
+
+def check(equation, operands, out_format=None, atol=1e-10):
+    """Run sparsenn.einsum and compare with torch.einsum on dense copies."""
+    dense = [to_dense(op) for op in operands]
+    expected = torch.einsum(equation, *dense)
+    result = sparsenn.einsum(equation, *operands, out_format=out_format)
+    got = to_dense(result)
+    assert got.shape == expected.shape
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, atol=atol, rtol=1e-6)
+    return result
+
+
+def sp(shape, fmt, density=0.3, seed=0, dtype=torch.float64, index_dtype=None):
+    return sparsenn.from_dense(random_dense(shape, density, dtype, seed), format=fmt, index_dtype=index_dtype)
+
+
+@pytest.mark.parametrize("fmt", MATRIX_FORMATS)
+def test_spmv(fmt):
+    check("ij,j->i", [sp((7, 9), fmt), torch.randn(9, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("fmt", MATRIX_FORMATS)
+@pytest.mark.parametrize("k", [1, 5, 33])
+def test_spmm(fmt, k):
+    check("ij,jk->ik", [sp((11, 13), fmt), torch.randn(13, k, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("fmt", MATRIX_FORMATS)
+def test_dense_times_sparse(fmt):
+    check("ij,jk->ik", [torch.randn(4, 11, dtype=torch.float64), sp((11, 6), fmt)])
+
+
+@pytest.mark.parametrize("fa,fb", list(itertools.product(MATRIX_FORMATS, repeat=2)))
+def test_spgemm_sparse_output(fa, fb):
+    result = check("ij,jk->ik", [sp((9, 8), fa, seed=1), sp((8, 10), fb, seed=2)], out_format="csr")
+    assert isinstance(result, SparseTensor)
+
+
+def test_spgemm_inferred_formats():
+    """Algorithm 4 per output mode: k is sparse iff B stores k in a sparse level."""
+    a = sp((9, 8), "csr", seed=1)
+    assert str(sparsenn.einsum("ij,jk->ik", a, sp((8, 10), "csr")).format) == "csr"
+    assert str(sparsenn.einsum("ij,jk->ik", sp((9, 8), "dcsr"), sp((8, 10), "dcsr")).format) == "dcsr"
+    assert isinstance(sparsenn.einsum("ij,jk->ik", a, sp((8, 10), "csc")), torch.Tensor)
+
+
+@pytest.mark.parametrize("fa,fb", [("csr", "csr"), ("csc", "coo"), ("dcsr", "csc")])
+def test_spgemm_dense_output(fa, fb):
+    result = check("ij,jk->ik", [sp((9, 8), fa, seed=1), sp((8, 10), fb, seed=2)], out_format="dense")
+    assert isinstance(result, torch.Tensor)
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "csc", "dcsr"])
+@pytest.mark.parametrize("equation", ["ij,ik,jk->ij", "ij,ik,kj->ij"])
+def test_sddmm(fmt, equation):
+    a = sp((10, 12), fmt, density=0.2)
+    b = torch.randn(10, 7, dtype=torch.float64)
+    c = torch.randn(12, 7, dtype=torch.float64) if equation.endswith("jk->ij") else torch.randn(7, 12, dtype=torch.float64)
+    result = check(equation, [a, b, c])
+    assert isinstance(result, SparseTensor)
+    assert result.nnz <= a.nnz
+
+
+@pytest.mark.parametrize("fa,fb", list(itertools.product(MATRIX_FORMATS + ["dense"], repeat=2)))
+def test_elementwise(fa, fb):
+    a = sp((6, 7), fa, seed=3) if fa != "dense" else random_dense((6, 7), 0.5, seed=3)
+    b = sp((6, 7), fb, seed=4) if fb != "dense" else random_dense((6, 7), 0.5, seed=4)
+    check("ij,ij->ij", [a, b])
+    add = sparsenn.compile("C[i,j] = A[i,j] + B[i,j]")
+    expected = to_dense(a) + to_dense(b)
+    torch.testing.assert_close(to_dense(add(a, b)), expected)
+    sub = sparsenn.compile("C[i,j] = A[i,j] - B[i,j]")
+    torch.testing.assert_close(to_dense(sub(A=a, B=b)), to_dense(a) - to_dense(b))
+
+
+@pytest.mark.parametrize("equation", ["i,i->i", "i,j->ij", "i,i->", "i->"])
+def test_sparse_vectors(equation):
+    ops = [sp((9,), "coo", 0.4, seed=n) for n in range(equation.count(",") + 1)]
+    if equation == "i,j->ij":
+        ops[1] = torch.randn(5, dtype=torch.float64)
+    check(equation, ops)
+
+
+@pytest.mark.parametrize("fmt", ["dcc", "csf", "coo", "ddc"])
+def test_batched_matmul(fmt):
+    check("bij,bjk->bik", [sp((3, 5, 6), fmt), torch.randn(3, 6, 4, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("fmt", ["csf", "coo", "dcc"])
+def test_ttm(fmt):
+    check("ijk,km->ijm", [sp((4, 5, 6), fmt, 0.2), torch.randn(6, 3, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("fmt", ["csf", "coo"])
+def test_mttkrp(fmt):
+    ops = [sp((5, 6, 7), fmt, 0.2), torch.randn(6, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)]
+    check("ijk,jm,km->im", ops)
+
+
+def test_rank4():
+    a = sp((3, 4, 2, 5), "cccc", 0.3)
+    check("abcd,cdk->abk", [a, torch.randn(2, 5, 3, dtype=torch.float64)])
+    check("abcd,abcd->abcd", [a, sp((3, 4, 2, 5), "coo", 0.5, seed=9)])
+
+
+def test_fused_three_operand_touches_only_pattern():
+    bn = sp((6, 40), "csr", 0.1)
+    check("bn,bd,ndh->bh", [bn, torch.randn(6, 3, dtype=torch.float64), torch.randn(40, 3, 4, dtype=torch.float64)])
+
+
+def test_sums_of_products():
+    a, b, c = sp((5, 6), "csr", seed=1), torch.randn(6, 7, dtype=torch.float64), sp((5, 7), "csr", seed=2)
+    f = sparsenn.compile("D[i,j] = A[i,k] * B[k,j] + C[i,j]")
+    torch.testing.assert_close(to_dense(f(a, b, c)), to_dense(a) @ b + to_dense(c))
+    g = sparsenn.compile("D[i,j] = A[i,j] * (B[i,j] - C[i,j]) + E[i]")
+    x, y, z = sp((5, 6), "csr", seed=3), sp((5, 6), "coo", seed=4), sp((5, 6), "dcsr", seed=5)
+    e = torch.randn(5, dtype=torch.float64)
+    expected = to_dense(x) * (to_dense(y) - to_dense(z)) + e[:, None]
+    torch.testing.assert_close(to_dense(g(x, y, z, e)), expected)
+
+
+def test_sparse_plus_sparse_union_is_sparse():
+    a, b = sp((20, 30), "csr", 0.1, seed=1), sp((20, 30), "csr", 0.1, seed=2)
+    result = sparsenn.compile("C[i,j] = A[i,j] + B[i,j]")(a, b)
+    assert isinstance(result, SparseTensor)
+    union = ((to_dense(a) != 0) | (to_dense(b) != 0)).sum().item()
+    assert result.nnz == union
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo", "dcsr"])
+def test_empty_and_all_zero(fmt):
+    zero = sparsenn.from_dense(torch.zeros(5, 4, dtype=torch.float64), format=fmt)
+    assert zero.nnz == 0
+    check("ij,jk->ik", [zero, torch.randn(4, 3, dtype=torch.float64)])
+    check("ij,jk->ik", [zero, zero.T])
+    empty = sparsenn.from_dense(torch.zeros(0, 4, dtype=torch.float64), format=fmt)
+    check("ij,jk->ik", [empty, torch.randn(4, 3, dtype=torch.float64)])
+    check("ij,ij->ij", [empty, empty])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_dtypes_and_index_widths(dtype, index_dtype):
+    a = sp((12, 9), "csr", dtype=dtype, index_dtype=index_dtype)
+    b = sp((9, 7), "csr", seed=2, dtype=dtype, index_dtype=index_dtype)
+    atol = 1e-5 if dtype == torch.float32 else 1e-10
+    check("ij,jk->ik", [a, torch.randn(9, 4, dtype=dtype)], atol=atol)
+    result = check("ij,jk->ik", [a, b], atol=atol)
+    assert result.index_dtype == index_dtype
+
+
+@pytest.mark.parametrize("out_format", ["csr", "csc", "coo", "dcsr", "csf", "dense"])
+def test_out_format_override(out_format):
+    result = check("ij,jk->ik", [sp((6, 7), "csr"), sp((7, 5), "csr", seed=1)], out_format=out_format)
+    if out_format == "dense":
+        assert isinstance(result, torch.Tensor)
+    else:
+        assert result.format == sparsenn.parse_format(out_format, 2)
+
+
+def test_implicit_output_and_scalar():
+    a = sp((4, 5), "csr")
+    check("ij,jk", [a, torch.randn(5, 3, dtype=torch.float64)])
+    check("ij,ij", [a, torch.randn(4, 5, dtype=torch.float64)])
+    check("ij->", [a])
+    check("ij->ji", [a])
+
+
+def test_all_dense_goes_to_torch():
+    x, y = torch.randn(3, 4), torch.randn(4, 5)
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", x, y), x @ y)
+
+
+def test_non_contiguous_dense_operand():
+    b = torch.randn(6, 9, dtype=torch.float64).T
+    check("ij,jk->ik", [sp((5, 9), "csr"), b])
+
+
+def test_blocked_operand():
+    dense = random_dense((8, 6), 0.3)
+    a = sparsenn.from_dense(dense, format="bsr(2,3)")
+    check("ij,jk->ik", [a, torch.randn(6, 4, dtype=torch.float64)])
+
+
+def test_explain_shows_the_plan():
+    text = sparsenn.explain("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr"))
+    for needle in ["output format: csr", "loop order i,j,k", "workspace: dense over k", "extern \"C\""]:
+        assert needle in text, needle

@@ -1,0 +1,296 @@
+"""Tests for building, caching and loading generated C++ kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+
+from sparsenn.compiler import jit
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+N = 10_000
+EXPECTED_SUM = N * (N - 1) / 2
+
+# Child process: optionally waits at a file barrier (argv: dir, count), loads the kernel
+# read from stdin and prints "<sum> <inode of the mapped kernel file>".
+CHILD = textwrap.dedent(
+    """
+    import ctypes, os, pathlib, sys, time
+    import torch
+    from sparsenn.compiler import jit
+
+    source = sys.stdin.read()
+    if len(sys.argv) > 1:
+        ready, count = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+        (ready / str(os.getpid())).touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(ready)) < count and time.monotonic() < deadline:
+            time.sleep(0.002)
+    lib = jit.load_library(source, "sum")
+    lib.sum.restype = ctypes.c_double
+    lib.sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    x = torch.arange(%d, dtype=torch.float64)
+    total = lib.sum(x.data_ptr(), x.numel(), 2)
+    root = str(jit.cache_dir())
+    inodes = {line.split()[4] for line in open("/proc/self/maps") if root in line}
+    print(total, *inodes)
+    """
+    % N
+)
+
+
+def sum_source() -> str:
+    """A new (never cached) kernel summing a double array with OpenMP."""
+    return textwrap.dedent(
+        f"""\
+        // test kernel {uuid.uuid4().hex}
+        #include <cstdint>
+        extern "C" double sum(const double* x, std::int64_t n, int num_threads) {{
+            double total = 0.0;
+            #pragma omp parallel for reduction(+ : total) num_threads(num_threads)
+            for (std::int64_t i = 0; i < n; ++i) total += x[i];
+            return total;
+        }}
+        """
+    )
+
+
+def call_sum(lib: ctypes.CDLL, num_threads: int = 2) -> float:
+    lib.sum.restype = ctypes.c_double
+    lib.sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    x = torch.arange(N, dtype=torch.float64)
+    return lib.sum(x.data_ptr(), x.numel(), num_threads)
+
+
+def run_child(source: str, cache: pathlib.Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, SPARSENN_CACHE_DIR=str(cache))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    proc.stdin.write(source)
+    proc.stdin.close()
+    return proc
+
+
+def child_result(proc: subprocess.Popen) -> tuple[float, int, str]:
+    """(sum, inode of the kernel file the child mapped, stderr) of a finished child."""
+    stdout, stderr = proc.stdout.read(), proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, stderr
+    total, inode = stdout.split()
+    return float(total), int(inode), stderr
+
+
+def only_so(cache: pathlib.Path) -> pathlib.Path:
+    (so_path,) = cache.glob("*.so")
+    return so_path
+
+
+@pytest.fixture
+def cache(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> pathlib.Path:
+    path = tmp_path / "cache"
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(path))
+    return path
+
+
+def test_build_load_and_call(cache: pathlib.Path) -> None:
+    lib = jit.load_library(sum_source(), "sum")
+    assert call_sum(lib, num_threads=1) == call_sum(lib, num_threads=4) == EXPECTED_SUM
+    so_path = only_so(cache)
+    assert re.fullmatch(r"sum_[0-9a-f]{24}\.so", so_path.name)
+    checksum = (cache / (so_path.name + ".sha256")).read_text().strip()
+    assert checksum == hashlib.sha256(so_path.read_bytes()).hexdigest()
+    assert so_path.with_suffix(".cpp").is_file()
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    assert not list(cache.glob(".build-*"))
+    assert "++" in jit.compiler_info() or "clang" in jit.compiler_info()
+
+
+def test_second_load_is_served_from_memory(
+    cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = sum_source()
+    lib = jit.load_library(source)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("unexpected rebuild or reload")
+
+    monkeypatch.setattr(jit.subprocess, "run", forbidden)
+    monkeypatch.setattr(jit.ctypes, "CDLL", forbidden)
+    start = time.perf_counter()
+    for _ in range(1000):
+        assert jit.load_library(source) is lib
+    assert (time.perf_counter() - start) / 1000 < 1e-4
+    assert call_sum(lib) == EXPECTED_SUM
+
+
+def test_concurrent_threads_share_one_library(cache: pathlib.Path) -> None:
+    source = sum_source()
+    libs: list[ctypes.CDLL] = []
+    def load() -> None:
+        libs.append(jit.load_library(source))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(libs) == 8 and all(lib is libs[0] for lib in libs)
+    assert call_sum(libs[0]) == EXPECTED_SUM
+
+
+def test_fresh_process_loads_from_disk_without_rebuilding(cache: pathlib.Path) -> None:
+    source = sum_source()
+    jit.load_library(source, "sum")
+    before = only_so(cache).stat()
+    total, inode, stderr = child_result(run_child(source, cache))
+    after = only_so(cache).stat()
+    assert total == EXPECTED_SUM
+    assert inode == before.st_ino == after.st_ino
+    assert after.st_mtime_ns == before.st_mtime_ns
+    assert "Warning" not in stderr
+
+
+def test_concurrent_processes_build_one_entry(cache: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    source, count = sum_source(), 8
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [run_child(source, cache, str(ready), str(count)) for _ in range(count)]
+    results = [child_result(proc) for proc in procs]
+    so_path = only_so(cache)
+    # Every process mapped the one file that is in the cache: it was built exactly once.
+    expected = (EXPECTED_SUM, so_path.stat().st_ino)
+    assert {(total, inode) for total, inode, _ in results} == {expected}
+    assert not list(cache.glob(".build-*"))
+    assert not (cache / "failed").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove_checksum", "garbage_with_valid_checksum"])
+def test_corrupt_cache_entry_is_rebuilt(cache: pathlib.Path, damage: str) -> None:
+    source = sum_source()
+    jit.load_library(source, "sum")
+    so_path = only_so(cache)
+    checksum_path = cache / (so_path.name + ".sha256")
+    # Replace (not rewrite) the file: this process still has the original mapped.
+    damaged = {
+        "truncate": so_path.read_bytes()[:1000],
+        "remove_checksum": so_path.read_bytes(),
+        "garbage_with_valid_checksum": b"\x7fELF garbage",
+    }[damage]
+    tmp = cache / "damaged.tmp"
+    tmp.write_bytes(damaged)
+    os.replace(tmp, so_path)
+    if damage == "remove_checksum":
+        checksum_path.unlink()
+    elif damage == "garbage_with_valid_checksum":
+        checksum_path.write_text(hashlib.sha256(damaged).hexdigest())
+
+    total, inode, stderr = child_result(run_child(source, cache))
+    assert total == EXPECTED_SUM
+    assert "RuntimeWarning" in stderr and str(so_path) in stderr and "rebuilding" in stderr
+    assert only_so(cache) == so_path and inode == so_path.stat().st_ino
+    assert checksum_path.read_text().strip() == hashlib.sha256(so_path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o703])
+def test_shared_writable_cache_dir_is_refused(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(shared))
+    with pytest.raises(PermissionError, match=r"writable by group or others.*chmod go-w") as info:
+        jit.load_library(sum_source())
+    assert str(shared) in str(info.value) and "SPARSENN_CACHE_DIR" in str(info.value)
+    assert not list(shared.iterdir())
+
+
+def test_unusable_cache_location_falls_back_to_temp_dir(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keep the per-process fallback dir inside tmp_path so the test leaves nothing behind.
+    monkeypatch.setattr(jit, "_fallback_dir", None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    blocker = tmp_path / "regular-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(RuntimeWarning, match="cannot use kernel cache directory"):
+        lib = jit.load_library(sum_source(), "sum")
+    assert call_sum(lib) == EXPECTED_SUM
+    fallback = jit.cache_dir()
+    assert fallback.is_dir() and fallback.parent == tmp_path
+    assert fallback.name.startswith("sparsenn-")
+    assert list(fallback.glob("sum_*.so"))
+    assert blocker.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    ("cxx", "message"),
+    [
+        ("/nonexistent/c++", "CXX is set to '/nonexistent/c\\+\\+'"),
+        (None, "no C\\+\\+ compiler found"),
+    ],
+)
+def test_missing_compiler_is_reported(
+    cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch, cxx: str | None, message: str
+) -> None:
+    if cxx is None:
+        monkeypatch.delenv("CXX", raising=False)
+    else:
+        monkeypatch.setenv("CXX", cxx)
+    monkeypatch.setenv("PATH", "")
+    with pytest.raises(jit.CompilerNotFoundError, match=message) as info:
+        jit.load_library(sum_source())
+    assert "apt-get install g++" in str(info.value) and "set CXX" in str(info.value)
+
+
+def test_build_failure_reports_saved_source(cache: pathlib.Path) -> None:
+    source = sum_source() + "\nthis is not C++;\n"
+    with pytest.raises(jit.KernelBuildError, match="error") as info:
+        jit.load_library(source, "broken")
+    saved = re.search(r"source saved to (\S+\.cpp)", str(info.value))
+    assert saved is not None
+    saved_path = pathlib.Path(saved.group(1))
+    assert saved_path.parent == cache / "failed"
+    assert saved_path.read_text() == source
+    assert not list(cache.glob("*.so")) and not list(cache.glob(".build-*"))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["x; rm -rf / #", "../../evil", "/etc/passwd", "$(touch pwned)", "", "ü" * 3, "a" * 500],
+)
+def test_hostile_names_are_sanitised(
+    tmp_path: pathlib.Path, cache: pathlib.Path, name: str
+) -> None:
+    lib = jit.load_library(sum_source(), name)
+    assert call_sum(lib) == EXPECTED_SUM
+    so_path = only_so(cache)
+    assert so_path.parent == cache
+    assert re.fullmatch(r"[A-Za-z0-9_]{1,40}_[0-9a-f]{24}\.so", so_path.name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+    assert not pathlib.Path("pwned").exists()
+
+
+def test_kernels_share_torchs_openmp_runtime(cache: pathlib.Path) -> None:
+    lib = jit.load_library(sum_source())
+    assert call_sum(lib, num_threads=4) == EXPECTED_SUM
+    torch.ones(1 << 20).add_(1)  # run one of torch's OpenMP-parallel ops as well
+    with open("/proc/self/maps") as maps:
+        gomp = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(gomp) == 1, gomp
