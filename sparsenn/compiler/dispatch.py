@@ -31,7 +31,7 @@ from .lower import LoweredKernel, lower
 from .notation import Assignment, parse_einsum, parse_expression
 from .schedule import OperandInfo, Schedule, schedule
 
-__all__ = ["einsum", "compile_expression", "explain", "Plan", "CompiledExpression"]
+__all__ = ["einsum", "compile_expression", "explain", "plan", "Plan", "CompiledExpression"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
 _MAX_OUTPUT_RANK = 8
@@ -400,6 +400,16 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     lines.append("generated C++:")
     lines.append(plan.source)
     return "\n".join(lines)
+
+
+def plan(equation: str, *operands, out_format=None) -> Plan:
+    """The plan (schedule, generated source) ``einsum`` would run; for tools and tests."""
+    assignment = _parse_cached(equation, len(operands))
+    prepared = _prepare_operands(assignment, operands)
+    if all(isinstance(op, torch.Tensor) for op in prepared):
+        raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
+    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
+    return _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
 
 
 def explain(equation: str, *operands, out_format=None) -> str:

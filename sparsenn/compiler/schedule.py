@@ -45,6 +45,8 @@ TRANSPOSE_COST = 4.0
 SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
+SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
+VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 
 
 @dataclass(frozen=True)
@@ -182,13 +184,21 @@ def _nest_cost(
     order: Sequence[str],
     infos: Sequence[OperandInfo],
     dims: dict[str, int],
+    output: tuple[str, ...] = (),
 ) -> tuple[float, float, list[_Factor]]:
-    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``."""
+    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
+
+    ``output`` (dense outputs) counts toward the innermost loop's unit stride."""
     rank = {i: n for n, i in enumerate(order)}
     factors = [_factor(a, infos[a.operand], rank, term) for a in term.factors]
     depth = [0] * len(factors)
     cost, iters = 0.0, 1.0
-    for index in order:
+    unit_stride = bool(order) and all(
+        a.indices[-1] == order[-1]
+        for a in term.factors
+        if infos[a.operand].format is None and order[-1] in a.indices
+    ) and (not output or order[-1] not in output or output[-1] == order[-1])
+    for position, index in enumerate(order):
         n = float(max(dims[index], 1))
         fibers = []
         for k, f in enumerate(factors):
@@ -198,12 +208,15 @@ def _nest_cost(
                 depth[k] += 1
         if fibers:
             trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
-            work = sum(fibers) if len(fibers) > 1 else fibers[0]
+            work = SPARSE_ITERATION_COST * sum(fibers)
         else:
             trip = work = n
+            if position == len(order) - 1 and unit_stride:
+                work = n / VECTOR_WIDTH
         cost += iters * max(work, 1.0)
         iters *= trip
-    cost += iters * len(term.factors)
+    last_dense = bool(order) and unit_stride and not any(f.sparse and f.levels and f.levels[-1][0] == order[-1] and f.levels[-1][1] != "d" for f in factors)
+    cost += iters * len(term.factors) / (VECTOR_WIDTH if last_dense else 1.0)
     cost += sum(TRANSPOSE_COST * f.nnz for f in factors if f.sparse and not f.natural)
     return cost, iters, factors
 
@@ -296,14 +309,14 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = _nest_cost(term, order, infos, dims)[0]
+            cost = _nest_cost(term, order, infos, dims, assignment.output)[0]
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        _, _, factors = _nest_cost(term, best, infos, dims)
+        _, _, factors = _nest_cost(term, best, infos, dims, assignment.output)
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
         parallel = best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best]))

@@ -47,25 +47,27 @@ def _check_float(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_indices(name: str, indices: object, shape: tuple[int, ...]) -> Tensor:
-    """Check a ``(rank, nnz)`` integer coordinate tensor against ``shape``; return it as int64."""
+def _check_index_tensor(name: str, indices: object, rank: int) -> Tensor:
+    """Check a ``(rank, nnz)`` integer CPU tensor; return it as int64."""
     if not isinstance(indices, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(indices).__name__}")
     if indices.dtype == torch.bool or indices.is_floating_point() or indices.is_complex():
         raise TypeError(f"{name} must be an integer tensor, got dtype {indices.dtype}")
     if indices.device.type != "cpu" or indices.layout != torch.strided:
         raise ValueError(f"{name} must be a strided CPU tensor, got {indices.layout} on {indices.device}")
-    if indices.dim() != 2 or indices.shape[0] != len(shape):
-        raise ValueError(f"{name} must have shape ({len(shape)}, nnz) for a tensor of shape {shape}, "
-                         f"got {tuple(indices.shape)}")
-    indices = indices.long()
+    if indices.dim() != 2 or indices.shape[0] != rank:
+        raise ValueError(f"{name} must have shape ({rank}, nnz), got {tuple(indices.shape)}")
+    return indices.long()
+
+
+def _check_range(name: str, indices: Tensor, shape: tuple[int, ...]) -> None:
+    """Check ``0 <= indices[m] < shape[m]`` for every mode ``m``."""
     for mode, size in enumerate(shape):
         outside = (indices[mode] < 0) | (indices[mode] >= size)
         if bool(outside.any()):
             entry = int(torch.nonzero(outside)[0])
             raise ValueError(f"{name}[{mode}] has value {int(indices[mode, entry])} out of range "
                              f"[0, {size}) for dimension {mode} at entry {entry}")
-    return indices
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -113,7 +115,8 @@ class Constructors:
         """
         shape = _check_shape(shape)
         fmt = parse_format(format, len(shape))
-        indices = _check_indices("indices", indices, shape)
+        indices = _check_index_tensor("indices", indices, len(shape))
+        _check_range("indices", indices, shape)
         values = _check_float("values", values)
         if values.dim() != 1 or values.shape[0] != indices.shape[1]:
             raise ValueError(f"values must have shape ({indices.shape[1]},) to match indices, "
@@ -133,10 +136,11 @@ class Constructors:
         (columns). ``values`` default to float32 ones; duplicate edges are
         summed; ``num_nodes`` defaults to ``edge_index.max() + 1``.
         """
+        edge_index = _check_index_tensor("edge_index", edge_index, 2)
         if num_nodes is None:
-            _check_indices("edge_index", edge_index, (torch.iinfo(torch.int64).max,) * 2)
             num_nodes = int(edge_index.max()) + 1 if edge_index.numel() else 0
-        _check_indices("edge_index", edge_index, (num_nodes, num_nodes))
+        num_nodes = operator.index(num_nodes)
+        _check_range("edge_index", edge_index, (num_nodes, num_nodes))
         if values is None:
             values = torch.ones(edge_index.shape[1], dtype=torch.float32)
         return cls.from_coo(edge_index, values, (num_nodes, num_nodes), format, "sum", index_dtype)

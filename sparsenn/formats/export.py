@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from sparsenn.formats.format import Format
+from sparsenn.formats.format import Format, parse_format
 
 if TYPE_CHECKING:
     import scipy.sparse
@@ -85,7 +85,7 @@ def to_scipy(tensor: SparseTensor) -> scipy.sparse.sparray:
         raise ValueError(f"to_scipy needs a rank-2 tensor, got shape {tensor.shape}")
     fmt = tensor.format
     layout = compressed_layout(fmt)
-    if str(fmt) == "coo":
+    if fmt == parse_format("coo", 2):
         indices, values = tensor.coords()
         row, col = indices.numpy()
         return sp.coo_array((_numpy(values), (row, col)), shape=tensor.shape)

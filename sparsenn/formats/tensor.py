@@ -22,15 +22,7 @@ from sparsenn.formats import export
 from sparsenn.formats.construct import Constructors
 from sparsenn.formats.format import Format, parse_format
 from sparsenn.formats.pack import logical_coords, pack, unpack
-from sparsenn.formats.validate import (
-    INT32_LIMIT,
-    VALUE_DTYPES,
-    check_array,
-    check_arrays,
-    check_levels,
-    check_order,
-    choose_index_dtype,
-)
+from sparsenn.formats.validate import VALUE_DTYPES, check_array, choose_index_dtype, validate
 
 if TYPE_CHECKING:
     import scipy.sparse
@@ -63,15 +55,7 @@ class SparseTensor(Constructors):
         pos, crd = tuple(pos), tuple(crd)
         arrays = [a for a in pos + crd if a is not None]
         if check:
-            array_dtype = check_arrays(fmt, pos, crd, values)
-            if array_dtype is not None and index_dtype not in (None, array_dtype):
-                raise TypeError(f"index_dtype {index_dtype} differs from the index arrays' dtype {array_dtype}")
-            if array_dtype == torch.int32 and max(shape + sizes, default=0) >= INT32_LIMIT:
-                raise ValueError(f"int32 index arrays cannot address shape {shape}; use torch.int64")
-            counts = check_levels(fmt, sizes, pos, crd, values)
-            if array_dtype == torch.int32 and max(counts, default=0) >= INT32_LIMIT:
-                raise ValueError(f"int32 index arrays cannot address {max(counts)} positions; use torch.int64")
-            check_order(fmt, pos, crd)
+            validate(fmt, shape, sizes, pos, crd, values, index_dtype)
         if arrays:
             index_dtype = arrays[0].dtype
         else:
@@ -181,10 +165,10 @@ class SparseTensor(Constructors):
             values = blocks.reshape(-1)
         return self._share(shape, Format(fmt.levels, mode_order, block), values)
 
-    def transpose(self, dim0: int = 0, dim1: int = 1) -> SparseTensor:
-        """Swap modes ``dim0`` and ``dim1`` (see ``permute``)."""
+    def transpose(self, d0: int = 0, d1: int = 1) -> SparseTensor:
+        """Swap modes ``d0`` and ``d1`` (see ``permute``)."""
         order = list(range(self.ndim))
-        order[dim0], order[dim1] = order[dim1], order[dim0]
+        order[d0], order[d1] = order[d1], order[d0]
         return self.permute(order)
 
     @property
@@ -232,11 +216,21 @@ class SparseTensor(Constructors):
 
     def to_torch(self, layout: torch.layout | None = None,
                  blocksize: tuple[int, int] | None = None) -> Tensor:
-        """Convert to a torch tensor of ``layout`` (see ``export.to_torch``)."""
+        """Convert to a torch tensor of ``layout``.
+
+        ``layout=None`` picks the natural layout: csr, csc, bsr and bsc formats
+        give that layout, all-dense formats a strided tensor, every other
+        format a coalesced ``sparse_coo`` tensor. ``blocksize`` is needed for
+        BSR/BSC output from an unblocked tensor.
+        """
         return export.to_torch(self, layout, blocksize)
 
     def to_scipy(self) -> scipy.sparse.sparray:
-        """Convert a rank-2 tensor to a scipy sparse array (see ``export.to_scipy``)."""
+        """Convert a rank-2 tensor to a scipy sparse array (copied).
+
+        csr, csc, coo and bsr give ``csr_array``, ``csc_array``, ``coo_array``
+        and ``bsr_array``; other formats give ``csr_array``.
+        """
         return export.to_scipy(self)
 
 

@@ -33,6 +33,21 @@ def choose_index_dtype(sizes: Iterable[int], requested: torch.dtype | None = Non
     return requested
 
 
+def validate(fmt: Format, shape: tuple[int, ...], sizes: tuple[int, ...], pos: tuple[Tensor | None, ...],
+             crd: tuple[Tensor | None, ...], values: Tensor, index_dtype: torch.dtype | None) -> None:
+    """Check every array of a tensor of ``shape`` stored in ``fmt`` (level sizes ``sizes``)."""
+    array_dtype = check_arrays(fmt, pos, crd, values)
+    if array_dtype is not None and index_dtype not in (None, array_dtype):
+        raise TypeError(f"index_dtype {index_dtype} differs from the index arrays' dtype {array_dtype}")
+    narrow = array_dtype == torch.int32
+    if narrow and max(shape + sizes, default=0) >= INT32_LIMIT:
+        raise ValueError(f"int32 index arrays cannot address shape {shape}; use torch.int64")
+    counts = check_levels(fmt, sizes, pos, crd, values)
+    if narrow and max(counts, default=0) >= INT32_LIMIT:
+        raise ValueError(f"int32 index arrays cannot address {max(counts)} positions; use torch.int64")
+    check_order(fmt, pos, crd)
+
+
 def check_array(name: str, array: object, dtypes: tuple[torch.dtype, ...]) -> Tensor:
     """Check that ``array`` is a 1-D contiguous strided CPU tensor with a dtype in ``dtypes``."""
     if not isinstance(array, Tensor):

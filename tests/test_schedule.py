@@ -1,0 +1,91 @@
+"""The scheduler's choices (Scorch Algorithm 1 and 3), asserted on the schedule itself."""
+
+from __future__ import annotations
+
+import torch
+
+import sparsenn
+from sparsenn.compiler.dispatch import plan
+
+
+def sparse(shape, fmt, density=0.01, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.rand(shape, generator=g)
+    dense[dense > density] = 0
+    return sparsenn.from_dense(dense, format=fmt)
+
+
+N = 2000
+
+
+def test_spmm_csr_is_row_wise():
+    p = plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64))
+    (nest,) = p.schedule.nests
+    assert p.schedule.output_format is None
+    assert nest.order == ("i", "j", "k")
+    assert nest.parallel
+    assert p.schedule.transposes == ()
+
+
+def test_spgemm_is_gustavson_with_row_workspace():
+    p = plan("ij,jk->ik", sparse((N, N), "csr"), sparse((N, N), "csr", seed=1))
+    s = p.schedule
+    assert str(s.output_format) == "csr"
+    assert s.shared == ("i",)
+    assert s.nests[0].order == ("j", "k")
+    assert s.workspace is not None and s.workspace.indices == ("k",) and s.workspace.kind == "dense"
+
+
+def test_sddmm_iterates_the_pattern():
+    p = plan("ij,ik,jk->ij", sparse((N, N), "csr"), torch.randn(N, 64), torch.randn(N, 64))
+    s = p.schedule
+    assert str(s.output_format) == "csr"
+    assert s.shared == ("i", "j")  # (i, j) come from A's pattern, k is the inner reduction
+    assert s.nests[0].order == ("k",)
+    assert s.workspace is None
+    assert len(s.nests) == 1  # one fused kernel, no dense intermediate
+
+
+def test_sparse_times_sparse_avoids_inner_product():
+    # A(i,j) CSR times B(k,j) CSR: the inner product order i,k,j would need a dense
+    # i x k iteration; the scheduler must not take it.
+    p = plan("ij,kj->ik", sparse((N, N), "csr"), sparse((N, N), "csr", seed=1))
+    s = p.schedule
+    full = s.shared + s.nests[0].order
+    assert full != ("i", "k", "j")
+    assert full.index("j") < full.index("k")
+
+
+def test_csc_spmm_is_column_wise_or_transposed():
+    a = sparse((N, N), "csc")
+    p = plan("ij,jk->ik", a, torch.randn(N, 64), out_format="dense")
+    (nest,) = p.schedule.nests
+    transposed = p.schedule.transposes != ()
+    column_wise = nest.order[0] == "j"
+    assert transposed != column_wise  # exactly one of the two strategies
+    if transposed:
+        assert nest.order == ("i", "j", "k")
+
+
+def test_tiles_only_dense_loops_not_parents_of_sparse():
+    p = plan("ij,jk->ik", sparse((N, 100_000), "csr", density=1e-4), torch.randn(100_000, 256))
+    (nest,) = p.schedule.nests
+    tiled = {t.index for t in nest.tiles}
+    assert "j" not in tiled and "i" not in tiled
+    assert tiled == {"k"}
+    (tile,) = nest.tiles
+    assert 8 <= tile.size < 256
+
+
+def test_small_dense_loops_are_not_tiled():
+    p = plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 32))
+    assert p.schedule.nests[0].tiles == ()
+
+
+def test_three_operand_fusion_touches_only_nonzero_pairs():
+    bn = sparse((64, 500), "csr", density=0.02)
+    p = plan("bn,bd,ndh->bh", bn, torch.randn(64, 16), torch.randn(500, 16, 8))
+    s = p.schedule
+    (nest,) = s.nests
+    order = nest.order
+    assert order[:2] == ("b", "n")  # n iterates bn's pattern under b
