@@ -89,3 +89,32 @@ def test_three_operand_fusion_touches_only_nonzero_pairs():
     (nest,) = s.nests
     order = nest.order
     assert order[:2] == ("b", "n")  # n iterates bn's pattern under b
+
+
+def test_chain_with_dense_tail_uses_a_contraction_path():
+    from sparsenn.compiler.contract import best_path
+    from sparsenn.compiler.dispatch import _info
+    from sparsenn.compiler.notation import parse_einsum
+
+    a = sparse((N, N), "csr", density=0.01)
+    b, c = torch.randn(N, 64), torch.randn(64, 64)
+    assignment = parse_einsum("ij,jk,kl->il", 3)
+    path = best_path(assignment, [_info(a), _info(b), _info(c)], 4)
+    assert path is not None  # fusing would iterate nnz(A) * 64 * 64 points
+    first = path[0]
+    assert {first.left, first.right} == {0, 1}  # A @ B first, then the dense product
+    result = sparsenn.einsum("ij,jk,kl->il", a, b, c)
+    torch.testing.assert_close(result, a.to_dense() @ b @ c, rtol=1e-4, atol=1e-3)
+
+
+def test_sddmm_and_attention_stay_fused():
+    from sparsenn.compiler.contract import best_path
+    from sparsenn.compiler.dispatch import _info
+    from sparsenn.compiler.notation import parse_einsum
+
+    a = sparse((N, N), "csr")
+    x, y = torch.randn(N, 64), torch.randn(N, 64)
+    assert best_path(parse_einsum("ij,ik,jk->ij", 3), [_info(a), _info(x), _info(y)], 4) is None
+    bn = sparse((64, 500), "csr", density=0.02)
+    infos = [_info(bn), _info(torch.randn(64, 16)), _info(torch.randn(500, 16, 8))]
+    assert best_path(parse_einsum("bn,bd,ndh->bh", 3), infos, 4) is None

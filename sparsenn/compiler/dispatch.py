@@ -26,9 +26,10 @@ from sparsenn.formats import Format, SparseTensor, parse_format
 
 from . import jit
 from .codegen import generate_source, slot_arrays
+from .contract import Step, best_path
 from .infer import infer_output_format
 from .lower import LoweredKernel, lower
-from .notation import Assignment, parse_einsum, parse_expression
+from .notation import Access, Assignment, Term, parse_einsum, parse_expression
 from .schedule import OperandInfo, Schedule, schedule
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "Plan", "CompiledExpression"]
@@ -56,6 +57,7 @@ class Plan:
 
 
 _plans: dict[tuple, Plan] = {}
+_paths: dict[tuple, list[Step] | None] = {}
 _plans_lock = threading.Lock()
 
 
@@ -274,12 +276,43 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format, requested=
         return result
     dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
     index_dtype = _index_dtype(prepared)
+    path = _contraction_path(assignment, prepared, dtype)
+    if path is not None:
+        return _run_path(assignment, prepared, path, out_format)
     plan = _plan(assignment, prepared, out_format, dtype, index_dtype)
     result = _run(plan, prepared, dtype, index_dtype)
     if isinstance(result, SparseTensor) and out_format is not None:
         wanted = parse_format(out_format, len(assignment.output))
         if wanted != result.format:
             result = result.asformat(wanted)
+    return result
+
+
+def _contraction_path(assignment: Assignment, prepared: list, dtype) -> list[Step] | None:
+    if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3:
+        return None
+    infos = tuple(_info(op) for op in prepared)
+    key = (assignment, infos, dtype)
+    if key not in _paths:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        _paths[key] = best_path(assignment, infos, itemsize)
+    return _paths[key]
+
+
+def _run_path(assignment: Assignment, prepared: list, path: list[Step], out_format):
+    """Evaluate a single-term product as a sequence of pairwise contractions."""
+    (term,) = assignment.terms
+    items = [(a.indices, prepared[a.operand]) for a in term.factors]
+    for n, step in enumerate(path):
+        (left, x), (right, y) = items[step.left], items[step.right]
+        pair = Assignment(step.indices, (Term(1.0, (Access(0, left), Access(1, right))),), ("left", "right"))
+        last = n == len(path) - 1
+        result = _evaluate(pair, [x, y], out_format if last else None)
+        items = [items[k] for k in range(len(items)) if k not in (step.left, step.right)]
+        items.append((step.indices, result))
+    (_, result), = items
+    if term.coefficient != 1.0:
+        result = result * term.coefficient if isinstance(result, torch.Tensor) else result.with_values(result.values * term.coefficient)
     return result
 
 

@@ -99,6 +99,7 @@ class Schedule:
     transposes: tuple[tuple[tuple[int, int], tuple[int, ...]], ...]
     cost: float
     reasons: tuple[str, ...] = field(default=(), compare=False)
+    leaves: float = 0.0  # expected innermost iterations: an upper bound on output nonzeros
 
     def factor_mode_order(self, term: int, factor: int) -> tuple[int, ...] | None:
         for key, order in self.transposes:
@@ -304,7 +305,7 @@ def schedule(
 
 
 def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
-    nests, transposes, reasons, total = [], [], [], 0.0
+    nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
     for t, term in enumerate(assignment.terms):
         indices = _nest_indices(term, assignment.output)
 
@@ -316,7 +317,8 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        _, _, factors = _nest_cost(term, best, infos, dims, assignment.output)
+        _, leaves, factors = _nest_cost(term, best, infos, dims, assignment.output)
+        leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
         parallel = best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best]))
@@ -324,7 +326,7 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         total += costs[best]
         reasons.append(_explain_choice(t, best, costs, factors, parallel))
     return Schedule(
-        None, assignment.output, (), tuple(nests), None, tuple(transposes), total, tuple(reasons)
+        None, assignment.output, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
 
 
@@ -367,7 +369,8 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule
             + f": cost {total:.3g}"
         )
         candidate = Schedule(
-            output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total, tuple(reasons)
+            output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total,
+            tuple(reasons), leaf_total,
         )
         if best is None or candidate.cost < best.cost:
             best = candidate
