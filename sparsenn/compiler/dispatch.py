@@ -328,7 +328,7 @@ def _dense_fallback(assignment: Assignment, prepared: list) -> torch.Tensor:
         lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
         value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}", *[prepared[a.operand] for a in term.factors])
         view = [sizes[i] if i in term.indices else 1 for i in assignment.output]
-        value = (term.coefficient * value).reshape(view).expand(*[sizes[i] for i in assignment.output])
+        value = (term.coefficient * value).reshape(view).expand(tuple(sizes[i] for i in assignment.output))
         out = value.clone() if out is None else out + value
     return out
 

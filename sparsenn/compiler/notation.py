@@ -217,9 +217,9 @@ class _ExpressionParser:
 
     def factor(self) -> list:
         token = self._peek()
-        if token == "-":
-            self._take("-")
-            return [(-c, f) for c, f in self.factor()]
+        if token in ("-", "+"):
+            sign = -1.0 if self._take() == "-" else 1.0
+            return [(sign * c, f) for c, f in self.factor()]
         if token == "(":
             self._take("(")
             inner = self.expr()
