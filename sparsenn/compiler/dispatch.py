@@ -65,7 +65,8 @@ _plans_lock = threading.Lock()
 
 
 def _describe(assignment: Assignment, n: int) -> str:
-    return f"operand {n} ({assignment.operand_names[n]})"
+    name = assignment.operand_names[n]
+    return f"operand {n}" if name == f"operand{n}" else f"operand {n} ({name})"
 
 
 def _prepare_operands(assignment: Assignment, operands: Sequence) -> list:

@@ -120,6 +120,41 @@ class SparseTensor(Constructors):
         return (f"SparseTensor(shape={self.shape}, format={self.format}, nnz={self.nnz}, "
                 f"dtype={self.dtype}, index_dtype={self.index_dtype})")
 
+    # ------------------------------------------------------------ arithmetic
+    # Computed by the sparse einsum compiler (sparsenn.compiler.operators).
+    def __add__(self, other):
+        from sparsenn.compiler import operators
+        return operators.add(self, other)
+
+    def __radd__(self, other):
+        from sparsenn.compiler import operators
+        return operators.add(other, self)
+
+    def __sub__(self, other):
+        from sparsenn.compiler import operators
+        return operators.subtract(self, other)
+
+    def __rsub__(self, other):
+        from sparsenn.compiler import operators
+        return operators.subtract(other, self)
+
+    def __mul__(self, other):
+        from sparsenn.compiler import operators
+        return operators.multiply(self, other)
+
+    __rmul__ = __mul__
+
+    def __neg__(self) -> SparseTensor:
+        return self.with_values(-self.values)
+
+    def __matmul__(self, other):
+        from sparsenn.compiler import operators
+        return operators.matmul(self, other)
+
+    def __rmatmul__(self, other):
+        from sparsenn.compiler import operators
+        return operators.matmul(other, self)
+
     # ------------------------------------------------------------ views of storage
     def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:
         """A SparseTensor sharing this tensor's index arrays (and modification record)."""
