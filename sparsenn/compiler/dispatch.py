@@ -69,15 +69,15 @@ def _describe(assignment: Assignment, n: int) -> str:
     return f"operand {n}" if name == f"operand{n}" else f"operand {n} ({name})"
 
 
-def _prepare_operands(assignment: Assignment, operands: Sequence) -> list:
-    """Check types, dtypes, devices, ranks and index sizes; returns the operands with
-    dense ones made contiguous and dense-format SparseTensors turned into tensors."""
+def _prepare_operands(assignment: Assignment, operands: Sequence) -> tuple[list, torch.dtype, dict[str, int]]:
+    """Check types, dtypes, devices, ranks and index sizes. Returns the operands (dense
+    ones contiguous, dense-format SparseTensors as tensors), their dtype and the size of
+    every index."""
     if len(operands) != assignment.num_operands:
         raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
     prepared = []
     dtype = None
     for n, op in enumerate(operands):
-        what = _describe(assignment, n)
         if isinstance(op, SparseTensor):
             op.check_unmodified()
             values = op.values
@@ -85,20 +85,20 @@ def _prepare_operands(assignment: Assignment, operands: Sequence) -> list:
             values = op
             if op.layout != torch.strided:
                 raise TypeError(
-                    f"{what} is a torch sparse tensor ({op.layout}); wrap it with "
+                    f"{_describe(assignment, n)} is a torch sparse tensor ({op.layout}); wrap it with "
                     "sparsenn.SparseTensor.from_torch(...)"
                 )
         else:
-            raise TypeError(f"{what} must be a torch.Tensor or SparseTensor, got {type(op).__name__}")
+            raise TypeError(f"{_describe(assignment, n)} must be a torch.Tensor or SparseTensor, got {type(op).__name__}")
         if values.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{what} has dtype {values.dtype}; sparsenn supports float32 and float64")
+            raise TypeError(f"{_describe(assignment, n)} has dtype {values.dtype}; sparsenn supports float32 and float64")
         if values.device.type != "cpu":
-            raise ValueError(f"{what} is on device {values.device}; sparsenn kernels run on the CPU")
+            raise ValueError(f"{_describe(assignment, n)} is on device {values.device}; sparsenn kernels run on the CPU")
         if dtype is None:
             dtype = values.dtype
         elif values.dtype != dtype:
             raise TypeError(
-                f"{what} has dtype {values.dtype} but earlier operands have {dtype}; "
+                f"{_describe(assignment, n)} has dtype {values.dtype} but earlier operands have {dtype}; "
                 "convert them to one dtype first"
             )
         if isinstance(op, SparseTensor):
@@ -115,20 +115,19 @@ def _prepare_operands(assignment: Assignment, operands: Sequence) -> list:
         for access in term.factors:
             op = prepared[access.operand]
             shape = tuple(op.shape)
-            what = _describe(assignment, access.operand)
             if len(shape) != len(access.indices):
                 raise ValueError(
-                    f"{what} has {len(shape)} dimension(s) but the expression indexes it with "
+                    f"{_describe(assignment, access.operand)} has {len(shape)} dimension(s) but the expression indexes it with "
                     f"{len(access.indices)} ({''.join(access.indices)})"
                 )
             for index, size in zip(access.indices, shape):
                 if index in sizes and sizes[index][0] != size:
                     other = _describe(assignment, sizes[index][1])
                     raise ValueError(
-                        f"index '{index}' has size {size} in {what} but size {sizes[index][0]} in {other}"
+                        f"index '{index}' has size {size} in {_describe(assignment, access.operand)} but size {sizes[index][0]} in {other}"
                     )
                 sizes.setdefault(index, (size, access.operand))
-    return prepared
+    return prepared, dtype, {index: size for index, (size, _) in sizes.items()}
 
 
 def _bucket(n: int) -> int:
@@ -203,14 +202,9 @@ def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[
     return tensors
 
 
-def _run(plan: Plan, prepared: list, dtype: torch.dtype, index_dtype: torch.dtype):
+def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, index_dtype: torch.dtype):
     lib = plan.load()
-    sizes = {}
-    for term in plan.assignment.terms:
-        for access in term.factors:
-            for index, size in zip(access.indices, prepared[access.operand].shape):
-                sizes[index] = size
-    dims = torch.tensor([sizes[i] for i in plan.kernel.indices], dtype=torch.int64)
+    dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
     tensors = _slot_tensors(plan, prepared, index_dtype)
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
     out = None
@@ -220,7 +214,7 @@ def _run(plan: Plan, prepared: list, dtype: torch.dtype, index_dtype: torch.dtyp
     arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
     handle = ctypes.c_void_p()
     nthreads = torch.get_num_threads()
-    code = lib.sn_run(arrays, ctypes.c_void_p(dims.data_ptr()), nthreads, ctypes.byref(handle))
+    code = lib.sn_run(arrays, dims, nthreads, ctypes.byref(handle))
     if code != 0:
         if handle.value:
             lib.sn_free(handle)
@@ -268,20 +262,19 @@ def _index_dtype(prepared: list) -> torch.dtype:
     return torch.int64 if torch.int64 in widths else torch.int32
 
 
-def _evaluate(assignment: Assignment, operands: Sequence, out_format, requested=None):
-    prepared = _prepare_operands(assignment, operands)
+def _evaluate(assignment: Assignment, operands: Sequence, out_format):
+    prepared, dtype, sizes = _prepare_operands(assignment, operands)
     if all(isinstance(op, torch.Tensor) for op in prepared):
-        result = _dense_fallback(assignment, prepared)
+        result = _dense_fallback(assignment, prepared, sizes)
         if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
             return SparseTensor.from_dense(result, format=out_format)
         return result
-    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
     index_dtype = _index_dtype(prepared)
     path = _contraction_path(assignment, prepared, dtype)
     if path is not None:
         return _run_path(assignment, prepared, path, out_format)
     plan = _plan(assignment, prepared, out_format, dtype, index_dtype)
-    result = _run(plan, prepared, dtype, index_dtype)
+    result = _run(plan, prepared, sizes, dtype, index_dtype)
     if isinstance(result, SparseTensor) and out_format is not None:
         wanted = parse_format(out_format, len(assignment.output))
         if wanted != result.format:
@@ -317,13 +310,12 @@ def _run_path(assignment: Assignment, prepared: list, path: list[Step], out_form
     return result
 
 
-def _dense_fallback(assignment: Assignment, prepared: list) -> torch.Tensor:
+def _dense_fallback(assignment: Assignment, prepared: list, sizes: dict[str, int]) -> torch.Tensor:
     """All operands dense: torch computes each term (broadcast over missing outputs)."""
     letters = {}
     for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
         letters[i] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(letters)]
     out = None
-    sizes = {i: s for t in assignment.terms for a in t.factors for i, s in zip(a.indices, prepared[a.operand].shape)}
     for term in assignment.terms:
         present = [i for i in assignment.output if i in term.indices]
         lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
@@ -403,7 +395,7 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 
 
 def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
-    prepared = _prepare_operands(assignment, operands)
+    prepared, dtype, _ = _prepare_operands(assignment, operands)
     lines = [f"expression: {assignment}"]
     for n, op in enumerate(prepared):
         desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense {tuple(op.shape)}"
@@ -411,7 +403,6 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     if all(isinstance(op, torch.Tensor) for op in prepared):
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
-    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
     plan = _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
     s = plan.schedule
     lines.append(f"output format: {'dense' if s.output_format is None else s.output_format}")
@@ -439,10 +430,9 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
 def plan(equation: str, *operands, out_format=None) -> Plan:
     """The plan (schedule, generated source) ``einsum`` would run; for tools and tests."""
     assignment = _parse_cached(equation, len(operands))
-    prepared = _prepare_operands(assignment, operands)
+    prepared, dtype, _ = _prepare_operands(assignment, operands)
     if all(isinstance(op, torch.Tensor) for op in prepared):
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
-    dtype = next(op.dtype if isinstance(op, torch.Tensor) else op.values.dtype for op in prepared)
     return _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
 
 
