@@ -300,3 +300,18 @@ def test_malformed_expressions(text, message):
         return
     with pytest.raises(ValueError, match=message):
         sparsenn.compile(text)
+
+
+def test_dimension_beyond_int32_uses_int64_and_never_densifies():
+    n = 2**31 + 5
+    idx = torch.tensor([[0, 1, 2, 2], [5, n - 1, 7, n - 2]])
+    a = sparsenn.from_coo(idx, torch.tensor([1.0, 2.0, 3.0, 4.0]), (3, n), format="csr")
+    b = sparsenn.from_coo(idx[:, :3], torch.tensor([1.0, 1.0, 1.0]), (3, n), format="csr")
+    assert a.index_dtype == torch.int64
+    product = sparsenn.einsum("ij,ij->ij", a, b)
+    assert product.index_dtype == torch.int64
+    torch.testing.assert_close(product.coords()[0], idx[:, :3])
+    total = a + b
+    torch.testing.assert_close(total.coords()[1], torch.tensor([2.0, 3.0, 4.0, 4.0]))
+    gram = sparsenn.einsum("ij,kj->ik", a, b)  # inner product over the huge j: no transposes
+    torch.testing.assert_close(gram, torch.diag(torch.tensor([1.0, 2.0, 3.0])))

@@ -397,9 +397,11 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     prepared, dtype, _ = _prepare_operands(assignment, operands)
     lines = [f"expression: {assignment}"]
-    for n, op in enumerate(prepared):
+    for n, (op, given) in enumerate(zip(prepared, operands)):
         desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense {tuple(op.shape)}"
-        lines.append(f"  operand {n} ({assignment.operand_names[n]}): {desc}")
+        if isinstance(given, SparseTensor) and given.format.block is not None:
+            desc += f" (given as {given.format}: kernels iterate blocked operands as their unblocked levels)"
+        lines.append(f"  {_describe(assignment, n)}: {desc}")
     if all(isinstance(op, torch.Tensor) for op in prepared):
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)

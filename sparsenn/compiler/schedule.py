@@ -147,6 +147,11 @@ class _Factor:
     fibers: list[float]
     natural: bool
     nnz: int
+    storage: float = 0.0  # index entries of the (possibly re-stored) levels
+
+    @property
+    def transpose_cost(self) -> float:
+        return 0.0 if not self.sparse or self.natural else TRANSPOSE_COST * (self.nnz + self.storage)
 
 
 def _estimate_positions(letters: str, sizes: Sequence[int], nnz: int) -> list[float]:
@@ -173,11 +178,14 @@ def _factor(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) ->
     else:
         sizes = [info.shape[access.indices.index(i)] for i in wanted]
         positions = _estimate_positions(letters, sizes, info.nnz)
-    fibers, parent = [], 1.0
-    for p in positions:
+    fibers, parent, storage = [], 1.0, 0.0
+    for letter, p in zip(letters, positions):
         fibers.append(p / parent if parent > 0 else 0.0)
+        storage += (parent + 1 + p) if letter == "c" else p if letter == "s" else 0.0
         parent = p
-    return _Factor(access.operand, True, list(zip(wanted, letters)), fibers, wanted == natural, info.nnz)
+    return _Factor(
+        access.operand, True, list(zip(wanted, letters)), fibers, wanted == natural, info.nnz, storage
+    )
 
 
 def _nest_cost(
@@ -218,7 +226,7 @@ def _nest_cost(
         iters *= trip
     last_dense = bool(order) and unit_stride and not any(f.sparse and f.levels and f.levels[-1][0] == order[-1] and f.levels[-1][1] != "d" for f in factors)
     cost += iters * len(term.factors) / (VECTOR_WIDTH if last_dense else 1.0)
-    cost += sum(TRANSPOSE_COST * f.nnz for f in factors if f.sparse and not f.natural)
+    cost += sum(f.transpose_cost for f in factors)
     return cost, iters, factors
 
 
