@@ -25,6 +25,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 from . import jit
+from .autograd import differentiable_evaluate
 from .codegen import generate_source, slot_arrays
 from .contract import Step, best_path
 from .infer import infer_output_format
@@ -347,7 +348,7 @@ def einsum(equation: str, *operands, out_format=None):
     ``out_format`` overrides the inferred output format (``"dense"`` for a tensor).
     Returns a dense ``torch.Tensor`` when the output is dense, else a ``SparseTensor``.
     """
-    return _evaluate(_parse_cached(equation, len(operands)), operands, out_format)
+    return differentiable_evaluate(_evaluate, _parse_cached(equation, len(operands)), operands, out_format)
 
 
 class CompiledExpression:
@@ -380,7 +381,7 @@ class CompiledExpression:
         return [bound[n] for n in names]
 
     def __call__(self, *args, **kwargs):
-        return _evaluate(self.assignment, self._bind(args, kwargs), self.out_format)
+        return differentiable_evaluate(_evaluate, self.assignment, self._bind(args, kwargs), self.out_format)
 
     def explain(self, *args, **kwargs) -> str:
         return _explain(self.assignment, self._bind(args, kwargs), self.out_format)
