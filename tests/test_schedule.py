@@ -39,10 +39,11 @@ def test_spgemm_is_gustavson_with_row_workspace():
 def test_sddmm_iterates_the_pattern():
     p = plan("ij,ik,jk->ij", sparse((N, N), "csr"), torch.randn(N, 64), torch.randn(N, 64))
     s = p.schedule
-    assert str(s.output_format) == "csr"
-    assert s.shared == ("i", "j")  # (i, j) come from A's pattern, k is the inner reduction
-    assert s.nests[0].order == ("k",)
-    assert s.workspace is None
+    assert str(p.output_format) == "csr"
+    assert p.anchor == 0  # the result takes A's pattern: values written in place, no assembly
+    assert s.nests[0].order == ("i", "j", "k")  # (i, j) from A's pattern, k the inner reduction
+    assert s.nests[0].parallel
+    assert s.workspace is None and s.transposes == ()
     assert len(s.nests) == 1  # one fused kernel, no dense intermediate
 
 

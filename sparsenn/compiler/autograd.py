@@ -52,6 +52,9 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) ->
     rank = len(operands[operand].shape)
     target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
     inputs = [grad_out] + list(operands)
+    if template is not None:  # the pattern, with ones: samples the product at the pattern
+        inputs.append(template.with_values(torch.ones_like(template.values)))
+        mask = len(inputs) - 1
     terms = []
     for term in a.terms:
         for k, factor in enumerate(term.factors):
@@ -66,8 +69,7 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) ->
             factors += [Access(1 + g.operand, renamed(g.indices)) for j, g in enumerate(term.factors) if j != k]
             covered = {i for f in factors for i in f.indices}
             if template is not None:
-                inputs.append(template.with_values(torch.ones_like(template.values)))
-                factors.append(Access(len(inputs) - 1, target))
+                factors.append(Access(mask, target))
             else:
                 missing = tuple(i for i in target if i not in covered)
                 if missing:  # indices only this factor has: the gradient is constant along them
@@ -76,8 +78,8 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) ->
                     factors.append(Access(len(inputs) - 1, missing))
             terms.append(Term(term.coefficient, tuple(factors)))
     if template is not None:
-        inputs.append(template.with_values(torch.zeros_like(template.values)))
-        terms.append(Term(1.0, (Access(len(inputs) - 1, target),)))
+        # 0 * mask keeps every stored position in the result, so values line up with X's.
+        terms.append(Term(0.0, (Access(mask, target),)))
         out_format = template.format
     else:
         out_format = "dense"
@@ -120,6 +122,7 @@ class _SparseEinsum(torch.autograd.Function):
             template = spec.templates[n]
             if isinstance(g, SparseTensor):
                 g = g.values
+                assert g.shape == tensors[n].shape, "sampled gradient lost positions of its pattern"
             elif template is not None:  # a dense-format SparseTensor: values in storage order
                 g = g.permute(template.format.mode_order).reshape(-1)
             grads.append(g)

@@ -47,6 +47,7 @@ class Plan:
     schedule: Schedule
     kernel: LoweredKernel
     source: str
+    anchor: int | None = None  # the output has this operand's pattern (see lower.lower)
     library: ctypes.CDLL | None = None
 
     def load(self) -> ctypes.CDLL:
@@ -154,6 +155,37 @@ def _native_output(requested: Format) -> Format:
 # ----------------------------------------------------------------------------- planning
 
 
+def _anchor(assignment: Assignment, formats, out_format, inferred: Format | None) -> int | None:
+    """A sparse operand whose pattern is exactly the output's, if any.
+
+    That holds when every term reads the operand at the output's indices and no other
+    factor is sparse at an output index (so nothing narrows the pattern further): SDDMM,
+    sampled gradients. Values are then written in place and nothing is assembled. Used
+    when the output is sparse and no other format was requested."""
+    if inferred is None:
+        return None
+    output = assignment.output
+
+    def narrows(factor, anchor: int) -> bool:
+        fmt = formats[factor.operand]
+        if factor.operand == anchor or fmt is None:
+            return False
+        return any(fmt.letters[fmt.mode_order.index(m)] != "d" for m, i in enumerate(factor.indices) if i in output)
+
+    for n, fmt in enumerate(formats):
+        if fmt is None or fmt.block is not None:
+            continue
+        if out_format is not None and parse_format(out_format, len(output)) != fmt:
+            continue
+        if all(
+            any(f.operand == n and f.indices == output for f in t.factors)
+            and not any(narrows(f, n) for f in t.factors)
+            for t in assignment.terms
+        ):
+            return n
+    return None
+
+
 def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype, index_dtype) -> Plan:
     infos = [_info(op) for op in prepared]
     formats = tuple(i.format for i in infos)
@@ -173,10 +205,18 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
             raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result")
         output = _native_output(parse_format(out_format, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    sched = schedule(assignment, infos, output, itemsize)
-    lowered = lower(assignment, sched, formats)
+    anchor = _anchor(assignment, formats, out_format, output)
+    sched = schedule(assignment, infos, None if anchor is not None else output, itemsize)
+    if anchor is not None and any(
+        assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes
+    ):  # the anchor would be re-stored: its positions are not the output's
+        anchor = None
+        sched = schedule(assignment, infos, output, itemsize)
+    if anchor is not None:
+        output = formats[anchor]
+    lowered = lower(assignment, sched, formats, anchor)
     source = generate_source(lowered, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
-    plan = Plan(assignment, formats, output, sched, lowered, source)
+    plan = Plan(assignment, formats, output, sched, lowered, source, anchor)
     with _plans_lock:
         _plans[key] = plan
     return plan
@@ -209,7 +249,11 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     tensors = _slot_tensors(plan, prepared, index_dtype)
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
     out = None
-    if plan.output_format is None:
+    if plan.anchor is not None:
+        pattern = prepared[plan.anchor]
+        out = torch.zeros(pattern.values.shape[0], dtype=dtype)
+        tensors.append(out)
+    elif plan.output_format is None:
         out = torch.zeros(out_shape, dtype=dtype)
         tensors.append(out)
     arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
@@ -220,6 +264,8 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         if handle.value:
             lib.sn_free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
+    if plan.anchor is not None:
+        return SparseTensor(out_shape, pattern.format, pattern.pos, pattern.crd, out, check=False)
     if out is not None:
         return out
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)

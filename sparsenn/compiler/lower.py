@@ -267,7 +267,7 @@ class _Lowerer:
         states: list[_State],
         leaf: Callable[[list[_State]], None],
         bounds: dict[str, tuple[str, str]],
-        around: dict[int, tuple[Callable[[], None], Callable[[], None]]] | None = None,
+        around: dict[int, tuple[Callable[[list[_State]], None], Callable[[list[_State]], None]]] | None = None,
         position: int = 0,
         accumulator: str | None = None,
     ) -> None:
@@ -278,7 +278,7 @@ class _Lowerer:
             return
         before, after = (around or {}).get(position, (None, None))
         if before:
-            before()
+            before(states)
         innermost = position == len(order) - 1
         self.emit_loop(
             order[position],
@@ -288,7 +288,7 @@ class _Lowerer:
             accumulator if innermost else None,
         )
         if after:
-            after()
+            after(states)
 
 
 def _chunk_prologue(w: _Writer, extent: str) -> None:
@@ -296,14 +296,20 @@ def _chunk_prologue(w: _Writer, extent: str) -> None:
     w.line("const int64_t sn_nchunks = std::min<int64_t>(sn_extent, (int64_t)nthreads * 8);")
 
 
-def lower(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]) -> LoweredKernel:
-    """C++ statements computing ``assignment`` per ``sched`` (see the module doc)."""
+def lower(
+    assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None = None
+) -> LoweredKernel:
+    """C++ statements computing ``assignment`` per ``sched`` (see the module doc).
+
+    With ``anchor``, the output has the pattern of that sparse operand (which every
+    term reads at the output's indices): the kernel writes values at the anchor's
+    positions into a dense values array, and no output assembly is needed."""
     lo = _Lowerer(assignment, sched, formats)
     w = lo.w
     for n, _ in enumerate(lo.indices):
         w.line(f"const int64_t N{n} = dims[{n}]; (void)N{n};")
     if sched.output_format is None:
-        _lower_dense_output(lo)
+        _lower_dense_output(lo, anchor)
     else:
         _lower_sparse_output(lo)
     return LoweredKernel("\n".join(w.lines), tuple(lo.slots), lo.indices, sched.output_format is None)
@@ -312,12 +318,26 @@ def lower(assignment: Assignment, sched: Schedule, formats: Sequence[Format | No
 # ----------------------------------------------------------------------------- dense output
 
 
-def _lower_dense_output(lo: _Lowerer) -> None:
+def anchor_factor(term: Term, output: tuple[str, ...], anchor: int) -> int:
+    """The factor of ``term`` that reads operand ``anchor`` at exactly the output indices."""
+    return next(k for k, f in enumerate(term.factors) if f.operand == anchor and f.indices == output)
+
+
+def _output_offset(lo: _Lowerer, term: Term, anchor: int | None) -> Callable[[list[_State]], str]:
+    """Where the leaf writes: the row-major output offset, or the anchor's position."""
+    if anchor is None:
+        dense = lo.offset(lo.a.output)
+        return lambda states: dense
+    k = anchor_factor(term, lo.a.output, anchor)
+    return lambda states: states[k].pos
+
+
+def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
     a, w = lo.a, lo.w
-    out_offset = lo.offset(a.output)
     for nest in lo.s.nests:
         term = a.terms[nest.term]
         states = lo.initial_states(nest.term, term)
+        offset = _output_offset(lo, term, anchor)
         coef = repr(float(term.coefficient))
         order = nest.order
         # Trailing reduction loops accumulate in a register, then add to the output once.
@@ -328,16 +348,16 @@ def _lower_dense_output(lo: _Lowerer) -> None:
         acc = w.fresh("acc")
         if split < len(order):
             around[split] = (
-                lambda acc=acc: w.line(f"V {acc} = 0;"),
-                lambda acc=acc: w.line(f"out[{out_offset}] += V({coef}) * {acc};"),
+                lambda st, acc=acc: w.line(f"V {acc} = 0;"),
+                lambda st, acc=acc, offset=offset: w.line(f"out[{offset(st)}] += V({coef}) * {acc};"),
             )
 
             def leaf(st, acc=acc):
                 w.line(f"{acc} += {lo.product(st)};")
         else:
 
-            def leaf(st):
-                w.line(f"out[{out_offset}] += V({coef}) * {lo.product(st)};")
+            def leaf(st, offset=offset):
+                w.line(f"out[{offset(st)}] += V({coef}) * {lo.product(st)};")
 
         tiles = [t for t in nest.tiles if t.index != order[0]]
         w.open("")
