@@ -138,9 +138,13 @@ class _Lowerer:
             expr = f"({expr}) * {self.dim(index)} + {self.var(index)}"
         return expr
 
-    def product(self, states: Sequence[_State]) -> str:
+    def product(self, states: Sequence[_State], only: Sequence[int] | None = None) -> str:
+        """The product of the factors' values at their current positions (of the
+        factors numbered in ``only``, if given)."""
         parts = []
-        for st in states:
+        for k, st in enumerate(states):
+            if only is not None and k not in only:
+                continue
             if st.sparse:
                 parts.append(f"s{st.slot}_val[{st.pos}]")
             else:
@@ -347,13 +351,19 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         around = {}
         acc = w.fresh("acc")
         if split < len(order):
-            around[split] = (
-                lambda st, acc=acc: w.line(f"V {acc} = 0;"),
-                lambda st, acc=acc, offset=offset: w.line(f"out[{offset(st)}] += V({coef}) * {acc};"),
-            )
+            # Factors constant across the reduction loops multiply the sum once.
+            inner = set(order[split:])
+            outside = [k for k, f in enumerate(term.factors) if not inner & set(f.indices)]
+            inside = [k for k in range(len(term.factors)) if k not in outside]
 
-            def leaf(st, acc=acc):
-                w.line(f"{acc} += {lo.product(st)};")
+            def after(st, acc=acc, offset=offset, outside=outside):
+                scale = " * ".join([f"V({coef})", *([lo.product(st, outside)] if outside else [])])
+                w.line(f"out[{offset(st)}] += {scale} * {acc};")
+
+            around[split] = (lambda st, acc=acc: w.line(f"V {acc} = 0;"), after)
+
+            def leaf(st, acc=acc, inside=inside):
+                w.line(f"{acc} += {lo.product(st, inside)};")
         else:
 
             def leaf(st, offset=offset):
