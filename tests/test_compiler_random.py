@@ -1,12 +1,14 @@
-"""Random expressions (hypothesis): ranks 1-3, 1-3 operands, random formats and
-densities, compared with torch.einsum on dense copies."""
+"""Random expressions (hypothesis): ranks 1-3, 1-3 operands, random formats, mode
+orders, dtypes, index widths and densities, compared with torch.einsum on dense
+copies. The "long" hypothesis profile (tests/conftest.py) runs 10,000 cases."""
 
 from __future__ import annotations
 
 import string
 
+import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import sparsenn
@@ -53,7 +55,7 @@ def operands_and_equation(draw):
     return equation, ops
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@pytest.mark.fuzz
 @given(operands_and_equation())
 def test_random_einsum_matches_torch(case):
     equation, ops = case
@@ -90,7 +92,7 @@ def sum_of_products(draw):
     return text, operands, output, sizes
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@pytest.mark.fuzz
 @given(sum_of_products())
 def test_random_sums_of_products_match_torch(case):
     text, operands, output, sizes = case
