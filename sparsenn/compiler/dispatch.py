@@ -454,7 +454,12 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         return "\n".join(lines)
     plan = _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
     s = plan.schedule
-    lines.append(f"output format: {'dense' if s.output_format is None else s.output_format}")
+    lines.append(f"output format: {'dense' if plan.output_format is None else plan.output_format}")
+    if plan.anchor is not None:
+        lines.append(
+            f"output pattern: that of {_describe(assignment, plan.anchor)} (every term samples it); "
+            "values are written at its positions, nothing is assembled"
+        )
     if s.shared:
         lines.append(f"shared output loops: {','.join(s.shared)}")
     for nest in s.nests:
