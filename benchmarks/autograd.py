@@ -227,7 +227,7 @@ def machine_info():
     except (OSError, StopIteration):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "sparsenn": sparsenn.__version__}
+            "sparsenn": sparsenn.__version__, "loadavg_start": os.getloadavg()}
 
 
 def fmt(v, spec=".2f"):
@@ -236,7 +236,8 @@ def fmt(v, spec=".2f"):
 
 def markdown(info, results, quick):
     out = [f"# Autograd benchmark{' (--quick)' if quick else ''}", "",
-           f"CPU: {info['cpu']}, {info['cores']} cores; torch {info['torch']}; python {info['python']}.",
+           f"CPU: {info['cpu']}, {info['cores']} cores; torch {info['torch']}; python {info['python']}; load average "
+           f"(1/5/15 min) at start {info['loadavg_start']}, at end {info['loadavg_end']}.",
            "Median of repeats after 2 warm-up iterations; fwd = forward under no_grad; fwd+bwd = forward, "
            "(out**2).mean(), backward. Ratio = alternative time / sparsenn time (> 1: sparsenn faster).", ""]
     out += ["| case | threads | method | fwd ms | fwd+bwd ms | fwd ratio | fwd+bwd ratio |", "|---|---|---|---|---|---|---|"]
@@ -268,12 +269,12 @@ def markdown(info, results, quick):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, Cora only (smoke run)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats (default 10, quick 10)")
+    ap.add_argument("--repeats", type=int, default=10, help="timed repeats (>= 10 recommended)")
     ap.add_argument("--first-call", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.first_call:
         return run_first_call(args.first_call, args.quick)
-    repeats = max(args.repeats or 10, 1)
+    repeats = max(args.repeats, 1)
     info = machine_info()
     print(json.dumps(info))
     results = []
@@ -284,6 +285,7 @@ def main():
         res["first_call"] = first_call(key, args.quick)
         print("  first call:", res["first_call"], flush=True)
         results.append(res)
+    info["loadavg_end"] = os.getloadavg()
     text = markdown(info, results, args.quick)
     print(text)
     out_dir = ROOT / "benchmarks" / "results"

@@ -230,7 +230,7 @@ def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[
     for slot in plan.kernel.slots:
         op = prepared[slot.operand]
         if slot.fmt is None:
-            tensors.append(op)
+            tensors.append(op if slot.layout is None else op.permute(slot.layout).contiguous())
             continue
         if op.format != slot.fmt:
             op = op.asformat(slot.fmt)
@@ -254,7 +254,7 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         out = torch.zeros(pattern.values.shape[0], dtype=dtype)
         tensors.append(out)
     elif plan.output_format is None:
-        out = torch.zeros(out_shape, dtype=dtype)
+        out = torch.zeros([sizes[i] for i in plan.schedule.output_order], dtype=dtype)
         tensors.append(out)
     arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
     handle = ctypes.c_void_p()
@@ -267,7 +267,8 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     if plan.anchor is not None:
         return SparseTensor(out_shape, pattern.format, pattern.pos, pattern.crd, out, check=False)
     if out is not None:
-        return out
+        order = plan.schedule.output_order
+        return out.permute([order.index(i) for i in plan.assignment.output])
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
 
 

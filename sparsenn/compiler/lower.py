@@ -34,11 +34,13 @@ __all__ = ["Slot", "LoweredKernel", "lower"]
 
 @dataclass(frozen=True)
 class Slot:
-    """One operand as the kernel reads it: stored as is, re-stored in ``mode_order``
-    (a transpose the schedule asked for), or a dense tensor (``fmt is None``)."""
+    """One operand as the kernel reads it: a sparse operand stored as is or re-stored
+    in another mode order (``fmt``), or a dense tensor (``fmt is None``), contiguous
+    with its modes permuted by ``layout`` when the schedule asked for it."""
 
     operand: int
     fmt: Format | None
+    layout: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,11 +117,12 @@ class _Lowerer:
         states = []
         for k, access in enumerate(term.factors):
             fmt = self.formats[access.operand]
-            if fmt is None:
-                n = self.slot_of(Slot(access.operand, None))
-                states.append(_State(n, (), access.indices))
-                continue
             order = self.s.factor_mode_order(t, k)
+            if fmt is None:
+                n = self.slot_of(Slot(access.operand, None, order))
+                indices = access.indices if order is None else tuple(access.indices[m] for m in order)
+                states.append(_State(n, (), indices))
+                continue
             if order is not None and order != fmt.mode_order:
                 fmt = Format(fmt.levels, order, None)
             n = self.slot_of(Slot(access.operand, fmt))
@@ -330,7 +333,7 @@ def anchor_factor(term: Term, output: tuple[str, ...], anchor: int) -> int:
 def _output_offset(lo: _Lowerer, term: Term, anchor: int | None) -> Callable[[list[_State]], str]:
     """Where the leaf writes: the row-major output offset, or the anchor's position."""
     if anchor is None:
-        dense = lo.offset(lo.a.output)
+        dense = lo.offset(lo.s.output_order)
         return lambda states: dense
     k = anchor_factor(term, lo.a.output, anchor)
     return lambda states: states[k].pos

@@ -47,6 +47,7 @@ DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
+DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ class Workspace:
 @dataclass(frozen=True)
 class Schedule:
     output_format: Format | None
-    output_order: tuple[str, ...]  # output indices in storage-level order
+    output_order: tuple[str, ...]  # output indices in storage (or dense layout) order
     shared: tuple[str, ...]  # shared output loops (sparse output only)
     nests: tuple[Nest, ...]
     workspace: Workspace | None
@@ -151,7 +152,11 @@ class _Factor:
 
     @property
     def transpose_cost(self) -> float:
-        return 0.0 if not self.sparse or self.natural else TRANSPOSE_COST * (self.nnz + self.storage)
+        if self.natural:
+            return 0.0
+        if not self.sparse:
+            return DENSE_COPY_COST * self.nnz
+        return TRANSPOSE_COST * (self.nnz + self.storage)
 
 
 def _estimate_positions(letters: str, sizes: Sequence[int], nnz: int) -> list[float]:
@@ -167,8 +172,11 @@ def _estimate_positions(letters: str, sizes: Sequence[int], nnz: int) -> list[fl
 
 
 def _factor(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> _Factor:
+    """A factor read in loop order. A dense operand is laid out in loop order too (a
+    copy when that differs from its own), so its innermost accesses are unit-stride."""
     if info.format is None:
-        return _Factor(access.operand, False, [], [], True, info.nnz)
+        layout = sorted(access.indices, key=lambda i: loop_rank[i])
+        return _Factor(access.operand, False, [(i, "d") for i in layout], [], layout == list(access.indices), info.nnz)
     fmt = info.format
     natural = [access.indices[m] for m in fmt.mode_order]
     wanted = sorted(natural, key=lambda i: loop_rank[i])
@@ -202,11 +210,8 @@ def _nest_cost(
     factors = [_factor(a, infos[a.operand], rank, term) for a in term.factors]
     depth = [0] * len(factors)
     cost, iters = 0.0, 1.0
-    unit_stride = bool(order) and all(
-        a.indices[-1] == order[-1]
-        for a in term.factors
-        if infos[a.operand].format is None and order[-1] in a.indices
-    ) and (not output or order[-1] not in output or output[-1] == order[-1])
+    if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
+        cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
     for position, index in enumerate(order):
         n = float(max(dims[index], 1))
         fibers = []
@@ -220,12 +225,14 @@ def _nest_cost(
             work = SPARSE_ITERATION_COST * sum(fibers)
         else:
             trip = work = n
-            if position == len(order) - 1 and unit_stride:
+            if position == len(order) - 1:
                 work = n / VECTOR_WIDTH
         cost += iters * max(work, 1.0)
         iters *= trip
-    last_dense = bool(order) and unit_stride and not any(f.sparse and f.levels and f.levels[-1][0] == order[-1] and f.levels[-1][1] != "d" for f in factors)
-    cost += iters * len(term.factors) / (VECTOR_WIDTH if last_dense else 1.0)
+    innermost_dense = bool(order) and not any(
+        f.sparse and f.levels[-1][0] == order[-1] and f.levels[-1][1] != "d" for f in factors
+    )
+    cost += iters * len(term.factors) / (VECTOR_WIDTH if innermost_dense else 1.0)
     cost += sum(f.transpose_cost for f in factors)
     return cost, iters, factors
 
@@ -286,7 +293,7 @@ def _tiles(
 def _transposes(t: int, factors: list[_Factor], term: Term, infos) -> list:
     out = []
     for k, (f, access) in enumerate(zip(factors, term.factors)):
-        if f.sparse and not f.natural:
+        if not f.natural:
             out.append(((t, k), tuple(access.indices.index(i) for i, _ in f.levels)))
     return out
 
@@ -314,6 +321,7 @@ def schedule(
 
 def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
+    output_order, costliest = assignment.output, -1.0
     for t, term in enumerate(assignment.terms):
         indices = _nest_indices(term, assignment.output)
 
@@ -333,8 +341,10 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         transposes += _transposes(t, factors, term, infos)
         total += costs[best]
         reasons.append(_explain_choice(t, best, costs, factors, parallel))
+        if costs[best] > costliest:  # the output is laid out in its costliest nest's loop order
+            output_order, costliest = tuple(sorted(assignment.output, key=best.index)), costs[best]
     return Schedule(
-        None, assignment.output, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
+        None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
 
 
