@@ -291,7 +291,7 @@ def _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads) -> Spa
         if level > 0 and n_cnt != expected:
             lib.sn_free(handle)
             raise RuntimeError(f"internal error: output level {level} has {n_cnt} counts, expected {expected}")
-        pos[level] = torch.empty(max(parents, 1) + 1 if level == 0 else parents + 1, dtype=idx)
+        pos[level] = torch.empty(parents + 1, dtype=idx)  # the root has one position
         crd[level] = torch.empty(n_crd, dtype=idx)
         arrays += [pos[level], crd[level]]
         parents = n_crd
@@ -300,8 +300,6 @@ def _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads) -> Spa
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays])
     if lib.sn_finish(handle, ptrs, int(wide), nthreads) != 0:
         raise MemoryError("sparsenn kernel ran out of memory while assembling its output")
-    if num_dense == 0:
-        pos[0] = pos[0][:2]
     return SparseTensor(out_shape, fmt, tuple(pos), tuple(crd), values, check=False)
 
 
