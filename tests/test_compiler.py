@@ -315,3 +315,14 @@ def test_dimension_beyond_int32_uses_int64_and_never_densifies():
     torch.testing.assert_close(total.coords()[1], torch.tensor([2.0, 3.0, 4.0, 4.0]))
     gram = sparsenn.einsum("ij,kj->ik", a, b)  # inner product over the huge j: no transposes
     torch.testing.assert_close(gram, torch.diag(torch.tensor([1.0, 2.0, 3.0])))
+
+
+def test_restored_patterns_are_cached_but_values_follow():
+    a = sp((30, 20), "csc", seed=3)
+    x = torch.randn(20, 16, dtype=torch.float64)
+    first = sparsenn.einsum("ij,jk->ik", a, x, out_format="dense")
+    for scale in (2.0, -1.0):  # same pattern, new values: the cached transpose must not go stale
+        b = a.with_values(a.values * scale)
+        torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", b, x, out_format="dense"), scale * first)
+    other = sp((30, 20), "csc", seed=4)  # a different pattern of the same shape and format
+    check("ij,jk->ik", [other, x], out_format="dense")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,6 +61,8 @@ class Plan:
 
 _plans: dict[tuple, Plan] = {}
 _paths: dict[tuple, list[Step] | None] = {}
+_RESTORED_LIMIT = 16
+_restored: OrderedDict[tuple, tuple] = OrderedDict()  # see _restored_as
 _plans_lock = threading.Lock()
 
 
@@ -225,6 +228,29 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
 # ----------------------------------------------------------------------------- running
 
 
+def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
+    """``op`` re-stored in ``fmt`` (a transpose the schedule asked for).
+
+    Patterns are usually fixed while values change (weights, graphs), so the re-stored
+    index arrays and the permutation of the values are cached per pattern: later calls
+    only gather the values. The cache keeps the source index arrays alive, so their
+    addresses identify them, and checks their version counters."""
+    arrays = tuple(a for a in op.pos + op.crd if a is not None)
+    key = (tuple(a.data_ptr() for a in arrays), op.shape, op.format, fmt)
+    versions = tuple(a._version for a in arrays)
+    hit = _restored.get(key)
+    if hit is None or hit[0] != versions:
+        numbered = op.with_values(torch.arange(op.values.shape[0], dtype=torch.float64))
+        moved = numbered.asformat(fmt)
+        hit = (versions, moved, moved.values.to(torch.int64), arrays)
+        with _plans_lock:
+            _restored[key] = hit
+            while len(_restored) > _RESTORED_LIMIT:
+                _restored.popitem(last=False)
+    _, moved, permutation, _ = hit
+    return SparseTensor(op.shape, fmt, moved.pos, moved.crd, op.values.detach()[permutation], check=False)
+
+
 def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[torch.Tensor]:
     tensors = []
     for slot in plan.kernel.slots:
@@ -233,7 +259,7 @@ def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[
             tensors.append(op if slot.layout is None else op.permute(slot.layout).contiguous())
             continue
         if op.format != slot.fmt:
-            op = op.asformat(slot.fmt)
+            op = _restored_as(op, slot.fmt)
         for kind, level in slot_arrays(slot):
             if kind == "val":
                 tensors.append(op.values.detach().contiguous())
