@@ -1,18 +1,7 @@
-"""Autograd benchmark: sparsenn vs torch.sparse vs dense / PyG, forward and forward+backward.
-
-Cases: a 90 %-sparse linear layer (x @ W^T) and GCN propagation A @ (X W) on Cora and
-a synthetic R-MAT graph. Usage: ``python benchmarks/autograd.py [--quick]``.
-"""
-import argparse
-import json
-import os
-import platform
-import shutil
-import statistics
-import subprocess
-import sys
-import tempfile
-import time
+"""Autograd benchmark: sparsenn vs torch.sparse vs dense / PyG, forward and forward+backward, on a
+90 %-sparse linear layer (x @ W^T) and GCN propagation A @ (X W) (Cora, synthetic R-MAT graph).
+Usage: ``python benchmarks/autograd.py [--quick]``."""
+import argparse, json, os, platform, shutil, statistics, subprocess, sys, tempfile, time  # noqa: E401
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +79,7 @@ def linear_methods(c):
         def build(_):
             W = (wd.to_sparse().coalesce() if layout == "coo" else wd.to_sparse_csr()).requires_grad_()
             x = leaf(c["x"])
-            return (lambda: torch.sparse.mm(W, x.T).T, [x, W],
-                    lambda: [x.grad, W.grad.to_dense()[mask]])
+            return lambda: torch.sparse.mm(W, x.T).T, [x, W], lambda: [x.grad, W.grad.to_dense()[mask]]
         return build
 
     def dense(dtype):
@@ -109,8 +97,7 @@ def gcn_methods(c):
 
     def make(spmm):
         def build(dtype):
-            w = leaf(c["w"], dtype)
-            xx = x.to(dtype)
+            w, xx = leaf(c["w"], dtype), x.to(dtype)
             return lambda: spmm(xx @ w, dtype), [w], lambda: [w.grad]
         return build
 
@@ -118,23 +105,16 @@ def gcn_methods(c):
     coo = torch.sparse_coo_tensor(torch.stack([row, col]), norm, (n, n)).coalesce()
     csr = coo.to_sparse_csr()
     from torch_geometric.utils import scatter
-
-    def pyg(xw, dtype):
-        return scatter(norm.to(dtype)[:, None] * xw[col], row, dim=0, dim_size=n, reduce="sum")
-
-    ref = (lambda xw, d: coo.to_dense().to(d) @ xw) if n <= 20_000 else (lambda xw, d: torch.sparse.mm(coo.to(d), xw))
+    ref = (lambda xw, d: coo.to_dense().to(d) @ xw) if n <= 20_000 else (lambda xw, d: coo.to(d) @ xw)
     return {"sparsenn": make(lambda xw, d: sparsenn.einsum("ij,jk->ik", A, xw)),
             "torch.sparse COO": make(lambda xw, d: torch.sparse.mm(coo, xw)),
             "torch.sparse CSR": make(lambda xw, d: torch.sparse.mm(csr, xw)),
-            "PyG scatter": make(pyg)}, make(ref)
+            "PyG scatter": make(lambda xw, d: scatter(norm.to(d)[:, None] * xw[col], row, 0, dim_size=n)),
+            }, make(ref)
 
 
 def build_methods(c):
     return linear_methods(c) if c["kind"] == "linear" else gcn_methods(c)
-
-
-def loss_fn(out):
-    return (out ** 2).mean()
 
 
 def step(fwd, leaves, backward):
@@ -145,19 +125,18 @@ def step(fwd, leaves, backward):
         with torch.no_grad():
             return fwd()
     out = fwd()
-    loss_fn(out).backward()
+    (out ** 2).mean().backward()
     return out
 
 
-def median_ms(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+def err(exc):
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def timed_ms(fn):
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def check(c, methods, ref_builder):
@@ -173,23 +152,38 @@ def check(c, methods, ref_builder):
             ok = all(d <= RTOL * float(r.abs().max()) for d, r in zip(diffs, ref))
             rows[name] = {"max_abs_diff": diffs, "ok": ok}
         except Exception as exc:  # record and continue
-            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows[name] = {"error": err(exc)}
     return rows
 
 
 def bench_case(c, threads, repeats):
+    """Median fwd and fwd+bwd times; methods run round-robin per repeat so background load hits all alike."""
     methods, ref_builder = build_methods(c)
     res = {"case": c["name"], "check": check(c, methods, ref_builder), "timings": []}
     for nt in threads:
         torch.set_num_threads(nt)
+        runs, rows = {}, {name: {"threads": nt, "method": name, "fwd_samples_ms": [], "fwdbwd_samples_ms": []}
+                          for name in methods}
         for name, builder in methods.items():
-            row = {"threads": nt, "method": name}
             try:
                 fwd, leaves, _ = builder(torch.float32)
-                row["fwd_ms"] = median_ms(lambda: step(fwd, leaves, False), repeats)
-                row["fwdbwd_ms"] = median_ms(lambda: step(fwd, leaves, True), repeats)
+                for _ in range(2):  # warm-up (builds sparsenn kernels on first use)
+                    step(fwd, leaves, False), step(fwd, leaves, True)
+                runs[name] = (fwd, leaves)
             except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                rows[name]["error"] = err(exc)
+        for _ in range(repeats):
+            for name, (fwd, leaves) in list(runs.items()):
+                try:
+                    rows[name]["fwd_samples_ms"].append(timed_ms(lambda: step(fwd, leaves, False)))
+                    rows[name]["fwdbwd_samples_ms"].append(timed_ms(lambda: step(fwd, leaves, True)))
+                except Exception as exc:
+                    rows[name]["error"] = err(exc)
+                    del runs[name]
+        for name, row in rows.items():
+            if "error" not in row:
+                row["fwd_ms"] = statistics.median(row["fwd_samples_ms"])
+                row["fwdbwd_ms"] = statistics.median(row["fwdbwd_samples_ms"])
             res["timings"].append(row)
             print(f"  {nt}T {name:18s} " + (f"fwd {row['fwd_ms']:9.2f} ms  fwd+bwd {row['fwdbwd_ms']:9.2f} ms"
                                              if "error" not in row else row["error"]), flush=True)
@@ -212,22 +206,22 @@ def make_case(key, quick):
 
 def run_first_call(key, quick):
     fwd, leaves, _ = build_methods(make_case(key, quick))[0]["sparsenn"](torch.float32)
-    t0 = time.perf_counter()
-    step(fwd, leaves, True)
-    t1 = time.perf_counter()
-    step(fwd, leaves, True)
-    print(json.dumps({"first_ms": (t1 - t0) * 1e3, "second_ms": (time.perf_counter() - t1) * 1e3}))
+    first, second = (timed_ms(lambda: step(fwd, leaves, True)) for _ in range(2))
+    print(json.dumps({"first_ms": first, "second_ms": second}))
 
 
 # ------------------------------------------------------------------------- report
+def git_rev():
+    """Current sparsenn checkout (commit, '-dirty' if the tree has changes)."""
+    cmd = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
+    return subprocess.run(cmd, capture_output=True, text=True).stdout.strip() or "unknown"
+
+
 def machine_info():
-    cpu = platform.processor()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    with open("/proc/cpuinfo") as f:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "sparsenn": sparsenn.__version__, "loadavg_start": os.getloadavg()}
+            "sparsenn": sparsenn.__version__, "loadavg_start": os.getloadavg(), "git_start": git_rev()}
 
 
 def fmt(v, spec=".2f"):
@@ -238,9 +232,12 @@ def markdown(info, results, quick):
     out = [f"# Autograd benchmark{' (--quick)' if quick else ''}", "",
            f"CPU: {info['cpu']}, {info['cores']} cores; torch {info['torch']}; python {info['python']}; load average "
            f"(1/5/15 min) at start {info['loadavg_start']}, at end {info['loadavg_end']}.",
-           "Median of repeats after 2 warm-up iterations; fwd = forward under no_grad; fwd+bwd = forward, "
-           "(out**2).mean(), backward. Ratio = alternative time / sparsenn time (> 1: sparsenn faster).", ""]
-    out += ["| case | threads | method | fwd ms | fwd+bwd ms | fwd ratio | fwd+bwd ratio |", "|---|---|---|---|---|---|---|"]
+           f"sparsenn checkout at start {info['git_start']}, at end {info['git_end']} (first-call subprocesses "
+           "import the checkout of their time).",
+           "Median of repeats (methods interleaved round-robin) after 2 warm-up iterations; fwd = forward under "
+           "no_grad; fwd+bwd = forward, (out**2).mean(), backward. Ratio = alternative time / sparsenn time "
+           "(> 1: sparsenn faster).", "",
+           "| case | threads | method | fwd ms | fwd+bwd ms | fwd ratio | fwd+bwd ratio |", "|---" * 7 + "|"]
     for r in results:
         base = {t["threads"]: t for t in r["timings"] if t["method"] == "sparsenn" and "error" not in t}
         for t in r["timings"]:
@@ -253,7 +250,7 @@ def markdown(info, results, quick):
                        f"{fmt(t['fwdbwd_ms'])} | {ratio('fwd_ms')} | {ratio('fwdbwd_ms')} |")
     out += ["", "Correctness vs float64 reference (dense; torch.sparse float64 for graphs > 20k nodes): "
             f"max abs diff of [out, grads...]; ok if each <= {RTOL:g} x max|ref|.", "",
-            "| case | method | max abs diffs | ok |", "|---|---|---|---|"]
+            "| case | method | max abs diffs | ok |", "|---" * 4 + "|"]
     for r in results:
         for name, c in r["check"].items():
             cell = c.get("error") or ", ".join(f"{d:.2e}" for d in c["max_abs_diff"])
@@ -285,14 +282,15 @@ def main():
         res["first_call"] = first_call(key, args.quick)
         print("  first call:", res["first_call"], flush=True)
         results.append(res)
-    info["loadavg_end"] = os.getloadavg()
+    info["loadavg_end"], info["git_end"] = os.getloadavg(), git_rev()
     text = markdown(info, results, args.quick)
     print(text)
     out_dir = ROOT / "benchmarks" / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = "autograd_quick" if args.quick else "autograd"
     (out_dir / f"{stem}.md").write_text(text)
-    (out_dir / f"{stem}.json").write_text(json.dumps({"machine": info, "quick": args.quick, "results": results}, indent=1))
+    raw = {"machine": info, "quick": args.quick, "repeats": repeats, "results": results}
+    (out_dir / f"{stem}.json").write_text(json.dumps(raw, indent=1))
 
 
 if __name__ == "__main__":

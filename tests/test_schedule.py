@@ -6,6 +6,7 @@ import torch
 
 import sparsenn
 from sparsenn.compiler.dispatch import plan
+from sparsenn.compiler.schedule import cache_sizes
 
 
 def sparse(shape, fmt, density=0.01, seed=0):
@@ -69,13 +70,15 @@ def test_csc_spmm_is_column_wise_or_transposed():
 
 
 def test_tiles_only_dense_loops_not_parents_of_sparse():
-    p = plan("ij,jk->ik", sparse((N, 100_000), "csr", density=1e-4), torch.randn(100_000, 256))
+    p = plan("ij,jk->ik", sparse((N, 10_000), "csr", density=1e-3), torch.empty(10_000, 4096))
     (nest,) = p.schedule.nests
     tiled = {t.index for t in nest.tiles}
     assert "j" not in tiled and "i" not in tiled
     assert tiled == {"k"}
     (tile,) = nest.tiles
-    assert 8 <= tile.size < 256
+    _, llc = cache_sizes()
+    assert 64 <= tile.size < 4096
+    assert 10_000 * tile.size * 4 <= llc // 2  # the reused tile of B fits in half the LLC
 
 
 def test_small_dense_loops_are_not_tiled():

@@ -194,6 +194,10 @@ class _Lowerer:
 
         if not sparse:
             lo, hi = bounds or ("0", n)
+            if bounds is not None:
+                end = w.fresh("end")
+                w.line(f"const int64_t {end} = {hi};")
+                hi = end
             if reduction is not None:
                 w.line(f"#pragma omp simd reduction(+:{reduction})")
             w.open(f"for (int64_t {var} = {lo}; {var} < {hi}; ++{var})")

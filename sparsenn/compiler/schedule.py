@@ -47,6 +47,7 @@ DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
+MIN_TILE_BYTES = 256  # four cache lines
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 
 
@@ -282,7 +283,8 @@ def _tiles(
             continue
         size = (llc // 2) // (footprint * itemsize)
         size = 1 << max(size, 1).bit_length() - 1
-        if 8 <= size < dims[index]:
+        # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
+        if MIN_TILE_BYTES // itemsize <= size < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
