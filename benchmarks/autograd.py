@@ -267,6 +267,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, Cora only (smoke run)")
     ap.add_argument("--repeats", type=int, default=10, help="timed repeats (>= 10 recommended)")
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--first-call", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.first_call:
@@ -278,7 +279,7 @@ def main():
     for key in ["linear", "cora"] + ([] if args.quick else ["synthetic"]):
         c = make_case(key, args.quick)
         print(c["name"], flush=True)
-        res = bench_case(c, [1, 2], repeats)
+        res = bench_case(c, [int(t) for t in args.threads.split(",")], repeats)
         res["first_call"] = first_call(key, args.quick)
         print("  first call:", res["first_call"], flush=True)
         results.append(res)

@@ -82,27 +82,34 @@ static void emit_sorted(Chunk& C, int level, int rank, const int64_t* dims,
   }
 }
 
-/* Dense workspace: values and touched flags over the whole workspace, plus the list of
-   touched keys; drained in key order (sorted, or scanned when most keys are touched). */
+/* Dense workspace: values over the whole workspace, a bitmap of touched keys and
+   their list. Drained in key order: by walking the bitmap's set bits (n / 64 words +
+   k keys), or by sorting the list when far fewer keys were touched than words. */
 struct DenseWS {
   std::vector<V> val;
-  std::vector<uint8_t> used;
+  std::vector<uint64_t> bits;
   std::vector<int64_t> list;
-  void init(int64_t n) { val.assign(n, V(0)); used.assign(n, 0); }
+  void init(int64_t n) { val.assign(n, V(0)); bits.assign((n + 63) / 64, 0); }
   inline void add(int64_t x, V v) {
-    if (used[x]) { val[x] += v; } else { used[x] = 1; val[x] = v; list.push_back(x); }
+    uint64_t& word = bits[x >> 6];
+    const uint64_t bit = uint64_t(1) << (x & 63);
+    if (word & bit) { val[x] += v; } else { word |= bit; val[x] = v; list.push_back(x); }
   }
   void drain(Chunk& C, int level, int rank, const int64_t* dims) {
-    const int64_t n = (int64_t)val.size(), k = (int64_t)list.size();
+    const int64_t k = (int64_t)list.size();
     if (k == 0) return;
-    if (k * (64 - __builtin_clzll((unsigned long long)k)) < n) {
+    if (k * (64 - __builtin_clzll((unsigned long long)k)) < (int64_t)bits.size()) {
       std::sort(list.begin(), list.end());
+      for (int64_t x : list) bits[x >> 6] = 0;
     } else {
       list.clear();
-      for (int64_t x = 0; x < n; ++x) if (used[x]) list.push_back(x);
+      for (int64_t w = 0; w < (int64_t)bits.size(); ++w) {
+        for (uint64_t word = bits[w]; word; word &= word - 1)
+          list.push_back(w * 64 + __builtin_ctzll(word));
+        bits[w] = 0;
+      }
     }
-    emit_sorted(C, level, rank, dims, list, [&](int64_t x) {
-      const V v = val[x]; used[x] = 0; val[x] = V(0); return v; });
+    emit_sorted(C, level, rank, dims, list, [&](int64_t x) { const V v = val[x]; val[x] = V(0); return v; });
     list.clear();
   }
 };

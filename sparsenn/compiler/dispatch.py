@@ -29,7 +29,7 @@ from . import jit
 from .autograd import differentiable_evaluate
 from .codegen import generate_source, slot_arrays
 from .contract import Step, best_path
-from .infer import infer_output_format
+from .infer import infer_output_format, sparse_by_estimate
 from .lower import LoweredKernel, lower
 from .notation import Access, Assignment, Term, parse_einsum, parse_expression
 from .schedule import OperandInfo, Schedule, schedule
@@ -135,6 +135,12 @@ def _prepare_operands(assignment: Assignment, operands: Sequence) -> tuple[list,
     return prepared, dtype, {index: size for index, (size, _) in sizes.items()}
 
 
+def infos_size(assignment: Assignment, infos: Sequence[OperandInfo]) -> list[int]:
+    """The output's shape, from the operands' shapes."""
+    sizes = {i: infos[a.operand].shape[m] for t in assignment.terms for a in t.factors for m, i in enumerate(a.indices)}
+    return [sizes[i] for i in assignment.output]
+
+
 def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << round(math.log2(n))
 
@@ -208,6 +214,10 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
             raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result")
         output = _native_output(parse_format(out_format, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
+    if out_format is None and output is None:
+        leaves = schedule(assignment, infos, None, itemsize).leaves
+        numel = math.prod(infos_size(assignment, infos))
+        output = sparse_by_estimate(assignment, formats, leaves, numel)
     anchor = _anchor(assignment, formats, out_format, output)
     sched = schedule(assignment, infos, None if anchor is not None else output, itemsize)
     if anchor is not None and any(

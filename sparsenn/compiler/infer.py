@@ -23,7 +23,9 @@ from sparsenn.formats import Format, parse_format
 
 from .notation import Assignment, Term
 
-__all__ = ["infer_output_format", "mode_is_sparse"]
+__all__ = ["infer_output_format", "mode_is_sparse", "sparse_by_estimate", "SPARSE_OUTPUT_DENSITY"]
+
+SPARSE_OUTPUT_DENSITY = 1 / 8
 
 
 def _level_letter(fmt: Format, mode: int) -> str:
@@ -58,3 +60,22 @@ def infer_output_format(
     first_sparse = letters.index("c")
     letters[first_sparse:] = "c" * (len(letters) - first_sparse)
     return parse_format("".join(letters), len(letters))
+
+
+def sparse_by_estimate(
+    assignment: Assignment, formats: Sequence[Format | None], estimated_nnz: float, numel: int
+) -> Format | None:
+    """A sparse format for a result Algorithm 4 calls dense, when that is asymptotically
+    wrong: ``A[i,j] A[k,j]`` (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense
+    levels, yet the result only has the pairs that share a ``j``. When every output index
+    is carried by sparse operands only (no dense operand can fill a row) and the
+    schedule's estimate of the result's nonzeros is below ``SPARSE_OUTPUT_DENSITY`` of
+    its size, the result is stored with a dense first level and compressed rest."""
+    output = assignment.output
+    if len(output) < 2 or numel == 0 or estimated_nnz >= SPARSE_OUTPUT_DENSITY * numel:
+        return None
+    for term in assignment.terms:
+        for access in term.factors:
+            if formats[access.operand] is None and set(access.indices) & set(output):
+                return None
+    return parse_format("d" + "c" * (len(output) - 1), len(output))
