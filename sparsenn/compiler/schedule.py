@@ -292,7 +292,8 @@ def _tiles(
 # ----------------------------------------------------------------------------- search
 
 
-def _transposes(t: int, factors: list[_Factor], term: Term, infos) -> list:
+def _transposes(t: int, factors: list[_Factor], term: Term) -> list:
+    """((term, factor), mode order) for each factor read in other than its own order."""
     out = []
     for k, (f, access) in enumerate(zip(factors, term.factors)):
         if not f.natural:
@@ -340,7 +341,7 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
         parallel = best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best]))
-        transposes += _transposes(t, factors, term, infos)
+        transposes += _transposes(t, factors, term)
         total += costs[best]
         reasons.append(_explain_choice(t, best, costs, factors, parallel))
         if costs[best] > costliest:  # the output is laid out in its costliest nest's loop order
@@ -366,7 +367,7 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule
             order = min(candidates, key=lambda o: costs[o])
             _, leaves, factors = _nest_cost(term, shared + order, infos, dims)
             nests.append(Nest(t, order, (), p > 0, costs[order]))
-            transposes += _transposes(t, factors, term, infos)
+            transposes += _transposes(t, factors, term)
             reasons.append(_explain_choice(t, shared + order, {shared + o: c for o, c in costs.items()}, factors, p > 0))
             total += costs[order]
             leaf_total += leaves

@@ -1,0 +1,247 @@
+"""Lowering of sparse outputs: shared output loops, workspaces and level assembly.
+
+The output's storage levels are appended in order by the *shared* loops (a union of
+the terms' streams when there are several terms); output levels below them are
+scattered into a per-thread workspace and drained in sorted order. Each chunk of the
+outermost loop appends into its own buffers (per compressed level: coordinates, and
+per parent position the number of children); ``sn_finish`` turns the counts into
+``pos`` arrays by prefix sums and copies the chunks in parallel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .lower import _chunk_prologue, _Lowerer, _State
+from .notation import Term
+from .schedule import Nest
+
+__all__ = ["lower_sparse_output"]
+
+
+def lower_sparse_output(lo: _Lowerer) -> None:
+    """Chunks of the first shared loop append into per-chunk level buffers."""
+    a, s, w = lo.a, lo.s, lo.w
+    fmt = s.output_format
+    rank = len(s.output_order)
+    num_dense = len(fmt.letters) - len(fmt.letters.lstrip("d"))
+    shared = s.shared
+    w.line(f"Result* res = new Result({rank}, {num_dense});")
+    w.line("*handle = res;")
+    _chunk_prologue(w, lo.dim(shared[0]) if shared else "1")
+    w.line("const int64_t sn_chunks = std::max<int64_t>(sn_nchunks, 1);")
+    w.line("res->chunks.resize(sn_chunks);")
+    w.line("int sn_error = 0;")
+    w.line(f"#pragma omp parallel num_threads({'nthreads' if shared else '1'})")
+    w.open("")
+    if s.workspace is not None:
+        ws = s.workspace
+        w.line(f"{'DenseWS' if ws.kind == 'dense' else 'SparseWS'} ws;")
+        dims = ", ".join(lo.dim(i) for i in ws.indices)
+        w.line(f"const int64_t ws_dims[] = {{{dims}}};")
+        w.line(f"try {{ ws.init({' * '.join(lo.dim(i) for i in ws.indices)}); }} catch (const std::bad_alloc&) {{ sn_fail(sn_error); }}")
+    w.line("#pragma omp for schedule(dynamic, 1)")
+    w.open("for (int64_t sn_chunk = 0; sn_chunk < sn_chunks; ++sn_chunk)")
+    w.line("if (sn_error) continue;")
+    w.open("try")
+    w.line("Chunk& C = res->chunks[sn_chunk];")
+    w.line("C.init(res->rank);")
+    w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_chunks;")
+    w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_chunks;")
+    terms = [(n.term, a.terms[n.term], n) for n in s.nests]
+    states = {t: lo.initial_states(t, term) for t, term, _ in terms}
+    if len(terms) == 1:
+        _shared_single(lo, terms[0], states[terms[0][0]], 0, num_dense, rank)
+    else:
+        _shared_union(lo, terms, states, {t: "true" for t, _, _ in terms}, 0, num_dense, rank)
+    w.close("} catch (const std::bad_alloc&) { sn_fail(sn_error); }")
+    w.close()  # chunk loop
+    w.close()  # parallel region
+    w.line("if (sn_error) return sn_error;")
+
+
+def _append_open(lo: _Lowerer, level: int, rank: int, num_dense: int, coord: str) -> str | None:
+    """Code before visiting the children of output level ``level`` at ``coord``."""
+    w = lo.w
+    if level >= num_dense:
+        w.line(f"C.crd[{level}].push_back({coord});")
+    if level + 1 >= rank:
+        return None
+    mark = w.fresh("m")
+    child = f"C.crd[{level + 1}].size()"
+    if level >= num_dense or level + 1 == num_dense:
+        w.line(f"const size_t {mark} = {child};")
+        return mark
+    return None
+
+
+def _append_close(lo: _Lowerer, level: int, rank: int, num_dense: int, mark: str | None) -> None:
+    w = lo.w
+    if mark is None:
+        return
+    child = f"C.crd[{level + 1}].size()"
+    if level >= num_dense:
+        w.line(f"if ({child} == {mark}) C.crd[{level}].pop_back(); else C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+    else:
+        w.line(f"C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+
+
+def _term_value(lo: _Lowerer, t: int, term: Term, nest: Nest, states: list[_State], target: str) -> None:
+    """Emit ``target += coef * sum_{local loops} product`` (no output index left)."""
+    w = lo.w
+    coef = repr(float(term.coefficient))
+
+    def leaf(st):
+        w.line(f"{target} += V({coef}) * {lo.product(st)};")
+
+    lo.emit_order(nest.order, states, leaf, {}, accumulator=target)
+
+
+def _workspace_fill_and_drain(lo, terms, states_of, active, level: int, rank: int) -> None:
+    """Each active term scatters into the workspace; then drain it into levels >= level."""
+    w, s = lo.w, lo.s
+    ws = s.workspace
+    for t, term, nest in terms:
+        coef = repr(float(term.coefficient))
+
+        def leaf(st, coef=coef):
+            w.line(f"ws.add({lo.offset(ws.indices)}, V({coef}) * {lo.product(st)});")
+
+        w.open(f"if ({active[t]})")
+        lo.emit_order(nest.order, states_of[t], leaf, {})
+        w.close()
+    w.line(f"ws.drain(C, {level}, {rank}, ws_dims);")
+
+
+def _shared_single(lo: _Lowerer, term_info, states, level, num_dense, rank) -> None:
+    """Shared output loops for a single term: plain intersection co-iteration."""
+    w, s = lo.w, lo.s
+    t, term, nest = term_info
+    if level == len(s.shared):
+        if s.workspace is not None:
+            _workspace_fill_and_drain(lo, [term_info], {t: states}, {t: "true"}, level, rank)
+            return
+        w.line("V sn_val = 0;")
+        _term_value(lo, t, term, nest, states, "sn_val")
+        w.line("C.val.push_back(sn_val);")
+        return
+    index = s.shared[level]
+    bounds = ("sn_lo", "sn_hi") if level == 0 else None
+
+    def body(st):
+        mark = _append_open(lo, level, rank, num_dense, lo.var(index))
+        _shared_single(lo, term_info, st, level + 1, num_dense, rank)
+        _append_close(lo, level, rank, num_dense, mark)
+
+    lo.emit_loop(index, states, body, bounds)
+
+
+def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -> None:
+    """Shared output loops for a sum: co-iterate the union of the terms' streams.
+
+    Each term's stream at this loop is the intersection of its sparse levels (or every
+    coordinate, if it has none); ``active[t]`` is the C++ condition that term ``t``
+    contributes under the enclosing coordinates.
+    """
+    w, s = lo.w, lo.s
+    if level == len(s.shared):
+        if s.workspace is not None:
+            _workspace_fill_and_drain(lo, terms, states, active, level, rank)
+            return
+        w.line("V sn_val = 0;")
+        for t, term, nest in terms:
+            w.open(f"if ({active[t]})")
+            _term_value(lo, t, term, nest, states[t], "sn_val")
+            w.close()
+        w.line("C.val.push_back(sn_val);")
+        return
+    index = s.shared[level]
+    var, n = lo.var(index), lo.dim(index)
+    bounds = ("sn_lo", "sn_hi") if level == 0 else None
+    dense_level = level < num_dense
+    # Per term: cursors over its sparse levels at this index.
+    cursors = {}
+    any_dense_term = False
+    for t, _, _ in terms:
+        its = []
+        for k, st in enumerate(states[t]):
+            if st.next_index() == index and st.levels[st.depth][1] != "d":
+                lo_, hi_ = lo.level_range(st)
+                q, h, crd = w.fresh("q"), w.fresh("h"), lo.crd(st)
+                if bounds:
+                    w.line(f"const I {h}_0 = {active[t]} ? (I)({hi_}) : (I)0;")
+                    w.line(f"I {q} = {active[t]} ? (I)(std::lower_bound({crd} + {lo_}, {crd} + {h}_0, (I)sn_lo) - {crd}) : (I)0;")
+                    w.line(f"const I {h} = {active[t]} ? (I)(std::lower_bound({crd} + {q}, {crd} + {h}_0, (I)sn_hi) - {crd}) : (I)0;")
+                else:
+                    w.line(f"I {q} = {active[t]} ? (I)({lo_}) : (I)0;")
+                    w.line(f"const I {h} = {active[t]} ? (I)({hi_}) : (I)0;")
+                its.append((k, q, h, crd))
+        cursors[t] = its
+        any_dense_term |= not its
+    lo_b, hi_b = bounds or ("0", n)
+    if dense_level or any_dense_term:
+        # Every coordinate may be present: walk them all, advancing sparse cursors.
+        w.open(f"for (int64_t {var} = {lo_b}; {var} < {hi_b}; ++{var})")
+        coord_of = {}
+        for t, _, _ in terms:
+            if not cursors[t]:
+                coord_of[t] = None
+                continue
+            for k, q, h, crd in cursors[t]:
+                w.line(f"while ({q} < {h} && {crd}[{q}] < {var}) ++{q};")
+            coord_of[t] = " && ".join(f"{q} < {h} && {crd}[{q}] == {var}" for _, q, h, crd in cursors[t])
+        hit = {t: (active[t] if c is None else f"({c})") for t, c in coord_of.items()}
+    else:
+        # All terms sparse here: step to the smallest next coordinate of any term.
+        w.open("for (;;)")
+        cts = {}
+        for t, _, _ in terms:
+            ct = w.fresh("ct")
+            cts[t] = ct
+            its = cursors[t]
+            w.line(f"int64_t {ct} = INT64_MAX;")
+            w.open("for (;;)")
+            w.line(f"if ({' || '.join(f'{q} >= {h}' for _, q, h, _ in its)}) break;")
+            w.line(f"const int64_t mx = std::max({{(int64_t){', (int64_t)'.join(f'{crd}[{q}]' for _, q, _, crd in its)}}});")
+            for _, q, h, crd in its:
+                w.line(f"while ({q} < {h} && {crd}[{q}] < mx) ++{q};")
+            w.line(f"if ({' || '.join(f'{q} >= {h}' for _, q, h, _ in its)}) break;")
+            w.line(f"if ({' && '.join(f'{crd}[{q}] == mx' for _, q, _, crd in its)}) {{ {ct} = mx; break; }}")
+            w.close()
+        w.line(f"const int64_t {var} = std::min({{{', '.join(cts.values())}}});")
+        w.line(f"if ({var} == INT64_MAX) break;")
+        hit = {t: f"({cts[t]} == {var})" for t, _, _ in terms}
+    # Segment ends and new positions for the terms present at this coordinate.
+    new_states, new_active, advances = {}, {}, []
+    for t, _, _ in terms:
+        flag = w.fresh("a")
+        w.line(f"const bool {flag} = {hit[t]};")
+        new_active[t] = flag
+        st_list = list(states[t])
+        for k, q, h, crd in cursors[t]:
+            st = st_list[k]
+            if st.levels[st.depth][2]:
+                st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=None)
+                advances.append((flag, q, f"{q} + 1"))
+            else:
+                e = w.fresh("e")
+                w.line(f"I {e} = {q} + 1;")
+                w.line(f"if ({flag}) while ({e} < {h} && {crd}[{e}] == {crd}[{q}]) ++{e};")
+                st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=e)
+                advances.append((flag, q, e))
+        for k, st in enumerate(st_list):
+            if st.next_index() == index and st.levels[st.depth][1] == "d":
+                p = w.fresh("p")
+                w.line(f"const int64_t {p} = (int64_t){st.pos} * {n} + {var};")
+                st_list[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+        new_states[t] = st_list
+    any_active = " || ".join(new_active.values())
+    w.open(f"if ({any_active})" if not dense_level else "")
+    mark = _append_open(lo, level, rank, num_dense, var)
+    _shared_union(lo, terms, new_states, new_active, level + 1, num_dense, rank)
+    _append_close(lo, level, rank, num_dense, mark)
+    w.close()
+    for flag, q, end in advances:
+        w.line(f"if ({flag}) {q} = {end};")
+    w.close()
+
