@@ -166,15 +166,7 @@ def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -
         its = []
         for k, st in enumerate(states[t]):
             if st.next_index() == index and st.levels[st.depth][1] != "d":
-                lo_, hi_ = lo.level_range(st)
-                q, h, crd = w.fresh("q"), w.fresh("h"), lo.crd(st)
-                if bounds:
-                    w.line(f"const I {h}_0 = {active[t]} ? (I)({hi_}) : (I)0;")
-                    w.line(f"I {q} = {active[t]} ? (I)(std::lower_bound({crd} + {lo_}, {crd} + {h}_0, (I)sn_lo) - {crd}) : (I)0;")
-                    w.line(f"const I {h} = {active[t]} ? (I)(std::lower_bound({crd} + {q}, {crd} + {h}_0, (I)sn_hi) - {crd}) : (I)0;")
-                else:
-                    w.line(f"I {q} = {active[t]} ? (I)({lo_}) : (I)0;")
-                    w.line(f"const I {h} = {active[t]} ? (I)({hi_}) : (I)0;")
+                q, h, crd = lo.open_cursor(st, bounds, active[t])
                 its.append((k, q, h, crd))
         cursors[t] = its
         any_dense_term |= not its

@@ -167,6 +167,24 @@ class _Lowerer:
     def crd(self, st: _State) -> str:
         return f"s{st.slot}_crd{st.depth}"
 
+    def open_cursor(
+        self, st: _State, bounds: tuple[str, str] | None, active: str = "true"
+    ) -> tuple[str, str, str]:
+        """Declare ``q``/``h`` spanning ``st``'s next (sparse) level: its whole range, or
+        only coordinates in ``bounds``; empty unless the C++ condition ``active``."""
+        w = self.w
+        lo, hi = self.level_range(st)
+        q, h, crd = w.fresh("q"), w.fresh("h"), self.crd(st)
+        guard = (lambda expr: expr) if active == "true" else (lambda expr: f"{active} ? (I)({expr}) : (I)0")
+        if bounds is not None:
+            w.line(f"const I {h}_0 = {guard(hi)};")
+            w.line(f"I {q} = {guard(f'std::lower_bound({crd} + {lo}, {crd} + {h}_0, (I)({bounds[0]})) - {crd}')};")
+            w.line(f"const I {h} = {guard(f'std::lower_bound({crd} + {q}, {crd} + {h}_0, (I)({bounds[1]})) - {crd}')};")
+        else:
+            w.line(f"I {q} = {guard(lo)};")
+            w.line(f"const I {h} = {guard(hi)};")
+        return q, h, crd
+
     def emit_loop(
         self,
         index: str,
@@ -206,19 +224,7 @@ class _Lowerer:
             w.close()
             return
 
-        ranges = []
-        for k in sparse:
-            lo, hi = self.level_range(states[k])
-            qlo, qhi = w.fresh("q"), w.fresh("h")
-            crd = self.crd(states[k])
-            if bounds is not None:
-                w.line(f"const I {qhi}_0 = {hi};")
-                w.line(f"I {qlo} = (I)(std::lower_bound({crd} + {lo}, {crd} + {qhi}_0, (I)({bounds[0]})) - {crd});")
-                w.line(f"const I {qhi} = (I)(std::lower_bound({crd} + {qlo}, {crd} + {qhi}_0, (I)({bounds[1]})) - {crd});")
-            else:
-                w.line(f"I {qlo} = {lo};")
-                w.line(f"const I {qhi} = {hi};")
-            ranges.append((k, qlo, qhi, crd))
+        ranges = [(k, *self.open_cursor(states[k], bounds)) for k in sparse]
 
         def advance_end(k, q, h, crd):
             """Segment end of the coordinate at q (q + 1 for a unique level)."""
