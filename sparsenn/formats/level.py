@@ -18,6 +18,7 @@ never tests for a named format such as "CSR".
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,7 +26,7 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class Level:
+class Level(ABC):
     """One storage level; subclasses fix the capabilities of each kind.
 
     ``unique`` is False exactly when the next level is a ``Singleton``: then a
@@ -42,9 +43,9 @@ class Level:
     full: ClassVar[bool]
     ordered: ClassVar[bool] = True
 
+    @abstractmethod
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
         """Number of positions of this level given its parent's position count."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
