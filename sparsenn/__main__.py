@@ -7,6 +7,7 @@ through generated kernels, checks each against torch, and prints timing ratios.
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -24,6 +25,7 @@ def _median_time(fn, repeats: int = 15) -> float:
 
 
 def main() -> None:
+    warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
     torch.manual_seed(0)
     n, k = 4096, 64
     dense = torch.rand(n, n)
