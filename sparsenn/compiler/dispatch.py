@@ -37,6 +37,9 @@ from .schedule import OperandInfo, Schedule, schedule
 __all__ = ["einsum", "compile_expression", "explain", "plan", "Plan", "CompiledExpression"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64)
+# Below this many innermost iterations (the schedule's estimate) a kernel runs on one
+# thread: waking an OpenMP team costs more than the work.
+PARALLEL_MIN_WORK = 1 << 15
 _MAX_OUTPUT_RANK = 8
 
 
@@ -145,10 +148,19 @@ def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << round(math.log2(n))
 
 
+def _positions(op: SparseTensor) -> list[int]:
+    """Stored positions per level, from array lengths (no device sync, no .item())."""
+    positions, parent = [], 1
+    for level, size in enumerate(op.level_sizes):
+        crd = op.crd[level]
+        parent = parent * size if crd is None else crd.shape[0]
+        positions.append(parent)
+    return positions
+
+
 def _info(op) -> OperandInfo:
     if isinstance(op, SparseTensor):
-        positions = tuple(_bucket(op.num_positions(l)) for l in range(len(op.format.levels)))
-        return OperandInfo(op.format, tuple(op.shape), positions)
+        return OperandInfo(op.format, tuple(op.shape), tuple(_bucket(p) for p in _positions(op)))
     return OperandInfo(None, tuple(op.shape))
 
 
@@ -294,7 +306,7 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         tensors.append(out)
     arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
     handle = ctypes.c_void_p()
-    nthreads = torch.get_num_threads()
+    nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
     code = lib.sn_run(arrays, dims, nthreads, ctypes.byref(handle))
     if code != 0:
         if handle.value:
