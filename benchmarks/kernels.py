@@ -1,12 +1,12 @@
 """Kernel benchmark: SpMV, SpMM, SDDMM and SpGEMM, sparsenn vs torch.sparse and scipy.
 
-    python benchmarks/kernels.py [--quick] [--threads 1 2] [--out benchmarks/results]
+    python benchmarks/kernels.py [--quick] [--threads 1 2] [--out benchmarks/results] [--data DIR]
 
 Matrices: every SuiteSparse ``.mtx`` in ``../shared/data/suitesparse`` plus synthetic
-uniform, banded and R-MAT (power-law) ones. fp32. Each case is timed for all libraries
-in the same run (median after a warm-up) and reported as ratios: alternative time /
-sparsenn time (> 1: sparsenn is faster). First-build compile time is measured in a
-fresh process with an empty kernel cache, separately from the steady state.
+uniform, banded and R-MAT (power-law) ones, all fp32 CSR. Every library is timed on
+the same case in the same run (median after a warm-up); the figures that matter are
+the ratios alternative time / sparsenn time (> 1: sparsenn is faster). First-build
+compile time and warm-cache load time are measured in fresh processes.
 """
 
 from __future__ import annotations
@@ -23,160 +23,339 @@ import time
 import warnings
 from pathlib import Path
 
+import matplotlib
 import numpy as np
+import scipy
 import scipy.io
 import scipy.sparse as sps
 import torch
 
 import sparsenn
 
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "suitesparse"
-BANDWIDTH = {1: 21e9, 2: 28e9}  # bytes/s measured on this machine (STREAM-style triad)
+BANDWIDTH = {1: 21e9, 2: 28e9}  # bytes/s on this machine, by thread count
+MAX_SPGEMM_NNZ = 5e7
+MAX_DENSE_BYTES = 2 << 30
+RTOL = 1e-3
+KINDS = {"SpMV": "ij,j->i", "SpMM": "ij,jk->ik", "SDDMM": "ij,ik,jk->ij", "SpGEMM": "ij,kj->ik"}
 
 
-def median_time(fn, min_time: float = 0.3, max_reps: int = 30) -> float:
+def median_time(fn, min_time: float = 0.3, max_reps: int = 30, min_reps: int = 5) -> float:
+    """Median seconds per call after 2 warm-up calls; repeats until min_time or max_reps."""
     fn(), fn()
     times, start = [], time.perf_counter()
-    while len(times) < 5 or (time.perf_counter() - start < min_time and len(times) < max_reps):
+    while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < max_reps):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
-def rmat(scale: int, edge_factor: int, seed: int) -> sps.csr_array:
-    """R-MAT graph (a, b, c) = (0.57, 0.19, 0.19), duplicates merged."""
-    rng = np.random.default_rng(seed)
-    n, m = 1 << scale, edge_factor << scale
-    rows = np.zeros(m, dtype=np.int64)
-    cols = np.zeros(m, dtype=np.int64)
+def machine_info() -> dict:
+    """CPU model, core count, library versions and date."""
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "scipy": scipy.__version__, "numpy": np.__version__,
+            "sparsenn": sparsenn.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "note": "scipy is single-threaded; sparsenn and torch follow torch.set_num_threads"}
+
+
+def uniform(n: int, per_row: int, rng: np.random.Generator) -> sps.csr_array:
+    """n x n, per_row random columns in every row (duplicates merged)."""
+    rows = np.repeat(np.arange(n), per_row)
+    cols = rng.integers(0, n, size=n * per_row)
+    return coo_to_csr(rows, cols, n, rng)
+
+
+def banded(n: int, half_width: int, rng: np.random.Generator) -> sps.csr_array:
+    """n x n with every diagonal from -half_width to +half_width stored."""
+    offsets = np.arange(-half_width, half_width + 1)
+    rows = np.repeat(np.arange(n), len(offsets))
+    cols = rows + np.tile(offsets, n)
+    keep = (cols >= 0) & (cols < n)
+    return coo_to_csr(rows[keep], cols[keep], n, rng)
+
+
+def rmat(scale: int, edge_factor: int, rng: np.random.Generator,
+         a: float = 0.57, b: float = 0.19, c: float = 0.19) -> sps.csr_array:
+    """R-MAT power-law graph with 2^scale vertices and edge_factor * 2^scale edges (deduplicated)."""
+    m = edge_factor << scale
+    rows, cols = np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
     for bit in range(scale):
         r = rng.random(m)
-        down = r >= 0.57 + 0.19  # quadrants c or d
-        right = ((r >= 0.57) & (r < 0.76)) | (r >= 0.95)
-        rows |= down.astype(np.int64) << bit
-        cols |= right.astype(np.int64) << bit
-    a = sps.coo_array((np.ones(m, dtype=np.float32), (rows, cols)), shape=(n, n)).tocsr()
-    a.sum_duplicates()
-    return a
+        rows |= (r >= a + b).astype(np.int64) << bit
+        cols |= (((r >= a) & (r < a + b)) | (r >= a + b + c)).astype(np.int64) << bit
+    return coo_to_csr(rows, cols, 1 << scale, rng)
 
 
-def matrices(quick: bool):
-    for path in sorted(DATA.glob("*.mtx")):
-        m = sps.csr_array(scipy.io.mmread(path)).astype(np.float32)
-        if quick and m.nnz > 100_000:
-            continue
-        yield path.stem, m
+def coo_to_csr(rows, cols, n: int, rng: np.random.Generator) -> sps.csr_array:
+    """Deduplicated n x n CSR pattern with uniform (0, 1] fp32 values."""
+    pattern = sps.coo_array((np.ones(len(rows), dtype=np.float32), (rows, cols)), shape=(n, n)).tocsr()
+    pattern.sum_duplicates()
+    pattern.data = (1 - rng.random(pattern.nnz, dtype=np.float32))
+    return pattern
+
+
+def matrices(data: Path, quick: bool):
+    """(name, fp32 CSR) for the SuiteSparse files, then the synthetic matrices."""
+    for path in sorted(data.glob("*.mtx")):
+        m = sps.csr_array(scipy.io.mmread(path), dtype=np.float32)
+        if not quick or (m.nnz < 100_000 and m.shape[0] <= 10_000):
+            yield path.stem, m
     rng = np.random.default_rng(0)
-    yield "uniform 2^14", sps.random_array((1 << 14, 1 << 14), density=16 / (1 << 14), format="csr", dtype=np.float32, rng=rng)
+    yield "uniform 2^14", uniform(1 << 14, 16, rng)
     if quick:
         return
-    yield "uniform 2^17", sps.random_array((1 << 17, 1 << 17), density=16 / (1 << 17), format="csr", dtype=np.float32, rng=rng)
-    n = 1 << 16
-    yield "banded 2^16", sps.diags_array([np.ones(n - abs(k), dtype=np.float32) for k in range(-8, 9)], offsets=range(-8, 9), format="csr")
-    yield "rmat 16", rmat(16, 16, 1)
-    yield "rmat 18", rmat(18, 16, 2)
-    yield "uniform 2^19 (1e7)", sps.random_array((1 << 19, 1 << 19), density=20 / (1 << 19), format="csr", dtype=np.float32, rng=rng)
+    yield "uniform 2^17", uniform(1 << 17, 16, rng)
+    yield "banded 2^16", banded(1 << 16, 8, rng)
+    yield "rmat 16", rmat(16, 16, rng)
+    yield "rmat 18", rmat(18, 16, rng)
+    yield "uniform 2^19", uniform(1 << 19, 20, rng)
 
 
-def cases(name: str, m: sps.csr_array, quick: bool):
-    """(kernel, sparsenn fn, {alternative: fn}, bytes moved or None, check)."""
-    a = sparsenn.from_scipy(m, format="csr")
-    at = torch.sparse_csr_tensor(torch.from_numpy(m.indptr).long(), torch.from_numpy(m.indices).long(),
-                                 torch.from_numpy(m.data), m.shape)
+def spgemm_nnz_estimate(m: sps.csr_array, sample: int = 2048) -> float:
+    """nnz of m·mᵀ, extrapolated from a random sample of rows (exact for small m)."""
+    n = m.shape[0]
+    if n <= sample:
+        return float((m @ m.T).nnz)
+    rows = np.random.default_rng(0).choice(n, sample, replace=False)
+    return (m[rows] @ m.T).nnz * n / sample
+
+
+def torch_csr(m: sps.csr_array) -> torch.Tensor:
+    """torch CSR copy of m (int64 indices, torch's default)."""
+    return torch.sparse_csr_tensor(torch.from_numpy(m.indptr).long(), torch.from_numpy(m.indices).long(),
+                                   torch.from_numpy(m.data), m.shape, check_invariants=False)
+
+
+def torch_spgemm(at: torch.Tensor):
+    """torch A·Aᵀ: CSR @ CSR if torch supports it, else COO @ COO; returns (fn, description)."""
+    att = at.t().to_sparse_csr()
+    try:
+        (at @ att)
+        return (lambda: at @ att), "CSR @ CSR"
+    except RuntimeError:
+        coo, coot = at.to_sparse_coo(), at.to_sparse_coo().t().coalesce()
+        return (lambda: coo @ coot), "COO @ COO"
+
+
+def cases(m: sps.csr_array, quick: bool):
+    """Yield dicts: kernel, sparsenn fn, alternatives (name -> fn or skip reason), bytes, reference fn."""
+    a, at = sparsenn.from_scipy(m, format="csr"), torch_csr(m)
     rows, cols = m.shape
     g = torch.Generator().manual_seed(0)
     x = torch.randn(cols, generator=g)
-    yield ("SpMV", lambda: sparsenn.einsum("ij,j->i", a, x),
-           {"torch": lambda: at @ x, "scipy": lambda: m @ x.numpy()},
-           m.nnz * 8 + (rows + 1) * 4 + cols * 4 + rows * 4)
+    yield dict(kernel="SpMV", ours=lambda: sparsenn.einsum("ij,j->i", a, x),
+               alts={"torch": lambda: at @ x, "scipy": lambda: m @ x.numpy()},
+               nbytes=m.nnz * 8 + (rows + 1) * 4 + cols * 4 + rows * 4, ref=lambda: m @ x.numpy())
     for k in (32,) if quick else (32, 128):
         b = torch.randn(cols, k, generator=g)
-        yield (f"SpMM k={k}", lambda b=b: sparsenn.einsum("ij,jk->ik", a, b),
-               {"torch": lambda b=b: torch.sparse.mm(at, b), "scipy": lambda b=b: m @ b.numpy()},
-               m.nnz * 8 + (rows + 1) * 4 + cols * k * 4 + rows * k * 4)
+        yield dict(kernel=f"SpMM k={k}", ours=lambda b=b: sparsenn.einsum("ij,jk->ik", a, b),
+                   alts={"torch": lambda b=b: torch.sparse.mm(at, b), "scipy": lambda b=b: m @ b.numpy()},
+                   nbytes=m.nnz * 8 + (rows + 1) * 4 + cols * k * 4 + rows * k * 4,
+                   ref=lambda b=b: m @ b.numpy())
     p, q = torch.randn(rows, 64, generator=g), torch.randn(cols, 64, generator=g)
-    alts = {"torch": lambda: torch.sparse.sampled_addmm(at, p, q.T, beta=0.0)}
-    if rows * cols * 4 <= 2 << 30:
-        mask = torch.from_numpy(m.toarray())
-        alts["dense-then-mask"] = lambda: (p @ q.T) * mask
-    yield "SDDMM k=64", lambda: sparsenn.einsum("ij,ik,jk->ij", a, p, q), alts, None
-    if m.nnz <= 600_000 and rows == cols:  # power-law A·Aᵀ beyond this takes seconds per call
-        att = at.to_sparse_coo().t().coalesce().to_sparse_csr()
-        yield ("SpGEMM A·Aᵀ", lambda: sparsenn.einsum("ij,kj->ik", a, a),
-               {"torch": lambda: at @ att, "scipy": lambda: m @ m.T}, None)
+    sampled = lambda: torch.sparse.sampled_addmm(at, p, q.T, beta=0.0, alpha=1.0)  # noqa: E731
+    alts = {"torch": sampled, "dense-mask": "skipped (n² too large)"}
+    if rows * cols * 4 <= (MAX_DENSE_BYTES >> 3 if quick else MAX_DENSE_BYTES):
+        dense_a = torch.from_numpy(m.toarray())  # A's values: (X Yᵀ) * A is exactly the SDDMM
+        alts["dense-mask"] = lambda: (p @ q.T) * dense_a
+    yield dict(kernel="SDDMM k=64", ours=lambda: sparsenn.einsum("ij,ik,jk->ij", a, p, q), alts=alts,
+               nbytes=None, ref=lambda: sps.csr_array((sampled().values().numpy() * m.data, m.indices, m.indptr),
+                                                      shape=m.shape))
+    estimate = spgemm_nnz_estimate(m)
+    if estimate > MAX_SPGEMM_NNZ:
+        print(f"  SpGEMM skipped: A·Aᵀ would hold ~{estimate:.2g} nonzeros", flush=True)
+        return
+    fn, how = torch_spgemm(at)
+    yield dict(kernel="SpGEMM A·Aᵀ", ours=lambda: sparsenn.einsum("ij,kj->ik", a, a),
+               alts={"torch": fn, "scipy": lambda: m @ m.T}, nbytes=None, ref=lambda: m @ m.T,
+               note=f"torch {how}")
 
 
-def first_build_times() -> dict[str, tuple[float, float]]:
-    """Cold (empty cache) and warm (disk cache) first-call times, in fresh processes."""
-    code = (
-        "import time, torch, sparsenn;"
-        "d = torch.rand(500, 500); d[d < 0.95] = 0; a = sparsenn.from_dense(d);"
-        "x = torch.randn(500, 32); eq = {!r};"
-        "ops = {{'ij,j->i': (a, x[:, 0]), 'ij,jk->ik': (a, x), 'ij,ik,jk->ij': (a, x, x), 'ij,kj->ik': (a, a)}}[eq];"
-        "t = time.perf_counter(); sparsenn.einsum(eq, *ops); print(time.perf_counter() - t)"
-    )
-    out = {}
-    with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, SPARSENN_CACHE_DIR=cache)
-        for eq in ("ij,j->i", "ij,jk->ik", "ij,ik,jk->ij", "ij,kj->ik"):
-            run = lambda: float(subprocess.run([sys.executable, "-c", code.format(eq)], env=env,  # noqa: E731
-                                               capture_output=True, text=True, check=True).stdout)
-            out[eq] = (run(), run())
+def as_numpy_or_scipy(out):
+    """sparsenn/torch result as a NumPy array or scipy sparse array."""
+    if isinstance(out, sparsenn.SparseTensor):
+        return out.to_scipy()
+    return out.numpy() if isinstance(out, torch.Tensor) else out
+
+
+def check(out, ref) -> tuple[float, bool]:
+    """(max abs difference, within RTOL of the reference's largest magnitude)."""
+    out, ref = as_numpy_or_scipy(out), as_numpy_or_scipy(ref)
+    if sps.issparse(ref) and not sps.issparse(out):
+        ref = ref.toarray()
+    diff = abs(out - ref).max() if ref.size else 0.0
+    scale = abs(ref).max() if ref.size else 0.0
+    return float(diff), bool(diff <= RTOL * max(scale, 1e-30))
+
+
+def error_text(error: Exception) -> str:
+    """Table cell for a call that raised: type and first line of the message."""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return f"error: {type(error).__name__}: {first_line[:80]}"
+
+
+def run_case(name: str, m: sps.csr_array, case: dict, threads: list[int]) -> list[dict]:
+    """Time one case at every thread count; check sparsenn's result once."""
+    base = {"matrix": name, "n": m.shape[0], "nnz": int(m.nnz), "kernel": case["kernel"]}
+    if "note" in case:
+        base["note"] = case["note"]
+    try:
+        diff, ok = check(case["ours"](), case["ref"]())
+        base.update(max_abs_diff=diff, correct=ok)
+    except Exception as error:  # noqa: BLE001 - recorded in the table
+        base.update(check=error_text(error), correct=False)
+    out = []
+    for t in threads:
+        torch.set_num_threads(t)
+        row = dict(base, threads=t)
+        for lib, fn in [("sparsenn", case["ours"]), *case["alts"].items()]:
+            try:
+                row[lib] = median_time(fn) * 1e3 if callable(fn) else fn
+            except Exception as error:  # noqa: BLE001 - recorded in the table
+                row[lib] = error_text(error)
+        if case["nbytes"] and m.nnz >= 1_000_000 and isinstance(row["sparsenn"], float):
+            row["bw_fraction"] = case["nbytes"] / BANDWIDTH[t] / (row["sparsenn"] * 1e-3)
+        out.append(row)
+        print(f"{name:16s} {m.nnz:>9d} {case['kernel']:12s} t={t} " + "  ".join(
+            f"{lib} {fmt_ms(row.get(lib))}" for lib in ("sparsenn", "torch", "scipy", "dense-mask") if lib in row)
+            + f"  {fmt_check(row)}", flush=True)
     return out
 
 
+def ratio(row: dict, lib: str) -> float | None:
+    """alternative time / sparsenn time, when both were measured."""
+    a, b = row.get(lib), row.get("sparsenn")
+    return a / b if isinstance(a, float) and isinstance(b, float) else None
+
+
+def fmt_ms(v) -> str:
+    """Milliseconds to 3 decimals; error and skip messages as they are."""
+    return f"{v:.3f}" if isinstance(v, float) else (v or "")
+
+
+def fmt_check(row: dict) -> str:
+    """Outcome of the correctness check of sparsenn's result."""
+    if "check" in row:
+        return row["check"]
+    return "ok" if row["correct"] else f"WRONG (max diff {row['max_abs_diff']:.3g})"
+
+
+def build_times(reps: int) -> dict[str, dict[str, float]]:
+    """Per kernel kind: median first-call ms in a fresh process with an empty cache, and with a warm one."""
+    code = ("import time, torch, sparsenn\n"
+            "d = torch.rand(500, 500); d[d < 0.95] = 0; a = sparsenn.from_dense(d, format='csr')\n"
+            "x = torch.randn(500, 32)\n"
+            "ops = {'ij,j->i': (a, x[:, 0]), 'ij,jk->ik': (a, x), 'ij,ik,jk->ij': (a, x, x), 'ij,kj->ik': (a, a)}\n"
+            "eq = EQ; t = time.perf_counter(); sparsenn.einsum(eq, *ops[eq]); print(time.perf_counter() - t)\n")
+    out = {}
+    for kind, eq in KINDS.items():
+        cold, warm = [], []
+        for _ in range(reps):
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, SPARSENN_CACHE_DIR=cache)
+                run = lambda: 1e3 * float(subprocess.run(  # noqa: E731
+                    [sys.executable, "-c", code.replace("EQ", repr(eq))], env=env, capture_output=True, text=True,
+                    check=True).stdout)
+                try:
+                    cold.append(run())
+                    warm.append(run())
+                except subprocess.CalledProcessError as error:
+                    out[kind] = {"error": error.stderr.strip().splitlines()[-1][:120]}
+                    break
+        else:
+            out[kind] = {"first_build_ms": statistics.median(cold), "warm_load_ms": statistics.median(warm)}
+        print(f"compile {kind}: {out[kind]}", flush=True)
+    return out
+
+
+def summary(rows: list[dict], threads: list[int]) -> list[str]:
+    """Per kernel and thread count: median of each ratio over the matrix set."""
+    lines = ["| kernel | threads | matrices | torch/sparsenn | scipy/sparsenn | dense-mask/sparsenn |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for kernel in dict.fromkeys(r["kernel"] for r in rows):
+        for t in sorted(threads, reverse=True):
+            group = [r for r in rows if r["kernel"] == kernel and r["threads"] == t]
+            cells = []
+            for lib in ("torch", "scipy", "dense-mask"):
+                vals = [v for v in (ratio(r, lib) for r in group) if v is not None]
+                cells.append(f"{statistics.median(vals):.2f}x ({min(vals):.2f}–{max(vals):.2f})" if vals else "")
+            lines.append(f"| {kernel} | {t} | {len(group)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown table of every measured case."""
+    lines = ["| matrix | n | nnz | kernel | threads | sparsenn ms | torch ms | scipy ms | dense-mask ms | "
+             "torch/sparsenn | scipy/sparsenn | dense-mask/sparsenn | bw fraction | check | note |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        ratios = [f"{v:.2f}" if (v := ratio(r, lib)) is not None else "" for lib in ("torch", "scipy", "dense-mask")]
+        bw = f"{r['bw_fraction']:.0%}" if "bw_fraction" in r else ""
+        lines.append(f"| {r['matrix']} | {r['n']} | {r['nnz']} | {r['kernel']} | {r['threads']} | "
+                     + " | ".join(fmt_ms(r.get(lib)) for lib in ("sparsenn", "torch", "scipy", "dense-mask"))
+                     + f" | {' | '.join(ratios)} | {bw} | {fmt_check(r)} | {r.get('note', '')} |")
+    return lines
+
+
+def plot(rows: list[dict], threads: int, path: Path) -> None:
+    """torch time / sparsenn time against nnz (log-log), one series per kernel."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for kernel, marker in zip(dict.fromkeys(r["kernel"] for r in rows), "osD^vP*"):
+        pts = [(r["nnz"], v) for r in rows if r["kernel"] == kernel and r["threads"] == threads
+               and (v := ratio(r, "torch")) is not None]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, label=kernel, alpha=0.8)
+    ax.axhline(1.0, color="grey", lw=1, ls="--")
+    ax.set(xscale="log", yscale="log", xlabel="nnz", ylabel="torch time / sparsenn time (> 1: sparsenn faster)",
+           title=f"sparsenn speed-up over torch.sparse, {threads} threads, fp32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: small matrices, one size per kernel, dense n² <= 256 MB")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--data", type=Path, default=DATA, help="directory of SuiteSparse .mtx files")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.processor())
-    header = (f"CPU {cpu}, {os.cpu_count()} cores; torch {torch.__version__}; scipy {scipy.__version__}; "
-              f"python {platform.python_version()}; {time.strftime('%Y-%m-%d')}; scipy is single-threaded")
-    print(header)
-    rows_out = []
-    for name, m in matrices(args.quick):
-        for kernel, ours, alts, nbytes in cases(name, m, args.quick):
-            for threads in args.threads:
-                torch.set_num_threads(threads)
-                t_ours = median_time(ours)
-                row = {"matrix": name, "n": m.shape[0], "nnz": int(m.nnz), "kernel": kernel,
-                       "threads": threads, "sparsenn_ms": t_ours * 1e3}
-                for alt, fn in alts.items():
-                    try:
-                        row[f"{alt}_ms"] = median_time(fn) * 1e3
-                    except RuntimeError as error:  # e.g. an op torch lacks for this layout
-                        row[f"{alt}_ms"] = float("nan")
-                        row["note"] = str(error).splitlines()[0][:60]
-                if nbytes and m.nnz >= 1_000_000:
-                    row["bw_fraction"] = nbytes / BANDWIDTH[threads] / t_ours
-                rows_out.append(row)
-                ratios = "  ".join(f"{k[:-3]}/sn {row[k] / row['sparsenn_ms']:.2f}" for k in row if k.endswith("_ms") and k != "sparsenn_ms")
-                print(f"{name:22s} nnz {m.nnz:>9d} {kernel:12s} t={threads} sparsenn {t_ours * 1e3:9.3f} ms  {ratios}", flush=True)
-    builds = first_build_times()
-    (args.out / "kernels.json").write_text(json.dumps({"machine": header, "rows": rows_out, "first_build_s": builds}, indent=1))
-    lines = [f"Machine: {header}", "", "| matrix | nnz | kernel | threads | sparsenn ms | torch/sparsenn | scipy/sparsenn | dense-mask/sparsenn | bw fraction |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows_out:
-        ratio = lambda k: f"{r[k] / r['sparsenn_ms']:.2f}" if k in r else ""  # noqa: E731
-        bw = f"{r['bw_fraction']:.0%}" if "bw_fraction" in r else ""
-        lines.append(f"| {r['matrix']} | {r['nnz']} | {r['kernel']} | {r['threads']} | {r['sparsenn_ms']:.3f} | "
-                     f"{ratio('torch_ms')} | {ratio('scipy_ms')} | {ratio('dense-then-mask_ms')} | {bw} |")
-    lines += ["", "Median ratio over the matrix set (torch time / sparsenn time):", ""]
-    for kernel in dict.fromkeys(r["kernel"] for r in rows_out):
-        for threads in args.threads:
-            vals = [r["torch_ms"] / r["sparsenn_ms"] for r in rows_out
-                    if r["kernel"] == kernel and r["threads"] == threads and not np.isnan(r.get("torch_ms", np.nan))]
-            if vals:
-                lines.append(f"- {kernel}, {threads} thread(s): {statistics.median(vals):.2f}x (range {min(vals):.2f}-{max(vals):.2f})")
-    lines += ["", "First call in a fresh process (s): empty cache (compile) / warm disk cache:", ""]
-    lines += [f"- `{eq}`: {cold:.3f} / {warm:.3f}" for eq, (cold, warm) in builds.items()]
-    (args.out / "kernels.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-(len(builds) + 12):]))
+    info = machine_info()
+    head = [f"Machine: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}, "
+            f"scipy {info['scipy']}, numpy {info['numpy']}, sparsenn {info['sparsenn']}; {info['date']}",
+            f"Command: python {' '.join(sys.argv)}", f"Note: {info['note']}."]
+    print("\n".join(head), flush=True)
+
+    rows = []
+    for name, m in matrices(args.data, args.quick):
+        for case in cases(m, args.quick):
+            rows += run_case(name, m, case, args.threads)
+    builds = build_times(reps=1 if args.quick else 3)
+
+    plot_threads = max(args.threads)
+    plot(rows, plot_threads, args.out / "speedup_vs_nnz.png")
+    lines = [*head, "", "## Summary (median over the matrix set; range in brackets)", "", *summary(rows, args.threads),
+             "", "## Compile time (first call in a fresh process)", "",
+             "| kernel | expression | first build, empty cache (ms) | warm disk cache (ms) |", "|---|---|---:|---:|"]
+    for kind, b in builds.items():
+        cells = f"error: {b['error']} |" if "error" in b else f"{b['first_build_ms']:.0f} | {b['warm_load_ms']:.1f}"
+        lines.append(f"| {kind} | `{KINDS[kind]}` | {cells} |")
+    lines += ["", "## All cases", "", *table(rows)]
+    text = "\n".join(lines) + "\n"
+    (args.out / "kernels.md").write_text(text)
+    (args.out / "kernels.json").write_text(json.dumps({"machine": info, "command": sys.argv, "rows": rows,
+                                                       "compile": builds}, indent=1))
+    print("\n" + text)
 
 
 if __name__ == "__main__":
