@@ -1,0 +1,424 @@
+"""Random expressions for the property-based tests (test_fuzz.py).
+
+A case has two parts:
+
+* a **skeleton** — everything that decides which kernel gets generated: the
+  equation, each operand's format (or a plain dense tensor) and index width, the
+  value dtype and the requested ``out_format``. Skeleton ``k`` is built by
+  ``random.Random(k)``, so a run draws from a bounded pool of skeletons
+  (``pool_size``) and the number of distinct kernels it compiles stays bounded
+  (each new kernel costs ~0.5 s to build; later ones load from the disk cache);
+* the **data**, drawn freely by hypothesis: index sizes (zero-size dimensions
+  included), per operand a density (empty, single element, random, fully dense),
+  values, and for dense operands a memory layout (contiguous, transposed, strided,
+  broadcast with stride 0).
+
+The reference is ``torch.einsum`` on float64 dense copies; :func:`tolerance` bounds
+the rounding error by ``eps * sum |products|`` rather than a fixed atol.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+import sparsenn
+from sparsenn import SparseTensor
+
+LETTERS = "abcdef"
+VALUE_DTYPES = (torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+DENSITIES = ("empty", "single", "random", "full")
+DENSE_LAYOUTS = ("contiguous", "transposed", "strided", "broadcast")
+RANK2_NAMES = ("csr", "csc", "dcsr", "dcsc", "coo", "csf")
+
+
+# ----------------------------------------------------------------------------- skeletons
+
+
+@dataclass(frozen=True)
+class OperandSkeleton:
+    """One operand: its indices, format (None: a dense torch.Tensor) and index width."""
+
+    indices: str
+    format: str | None
+    index_dtype: torch.dtype
+
+    @property
+    def blocks(self) -> dict[str, int]:
+        """Index -> block size that must divide its extent (blocked formats only)."""
+        return block_sizes(self.format, self.indices)
+
+
+@dataclass(frozen=True)
+class EinsumSkeleton:
+    """An einsum call up to its data: equation, formats, dtypes, ``out_format``."""
+
+    operands: tuple[OperandSkeleton, ...]
+    output: str | None  # None: implicit output (no "->")
+    out_format: str | None
+    dtype: torch.dtype
+
+    @property
+    def equation(self) -> str:
+        lhs = ",".join(op.indices for op in self.operands)
+        return lhs if self.output is None else f"{lhs}->{self.output}"
+
+    @property
+    def letters(self) -> str:
+        return "".join(sorted(set("".join(op.indices for op in self.operands))))
+
+    @property
+    def output_indices(self) -> str:
+        """The output's indices, implicit ones resolved like torch (once-only, sorted)."""
+        if self.output is not None:
+            return self.output
+        joined = "".join(op.indices for op in self.operands)
+        return "".join(sorted(i for i in set(joined) if joined.count(i) == 1))
+
+    def multiples(self) -> dict[str, int]:
+        """Index -> the number its extent must be a multiple of (blocked formats)."""
+        needs: dict[str, int] = {}
+        for blocks in [op.blocks for op in self.operands] + [block_sizes(self.out_format, self.output_indices)]:
+            for index, size in blocks.items():
+                needs[index] = math.lcm(needs.get(index, 1), size)
+        return needs
+
+
+def block_sizes(fmt: str | None, indices: str) -> dict[str, int]:
+    """``{"i": 2, "j": 1}`` for ``fmt = "bsr(2,1)"`` over ``indices = "ij"``; {} if unblocked."""
+    if fmt is None or "(" not in fmt:
+        return {}
+    sizes = [int(n) for n in fmt[fmt.index("(") + 1 : -1].split(",")]
+    return dict(zip(indices, sizes))
+
+
+def random_level_string(rng: random.Random, rank: int) -> str:
+    """Level letters with a mode order, e.g. ``"dcs[2,0,1]"`` ('s' only after 'c' or 's')."""
+    letters = ""
+    for _ in range(rank):
+        letters += rng.choice("dcs" if letters[-1:] in ("c", "s") else "dc")
+    order = list(range(rank))
+    rng.shuffle(order)
+    return f"{letters}[{','.join(map(str, order))}]"
+
+
+def random_format(rng: random.Random, rank: int) -> str:
+    """A named format valid for ``rank`` (csr, csc, dcsr, dcsc, bsr/bsc, coo, csf, dense)
+    or a random level string with a mode order."""
+    if rank == 0:
+        return "dense"
+    roll = rng.random()
+    if roll < 0.1:
+        return "dense"
+    if roll < 0.5:
+        return random_level_string(rng, rank)
+    if rank == 2:
+        if roll < 0.6:
+            return f"{rng.choice(['bsr', 'bsc'])}({rng.choice([1, 2])},{rng.choice([1, 2])})"
+        return rng.choice(RANK2_NAMES)
+    return rng.choice(["coo", "csf"])
+
+
+def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None, blocked: bool = True) -> EinsumSkeleton:
+    """Skeleton number ``seed``: 1-4 operands of rank 1-4 over up to six indices.
+
+    ``dtype`` forces the value dtype; ``blocked=False`` avoids bsr/bsc operands and
+    outputs (autograd does not support them)."""
+    rng = random.Random(seed)
+    alphabet = LETTERS[: rng.randint(2, len(LETTERS))]
+    count = rng.randint(1, 4)
+    operands = []
+    for _ in range(count):
+        rank = rng.randint(1, min(4, len(alphabet)))
+        indices = "".join(rng.sample(alphabet, rank))
+        fmt = None if rng.random() < 0.3 else random_format(rng, rank)
+        while not blocked and fmt is not None and "(" in fmt:
+            fmt = random_format(rng, rank)
+        operands.append(OperandSkeleton(indices, fmt, rng.choice(INDEX_DTYPES)))
+    if all(op.format is None for op in operands) and rng.random() < 0.8:
+        first = operands[0]  # mostly keep a sparse operand: all-dense calls go to torch
+        fmt = random_format(rng, len(first.indices))
+        while not blocked and "(" in fmt:
+            fmt = random_format(rng, len(first.indices))
+        operands[0] = OperandSkeleton(first.indices, fmt, first.index_dtype)
+    used = sorted(set("".join(op.indices for op in operands)))
+    output: str | None = None
+    if rng.random() > 0.1:
+        output = "".join(rng.sample(used, rng.randint(0, min(4, len(used)))))
+    skeleton = EinsumSkeleton(tuple(operands), output, None, dtype or rng.choice(VALUE_DTYPES))
+    rank = len(skeleton.output_indices)
+    roll = rng.random()
+    out_format = None
+    if roll < 0.1:
+        out_format = "dense"
+    elif roll < 0.3 and rank > 0:
+        out_format = random_format(rng, rank)
+        while not blocked and "(" in out_format:
+            out_format = random_format(rng, rank)
+    return EinsumSkeleton(skeleton.operands, output, out_format, skeleton.dtype)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def random_values(shape: tuple[int, ...], density: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` whose nonzeros follow ``density`` (see DENSITIES)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=g, dtype=torch.float64)
+    numel = values.numel()
+    if density == "empty" or numel == 0:
+        values.zero_()
+    elif density == "single":
+        keep = int(torch.randint(numel, (1,), generator=g))
+        values = torch.zeros(numel, dtype=torch.float64).index_fill_(0, torch.tensor([keep]), 1.5).view(shape)
+    elif density == "random":
+        values *= torch.rand(shape, generator=g) < torch.rand((), generator=g)
+    return values.to(dtype)
+
+
+def dense_with_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
+    """``values`` (same contents) stored with ``layout``: a transposed or strided view,
+    or a stride-0 broadcast of its first row (then every row equals the first)."""
+    if values.dim() == 0 or values.numel() == 0 or layout == "contiguous":
+        return values.clone()
+    if layout == "transposed":
+        reverse = tuple(reversed(range(values.dim())))
+        return values.permute(reverse).contiguous().permute(reverse)
+    if layout == "strided":
+        wide = torch.zeros((2 * values.shape[0],) + values.shape[1:], dtype=values.dtype)
+        wide[::2] = values
+        return wide[::2]
+    return values[:1].expand(values.shape)
+
+
+@dataclass
+class EinsumCase:
+    skeleton: EinsumSkeleton
+    operands: list  # torch.Tensor or SparseTensor, in the skeleton's order
+    sizes: dict[str, int]
+
+    @property
+    def equation(self) -> str:
+        return self.skeleton.equation
+
+    def dense_operands(self) -> list[torch.Tensor]:
+        """float64 dense copies for the reference."""
+        return [to_dense(op).double() for op in self.operands]
+
+    def __repr__(self) -> str:
+        ops = ", ".join(
+            f"{op.format}{op.shape} nnz={op.nnz} {op.index_dtype}" if isinstance(op, SparseTensor)
+            else f"dense{tuple(op.shape)} strides={op.stride()}"
+            for op in self.operands
+        )
+        return (f"EinsumCase({self.equation!r}, {self.skeleton.dtype}, out_format={self.skeleton.out_format!r}, "
+                f"sizes={self.sizes}, operands=[{ops}])")
+
+
+def to_dense(x) -> torch.Tensor:
+    return x.to_dense() if isinstance(x, SparseTensor) else x
+
+
+def make_operand(skeleton: OperandSkeleton, shape: tuple[int, ...], density: str, layout: str,
+                 dtype: torch.dtype, seed: int):
+    values = random_values(shape, density, dtype, seed)
+    if skeleton.format is None:
+        return dense_with_layout(values, layout)
+    return SparseTensor.from_dense(values, format=skeleton.format, index_dtype=skeleton.index_dtype)
+
+
+@st.composite
+def index_sizes(draw, letters: str, multiples: dict[str, int], max_size: int) -> dict[str, int]:
+    """An extent per index in 1..max_size (times its block multiple); sometimes one is 0."""
+    sizes = {i: draw(st.integers(1, max_size)) * multiples.get(i, 1) for i in letters}
+    if letters and draw(st.integers(0, 9)) == 0:
+        sizes[draw(st.sampled_from(letters))] = 0
+    return sizes
+
+
+@st.composite
+def einsum_cases(draw, pool_size: int, max_size: int = 4, dtype: torch.dtype | None = None,
+                 blocked: bool = True) -> EinsumCase:
+    """A random einsum call over a skeleton drawn from a pool of ``pool_size``."""
+    skeleton = random_einsum_skeleton(draw(st.integers(0, pool_size - 1)), dtype, blocked)
+    sizes = draw(index_sizes(skeleton.letters, skeleton.multiples(), max_size))
+    operands = []
+    for op in skeleton.operands:
+        shape = tuple(sizes[i] for i in op.indices)
+        density = draw(st.sampled_from(DENSITIES))
+        layout = draw(st.sampled_from(DENSE_LAYOUTS))
+        operands.append(make_operand(op, shape, density, layout, skeleton.dtype, draw(st.integers(0, 2**16))))
+    return EinsumCase(skeleton, operands, sizes)
+
+
+# ----------------------------------------------------------------------------- sums of products
+
+
+@dataclass(frozen=True)
+class SumSkeleton:
+    """``Out[output] = +- prod(factors) +- ...``; a name used twice is the same operand."""
+
+    output: str
+    terms: tuple[tuple[float, tuple[tuple[str, str], ...]], ...]  # (sign, ((name, indices), ...))
+    formats: dict[str, str | None]
+    index_dtypes: dict[str, torch.dtype]
+    dtype: torch.dtype
+    parenthesise: tuple[bool, ...]  # per term: wrap its factors in parentheses
+
+    @property
+    def text(self) -> str:
+        parts = []
+        for n, ((sign, factors), paren) in enumerate(zip(self.terms, self.parenthesise)):
+            body = " * ".join(f"{name}[{','.join(indices)}]" for name, indices in factors)
+            body = f"({body})" if paren else body
+            op = "-" if sign < 0 else "+"
+            parts.append(body if n == 0 and sign > 0 else f"{op} {body}" if n else f"-{body}")
+        return f"Out[{','.join(self.output)}] = " + " ".join(parts)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Operand names in order of first appearance."""
+        seen: dict[str, None] = {}
+        for _, factors in self.terms:
+            for name, _ in factors:
+                seen.setdefault(name, None)
+        return tuple(seen)
+
+    def operand_indices(self) -> dict[str, str]:
+        """Each operand's indices at its first use (its shape is taken from those)."""
+        first: dict[str, str] = {}
+        for _, factors in self.terms:
+            for name, indices in factors:
+                first.setdefault(name, indices)
+        return first
+
+    def tied(self) -> list[set[str]]:
+        """Groups of indices that must share an extent: a reused operand read as
+        ``A[i,j]`` and ``A[j,k]`` forces ``i``, ``j`` and ``k`` to one size."""
+        first = self.operand_indices()
+        groups = [{i} for i in sorted({i for _, f in self.terms for _, idx in f for i in idx})]
+
+        def find(i: str) -> set[str]:
+            return next(g for g in groups if i in g)
+
+        for _, factors in self.terms:
+            for name, indices in factors:
+                for a, b in zip(first[name], indices):
+                    ga, gb = find(a), find(b)
+                    if ga is not gb:
+                        ga |= gb
+                        groups.remove(gb)
+        return groups
+
+
+def random_sum_skeleton(seed: int, dtype: torch.dtype | None = None) -> SumSkeleton:
+    """Skeleton number ``seed``: 1-3 terms of 1-3 factors of rank 1-3 over i, j, k, l."""
+    rng = random.Random(seed)
+    letters = "ijkl"
+    names = iter("ABCDEFGHIJ")
+    ranks: dict[str, int] = {}
+    terms = []
+    for _ in range(rng.randint(1, 3)):
+        factors = []
+        for _ in range(rng.randint(1, 3)):
+            if ranks and rng.random() < 0.2:  # reuse an operand under other indices
+                name = rng.choice(sorted(ranks))
+            else:
+                name = next(names)
+                ranks[name] = rng.randint(1, 3)
+            factors.append((name, "".join(rng.sample(letters, ranks[name]))))
+        terms.append((rng.choice([1.0, -1.0]), tuple(factors)))
+    used = sorted({i for _, f in terms for _, idx in f for i in idx})
+    output = "".join(rng.sample(used, rng.randint(0, min(3, len(used)))))
+    formats: dict[str, str | None] = {}
+    for name, rank in ranks.items():
+        fmt = None if rng.random() < 0.3 else random_format(rng, rank)
+        while fmt is not None and "(" in fmt:  # blocks would tie extents to multiples
+            fmt = random_format(rng, rank)
+        formats[name] = fmt
+    index_dtypes = {name: rng.choice(INDEX_DTYPES) for name in ranks}
+    parenthesise = tuple(rng.random() < 0.3 for _ in terms)
+    return SumSkeleton(output, tuple(terms), formats, index_dtypes, dtype or rng.choice(VALUE_DTYPES), parenthesise)
+
+
+@dataclass
+class SumCase:
+    skeleton: SumSkeleton
+    operands: dict[str, object]
+    sizes: dict[str, int]
+
+    def expected(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(reference value, sum of |products|) in float64: each term contracted by
+        torch.einsum onto the output indices it has, broadcast over the others."""
+        out_shape = tuple(self.sizes[i] for i in self.skeleton.output)
+        value = torch.zeros(out_shape, dtype=torch.float64)
+        bound = torch.zeros(out_shape, dtype=torch.float64)
+        dense = {name: to_dense(op).double() for name, op in self.operands.items()}
+        for sign, factors in self.skeleton.terms:
+            present = "".join(i for i in self.skeleton.output if any(i in idx for _, idx in factors))
+            equation = ",".join(idx for _, idx in factors) + "->" + present
+            view = [self.sizes[i] if i in present else 1 for i in self.skeleton.output]
+            term = torch.einsum(equation, *[dense[name] for name, _ in factors])
+            size = torch.einsum(equation, *[dense[name].abs() for name, _ in factors])
+            value = value + sign * term.reshape(view)
+            bound = bound + size.reshape(view)
+        return value, bound
+
+    def __repr__(self) -> str:
+        ops = ", ".join(
+            f"{n}: {op.format}{op.shape} nnz={op.nnz} {op.index_dtype}" if isinstance(op, SparseTensor)
+            else f"{n}: dense{tuple(op.shape)}"
+            for n, op in self.operands.items()
+        )
+        return f"SumCase({self.skeleton.text!r}, {self.skeleton.dtype}, sizes={self.sizes}, {{{ops}}})"
+
+
+@st.composite
+def sum_cases(draw, pool_size: int, max_size: int = 4, dtype: torch.dtype | None = None) -> SumCase:
+    """A random sum of products over a skeleton drawn from a pool of ``pool_size``."""
+    skeleton = random_sum_skeleton(draw(st.integers(0, pool_size - 1)), dtype)
+    sizes: dict[str, int] = {}
+    for group in skeleton.tied():
+        size = draw(st.integers(0, max_size)) if draw(st.integers(0, 9)) == 0 else draw(st.integers(1, max_size))
+        sizes.update(dict.fromkeys(group, size))
+    operands = {}
+    for name, indices in skeleton.operand_indices().items():
+        shape = tuple(sizes[i] for i in indices)
+        density = draw(st.sampled_from(DENSITIES))
+        layout = draw(st.sampled_from(DENSE_LAYOUTS))
+        spec = OperandSkeleton(indices, skeleton.formats[name], skeleton.index_dtypes[name])
+        operands[name] = make_operand(spec, shape, density, layout, skeleton.dtype, draw(st.integers(0, 2**16)))
+    return SumCase(skeleton, operands, sizes)
+
+
+def tolerance(bound: torch.Tensor, dtype: torch.dtype, terms: int) -> torch.Tensor:
+    """Elementwise error allowed for a result whose exact value has ``sum |products|``
+    equal to ``bound``, summed over at most ``terms`` products: a rounding-error bound
+    ``~terms * eps * bound`` with a safety factor of 4, plus a tiny absolute floor."""
+    eps = torch.finfo(dtype).eps
+    return 4 * (terms + 2) * eps * bound + torch.finfo(dtype).tiny
+
+
+def reduction_length(sizes: dict[str, int], indices: str) -> int:
+    """How many products one output element sums (the extents of the reduced indices)."""
+    return math.prod(sizes[i] for i in set(sizes) - set(indices))
+
+
+def assert_valid_result(result, dtype: torch.dtype, out_format: str | None, rank: int) -> None:
+    """A result is a tensor of ``dtype``, or a SparseTensor whose arrays pass full
+    validation and whose format is the requested one."""
+    if isinstance(result, SparseTensor):
+        assert out_format != "dense", "out_format='dense' gave a SparseTensor"
+        SparseTensor(result.shape, result.format, result.pos, result.crd, result.values,
+                     check=True, index_dtype=result.index_dtype)
+        if out_format is not None:
+            assert result.format == sparsenn.parse_format(out_format, rank), (result.format, out_format)
+        assert result.dtype == dtype
+    else:
+        assert isinstance(result, torch.Tensor), type(result)
+        assert result.dtype == dtype
