@@ -336,3 +336,22 @@ def test_restored_patterns_are_cached_but_values_follow():
         torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", b, x, out_format="dense"), scale * first)
     other = sp((30, 20), "csc", seed=4)  # a different pattern of the same shape and format
     check("ij,jk->ik", [other, x], out_format="dense")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [16, 32, 45, 96])
+def test_register_blocked_spmm_with_partial_blocks(dtype, k):
+    # Whole register blocks plus a remainder handled by the plain loop.
+    a = sp((37, 29), "csr", dtype=dtype)
+    check("ij,jk->ik", [a, torch.randn(29, k, dtype=dtype)], atol=1e-4 if dtype == torch.float32 else 1e-10)
+
+
+def test_register_blocked_products_and_sums():
+    a = sp((21, 6, 7), "csf")
+    b = torch.randn(6, 7, 40, dtype=torch.float64)
+    check("ijl,jlk->ik", [a, b])  # two reduction loops above the blocked loop
+    c = torch.randn(21, 40, dtype=torch.float64)
+    check("ij,jk,ik->ik", [sp((21, 6), "csr"), torch.randn(6, 40, dtype=torch.float64), c])  # two vector factors
+    a2, b2 = sp((21, 6), "csr"), torch.randn(6, 40, dtype=torch.float64)
+    result = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")(a2, b2, c)
+    torch.testing.assert_close(result, a2.to_dense() @ b2 - c)

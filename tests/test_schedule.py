@@ -122,3 +122,19 @@ def test_sddmm_and_attention_stay_fused():
     bn = sparse((64, 500), "csr", density=0.02)
     infos = [_info(bn), _info(torch.randn(64, 16)), _info(torch.randn(500, 16, 8))]
     assert best_path(parse_einsum("bn,bd,ndh->bh", 3), infos, 4) is None
+
+
+def test_spmm_register_blocks_the_dense_output_row():
+    p = plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64))
+    (nest,) = p.schedule.nests
+    assert nest.register_block is not None and nest.register_block.index == "k"
+    assert nest.register_block.size == 32  # 4 AVX2 vectors of float32
+    assert "VV vacc" in p.source
+    p64 = plan("ij,jk->ik", sparse((N, N), "csr").to(torch.float64), torch.randn(N, 64, dtype=torch.float64))
+    assert p64.schedule.nests[0].register_block.size == 16
+
+
+def test_no_register_block_without_a_reduction_or_for_narrow_rows():
+    a = sparse((N, N), "csr")
+    assert plan("ij,jk->ik", a, torch.randn(N, 8)).schedule.nests[0].register_block is None  # k < one block
+    assert plan("ij,ij->ij", a, torch.randn(N, N)).schedule.nests[0].register_block is None  # k sparse

@@ -21,6 +21,7 @@ C boundary.
 from __future__ import annotations
 
 from .lower import LoweredKernel, Slot
+from .schedule import VECTOR_BYTES
 
 __all__ = ["generate_source", "slot_arrays"]
 
@@ -37,6 +38,12 @@ _PRELUDE = r"""
 
 typedef @V@ V;
 typedef @I@ I;
+
+/* SIMD vectors of V for register-blocked loops (GCC/Clang vector extensions). */
+typedef V VV __attribute__((vector_size(@VECTOR_BYTES@)));
+constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
+static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
 static inline void sn_fail(int& flag) {
 #pragma omp atomic write
@@ -227,7 +234,11 @@ def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
     """The complete C++ translation unit for ``kernel``."""
-    prelude = _PRELUDE.replace("@V@", _CTYPES[value_dtype]).replace("@I@", _CTYPES[index_dtype])
+    prelude = (
+        _PRELUDE.replace("@V@", _CTYPES[value_dtype])
+        .replace("@I@", _CTYPES[index_dtype])
+        .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
+    )
     unpack, n = [], 0
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):

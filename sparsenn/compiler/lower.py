@@ -402,7 +402,10 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_nchunks;")
             w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_nchunks;")
             bounds[order[0]] = ("sn_lo", "sn_hi")
-        lo.emit_order(order, states, leaf, bounds, around, accumulator=acc if split < len(order) else None)
+        if nest.register_block is not None:
+            _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size)
+        else:
+            lo.emit_order(order, states, leaf, bounds, around, accumulator=acc if split < len(order) else None)
         if nest.parallel:
             w.close()
         for _ in tiles:
@@ -410,3 +413,59 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         if nest.parallel:
             w.close()
         w.close()
+
+
+def _emit_register_blocked(
+    lo: _Lowerer, term: Term, order: Sequence[str], states: list[_State],
+    offset: Callable[[list[_State]], str], coef: str, bounds: dict[str, tuple[str, str]], size: int,
+) -> None:
+    """``order = P + R + (k,)`` with ``k`` register-blocked (see schedule's module doc):
+
+        for P: for kb in whole blocks of k: acc[0:size] = 0
+                   for R: acc[:] += scalar factors * vector factors[kb : kb + size]
+                   out[P, kb : kb + size] += coef * acc
+               for R: for k in the last, partial block: out[P, k] += coef * product
+
+    ``acc`` is ``size / SN_W`` SIMD vectors that the C++ compiler keeps in registers."""
+    w, output = lo.w, lo.a.output
+    k = order[-1]
+    r = len(order) - 1
+    while r > 0 and order[r - 1] not in output:
+        r -= 1
+    with_k = [n for n, f in enumerate(term.factors) if k in f.indices]
+    scalars = [n for n in range(len(term.factors)) if n not in with_k]
+    if any(states[n].sparse or states[n].dense_indices[-1] != k for n in with_k):
+        raise AssertionError(f"register block over {k!r} needs unit-stride dense factors")
+    kb, acc, rest = w.fresh("kb"), w.fresh("vacc"), w.fresh("krest")
+    var_k, n_k = lo.var(k), lo.dim(k)
+
+    def open_block(st: list[_State]) -> None:
+        w.open(f"for (int64_t {kb} = 0; {kb} + {size} <= {n_k}; {kb} += {size})")
+        w.line(f"VV {acc}[{size} / SN_W];")
+        w.line("#pragma GCC unroll 16")
+        w.line(f"for (int v = 0; v < {size} / SN_W; ++v) {acc}[v] = VV{{}};")
+
+    def vector_leaf(st: list[_State]) -> None:
+        w.line(f"const int64_t {var_k} = {kb};")
+        loads = [f"sn_load(d{st[n].slot} + {lo.offset(st[n].dense_indices)} + v * SN_W)" for n in with_k]
+        w.line("#pragma GCC unroll 16")
+        w.line(f"for (int v = 0; v < {size} / SN_W; ++v) {acc}[v] += {' * '.join([lo.product(st, scalars), *loads])};")
+
+    def close_block(st: list[_State]) -> None:
+        w.open("")
+        w.line(f"const int64_t {var_k} = {kb};")
+        w.line(f"V* const sn_row = out + {offset(st)};")
+        w.line("#pragma GCC unroll 16")
+        w.line(f"for (int v = 0; v < {size} / SN_W; ++v) sn_store(sn_row + v * SN_W, sn_load(sn_row + v * SN_W) + V({coef}) * {acc}[v]);")
+        w.close()
+        w.close()
+        w.line(f"const int64_t {rest} = {n_k} - {n_k} % {size};")
+        w.open(f"if ({rest} < {n_k})")
+
+        def scalar_leaf(inner: list[_State]) -> None:
+            w.line(f"out[{offset(inner)}] += V({coef}) * {lo.product(inner)};")
+
+        lo.emit_order(order, st, scalar_leaf, {**bounds, k: (rest, n_k)}, None, position=r)
+        w.close()
+
+    lo.emit_order(order[:-1], states, vector_leaf, bounds, {r: (open_block, close_block)})

@@ -23,6 +23,12 @@ level. It returns a :class:`Schedule`:
 * **Tiling** (Algorithm 3, dense outputs): a dense loop is tiled when some access is
   reused across another loop, the index is dense in every operand, and it is not the
   parent of a sparse loop; the tile makes the reused data fit in the last-level cache.
+* **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
+  output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
+  ``k`` is strip-mined into blocks of :data:`REGISTER_BLOCK_VECTORS` SIMD vectors and
+  the block loop is hoisted above ``R``: ``out[i, kb:kb+B]`` then stays in registers
+  while ``R`` (the sparse row) streams past, and is stored once per block instead of
+  once per nonzero. Blocks that do not fill a whole register block run the plain loop.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import itertools
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from sparsenn.formats import Format
@@ -49,6 +55,8 @@ SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 MIN_TILE_BYTES = 256  # four cache lines
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
+VECTOR_BYTES = 32  # AVX2; kernels are built with -march=native
+REGISTER_BLOCK_VECTORS = 4  # accumulators held in registers per register block
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Nest:
     tiles: tuple[Tile, ...] = ()
     parallel: bool = False
     cost: float = 0.0
+    register_block: Tile | None = None  # innermost output loop blocked into registers
 
 
 @dataclass(frozen=True)
@@ -289,6 +298,29 @@ def _tiles(
     return tuple(tiles)
 
 
+def _register_block(
+    term: Term, output_order: tuple[str, ...], order: Sequence[str], factors: list[_Factor],
+    tiles: Sequence[Tile], dims: dict[str, int], itemsize: int,
+) -> Tile | None:
+    """A register block for the innermost loop (see the module doc), or None.
+
+    Requires: the innermost index is the output's unit-stride (last) index, is not
+    tiled, is read by no sparse factor (so every factor holding it is a dense operand
+    laid out with it last), spans at least one block, and reduction loops sit directly
+    above it (otherwise there is nothing to keep in registers across)."""
+    if len(order) < 2 or not output_order:
+        return None
+    k = order[-1]
+    if k != output_order[-1] or order[-2] in output_order or any(t.index == k for t in tiles):
+        return None
+    if any(f.sparse and any(i == k for i, _ in f.levels) for f in factors):
+        return None
+    size = REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
+    if dims[k] < size:
+        return None
+    return Tile(k, size)
+
+
 # ----------------------------------------------------------------------------- search
 
 
@@ -346,9 +378,18 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         reasons.append(_explain_choice(t, best, costs, factors, parallel))
         if costs[best] > costliest:  # the output is laid out in its costliest nest's loop order
             output_order, costliest = tuple(sorted(assignment.output, key=best.index)), costs[best]
+    nests = [_with_register_block(assignment, nest, output_order, infos, dims, itemsize) for nest in nests]
     return Schedule(
         None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
+
+
+def _with_register_block(assignment, nest: Nest, output_order, infos, dims, itemsize) -> Nest:
+    """``nest`` with its register block, once the output's layout is known."""
+    term = assignment.terms[nest.term]
+    _, _, factors = _nest_cost(term, nest.order, infos, dims, assignment.output)
+    block = _register_block(term, output_order, nest.order, factors, nest.tiles, dims, itemsize)
+    return replace(nest, register_block=block) if block else nest
 
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule:
