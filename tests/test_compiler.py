@@ -355,3 +355,13 @@ def test_register_blocked_products_and_sums():
     a2, b2 = sp((21, 6), "csr"), torch.randn(6, 40, dtype=torch.float64)
     result = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")(a2, b2, c)
     torch.testing.assert_close(result, a2.to_dense() @ b2 - c)
+
+
+@pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
+def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
+    # Row 1 of the outer product has no stored entry, but a dense output level must
+    # still give it a (zero) count. Found by the fuzz suite.
+    a = sparsenn.from_dense(torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64), "coo")
+    b = sparsenn.from_dense(torch.tensor([1.0, 0.0], dtype=torch.float64), "coo")
+    check("a,b->ab", [a, b], out_format=out_format)
+    check("ab,c->abc", [sp((3, 4), "csr"), b], out_format="dcs[0,2,1]")

@@ -126,6 +126,11 @@ def _shared_single(lo: _Lowerer, term_info, states, level, num_dense, rank) -> N
         w.line("C.val.push_back(sn_val);")
         return
     index = s.shared[level]
+    if level < num_dense and any(st.next_index() == index and st.levels[st.depth][1] != "d" for st in states):
+        # A dense output level needs every coordinate (each gets a count), but the
+        # term's stream visits only the stored ones: walk them all as a union does.
+        _shared_union(lo, [term_info], {t: states}, {t: "true"}, level, num_dense, rank)
+        return
     bounds = ("sn_lo", "sn_hi") if level == 0 else None
 
     def body(st):
