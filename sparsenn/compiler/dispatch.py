@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.validate import check_structure
 
 from . import jit
 from .autograd import differentiable_evaluate
@@ -77,17 +78,41 @@ def _describe(assignment: Assignment, n: int) -> str:
     return f"operand {n}" if name == f"operand{n}" else f"operand {n} ({name})"
 
 
-def _prepare_operands(assignment: Assignment, operands: Sequence) -> tuple[list, torch.dtype, dict[str, int]]:
-    """Check types, dtypes, devices, ranks and index sizes. Returns the operands (dense
-    ones contiguous, dense-format SparseTensors as tensors), their dtype and the size of
-    every index."""
+def _check_out_format(out_format, out_shape: tuple[int, ...]) -> None:
+    """``out_format`` is None, ``"dense"``, or a format (name or :class:`Format`) of the
+    result's rank whose blocks divide ``out_shape``."""
+    if out_format is None or (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
+        return
+    if not isinstance(out_format, (str, Format)):
+        raise TypeError(f"out_format must be None, 'dense', a format name or a Format, got {type(out_format).__name__}")
+    rank = len(out_shape)
+    if rank == 0:
+        raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result; use None or 'dense'")
+    try:
+        parse_format(out_format, rank).storage_levels(out_shape)
+    except ValueError as error:
+        raise ValueError(f"out_format={str(out_format)!r} does not fit the rank-{rank} result of shape "
+                         f"{out_shape}: {error}") from None
+
+
+def _prepare_operands(
+    assignment: Assignment, operands: Sequence, out_format=None
+) -> tuple[list, torch.dtype, dict[str, int]]:
+    """Check types, dtypes, devices, ranks, index sizes, the structure of sparse operands
+    (O(levels): lengths, dtypes, no in-place edits since construction) and ``out_format``.
+    Returns the operands (dense ones contiguous, dense-format SparseTensors as tensors),
+    their dtype and the size of every index."""
     if len(operands) != assignment.num_operands:
         raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
     prepared = []
     dtype = None
     for n, op in enumerate(operands):
         if isinstance(op, SparseTensor):
-            op.check_unmodified()
+            check_structure(op, _describe(assignment, n))
+            try:
+                op.check_unmodified()
+            except ValueError as error:
+                raise ValueError(f"{_describe(assignment, n)}: {error}") from None
             values = op.values
         elif isinstance(op, torch.Tensor):
             values = op
@@ -135,6 +160,7 @@ def _prepare_operands(assignment: Assignment, operands: Sequence) -> tuple[list,
                         f"index '{index}' has size {size} in {_describe(assignment, access.operand)} but size {sizes[index][0]} in {other}"
                     )
                 sizes.setdefault(index, (size, access.operand))
+    _check_out_format(out_format, tuple(sizes[i][0] for i in assignment.output))
     return prepared, dtype, {index: size for index, (size, _) in sizes.items()}
 
 
@@ -357,7 +383,7 @@ def _index_dtype(prepared: list) -> torch.dtype:
 
 
 def _evaluate(assignment: Assignment, operands: Sequence, out_format):
-    prepared, dtype, sizes = _prepare_operands(assignment, operands)
+    prepared, dtype, sizes = _prepare_operands(assignment, operands, out_format)
     if all(isinstance(op, torch.Tensor) for op in prepared):
         result = _dense_fallback(assignment, prepared, sizes)
         if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
@@ -489,7 +515,7 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 
 
 def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
-    prepared, dtype, _ = _prepare_operands(assignment, operands)
+    prepared, dtype, _ = _prepare_operands(assignment, operands, out_format)
     lines = [f"expression: {assignment}"]
     for n, (op, given) in enumerate(zip(prepared, operands)):
         desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense {tuple(op.shape)}"
@@ -531,7 +557,7 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
 def plan(equation: str, *operands, out_format=None) -> Plan:
     """The plan (schedule, generated source) ``einsum`` would run; for tools and tests."""
     assignment = _parse_cached(equation, len(operands))
-    prepared, dtype, _ = _prepare_operands(assignment, operands)
+    prepared, dtype, _ = _prepare_operands(assignment, operands, out_format)
     if all(isinstance(op, torch.Tensor) for op in prepared):
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
     return _plan(assignment, prepared, out_format, dtype, _index_dtype(prepared))
