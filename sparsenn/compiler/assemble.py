@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .lower import _chunk_prologue, _Lowerer, _State
+from .lower import _chunk_prologue, _Lowerer, _State, balancing_pos, chunk_bounds
 from .notation import Term
 from .schedule import Nest
 
@@ -46,10 +46,10 @@ def lower_sparse_output(lo: _Lowerer) -> None:
     w.open("try")
     w.line("Chunk& C = res->chunks[sn_chunk];")
     w.line("C.init(res->rank);")
-    w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_chunks;")
-    w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_chunks;")
     terms = [(n.term, a.terms[n.term], n) for n in s.nests]
     states = {t: lo.initial_states(t, term) for t, term, _ in terms}
+    balance = balancing_pos(lo, states[terms[0][0]], shared[0]) if shared and len(terms) == 1 else None
+    chunk_bounds(w, "sn_chunk", "sn_chunks", balance)
     if len(terms) == 1:
         _shared_single(lo, terms[0], states[terms[0][0]], 0, num_dense, rank)
     else:

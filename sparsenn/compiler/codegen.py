@@ -45,6 +45,17 @@ constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
+/* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
+template <class J>
+static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if ((int64_t)pos[mid] + mid < target) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
 static inline void sn_fail(int& flag) {
 #pragma omp atomic write
   flag = 1;

@@ -313,6 +313,34 @@ def _chunk_prologue(w: _Writer, extent: str) -> None:
     w.line("const int64_t sn_nchunks = std::min<int64_t>(sn_extent, (int64_t)nthreads * 8);")
 
 
+def balancing_pos(lo: _Lowerer, states: Sequence[_State], index: str) -> str | None:
+    """A ``pos`` array counting each outer coordinate's stored children, if a factor
+    has one: its first level is dense over ``index`` and its second is compressed."""
+    for st in states:
+        if (
+            len(st.levels) >= 2 and st.depth == 0 and st.pos == "0"
+            and st.levels[0][0] == index and st.levels[0][1] == "d" and st.levels[1][1] == "c"
+        ):
+            return f"s{st.slot}_pos1"
+    return None
+
+
+def chunk_bounds(w: _Writer, chunk: str, nchunks: str, pos: str | None) -> None:
+    """``sn_lo``/``sn_hi`` of chunk ``chunk`` of the outermost loop: equal coordinate
+    ranges, or, given ``pos``, ranges with equal stored children plus coordinates
+    (power-law rows then spread over the threads instead of landing on one)."""
+    if pos is None:
+        w.line(f"const int64_t sn_lo = sn_extent * {chunk} / {nchunks};")
+        w.line(f"const int64_t sn_hi = sn_extent * ({chunk} + 1) / {nchunks};")
+        return
+    w.line(f"const int64_t sn_work = (int64_t){pos}[sn_extent] + sn_extent;")
+    w.line(f"const int64_t sn_lo = sn_balanced_bound({pos}, sn_extent, sn_work * {chunk} / {nchunks});")
+    w.line(
+        f"const int64_t sn_hi = {chunk} + 1 == {nchunks} ? sn_extent : "
+        f"sn_balanced_bound({pos}, sn_extent, sn_work * ({chunk} + 1) / {nchunks});"
+    )
+
+
 def lower(
     assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None = None
 ) -> LoweredKernel:
@@ -399,8 +427,7 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             _chunk_prologue(w, lo.dim(order[0]))
             w.line("#pragma omp for schedule(dynamic, 1)")
             w.open("for (int64_t sn_chunk = 0; sn_chunk < sn_nchunks; ++sn_chunk)")
-            w.line("const int64_t sn_lo = sn_extent * sn_chunk / sn_nchunks;")
-            w.line("const int64_t sn_hi = sn_extent * (sn_chunk + 1) / sn_nchunks;")
+            chunk_bounds(w, "sn_chunk", "sn_nchunks", balancing_pos(lo, states, order[0]))
             bounds[order[0]] = ("sn_lo", "sn_hi")
         if nest.register_block is not None:
             _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size)
