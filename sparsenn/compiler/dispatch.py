@@ -54,12 +54,22 @@ class Plan:
     source: str
     anchor: int | None = None  # the output has this operand's pattern (see lower.lower)
     library: ctypes.CDLL | None = None
+    # Fixed by the plan's key (shapes included), so built once: the dims argument, each
+    # array argument as (operand, "pos"|"crd"|"val"|"dense", level), the dense output's
+    # allocation shape and the permutation back to the output's index order.
+    dims: ctypes.Array | None = None
+    arguments: tuple[tuple[int, str, int], ...] = ()
+    dense_shape: tuple[int, ...] = ()
+    output_permutation: tuple[int, ...] = ()
+    relayout: bool = False  # some operand is read in another layout or mode order
 
     def load(self) -> ctypes.CDLL:
         if self.library is None:
-            self.library = jit.load_library(self.source, "sparse_einsum")
-            self.library.sn_run.restype = ctypes.c_int
-            self.library.sn_finish.restype = ctypes.c_int
+            library = jit.load_library(self.source, "sparse_einsum")
+            library.sn_run.restype = ctypes.c_int
+            library.sn_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+            library.sn_finish.restype = ctypes.c_int
+            self.library = library
         return self.library
 
 
@@ -233,10 +243,12 @@ def _anchor(assignment: Assignment, formats, out_format, inferred: Format | None
     return None
 
 
-def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype, index_dtype) -> Plan:
-    infos = [_info(op) for op in prepared]
+def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype, index_dtype,
+          infos: tuple[OperandInfo, ...] | None = None) -> Plan:
+    if infos is None:
+        infos = tuple(_info(op) for op in prepared)
     formats = tuple(i.format for i in infos)
-    key = (assignment, tuple(infos), out_format, dtype, index_dtype)
+    key = (assignment, infos, out_format, dtype, index_dtype)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -299,50 +311,86 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
     return SparseTensor(op.shape, fmt, moved.pos, moved.crd, op.values.detach()[permutation], check=False)
 
 
-def _slot_tensors(plan: Plan, prepared: list, index_dtype: torch.dtype) -> list[torch.Tensor]:
-    tensors = []
+def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
+    """Fill the plan's per-call constants (see :class:`Plan`) on its first run."""
+    plan.arguments = tuple(
+        (slot.operand, "dense" if slot.fmt is None else kind, level)
+        for slot in plan.kernel.slots
+        for kind, level in slot_arrays(slot)
+    )
+    plan.dense_shape = tuple(sizes[i] for i in plan.schedule.output_order)
+    order = plan.schedule.output_order
+    plan.output_permutation = tuple(order.index(i) for i in plan.assignment.output)
+    plan.relayout = any(
+        slot.layout is not None if slot.fmt is None else slot.fmt != plan.operand_formats[slot.operand]
+        for slot in plan.kernel.slots
+    )
+    plan.dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
+
+
+def _kernel_operands(plan: Plan, prepared: list) -> list:
+    """The operands as the kernel's slots read them: dense ones laid out in loop order,
+    sparse ones re-stored in the slot's mode order where the schedule asked for it."""
+    kernel_ops = list(prepared)
     for slot in plan.kernel.slots:
         op = prepared[slot.operand]
         if slot.fmt is None:
-            tensors.append(op if slot.layout is None else op.permute(slot.layout).contiguous())
-            continue
-        if op.format != slot.fmt:
-            op = _restored_as(op, slot.fmt)
-        for kind, level in slot_arrays(slot):
-            if kind == "val":
-                tensors.append(op.values.detach().contiguous())
-            else:
-                arr = (op.pos if kind == "pos" else op.crd)[level]
-                tensors.append(arr.to(index_dtype) if arr.dtype != index_dtype else arr)
-    return tensors
+            if slot.layout is not None:
+                kernel_ops[slot.operand] = op.permute(slot.layout).contiguous()
+        elif op.format != slot.fmt:
+            kernel_ops[slot.operand] = _restored_as(op, slot.fmt)
+    return kernel_ops
+
+
+def _argument_pointers(plan: Plan, kernel_ops: list, index_dtype: torch.dtype) -> tuple[list[int], list]:
+    """Data pointers of the kernel's array arguments, and the tensors that own them
+    (kept alive for the call)."""
+    pointers, owners = [], []
+    for operand, kind, level in plan.arguments:
+        op = kernel_ops[operand]
+        if kind == "dense":
+            array = op
+        elif kind == "val":
+            array = op.values.detach()
+            if not array.is_contiguous():
+                array = array.contiguous()
+        else:
+            array = (op.pos if kind == "pos" else op.crd)[level]
+            if array.dtype != index_dtype:
+                array = array.to(index_dtype)
+        owners.append(array)
+        pointers.append(array.data_ptr())
+    return pointers, owners
 
 
 def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, index_dtype: torch.dtype):
     lib = plan.load()
-    dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
-    tensors = _slot_tensors(plan, prepared, index_dtype)
-    out_shape = tuple(sizes[i] for i in plan.assignment.output)
+    if plan.dims is None:
+        _prepare_launch(plan, sizes)
+    kernel_ops = _kernel_operands(plan, prepared) if plan.relayout else prepared
+    pointers, owners = _argument_pointers(plan, kernel_ops, index_dtype)
     out = None
     if plan.anchor is not None:
         pattern = prepared[plan.anchor]
         out = torch.zeros(pattern.values.shape[0], dtype=dtype)
-        tensors.append(out)
     elif plan.output_format is None:
-        out = torch.zeros([sizes[i] for i in plan.schedule.output_order], dtype=dtype)
-        tensors.append(out)
-    arrays = (ctypes.c_void_p * max(len(tensors), 1))(*[t.data_ptr() for t in tensors])
+        out = torch.zeros(plan.dense_shape, dtype=dtype)
+    if out is not None:
+        pointers.append(out.data_ptr())
+    arrays = (ctypes.c_void_p * max(len(pointers), 1))(*pointers)
     handle = ctypes.c_void_p()
     nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
-    code = lib.sn_run(arrays, dims, nthreads, ctypes.byref(handle))
+    code = lib.sn_run(arrays, plan.dims, nthreads, ctypes.byref(handle))
+    del owners
     if code != 0:
         if handle.value:
             lib.sn_free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
+    out_shape = tuple(sizes[i] for i in plan.assignment.output)
     if plan.anchor is not None:
         return SparseTensor(out_shape, pattern.format, pattern.pos, pattern.crd, out, check=False)
     if out is not None:
-        order = plan.schedule.output_order
-        return out.permute([order.index(i) for i in plan.assignment.output])
+        return out.permute(plan.output_permutation)
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
 
 
@@ -390,10 +438,11 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format):
             return SparseTensor.from_dense(result, format=out_format)
         return result
     index_dtype = _index_dtype(prepared)
-    path = _contraction_path(assignment, prepared, dtype)
+    infos = tuple(_info(op) for op in prepared)
+    path = _contraction_path(assignment, infos, dtype)
     if path is not None:
         return _run_path(assignment, prepared, path, out_format)
-    plan = _plan(assignment, prepared, out_format, dtype, index_dtype)
+    plan = _plan(assignment, prepared, out_format, dtype, index_dtype, infos)
     result = _run(plan, prepared, sizes, dtype, index_dtype)
     if isinstance(result, SparseTensor) and out_format is not None:
         wanted = parse_format(out_format, len(assignment.output))
@@ -402,10 +451,9 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format):
     return result
 
 
-def _contraction_path(assignment: Assignment, prepared: list, dtype) -> list[Step] | None:
+def _contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dtype) -> list[Step] | None:
     if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3:
         return None
-    infos = tuple(_info(op) for op in prepared)
     key = (assignment, infos, dtype)
     if key not in _paths:
         itemsize = torch.empty((), dtype=dtype).element_size()

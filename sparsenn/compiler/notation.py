@@ -60,6 +60,15 @@ class Assignment:
     terms: tuple[Term, ...]
     operand_names: tuple[str, ...]
 
+    def __hash__(self) -> int:
+        """Computed once: assignments key the plan cache on every call."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.output, self.terms, self.operand_names))
+            object.__setattr__(self, "_hash", value)
+            return value
+
     @property
     def num_operands(self) -> int:
         return len(self.operand_names)
