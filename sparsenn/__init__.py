@@ -19,6 +19,8 @@ from sparsenn.formats import (
     from_torch,
     parse_format,
 )
+from sparsenn.layers import SparseGCNConv, SparseLinear
+from sparsenn.convert import ConversionReport, convert
 
 __version__ = "0.1.0"
 
@@ -38,4 +40,8 @@ __all__ = [
     "NotationError",
     "KernelBuildError",
     "CompilerNotFoundError",
+    "SparseLinear",
+    "SparseGCNConv",
+    "convert",
+    "ConversionReport",
 ]

@@ -1,0 +1,250 @@
+"""convert(): replace the ``nn.Linear`` layers of a model by :class:`SparseLinear`.
+
+Each converted layer keeps ``round((1 - sparsity) * out * in)`` of its weights (largest
+magnitude, or random) and its bias, so the converted model computes what the *masked*
+dense model computes, and trains through compiled sparse einsums.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import numbers
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from sparsenn.formats import Format
+from sparsenn.layers.linear import SparseLinear, check_sparsity, check_weight_format, kept_count
+
+__all__ = ["convert", "ConversionReport", "LayerDecision", "Converted", "predicted_speedup"]
+
+Exclude = Iterable[str] | Callable[[str, nn.Module], bool] | None
+
+# Break-even model for skip_slower, fitted to benchmarks/layers.py (fwd+bwd, batch 64,
+# 2 threads; see BENCHMARKS.md "Layers"): time = overhead + cost * work, with work = the
+# multiply-adds of one forward+backward step (dense: 3 * out * in * batch; sparse:
+# 3 * nnz * batch).
+DENSE_OVERHEAD_US = 30.0
+DENSE_NS_PER_MAC = 0.04
+SPARSE_OVERHEAD_US = 150.0
+SPARSE_NS_PER_MAC = 0.21
+CALIBRATION_BATCH = 64
+
+
+def predicted_speedup(in_features: int, out_features: int, nnz: int, batch: int = CALIBRATION_BATCH) -> float:
+    """Modelled ``dense time / sparse time`` of one forward+backward step of a linear layer."""
+    work = 3 * batch
+    dense = DENSE_OVERHEAD_US * 1e3 + DENSE_NS_PER_MAC * work * in_features * out_features
+    sparse = SPARSE_OVERHEAD_US * 1e3 + SPARSE_NS_PER_MAC * work * nnz
+    return dense / sparse
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What convert() did with one matching layer."""
+
+    name: str
+    in_features: int
+    out_features: int
+    nnz: int  # weights the layer stores after conversion (all of them when kept dense)
+    format: str  # the sparse format, or "dense"
+    converted: bool
+    reason: str
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.nnz / (self.in_features * self.out_features)
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """Per-layer decisions of :func:`convert`, in module order."""
+
+    layers: tuple[LayerDecision, ...]
+
+    @property
+    def converted(self) -> tuple[LayerDecision, ...]:
+        return tuple(d for d in self.layers if d.converted)
+
+    @property
+    def kept_dense(self) -> tuple[LayerDecision, ...]:
+        return tuple(d for d in self.layers if not d.converted)
+
+    def __getitem__(self, name: str) -> LayerDecision:
+        for decision in self.layers:
+            if decision.name == name:
+                return decision
+        raise KeyError(f"no layer named {name!r} in the report")
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __str__(self) -> str:
+        rows = [("layer", "shape (out, in)", "kept nnz", "sparsity", "format", "decision")]
+        for d in self.layers:
+            rows.append((d.name, f"({d.out_features}, {d.in_features})", str(d.nnz), f"{d.sparsity:.3f}", d.format,
+                         ("sparse: " if d.converted else "dense: ") + d.reason))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]) - 1)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows)
+
+
+class Converted(NamedTuple):
+    """``(model, report)`` returned by :func:`convert`."""
+
+    model: nn.Module
+    report: ConversionReport
+
+
+def _check_include(include: object) -> tuple[type, ...]:
+    types = (include,) if isinstance(include, type) else include
+    try:
+        types = tuple(types)
+    except TypeError:
+        raise TypeError(f"include must be a module type or a tuple of them, got {type(include).__name__}") from None
+    if not types:
+        raise ValueError("include is empty: nothing would be converted")
+    for t in types:
+        if not isinstance(t, type) or not issubclass(t, nn.Module):
+            raise TypeError(f"include must contain nn.Module types, got {t!r}")
+        if not issubclass(t, nn.Linear):
+            raise ValueError(f"include may only contain nn.Linear and its subclasses (the only layers with a "
+                             f"sparse version), got {t.__name__}")
+    return types
+
+
+def _exclusion(model: nn.Module, exclude: Exclude) -> Callable[[str, nn.Module], str | None]:
+    """A function giving why a layer is excluded (or None)."""
+    if exclude is None:
+        return lambda name, module: None
+    if callable(exclude):
+        return lambda name, module: "excluded by the exclude predicate" if exclude(name, module) else None
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    patterns = tuple(exclude)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError("exclude must be module names (glob patterns allowed), or a predicate(name, module)")
+    names = [name for name, _ in model.named_modules() if name]
+    for pattern in patterns:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(f"exclude pattern {pattern!r} matches no submodule of the model")
+
+    def excluded(name: str, module: nn.Module) -> str | None:
+        parts = name.split(".")
+        for depth in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:depth])
+            for pattern in patterns:
+                if fnmatch.fnmatchcase(prefix, pattern):
+                    return f"excluded by {pattern!r}" + ("" if prefix == name else f" (matches {prefix})")
+        return None
+
+    return excluded
+
+
+def _disable_fused_encoder_path(module: nn.Module, args: tuple) -> None:
+    """Forward pre-hook on ``nn.TransformerEncoderLayer``: a layer with hooks skips torch's
+    fused inference kernel, which reads ``linear1.weight`` / ``linear2.weight`` as dense
+    tensors instead of calling the (now sparse) linear layers. Changes nothing else."""
+
+
+def convert(model: nn.Module, sparsity: float = 0.9, method: str = "magnitude", format: str | Format = "csr",
+            include: type | tuple[type, ...] = (nn.Linear,), exclude: Exclude = None, min_features: int = 0,
+            inplace: bool = True, skip_slower: bool = False) -> Converted:
+    """Replace matching ``nn.Linear`` submodules of ``model`` by :class:`SparseLinear`.
+
+    Args:
+        model: any module; nested ``Sequential``/``ModuleList``/``ModuleDict`` are walked.
+        sparsity: fraction of each layer's weights removed, in [0, 1).
+        method: ``"magnitude"`` (keep the largest ``|w|`` per layer) or ``"random"``.
+        format: storage format of the sparse weights (see :class:`SparseLinear`).
+        include: the layer types to convert: ``nn.Linear`` or subclasses of it.
+        exclude: names of submodules to leave alone (glob patterns; excluding a
+            container excludes everything in it), or a predicate ``(name, module) -> bool``.
+        min_features: keep dense any layer with ``min(in, out) < min_features``.
+        inplace: modify ``model``; otherwise convert a deep copy.
+        skip_slower: keep dense a layer that the break-even model
+            (:func:`predicted_speedup`, fitted to ``benchmarks/layers.py``) predicts to be
+            slower sparse than dense for a forward+backward step at batch 64.
+
+    Returns ``Converted(model, report)``; ``report`` lists every matching layer with its
+    shape, kept nnz, format and the decision with its reason. Linear layers whose parent
+    reads their weight directly instead of calling them (``nn.MultiheadAttention.out_proj``)
+    are kept dense. A converted ``nn.TransformerEncoderLayer`` gets a no-op forward
+    pre-hook and ``nn.TransformerEncoder.use_nested_tensor`` is set False, so that torch's
+    fused inference path, which reads the dense ``linear1``/``linear2`` weights, is not
+    taken.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    sparsity = check_sparsity(sparsity)
+    if method not in ("magnitude", "random"):
+        raise ValueError(f"method must be 'magnitude' or 'random', got {method!r}")
+    fmt = check_weight_format(format)
+    types = _check_include(include)
+    if isinstance(min_features, bool) or not isinstance(min_features, numbers.Integral) or min_features < 0:
+        raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
+    excluded = _exclusion(model, exclude)
+    if not inplace:
+        model = copy.deepcopy(model)
+
+    decisions: list[LayerDecision] = []
+    sparse_versions: dict[int, nn.Module] = {}  # id of a converted Linear -> its SparseLinear
+    references: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, Linear), shared ones repeated
+    decided: set[int] = set()
+    parents = dict(model.named_modules(remove_duplicate=False))
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not name or not isinstance(module, types):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        references.append((parents[parent_name], attr, module))
+        if id(module) in decided:
+            continue  # a shared layer: decided under its first name
+        decided.add(id(module))
+        decision = _decide(name, module, parents[parent_name], sparsity, method, fmt, excluded, min_features,
+                           skip_slower)
+        decisions.append(decision)
+        if decision.converted:
+            sparse_versions[id(module)] = SparseLinear.from_dense(module, sparsity, method, fmt)
+
+    for parent, attr, module in references:
+        if id(module) in sparse_versions:
+            setattr(parent, attr, sparse_versions[id(module)])
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and _has_sparse(module):
+            if _disable_fused_encoder_path not in module._forward_pre_hooks.values():
+                module.register_forward_pre_hook(_disable_fused_encoder_path)
+        if isinstance(module, nn.TransformerEncoder) and _has_sparse(module):
+            module.use_nested_tensor = False
+    return Converted(model, ConversionReport(tuple(decisions)))
+
+
+def _decide(name: str, module: nn.Linear, parent: nn.Module, sparsity: float, method: str, fmt: Format,
+            excluded: Callable[[str, nn.Module], str | None], min_features: int, skip_slower: bool) -> LayerDecision:
+    """Whether (and why) one Linear layer is converted."""
+    out_features, in_features = module.weight.shape
+    keep = kept_count(in_features * out_features, sparsity)
+    reason = excluded(name, module)
+    if reason is None and isinstance(parent, nn.MultiheadAttention):
+        reason = "nn.MultiheadAttention reads out_proj.weight directly instead of calling out_proj"
+    if reason is None and module.weight.dtype not in (torch.float32, torch.float64):
+        reason = f"dtype {module.weight.dtype} (sparse layers support float32 and float64)"
+    if reason is None and module.weight.device.type != "cpu":
+        reason = f"on device {module.weight.device} (sparse layers run on the CPU)"
+    if reason is None and min(in_features, out_features) < min_features:
+        reason = f"min(in, out) = {min(in_features, out_features)} < min_features = {min_features}"
+    note = method
+    if reason is None and skip_slower:
+        speedup = predicted_speedup(in_features, out_features, keep)
+        if speedup < 1.0:
+            reason = f"modelled sparse speedup {speedup:.2f}x < 1 (skip_slower)"
+        note = f"{method}; modelled sparse speedup {speedup:.2f}x"
+    if reason is not None:
+        return LayerDecision(name, in_features, out_features, in_features * out_features, "dense", False, reason)
+    return LayerDecision(name, in_features, out_features, keep, str(fmt), True, note)
+
+
+def _has_sparse(module: nn.Module) -> bool:
+    return any(isinstance(m, SparseLinear) for m in module.modules())

@@ -1,0 +1,7 @@
+"""Sparse ``nn.Module`` layers. Each holds parameters and calls :func:`sparsenn.einsum`;
+forward and backward run as compiled sparse einsums (no per-layer kernels)."""
+
+from .gcn import SparseGCNConv, gcn_norm
+from .linear import SparseLinear
+
+__all__ = ["SparseLinear", "SparseGCNConv", "gcn_norm"]

@@ -1,0 +1,202 @@
+"""SparseGCNConv: the graph convolution of Kipf & Welling with PyG's conventions,
+propagated through a compiled sparse-times-dense einsum."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from sparsenn.compiler import einsum
+from sparsenn.formats import SparseTensor
+
+__all__ = ["SparseGCNConv", "gcn_norm"]
+
+_VALUE_DTYPES = (torch.float32, torch.float64)
+
+
+def gcn_norm(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: bool = False,
+             add_self_loops: bool = True, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    r"""Symmetric GCN normalisation of a graph given as ``(source, target)`` edges.
+
+    .. math::
+        \hat{A} = \hat{D}^{-1/2} (A + f I) \hat{D}^{-1/2}, \qquad
+        \hat{D}_{tt} = \sum_s (A + f I)_{st}
+
+    with :math:`f = 2` when ``improved`` else 1. As in PyG, ``add_self_loops`` adds a loop
+    of weight ``f`` to every node that has none; a node's existing self-loop keeps its
+    weight. Degrees are summed on the target side, and nodes of degree 0 get 0, not inf.
+    Returns ``(edge_index, weight)`` with edge ``e`` weighted
+    ``deg(s)^{-1/2} w_e deg(t)^{-1/2}``; the weights stay differentiable with respect to
+    ``edge_weight``.
+    """
+    source, target = edge_index[0], edge_index[1]
+    weight = torch.ones(source.shape[0], dtype=dtype) if edge_weight is None else edge_weight
+    if add_self_loops:
+        is_loop = source == target
+        loop_weight = torch.full((num_nodes,), 2.0 if improved else 1.0, dtype=weight.dtype)
+        loop_weight = loop_weight.index_put((source[is_loop],), weight[is_loop])
+        nodes = torch.arange(num_nodes, dtype=source.dtype)
+        keep = ~is_loop
+        source, target = torch.cat([source[keep], nodes]), torch.cat([target[keep], nodes])
+        weight = torch.cat([weight[keep], loop_weight])
+    degree = weight.new_zeros(num_nodes).index_add(0, target, weight)
+    inv_sqrt = degree.pow(-0.5)
+    inv_sqrt = inv_sqrt.masked_fill(torch.isinf(inv_sqrt), 0.0)
+    return torch.stack([source, target]), inv_sqrt[source] * weight * inv_sqrt[target]
+
+
+class SparseGCNConv(nn.Module):
+    r"""Graph convolution (Kipf & Welling, ICLR 2017) with PyG's ``GCNConv`` conventions.
+
+    .. math::
+        X' = \hat{D}^{-1/2} \hat{A} \hat{D}^{-1/2} X W^\top + b, \qquad
+        \hat{A} = A + I \ (A + 2I \text{ if improved})
+
+    Messages flow from source to target: ``out[t] = sum_s Â[t, s] (X W^T)[s] + b`` over
+    edges ``(s, t)`` of ``edge_index`` (row 0 sources, row 1 targets), with edge weights
+    ``edge_weight`` (default 1). The normalised adjacency is built once per call as a CSR
+    :class:`~sparsenn.SparseTensor` indexed ``[target, source]`` (once per layer when
+    ``cached=True``). The product runs as two einsums: ``Â (X Wᵀ)`` when
+    ``out_channels <= in_channels``, else ``(Â X) Wᵀ``, so the sparse-times-dense
+    product always runs on the narrower of the two dense matrices.
+
+    Args:
+        in_channels, out_channels: feature sizes.
+        improved: self-loop weight 2 instead of 1.
+        cached: normalise on the first call and reuse that adjacency afterwards (for a
+            fixed graph, transductive learning); :meth:`reset_cache` forgets it.
+        add_self_loops: add self-loops before normalising (default: ``normalize``).
+        normalize: apply the symmetric normalisation; when False the adjacency is used as
+            given and self-loops cannot be added.
+        bias: learn an additive bias.
+
+    ``forward(x, edge_index, edge_weight=None)``: ``x`` is a dense ``(N, in_channels)``
+    tensor; the graph is an ``edge_index`` ``(2, E)`` integer tensor or an ``(N, N)``
+    SparseTensor adjacency ``A[source, target]`` (as built by ``sparsenn.from_edge_index``),
+    whose values are the edge weights. Gradients flow to ``x``, the parameters, and
+    ``edge_weight`` (or the adjacency's values) when they require grad.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, improved: bool = False, cached: bool = False,
+                 add_self_loops: bool | None = None, normalize: bool = True, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if add_self_loops is None:
+            add_self_loops = normalize
+        if add_self_loops and not normalize:
+            raise ValueError("add_self_loops=True needs normalize=True (self-loops are added during normalisation)")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        if dtype not in _VALUE_DTYPES:
+            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        self.in_channels, self.out_channels = int(in_channels), int(out_channels)
+        self.improved, self.cached = bool(improved), bool(cached)
+        self.add_self_loops, self.normalize = bool(add_self_loops), bool(normalize)
+        self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_channels, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self._cached_adjacency: SparseTensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Glorot-uniform weight and zero bias (as PyG), and forget the cached adjacency."""
+        nn.init.xavier_uniform_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Forget the normalised adjacency cached by ``cached=True``."""
+        self._cached_adjacency = None
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, improved={self.improved}, cached={self.cached}, "
+                f"add_self_loops={self.add_self_loops}, normalize={self.normalize}, bias={self.bias is not None}")
+
+    def forward(self, x: Tensor, edge_index: Tensor | SparseTensor, edge_weight: Tensor | None = None) -> Tensor:
+        """``Â X Wᵀ + b`` with ``Â`` the (normalised) adjacency of the graph; see the class docstring."""
+        if not isinstance(x, Tensor) or x.layout != torch.strided:
+            raise TypeError(f"x must be a dense torch.Tensor of node features, got {type(x).__name__}")
+        if x.dim() != 2 or x.shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {tuple(x.shape)}")
+        if x.dtype != self.weight.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's weight has {self.weight.dtype}")
+        adjacency = self.adjacency(edge_index, edge_weight, x.shape[0], x.dtype)
+        if self.out_channels <= self.in_channels:
+            out = einsum("ts,so->to", adjacency, einsum("si,oi->so", x, self.weight))
+        else:
+            out = einsum("ti,oi->to", einsum("ts,si->ti", adjacency, x), self.weight)
+        return out if self.bias is None else out + self.bias
+
+    def adjacency(self, edge_index: Tensor | SparseTensor, edge_weight: Tensor | None, num_nodes: int,
+                  dtype: torch.dtype) -> SparseTensor:
+        """The ``(num_nodes, num_nodes)`` CSR propagation matrix ``Â[target, source]``
+        (normalised if ``normalize``); from the cache when ``cached`` and already built."""
+        if self._cached_adjacency is not None:
+            cached = self._cached_adjacency
+            if cached.shape[0] != num_nodes:
+                raise ValueError(f"the cached adjacency has {cached.shape[0]} nodes but x has {num_nodes} rows; "
+                                 "call reset_cache() before using another graph")
+            return cached
+        source, target, weight = self._edges(edge_index, edge_weight, num_nodes, dtype)
+        if self.cached and weight is not None and weight.requires_grad:
+            raise ValueError("cached=True cannot cache an adjacency whose edge weights require grad "
+                             "(the cache would hold a stale autograd graph); use cached=False")
+        edges = torch.stack([source, target])
+        if self.normalize:
+            edges, weight = gcn_norm(edges, weight, num_nodes, self.improved, self.add_self_loops, dtype)
+        elif weight is None:
+            weight = torch.ones(edges.shape[1], dtype=dtype)
+        adjacency = SparseTensor.from_coo(edges.flip(0), weight, (num_nodes, num_nodes), format="csr")
+        if self.cached:
+            self._cached_adjacency = adjacency
+        return adjacency
+
+    @staticmethod
+    def _edges(edge_index: Tensor | SparseTensor, edge_weight: Tensor | None, num_nodes: int,
+               dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Validated ``(source, target, weight or None)`` of the graph."""
+        if isinstance(edge_index, SparseTensor):
+            if edge_weight is not None:
+                raise ValueError("edge_weight must be None when the graph is a SparseTensor adjacency "
+                                 "(its values are the edge weights)")
+            if edge_index.shape != (num_nodes, num_nodes):
+                raise ValueError(f"adjacency has shape {edge_index.shape}, expected ({num_nodes}, {num_nodes}) "
+                                 "for x with that many rows")
+            if edge_index.dtype != dtype:
+                raise TypeError(f"adjacency values have dtype {edge_index.dtype} but x has {dtype}")
+            indices, values = edge_index.coords()
+            return indices[0], indices[1], values
+        if not isinstance(edge_index, Tensor):
+            raise TypeError(f"edge_index must be a (2, E) integer tensor or a SparseTensor, "
+                            f"got {type(edge_index).__name__}")
+        if edge_index.layout != torch.strided or edge_index.device.type != "cpu":
+            raise ValueError(f"edge_index must be a strided CPU tensor, got {edge_index.layout} on "
+                             f"{edge_index.device}")
+        if edge_index.dtype == torch.bool or edge_index.is_floating_point() or edge_index.is_complex():
+            raise TypeError(f"edge_index must be an integer tensor, got dtype {edge_index.dtype}")
+        if edge_index.dim() != 2 or edge_index.shape[0] != 2:
+            raise ValueError(f"edge_index must have shape (2, num_edges), got {tuple(edge_index.shape)}")
+        edge_index = edge_index.long()
+        if edge_index.numel():
+            low, high = int(edge_index.min()), int(edge_index.max())
+            if low < 0 or high >= num_nodes:
+                bad = low if low < 0 else high
+                raise ValueError(f"edge_index has node {bad} out of range [0, {num_nodes}) (x has {num_nodes} rows)")
+        if edge_weight is not None:
+            if not isinstance(edge_weight, Tensor) or edge_weight.layout != torch.strided:
+                raise TypeError(f"edge_weight must be a dense tensor, got {type(edge_weight).__name__}")
+            if edge_weight.shape != (edge_index.shape[1],):
+                raise ValueError(f"edge_weight must have shape ({edge_index.shape[1]},), one weight per edge, "
+                                 f"got {tuple(edge_weight.shape)}")
+            if edge_weight.dtype != dtype:
+                raise TypeError(f"edge_weight has dtype {edge_weight.dtype} but x has {dtype}")
+        return edge_index[0], edge_index[1], edge_weight

@@ -1,0 +1,189 @@
+"""sparsenn.convert on ordinary models: outputs equal the masked dense model, training works,
+the report says what happened, bad arguments fail clearly."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sparsenn
+from sparsenn import SparseLinear
+from sparsenn.convert import ConversionReport, predicted_speedup
+
+
+def masked_dense(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every SparseLinear replaced by its equivalent nn.Linear."""
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SparseLinear):
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, module.to_dense())
+    return model
+
+
+def count(model: nn.Module, kind: type) -> int:
+    return sum(isinstance(m, kind) for m in model.modules())
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Sequential(nn.Linear(36, 32), nn.ReLU()),
+                         nn.Sequential(nn.Linear(32, 32), nn.Tanh()), nn.Linear(32, 5))
+
+
+def test_mlp_outputs_match_masked_dense_and_it_trains():
+    torch.manual_seed(0)
+    model = mlp()
+    original = copy.deepcopy(model)
+    converted, report = sparsenn.convert(model, sparsity=0.75)
+    assert converted is model and count(model, SparseLinear) == 3 and count(model, nn.Linear) == 0
+    assert [d.name for d in report.layers] == ["1.0", "2.0", "3"]
+    assert report["1.0"].nnz == 36 * 32 // 4 and report["1.0"].format == "csr" and report["1.0"].converted
+    x = torch.randn(16, 6, 6)
+    torch.testing.assert_close(model(x), masked_dense(model)(x))
+    # magnitude pruning keeps each layer's largest weights of the original
+    kept = original[1][0].weight.detach().abs()[model[1][0].mask()]
+    assert kept.min() >= original[1][0].weight.detach().abs()[~model[1][0].mask()].max()
+    target = torch.randint(0, 5, (16,))
+    opt = torch.optim.Adam(model.parameters(), lr=0.02)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+class SmallNet(nn.Module):
+    """torchvision-style classifier: conv features, pooling, then a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2))
+        self.classifier = nn.Sequential(nn.Dropout(0.0), nn.Linear(32, 24), nn.ReLU(), nn.Linear(24, 10))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.features(x), 1))
+
+
+def test_classifier_head_exclude_and_copy():
+    torch.manual_seed(1)
+    model = SmallNet()
+    converted, report = sparsenn.convert(model, sparsity=0.5, exclude=["classifier.3"], inplace=False,
+                                         format="csc", method="random")
+    assert count(model, SparseLinear) == 0  # inplace=False leaves the original alone
+    assert isinstance(converted.classifier[1], SparseLinear) and isinstance(converted.classifier[3], nn.Linear)
+    assert isinstance(converted.features[0], nn.Conv2d)
+    assert report["classifier.3"].reason == "excluded by 'classifier.3'" and not report["classifier.3"].converted
+    assert report["classifier.1"].format == "csc"
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(converted(x), masked_dense(converted)(x))
+
+
+def test_transformer_encoder_layer_train_and_fused_eval_paths():
+    torch.manual_seed(2)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model, report = sparsenn.convert(layer, sparsity=0.8)
+    assert isinstance(model.linear1, SparseLinear) and isinstance(model.linear2, SparseLinear)
+    assert type(model.self_attn.out_proj) is not SparseLinear
+    assert "MultiheadAttention reads out_proj.weight" in report["self_attn.out_proj"].reason
+    reference = masked_dense(model)
+    x = torch.randn(3, 5, 16)
+    torch.testing.assert_close(model(x), reference(x))
+    model(x).sum().backward()
+    assert model.linear1.weight_values.grad is not None
+    model.eval(), reference.eval()
+    with torch.no_grad():  # torch would take its fused kernel here (it reads linear1.weight densely)
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_transformer_encoder_with_padding_mask_in_eval():
+    torch.manual_seed(3)
+    encoder = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True), 2,
+        enable_nested_tensor=False)
+    encoder.use_nested_tensor = True  # as torch sets it when its layers qualify
+    model, report = sparsenn.convert(encoder, sparsity=0.5)
+    assert len(report.converted) == 4 and model.use_nested_tensor is False
+    reference = masked_dense(model).eval()
+    model.eval()
+    x = torch.randn(2, 4, 8)
+    padding = torch.tensor([[False, False, False, True], [False, False, False, False]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, src_key_padding_mask=padding),
+                                   reference(x, src_key_padding_mask=padding), rtol=1e-4, atol=1e-5)
+
+
+def test_nested_module_dict_predicate_and_min_features():
+    torch.manual_seed(4)
+    model = nn.ModuleDict({
+        "encoder": nn.Sequential(nn.Linear(20, 40), nn.ReLU(), nn.Linear(40, 20)),
+        "heads": nn.ModuleDict({"small": nn.Linear(20, 2), "big": nn.Linear(20, 30)}),
+    })
+    _, report = sparsenn.convert(model, sparsity=0.9, min_features=10,
+                                 exclude=lambda name, module: module.out_features == 20)
+    assert {d.name: d.converted for d in report.layers} == {
+        "encoder.0": True, "encoder.2": False, "heads.small": False, "heads.big": True}
+    assert report["encoder.2"].reason == "excluded by the exclude predicate"
+    assert report["heads.small"].reason == "min(in, out) = 2 < min_features = 10"
+    assert isinstance(model["heads"]["big"], SparseLinear) and model["heads"]["big"].nnz == 60
+    text = str(report)
+    assert "heads.big" in text and "(30, 20)" in text and "min_features" in text
+    assert isinstance(report, ConversionReport) and len(report) == 4 and len(report.kept_dense) == 2
+
+
+def test_exclude_glob_covers_a_subtree_and_shared_layers_convert_once():
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    _, report = sparsenn.convert(model, sparsity=0.5, exclude="3")
+    assert [d.name for d in report.layers] == ["0", "3.0", "3.1"]
+    assert report["3.1"].reason == "excluded by '3' (matches 3)"
+    assert isinstance(model[0], SparseLinear) and model[0] is model[2]
+    assert isinstance(model[3][0], nn.Linear)
+
+
+def test_skip_slower_keeps_small_low_sparsity_layers_dense():
+    assert predicted_speedup(16, 16, 128) < 1.0
+    assert predicted_speedup(4096, 4096, 4096 * 41) > 1.0
+    assert predicted_speedup(1024, 1024, 1024 * 100) > predicted_speedup(1024, 1024, 1024 * 500)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2048))
+    big = nn.Linear(2048, 2048)
+    model.append(big)
+    _, report = sparsenn.convert(model, sparsity=0.99, skip_slower=True)
+    assert not report["0"].converted and "skip_slower" in report["0"].reason
+    assert report["2"].converted and "modelled sparse speedup" in report["2"].reason
+    assert isinstance(model[2], SparseLinear) and isinstance(model[0], nn.Linear)
+
+
+def test_unsupported_dtype_is_kept_dense_with_a_reason():
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))
+    _, report = sparsenn.convert(model, sparsity=0.5)
+    assert not report["0"].converted and "bfloat16" in report["0"].reason and report["1"].converted
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (dict(sparsity=1.0), ValueError, r"sparsity must be in \[0, 1\)"),
+        (dict(sparsity=-0.5), ValueError, r"sparsity must be in \[0, 1\)"),
+        (dict(sparsity=None), TypeError, "sparsity must be a number"),
+        (dict(format="xyz"), ValueError, "unknown weight format 'xyz'"),
+        (dict(include=(nn.Conv2d,)), ValueError, "include may only contain nn.Linear.*got Conv2d"),
+        (dict(include=(str,)), TypeError, "include must contain nn.Module types"),
+        (dict(include=()), ValueError, "include is empty"),
+        (dict(method="l1"), ValueError, "method must be"),
+        (dict(exclude=["nothing.here"]), ValueError, "matches no submodule"),
+        (dict(exclude=[3]), TypeError, "exclude must be module names"),
+        (dict(min_features=-1), ValueError, "min_features must be a non-negative int"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        sparsenn.convert(mlp(), **kwargs)
+
+
+def test_model_must_be_a_module():
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        sparsenn.convert(lambda x: x)
