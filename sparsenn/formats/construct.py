@@ -71,7 +71,16 @@ def _check_range(name: str, indices: Tensor, shape: tuple[int, ...]) -> None:
 
 
 def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(operator.index(n) for n in shape)
+    """``shape`` as a tuple of non-negative ints (TypeError/ValueError naming it otherwise)."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence | torch.Size):
+        raise TypeError(f"shape must be a sequence of ints, got {type(shape).__name__}")
+    checked = []
+    for mode, n in enumerate(shape):
+        try:
+            checked.append(operator.index(n))
+        except TypeError:
+            raise TypeError(f"shape must be a sequence of ints, got {n!r} for dimension {mode}") from None
+    shape = tuple(checked)
     if any(n < 0 for n in shape):
         raise ValueError(f"shape {shape} has a negative dimension")
     return shape
