@@ -365,3 +365,14 @@ def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     b = sparsenn.from_dense(torch.tensor([1.0, 0.0], dtype=torch.float64), "coo")
     check("a,b->ab", [a, b], out_format=out_format)
     check("ab,c->abc", [sp((3, 4), "csr"), b], out_format="dcs[0,2,1]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [3, 32, 64, 77])
+def test_vectorised_inner_reductions(dtype, k):
+    # SDDMM's inner dot product: multi-accumulator SIMD blocks plus a scalar tail.
+    a = sp((23, 19), "csr", dtype=dtype)
+    x, y = torch.randn(23, k, dtype=dtype), torch.randn(19, k, dtype=dtype)
+    atol = 1e-4 if dtype == torch.float32 else 1e-10
+    check("ij,ik,jk->ij", [a, x, y], atol=atol)
+    check("ij,ijk,jk->i", [a, torch.randn(23, 19, k, dtype=dtype), y], atol=atol)

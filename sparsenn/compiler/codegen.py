@@ -44,6 +44,14 @@ typedef V VV __attribute__((vector_size(@VECTOR_BYTES@)));
 constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
+/* Sum of the lanes as a tree (log2(SN_W) dependent adds, not SN_W). */
+static inline V sn_hsum(VV v) {
+  V lanes[SN_W];
+  std::memcpy(lanes, &v, sizeof v);
+  for (int width = SN_W / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
 
 /* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
 template <class J>

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from sparsenn.formats import Format
 
 from .notation import Assignment, Term
-from .schedule import Schedule
+from .schedule import REGISTER_BLOCK_VECTORS, Schedule
 
 __all__ = ["Slot", "LoweredKernel", "lower"]
 
@@ -287,9 +287,14 @@ class _Lowerer:
         around: dict[int, tuple[Callable[[list[_State]], None], Callable[[list[_State]], None]]] | None = None,
         position: int = 0,
         accumulator: str | None = None,
+        summed: tuple[str, Sequence[int]] | None = None,
     ) -> None:
         """Emit ``order[position:]`` as nested loops, ``around[j]`` wrapping loop j;
-        the leaf sums into ``accumulator`` (if given) over the loops inside it."""
+        the leaf sums into ``accumulator`` (if given) over the loops inside it.
+
+        ``summed = (coefficient, factors)`` says the leaf is ``accumulator +=
+        coefficient * product(factors)``; an innermost loop that qualifies is then
+        emitted as a multi-accumulator SIMD reduction (:meth:`emit_vector_reduction`)."""
         if position == len(order):
             leaf(states)
             return
@@ -297,15 +302,57 @@ class _Lowerer:
         if before:
             before(states)
         innermost = position == len(order) - 1
-        self.emit_loop(
-            order[position],
-            states,
-            lambda st: self.emit_order(order, st, leaf, bounds, around, position + 1, accumulator),
-            bounds.get(order[position]),
-            accumulator if innermost else None,
-        )
+        vector = summed is not None and innermost and self.unit_stride_factors(order[position], states, summed[1])
+        if vector:
+            self.emit_vector_reduction(order[position], states, accumulator, summed, vector, bounds.get(order[position]))
+        else:
+            self.emit_loop(
+                order[position],
+                states,
+                lambda st: self.emit_order(order, st, leaf, bounds, around, position + 1, accumulator, summed),
+                bounds.get(order[position]),
+                accumulator if innermost else None,
+            )
         if after:
             after(states)
+
+    def unit_stride_factors(self, index: str, states: Sequence[_State], factors: Sequence[int]) -> list[int]:
+        """The factors (of ``factors``) indexed by ``index`` if every one of them is a
+        dense tensor with ``index`` last (unit stride) and no sparse factor has it; else []."""
+        if any(st.sparse and any(level[0] == index for level in st.levels) for st in states):
+            return []
+        with_index = [k for k in factors if index in states[k].dense_indices]
+        if not with_index or any(states[k].dense_indices[-1] != index for k in with_index):
+            return []
+        return with_index
+
+    def emit_vector_reduction(
+        self, index: str, states: list[_State], accumulator: str, summed: tuple[str, Sequence[int]],
+        vectors: Sequence[int], bounds: tuple[str, str] | None,
+    ) -> None:
+        """``accumulator += coef * scalars * sum_index prod(vectors)`` with
+        REGISTER_BLOCK_VECTORS independent SIMD accumulators (a single one would wait on
+        each add's latency), a tree sum of the lanes, and a scalar tail."""
+        w, var, n = self.w, self.var(index), self.dim(index)
+        coef, factors = summed
+        scalars = [k for k in factors if k not in vectors]
+        lo, hi = bounds or ("0", n)
+        acc, end, total = w.fresh("vsum"), w.fresh("end"), w.fresh("tot")
+        block = f"{REGISTER_BLOCK_VECTORS} * SN_W"
+        w.open("")
+        w.line(f"const int64_t {end} = {hi};")
+        w.line(f"VV {acc}[{REGISTER_BLOCK_VECTORS}] = {{}};")
+        w.line(f"int64_t {var} = {lo};")
+        w.open(f"for (; {var} + {block} <= {end}; {var} += {block})")
+        loads = [f"sn_load(d{states[k].slot} + {self.offset(states[k].dense_indices)} + v * SN_W)" for k in vectors]
+        w.line("#pragma GCC unroll 16")
+        w.line(f"for (int v = 0; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[v] += {' * '.join(loads)};")
+        w.close()
+        w.line(f"for (int v = 1; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[0] += {acc}[v];")
+        w.line(f"V {total} = sn_hsum({acc}[0]);")
+        w.line(f"for (; {var} < {end}; ++{var}) {total} += {self.product(states, vectors)};")
+        w.line(f"{accumulator} += {' * '.join([coef, *([self.product(states, scalars)] if scalars else []), total])};")
+        w.close()
 
 
 def _chunk_prologue(w: _Writer, extent: str) -> None:
@@ -393,11 +440,13 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             split -= 1
         around = {}
         acc = w.fresh("acc")
+        summed = None  # the leaf's sum, for a vectorised innermost reduction
         if split < len(order):
             # Factors constant across the reduction loops multiply the sum once.
             inner = set(order[split:])
             outside = [k for k, f in enumerate(term.factors) if not inner & set(f.indices)]
             inside = [k for k in range(len(term.factors)) if k not in outside]
+            summed = ("V(1)", inside)
 
             def after(st, acc=acc, offset=offset, outside=outside):
                 scale = " * ".join([f"V({coef})", *([lo.product(st, outside)] if outside else [])])
@@ -432,7 +481,11 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         if nest.register_block is not None:
             _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size)
         else:
-            lo.emit_order(order, states, leaf, bounds, around, accumulator=acc if split < len(order) else None)
+            lo.emit_order(
+            order, states, leaf, bounds, around,
+            accumulator=acc if split < len(order) else None,
+            summed=summed,
+        )
         if nest.parallel:
             w.close()
         for _ in tiles:
