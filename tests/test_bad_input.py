@@ -175,6 +175,8 @@ BAD_INPUTS = [
                  r"index_dtype must be torch.int32, torch.int64 or None", id="index-dtype-int16"),
     pytest.param(lambda: sparsenn.from_coo(torch.zeros(2, 1, dtype=torch.long), x(1, dtype=torch.complex64), (2, 3)),
                  TypeError, r"values has dtype torch.complex64", id="from-coo-complex"),
+    pytest.param(lambda: sparsenn.from_coo(torch.zeros(2, 1, dtype=torch.long), x(1, dtype=torch.int64), (2, 3)),
+                 TypeError, r"values has dtype torch.int64", id="from-coo-int-values"),
     pytest.param(lambda: sparsenn.from_coo(torch.zeros(2, 1), x(1), (2, 3)), TypeError,
                  r"indices must be an integer tensor", id="from-coo-float-indices"),
     pytest.param(lambda: sparsenn.from_coo(torch.zeros(3, 1, dtype=torch.long), x(1), (2, 3)), ValueError,
@@ -244,6 +246,10 @@ BAD_INPUTS = [
                  ValueError, r"index_dtype torch.int32 cannot hold the size 2147483653", id="int32-requested-for-huge-shape"),
     pytest.param(lambda: sparsenn.from_dense(x(2, 2), format="cxs"), ValueError, r"invalid format 'cxs'",
                  id="unknown-format"),
+    pytest.param(lambda: SparseTensor((2, 3), "csx", [None, None], [None, None], x(6)), ValueError,
+                 r"invalid format 'csx'", id="constructor-unknown-format"),
+    pytest.param(lambda: SparseTensor((-1, 3), "dense", [None, None], [None, None], x(0)), ValueError,
+                 r"shape \(-1, 3\) has a negative dimension", id="constructor-negative-shape"),
     # ------------------------------------------------------------ SparseTensor mutated after construction
     pytest.param(mutated(lambda a: a.crd[1].__setitem__(0, 3)), ValueError,
                  r"operand 0: index arrays .* modified in place", id="crd-edited-in-place"),
@@ -304,6 +310,16 @@ def test_bad_input_is_rejected(call: Callable[[], object], error: type[Exception
 def test_catalogue_size() -> None:
     assert len(BAD_INPUTS) >= 40
     assert len({p.id for p in BAD_INPUTS}) == len(BAD_INPUTS)
+
+
+def test_unedited_inputs_are_valid() -> None:
+    """The catalogue's starting points pass: each bad case differs from a valid input by its one edit."""
+    build_csr()()
+    valid_coo = build_coo(i32(0, 1, 1), i32(2, 0, 1))()
+    assert torch.equal(valid_coo.to_dense(), torch.tensor([[0.0, 0, 1], [1, 1, 0]]))
+    mutated(lambda a: None)()
+    spmm(matrix(), x(4, 2))()
+    compiled("D[i] = A[i] * B[i]", x(3), x(3))()
 
 
 # ----------------------------------------------------------------------------- odd but valid
