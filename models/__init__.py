@@ -1,0 +1,17 @@
+"""Reference models trained and benchmarked by the ``sparsenn`` command (see ``configs/``)."""
+
+from .gcn import GCN, accuracy
+from .gcn_reference import PyGGCN, TorchCSRGCN, normalized_adjacency_csr
+from .planetoid import PLANETOID_NAMES, PLANETOID_ROOT, PlanetoidDataModule, load_planetoid
+
+__all__ = [
+    "GCN",
+    "accuracy",
+    "PyGGCN",
+    "TorchCSRGCN",
+    "normalized_adjacency_csr",
+    "PlanetoidDataModule",
+    "load_planetoid",
+    "PLANETOID_ROOT",
+    "PLANETOID_NAMES",
+]
