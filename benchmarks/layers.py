@@ -146,8 +146,9 @@ def gcn_case(graph: str, quick: bool) -> dict:
     else:
         x, edge_index = planetoid(graph)
         out_channels = 16
+    density = float((x != 0).float().mean())
     return {"kind": "gcn", "name": f"GCN {graph} n={x.shape[0]} E={edge_index.shape[1]} {x.shape[1]}->{out_channels}",
-            "x": x, "edge_index": edge_index, "in": x.shape[1], "out": out_channels}
+            "x": x, "edge_index": edge_index, "in": x.shape[1], "out": out_channels, "feature_density": density}
 
 
 def gcn_methods(c: dict) -> dict[str, Method]:
@@ -187,9 +188,26 @@ def gcn_methods(c: dict) -> dict[str, Method]:
         step = _run(lambda: torch.sparse.mm(csr, x @ weight.T) + bias, [weight, bias])
         return step, lambda: [weight.grad, bias.grad]
 
+    def sparsenn_sparse_x() -> tuple:  # bag-of-words features stored as CSR
+        conv = SparseGCNConv(c["in"], c["out"], cached=True)
+        conv.load_state_dict(base.state_dict())
+        features = sparsenn.from_dense(x, "csr")
+        step = _run(lambda: conv(features, edge_index), [conv.weight, conv.bias])
+        return step, lambda: [conv.weight.grad, conv.bias.grad]
+
+    def torch_sparse_x() -> tuple:
+        csr, features = adjacency.to_torch(), x.to_sparse_csr()
+        weight = base.weight.detach().clone().requires_grad_()
+        bias = base.bias.detach().clone().requires_grad_()
+        step = _run(lambda: torch.sparse.mm(csr, torch.sparse.mm(features, weight.T)) + bias, [weight, bias])
+        return step, lambda: [weight.grad, bias.grad]
+
     c["reference"] = (adjacency, base)
-    return {"sparsenn": sparsenn_, "PyG GCNConv": pyg, "torch.sparse CSR": torch_sparse,
-            "sparsenn 3-operand einsum": sparsenn_fused}
+    methods = {"sparsenn": sparsenn_, "PyG GCNConv": pyg, "torch.sparse CSR": torch_sparse,
+               "sparsenn 3-operand einsum": sparsenn_fused}
+    if c["feature_density"] < 0.1:
+        methods.update({"sparsenn, X sparse": sparsenn_sparse_x, "torch.sparse CSR, X sparse": torch_sparse_x})
+    return methods
 
 
 def gcn_reference(c: dict) -> list[torch.Tensor]:
@@ -224,14 +242,15 @@ def check(methods: dict[str, Method], reference: list[torch.Tensor]) -> dict[str
 
 
 def bench(methods: dict[str, Method], threads: list[int], repeats: int, budget_s: float) -> list[dict]:
-    """Median fwd and fwd+bwd ms per (threads, method): 2 warm-up steps each, then rounds in
-    which every method runs once, until ``repeats`` rounds or ``budget_s`` seconds (at least 3)."""
+    """Median fwd and fwd+bwd ms per (threads, method): one warm-up fwd and fwd+bwd each, then
+    rounds in which every method runs once, until ``repeats`` rounds or ``budget_s`` seconds
+    (at least 3 rounds)."""
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
         steps = {name: build()[0] for name, build in methods.items()}
         for step in steps.values():
-            for backward in (False, True, False, True):
+            for backward in (False, True):
                 step(backward)
         samples = {name: ([], []) for name in steps}
         start, rounds = time.perf_counter(), 0
@@ -292,8 +311,11 @@ def calibrate(threads: int, repeats: int, quick: bool) -> dict:
                            "sparse_ms": t["sparsenn"], "dense_ms": t["dense nn.Linear"]})
 
     def fit(work: list[float], ms: list[float]) -> tuple[float, float]:
+        """Non-negative (overhead, slope) minimising the squared relative error."""
+        from scipy.optimize import nnls
+
         a = np.array([[1.0, w] for w in work]) / np.array(ms)[:, None]
-        (overhead_ms, ms_per_mac), *_ = np.linalg.lstsq(a, np.ones(len(ms)), rcond=None)
+        (overhead_ms, ms_per_mac), _ = nnls(a, np.ones(len(ms)))
         return overhead_ms * 1e3, ms_per_mac * 1e6
 
     dense = {(p["in"], p["out"]): p["dense_ms"] for p in points}

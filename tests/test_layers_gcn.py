@@ -97,6 +97,24 @@ def test_cora_cached_and_sparse_adjacency(cora):
     assert mine._cached_adjacency is None
 
 
+def test_cora_sparse_features_match_pyg(cora):
+    """Bag-of-words features as a CSR SparseTensor: same output and weight gradient as PyG
+    with dense features; gradients reach the stored feature values."""
+    ref, mine = pair(cora.num_features, 16)
+    x = sparsenn.from_dense(cora.x, "csr")
+    values = x.values.clone().requires_grad_()
+    out = mine(x.with_values(values), cora.edge_index)
+    xd = cora.x.clone().requires_grad_()
+    expected = ref(xd, cora.edge_index)
+    assert_close_scaled(out, expected)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    assert_close_scaled(mine.weight.grad, ref.lin.weight.grad)
+    rows, cols = x.coords()[0]
+    assert_close_scaled(values.grad, xd.grad[rows, cols])
+
+
 def test_normalize_false_matches_pyg(cora):
     ref, mine = pair(cora.num_features, 8, normalize=False)
     weight = torch.rand(cora.edge_index.shape[1], generator=torch.Generator().manual_seed(2))
@@ -154,6 +172,10 @@ def test_gradcheck_small_graph():
             return torch.func.functional_call(conv, {"weight": w, "bias": b}, (x, edge_index, edge_weight))
 
         assert torch.autograd.gradcheck(run, (x, weight, params["weight"], params["bias"]))
+    sparse_x = sparsenn.from_dense(x.detach() * (torch.rand(4, 3) < 0.5), "csr")
+    conv = SparseGCNConv(3, 5, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda v: conv(sparse_x.with_values(v), edge_index),
+                                    (sparse_x.values.clone().requires_grad_(),))
 
 
 def test_trains_on_a_small_graph():
@@ -184,6 +206,10 @@ def test_bad_arguments():
     ei = torch.tensor([[0, 1], [1, 2]])
     with pytest.raises(ValueError, match=r"x must have shape \(num_nodes, 4\)"):
         conv(torch.randn(5, 3), ei)
+    with pytest.raises(ValueError, match=r"x must have shape \(num_nodes, 4\)"):
+        conv(sparsenn.from_dense(torch.eye(5), "csr"), ei)
+    with pytest.raises(TypeError, match="x must be a dense torch.Tensor or a SparseTensor"):
+        conv(x.to_sparse(), ei)
     with pytest.raises(TypeError, match="x has dtype torch.float64"):
         conv(x.double(), ei)
     with pytest.raises(ValueError, match=r"edge_index must have shape \(2, num_edges\)"):

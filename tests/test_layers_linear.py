@@ -146,7 +146,7 @@ def test_state_dict_round_trip_adopts_pattern_and_format():
     torch.save(state, buffer)
     buffer.seek(0)
     target = SparseLinear(15, 7, sparsity=0.9, format="coo")
-    target.load_state_dict(torch.load(buffer, weights_only=False))
+    target.load_state_dict(torch.load(buffer))  # weights_only=True (the default) suffices
     assert target.format == source.format and target.nnz == source.nnz
     assert torch.equal(target.mask(), source.mask())
     x = torch.randn(4, 15)

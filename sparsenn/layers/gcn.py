@@ -59,8 +59,8 @@ class SparseGCNConv(nn.Module):
     ``edge_weight`` (default 1). The normalised adjacency is built once per call as a CSR
     :class:`~sparsenn.SparseTensor` indexed ``[target, source]`` (once per layer when
     ``cached=True``). The product runs as two einsums: ``Â (X Wᵀ)`` when
-    ``out_channels <= in_channels``, else ``(Â X) Wᵀ``, so the sparse-times-dense
-    product always runs on the narrower of the two dense matrices.
+    ``out_channels <= in_channels`` or ``X`` is sparse, else ``(Â X) Wᵀ``, so the
+    sparse-times-dense product runs on the narrower of the two dense matrices.
 
     Args:
         in_channels, out_channels: feature sizes.
@@ -73,7 +73,8 @@ class SparseGCNConv(nn.Module):
         bias: learn an additive bias.
 
     ``forward(x, edge_index, edge_weight=None)``: ``x`` is a dense ``(N, in_channels)``
-    tensor; the graph is an ``edge_index`` ``(2, E)`` integer tensor or an ``(N, N)``
+    tensor or a SparseTensor (sparse features such as bag-of-words: ``X Wᵀ`` is then a
+    sparse-times-dense product too); the graph is an ``edge_index`` ``(2, E)`` integer tensor or an ``(N, N)``
     SparseTensor adjacency ``A[source, target]`` (as built by ``sparsenn.from_edge_index``),
     whose values are the edge weights. Gradients flow to ``x``, the parameters, and
     ``edge_weight`` (or the adjacency's values) when they require grad.
@@ -121,17 +122,24 @@ class SparseGCNConv(nn.Module):
         return (f"{self.in_channels}, {self.out_channels}, improved={self.improved}, cached={self.cached}, "
                 f"add_self_loops={self.add_self_loops}, normalize={self.normalize}, bias={self.bias is not None}")
 
-    def forward(self, x: Tensor, edge_index: Tensor | SparseTensor, edge_weight: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor | SparseTensor, edge_index: Tensor | SparseTensor,
+                edge_weight: Tensor | None = None) -> Tensor:
         """``Â X Wᵀ + b`` with ``Â`` the (normalised) adjacency of the graph; see the class docstring."""
-        if not isinstance(x, Tensor) or x.layout != torch.strided:
-            raise TypeError(f"x must be a dense torch.Tensor of node features, got {type(x).__name__}")
-        if x.dim() != 2 or x.shape[1] != self.in_channels:
-            raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {tuple(x.shape)}")
-        if x.dtype != self.weight.dtype:
-            raise TypeError(f"x has dtype {x.dtype} but the layer's weight has {self.weight.dtype}")
-        adjacency = self.adjacency(edge_index, edge_weight, x.shape[0], x.dtype)
-        if self.out_channels <= self.in_channels:
-            out = einsum("ts,so->to", adjacency, einsum("si,oi->so", x, self.weight))
+        if isinstance(x, SparseTensor):
+            shape, dtype = x.shape, x.dtype
+        elif isinstance(x, Tensor) and x.layout == torch.strided:
+            shape, dtype = tuple(x.shape), x.dtype
+        else:
+            raise TypeError(f"x must be a dense torch.Tensor or a SparseTensor of node features, got "
+                            f"{type(x).__name__}{'' if not isinstance(x, Tensor) else f' with layout {x.layout}'}")
+        if len(shape) != 2 or shape[1] != self.in_channels:
+            raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
+        if dtype != self.weight.dtype:
+            raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
+        adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
+        if isinstance(x, SparseTensor) or self.out_channels <= self.in_channels:
+            projected = einsum("si,oi->so", x, self.weight, out_format="dense")
+            out = einsum("ts,so->to", adjacency, projected)
         else:
             out = einsum("ti,oi->to", einsum("ts,si->ti", adjacency, x), self.weight)
         return out if self.bias is None else out + self.bias
