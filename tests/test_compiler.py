@@ -376,3 +376,24 @@ def test_vectorised_inner_reductions(dtype, k):
     atol = 1e-4 if dtype == torch.float32 else 1e-10
     check("ij,ik,jk->ij", [a, x, y], atol=atol)
     check("ij,ijk,jk->i", [a, torch.randn(23, 19, k, dtype=dtype), y], atol=atol)
+
+
+def test_restored_operand_with_dense_level_below_sparse_gathers_zeros():
+    # Re-storing "cd" as "cd[1,0]" stores explicit zeros where the source has no entry;
+    # they must read 0, not the first stored value. Found by the fuzz suite.
+    x = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    y = sparsenn.from_dense(torch.tensor([[0.0], [2.0]], dtype=torch.float64), "cd")
+    check("b,ba->ab", [x, y])
+
+
+def test_one_operand_read_in_two_orders_by_two_terms():
+    # Each term reads its own re-stored copy / layout. Found by the fuzz suite.
+    g = torch.Generator().manual_seed(0)
+    bd = torch.randn(3, 3, dtype=torch.float64, generator=g)
+    c = torch.randn(3, dtype=torch.float64, generator=g)
+    b = sparsenn.from_dense(bd, "coo")
+    got = sparsenn.compile("Out[i] = B[i,k] * C[k] + B[k,i] * C[k]")(b, c)
+    torch.testing.assert_close(to_dense(got), bd @ c + bd.T @ c)
+    c3 = torch.randn(3, 3, 3, dtype=torch.float64, generator=g)
+    got = sparsenn.compile("Out[l,i] = B[k,l] * C[l,i,k] + C[j,l,i]")(b, c3)
+    torch.testing.assert_close(to_dense(got), torch.einsum("kl,lik->li", bd, c3) + torch.einsum("jli->li", c3))

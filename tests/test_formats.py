@@ -535,3 +535,12 @@ def test_random_round_trips(data: st.DataObject) -> None:
     assert torch.equal(converted.permute(order).to_dense(), dense.permute(order))
     coo = t.to_torch(torch.sparse_coo)
     assert coo.is_coalesced() and torch.equal(coo.to_dense(), dense)
+
+
+def test_sparse_tensors_build_and_compute_under_inference_mode():
+    from sparsenn import einsum
+
+    with torch.inference_mode():
+        a = SparseTensor.from_dense(torch.eye(3), format="csr")
+        y = einsum("ij,jk->ik", a.asformat("csc"), torch.ones(3, 2), out_format="dense")
+    torch.testing.assert_close(y, torch.ones(3, 2))

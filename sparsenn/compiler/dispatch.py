@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.tensor import array_version
 from sparsenn.formats.validate import check_structure
 
 from . import jit
@@ -55,13 +56,12 @@ class Plan:
     anchor: int | None = None  # the output has this operand's pattern (see lower.lower)
     library: ctypes.CDLL | None = None
     # Fixed by the plan's key (shapes included), so built once: the dims argument, each
-    # array argument as (operand, "pos"|"crd"|"val"|"dense", level), the dense output's
+    # array argument as (slot, "pos"|"crd"|"val"|"dense", level), the dense output's
     # allocation shape and the permutation back to the output's index order.
     dims: ctypes.Array | None = None
     arguments: tuple[tuple[int, str, int], ...] = ()
     dense_shape: tuple[int, ...] = ()
     output_permutation: tuple[int, ...] = ()
-    relayout: bool = False  # some operand is read in another layout or mode order
 
     def load(self) -> ctypes.CDLL:
         if self.library is None:
@@ -297,10 +297,12 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
     addresses identify them, and checks their version counters."""
     arrays = tuple(a for a in op.pos + op.crd if a is not None)
     key = (tuple(a.data_ptr() for a in arrays), op.shape, op.format, fmt)
-    versions = tuple(a._version for a in arrays)
+    versions = tuple(array_version(a) for a in arrays)
     hit = _restored.get(key)
     if hit is None or hit[0] != versions:
-        numbered = op.with_values(torch.arange(op.values.shape[0], dtype=torch.float64))
+        # Number the stored values from 1: a dense level below a sparse one in ``fmt``
+        # stores explicit zeros where ``op`` has no entry, and those must gather 0.
+        numbered = op.with_values(torch.arange(1, op.values.shape[0] + 1, dtype=torch.float64))
         moved = numbered.asformat(fmt)
         hit = (versions, moved, moved.values.to(torch.int64), arrays)
         with _plans_lock:
@@ -308,46 +310,46 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
             while len(_restored) > _RESTORED_LIMIT:
                 _restored.popitem(last=False)
     _, moved, permutation, _ = hit
-    return SparseTensor(op.shape, fmt, moved.pos, moved.crd, op.values.detach()[permutation], check=False)
+    values = op.values.detach()
+    values = torch.cat([values.new_zeros(1), values])[permutation]
+    return SparseTensor(op.shape, fmt, moved.pos, moved.crd, values, check=False)
 
 
 def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
     """Fill the plan's per-call constants (see :class:`Plan`) on its first run."""
     plan.arguments = tuple(
-        (slot.operand, "dense" if slot.fmt is None else kind, level)
-        for slot in plan.kernel.slots
+        (n, "dense" if slot.fmt is None else kind, level)
+        for n, slot in enumerate(plan.kernel.slots)
         for kind, level in slot_arrays(slot)
     )
     plan.dense_shape = tuple(sizes[i] for i in plan.schedule.output_order)
     order = plan.schedule.output_order
     plan.output_permutation = tuple(order.index(i) for i in plan.assignment.output)
-    plan.relayout = any(
-        slot.layout is not None if slot.fmt is None else slot.fmt != plan.operand_formats[slot.operand]
-        for slot in plan.kernel.slots
-    )
     plan.dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
 
 
-def _kernel_operands(plan: Plan, prepared: list) -> list:
-    """The operands as the kernel's slots read them: dense ones laid out in loop order,
-    sparse ones re-stored in the slot's mode order where the schedule asked for it."""
-    kernel_ops = list(prepared)
+def _slot_operands(plan: Plan, prepared: list) -> list:
+    """Each slot's operand as the kernel reads it: a dense one laid out in loop order,
+    a sparse one re-stored in the slot's mode order where the schedule asked for it.
+    One operand may fill several slots (read in different orders by different terms)."""
+    operands = []
     for slot in plan.kernel.slots:
         op = prepared[slot.operand]
         if slot.fmt is None:
             if slot.layout is not None:
-                kernel_ops[slot.operand] = op.permute(slot.layout).contiguous()
+                op = op.permute(slot.layout).contiguous()
         elif op.format != slot.fmt:
-            kernel_ops[slot.operand] = _restored_as(op, slot.fmt)
-    return kernel_ops
+            op = _restored_as(op, slot.fmt)
+        operands.append(op)
+    return operands
 
 
-def _argument_pointers(plan: Plan, kernel_ops: list, index_dtype: torch.dtype) -> tuple[list[int], list]:
+def _argument_pointers(plan: Plan, slot_operands: list, index_dtype: torch.dtype) -> tuple[list[int], list]:
     """Data pointers of the kernel's array arguments, and the tensors that own them
     (kept alive for the call)."""
     pointers, owners = [], []
-    for operand, kind, level in plan.arguments:
-        op = kernel_ops[operand]
+    for slot, kind, level in plan.arguments:
+        op = slot_operands[slot]
         if kind == "dense":
             array = op
         elif kind == "val":
@@ -367,8 +369,7 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     lib = plan.load()
     if plan.dims is None:
         _prepare_launch(plan, sizes)
-    kernel_ops = _kernel_operands(plan, prepared) if plan.relayout else prepared
-    pointers, owners = _argument_pointers(plan, kernel_ops, index_dtype)
+    pointers, owners = _argument_pointers(plan, _slot_operands(plan, prepared), index_dtype)
     out = None
     if plan.anchor is not None:
         pattern = prepared[plan.anchor]

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
     import scipy.sparse
 
 
+def array_version(array: Tensor | None) -> int | None:
+    """The in-place modification counter of an index array (None for no array, and for
+    inference-mode tensors, which torch does not version)."""
+    if array is None or array.is_inference():
+        return None
+    return array._version
+
+
 class SparseTensor(Constructors):
     """A sparse tensor: ``shape``, ``format`` and per-storage-level arrays.
 
@@ -68,7 +76,7 @@ class SparseTensor(Constructors):
         self.values: Tensor = values
         self.level_sizes: tuple[int, ...] = sizes
         self.index_dtype: torch.dtype = index_dtype
-        self._versions: tuple[int | None, ...] = tuple(None if a is None else a._version for a in pos + crd)
+        self._versions: tuple[int | None, ...] = tuple(array_version(a) for a in pos + crd)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -111,7 +119,7 @@ class SparseTensor(Constructors):
 
     def check_unmodified(self) -> None:
         """Raise ValueError if a pos/crd array was modified in place since construction."""
-        now = tuple(None if a is None else a._version for a in self.pos + self.crd)
+        now = tuple(array_version(a) for a in self.pos + self.crd)
         if now != self._versions:
             raise ValueError("index arrays of this SparseTensor were modified in place after construction; "
                              "build a new SparseTensor instead of editing pos/crd")
