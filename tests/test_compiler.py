@@ -397,3 +397,12 @@ def test_one_operand_read_in_two_orders_by_two_terms():
     c3 = torch.randn(3, 3, 3, dtype=torch.float64, generator=g)
     got = sparsenn.compile("Out[l,i] = B[k,l] * C[l,i,k] + C[j,l,i]")(b, c3)
     torch.testing.assert_close(to_dense(got), torch.einsum("kl,lik->li", bd, c3) + torch.einsum("jli->li", c3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tiled_and_register_blocked_batch_loop(dtype):
+    # x @ W.T with a long reduction: the batch loop is tiled to fit L2 (on most
+    # machines) and register-blocked inside each tile, with partial tiles and blocks.
+    w = sp((30, 3000), "csr", density=0.05, dtype=dtype)
+    x = torch.randn(83, 3000, dtype=dtype)
+    check("bi,oi->bo", [x, w], out_format="dense", atol=1e-3 if dtype == torch.float32 else 1e-9)

@@ -586,9 +586,11 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         lines.append(f"shared output loops: {','.join(s.shared)}")
     for nest in s.nests:
         tiles = ", ".join(f"{t.index} by {t.size}" for t in nest.tiles) or "none"
+        block = nest.register_block
         lines.append(
             f"term {nest.term}: loop order {','.join(s.shared + nest.order)}; "
             f"{'parallel' if nest.parallel else 'serial'}; tiles: {tiles}"
+            + (f"; register block: {block.index} by {block.size}" if block else "")
         )
     if s.workspace is not None:
         lines.append(f"workspace: {s.workspace.kind} over {','.join(s.workspace.indices)} ({s.workspace.size} entries)")

@@ -517,10 +517,15 @@ def _emit_register_blocked(
     if any(states[n].sparse or states[n].dense_indices[-1] != k for n in with_k):
         raise AssertionError(f"register block over {k!r} needs unit-stride dense factors")
     kb, acc, rest = w.fresh("kb"), w.fresh("vacc"), w.fresh("krest")
-    var_k, n_k = lo.var(k), lo.dim(k)
+    var_k = lo.var(k)
+    k_lo, n_k = bounds.get(k, ("0", lo.dim(k)))  # within a tile of k, if tiled
+    if k in bounds:
+        end = w.fresh("kend")
+        w.line(f"const int64_t {end} = {n_k};")
+        n_k = end
 
     def open_block(st: list[_State]) -> None:
-        w.open(f"for (int64_t {kb} = 0; {kb} + {size} <= {n_k}; {kb} += {size})")
+        w.open(f"for (int64_t {kb} = {k_lo}; {kb} + {size} <= {n_k}; {kb} += {size})")
         w.line(f"VV {acc}[{size} / SN_W];")
         w.line("#pragma GCC unroll 16")
         w.line(f"for (int v = 0; v < {size} / SN_W; ++v) {acc}[v] = VV{{}};")
@@ -539,7 +544,7 @@ def _emit_register_blocked(
         w.line(f"for (int v = 0; v < {size} / SN_W; ++v) sn_store(sn_row + v * SN_W, sn_load(sn_row + v * SN_W) + V({coef}) * {acc}[v]);")
         w.close()
         w.close()
-        w.line(f"const int64_t {rest} = {n_k} - {n_k} % {size};")
+        w.line(f"const int64_t {rest} = {n_k} - ({n_k} - {k_lo}) % {size};")
         w.open(f"if ({rest} < {n_k})")
 
         def scalar_leaf(inner: list[_State]) -> None:

@@ -22,7 +22,9 @@ level. It returns a :class:`Schedule`:
   iterates its sampling pattern with an inner dense reduction.
 * **Tiling** (Algorithm 3, dense outputs): a dense loop is tiled when some access is
   reused across another loop, the index is dense in every operand, and it is not the
-  parent of a sparse loop; the tile makes the reused data fit in the last-level cache.
+  parent of a sparse loop; the tile makes the reused data fit in half of a core's
+  private L2 (the last-level cache is shared with the other core and, on a VM, with
+  other tenants, so it is not a dependable target).
 * **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
   output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
   ``k`` is strip-mined into blocks of :data:`REGISTER_BLOCK_VECTORS` SIMD vectors and
@@ -53,7 +55,7 @@ DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
-MIN_TILE_BYTES = 256  # four cache lines
+MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 VECTOR_BYTES = 32  # AVX2; kernels are built with -march=native
 REGISTER_BLOCK_VECTORS = 4  # accumulators held in registers per register block
@@ -280,7 +282,7 @@ def _tiles(
     working -= sparse_indices
     last_sparse = max((order.index(i) for i in sparse_indices if i in order), default=-1)
     working = {i for i in working if order.index(i) > last_sparse}
-    _, llc = cache_sizes()
+    l2, _ = cache_sizes()
     tiles = []
     for index in sorted(working, key=order.index):
         # Data reused across the other loops: each dense operand holding `index`.
@@ -290,7 +292,7 @@ def _tiles(
                 footprint += math.prod(dims[i] for i in access.indices if i != index)
         if footprint == 0:
             continue
-        size = (llc // 2) // (footprint * itemsize)
+        size = (l2 // 2) // (footprint * itemsize)
         size = 1 << max(size, 1).bit_length() - 1
         # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
         if MIN_TILE_BYTES // itemsize <= size < dims[index]:
@@ -304,19 +306,20 @@ def _register_block(
 ) -> Tile | None:
     """A register block for the innermost loop (see the module doc), or None.
 
-    Requires: the innermost index is the output's unit-stride (last) index, is not
-    tiled, is read by no sparse factor (so every factor holding it is a dense operand
-    laid out with it last), spans at least one block, and reduction loops sit directly
-    above it (otherwise there is nothing to keep in registers across)."""
+    Requires: the innermost index is the output's unit-stride (last) index, is read by
+    no sparse factor (so every factor holding it is a dense operand laid out with it
+    last), spans at least one block (one tile, if tiled), and reduction loops sit
+    directly above it (otherwise there is nothing to keep in registers across)."""
     if len(order) < 2 or not output_order:
         return None
     k = order[-1]
-    if k != output_order[-1] or order[-2] in output_order or any(t.index == k for t in tiles):
+    if k != output_order[-1] or order[-2] in output_order:
         return None
     if any(f.sparse and any(i == k for i, _ in f.levels) for f in factors):
         return None
     size = REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
-    if dims[k] < size:
+    span = min([dims[k], *(t.size for t in tiles if t.index == k)])
+    if span < size:
         return None
     return Tile(k, size)
 
