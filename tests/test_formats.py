@@ -544,3 +544,17 @@ def test_sparse_tensors_build_and_compute_under_inference_mode():
         a = SparseTensor.from_dense(torch.eye(3), format="csr")
         y = einsum("ij,jk->ik", a.asformat("csc"), torch.ones(3, 2), out_format="dense")
     torch.testing.assert_close(y, torch.ones(3, 2))
+
+
+def test_pickled_formats_hash_like_fresh_ones_across_processes():
+    # Formats cache their hash; a pickle made in another process (other str-hash salt)
+    # must not carry that hash along, or it would miss every dict lookup here.
+    import os
+    import pickle
+    import subprocess
+    import sys
+
+    code = "import pickle, sys, sparsenn; f = sparsenn.parse_format('csr', 2); hash(f); sys.stdout.buffer.write(pickle.dumps(f))"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # this process: random or another seed
+    data = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True, env=env).stdout
+    assert {parse_format("csr", 2): "found"}[pickle.loads(data)] == "found"

@@ -69,6 +69,10 @@ class Assignment:
             object.__setattr__(self, "_hash", value)
             return value
 
+    def __reduce__(self):
+        """Pickle the fields only: the cached hash is per process (str hashes are salted)."""
+        return type(self), (self.output, self.terms, self.operand_names)
+
     @property
     def num_operands(self) -> int:
         return len(self.operand_names)

@@ -49,6 +49,19 @@ class Format:
     mode_order: tuple[int, ...]
     block: tuple[int, ...] | None = None
 
+    def __hash__(self) -> int:
+        """Computed once: formats key the compiler's plan caches on every call."""
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.levels, self.mode_order, self.block))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    def __reduce__(self):
+        """Pickle the fields only: the cached hash is per process (str hashes are salted)."""
+        return type(self), (self.levels, self.mode_order, self.block)
+
     def __post_init__(self) -> None:
         levels = tuple(self.levels)
         mode_order = tuple(int(m) for m in self.mode_order)
