@@ -11,7 +11,7 @@ import lightning as L
 import sparsenn
 from torch_geometric.data import Data
 
-__all__ = ["GCN", "accuracy"]
+__all__ = ["GCN", "accuracy", "feature_dropout"]
 
 
 class GCN(L.LightningModule):
@@ -21,7 +21,8 @@ class GCN(L.LightningModule):
         Z = \hat{A}\, \mathrm{drop}\big(\mathrm{ReLU}(\hat{A}\, \mathrm{drop}(X) W_1^\top + b_1)\big) W_2^\top + b_2,
         \qquad \hat{A} = \hat{D}^{-1/2} (A + I) \hat{D}^{-1/2}
 
-    Both propagations run through :class:`sparsenn.SparseGCNConv` (compiled sparse einsums).
+    Both propagations run through :class:`sparsenn.SparseGCNConv` (compiled sparse einsums);
+    the input dropout is :func:`feature_dropout`, which only draws for the nonzero features.
     Training minimises the cross-entropy of ``Z`` on ``train_mask`` with Adam; the L2 penalty
     ``weight_decay`` applies to the first layer only, as in the paper. Validation and test
     log the accuracy on ``val_mask`` / ``test_mask``.
@@ -53,7 +54,7 @@ class GCN(L.LightningModule):
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
         """Class logits ``Z`` of every node, shape ``(num_nodes, out_channels)``."""
-        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = feature_dropout(x, self.dropout, self.training)
         x = F.relu(self.conv1(x, edge_index))
         x = F.dropout(x, p=self.dropout, training=self.training)
         return self.conv2(x, edge_index)
@@ -83,6 +84,26 @@ class GCN(L.LightningModule):
             {"params": self.conv1.parameters(), "weight_decay": self.weight_decay},
             {"params": self.conv2.parameters(), "weight_decay": 0.0},
         ], lr=self.lr)
+
+
+def feature_dropout(x: Tensor, p: float, training: bool = True) -> Tensor:
+    r"""Dropout that draws random numbers for the nonzero entries of ``x`` only.
+
+    .. math:: y_{ij} = x_{ij}\, m_{ij} / (1 - p), \qquad m_{ij} \sim \mathrm{Bernoulli}(1 - p)
+
+    For every entry this has the distribution of :func:`torch.nn.functional.dropout` (a zero stays
+    zero whatever its mask), but it costs one draw per stored feature instead of one per entry:
+    Planetoid's bag-of-words features are about 1 % nonzero. Kipf & Welling's implementation
+    drops out its sparse feature matrix the same way. Identity when not ``training`` or ``p == 0``.
+    """
+    if not training or p == 0.0:
+        return x
+    rows, cols = x.nonzero(as_tuple=True)
+    keep = torch.rand(rows.shape[0], device=x.device) >= p
+    rows, cols = rows[keep], cols[keep]
+    out = torch.zeros_like(x)
+    out[rows, cols] = x[rows, cols] / (1.0 - p)
+    return out
 
 
 def accuracy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
