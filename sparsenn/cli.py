@@ -194,9 +194,9 @@ def _models():
     except ModuleNotFoundError as exc:
         if exc.name != "models":
             raise
-        raise ModuleNotFoundError(
-            f"the reference models live in the repository's models/ folder ({REPO_ROOT / 'models'}); "
-            "run sparsenn from the repository root or install the repository with `pip install -e .`"
+        raise CommandError(
+            f"the reference models are the repository's models/ package ({REPO_ROOT / 'models'}), which is not "
+            "importable here: run sparsenn from the repository root or put the repository on PYTHONPATH"
         ) from exc
     return models
 
@@ -393,7 +393,8 @@ def _print_bench(config: GCNConfig, data: Data, result: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------- main
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sparsenn", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sparsenn", description="Train a reference model from a YAML config, "
+                                     "then benchmark its CPU inference against PyG and torch.sparse.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,bench,run}")
     helps = {"train": "train the reference model of a config and save its weights",
              "bench": "time CPU inference of the trained model against PyG and torch.sparse",
@@ -406,7 +407,7 @@ def _parser() -> argparse.ArgumentParser:
         if name in ("train", "run"):
             command.add_argument("--max-epochs", type=int, help="override the config's max_epochs")
         if name in ("bench", "run"):
-            command.add_argument("--threads", type=int, nargs="+", help="override bench.threads")
+            command.add_argument("--threads", type=int, nargs="+", help="torch thread counts to time (override bench.threads)")
             command.add_argument("--warmup", type=int, help="override bench.warmup")
             command.add_argument("--repeats", type=int, help="override bench.repeats")
             command.add_argument("--no-cold-start", action="store_true",
