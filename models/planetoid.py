@@ -73,12 +73,13 @@ class PlanetoidDataModule(L.LightningDataModule):
         self.data: Data | None = None
 
     @classmethod
-    def from_data(cls, data: Data) -> PlanetoidDataModule:
-        """A data module serving an already loaded graph (see :func:`load_planetoid`)."""
+    def from_data(cls, name: str, data: Data) -> PlanetoidDataModule:
+        """A data module serving the already loaded graph ``data`` of dataset ``name``
+        (see :func:`load_planetoid`)."""
         for key in ("x", "edge_index", "y", "train_mask", "val_mask", "test_mask"):
             if getattr(data, key, None) is None:
                 raise ValueError(f"graph has no {key!r}; expected a Planetoid graph from load_planetoid()")
-        module = cls()
+        module = cls(name)
         module.data = data
         return module
 

@@ -239,7 +239,7 @@ def train(config: GCNConfig, output_dir: Path, data: Data | None = None) -> dict
     data = _load_data(config) if data is None else data
     torch.manual_seed(config.seed)
     model = _build_model(config, data)
-    datamodule = models.PlanetoidDataModule.from_data(data)
+    datamodule = models.PlanetoidDataModule.from_data(config.dataset, data)
     threads_before = torch.get_num_threads()
     threads = threads_before if config.train_threads is None else config.train_threads
     try:

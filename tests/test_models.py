@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch_geometric.data import Data
 
 from models import GCN, PlanetoidDataModule, feature_dropout, load_planetoid, normalized_adjacency_csr
 from sparsenn.cli import BENCH_FILE, METRICS_FILE, WEIGHTS_FILE, CommandError, _first_call_ms, load_config, main
@@ -107,6 +108,10 @@ def test_planetoid_public_splits():
     torch.testing.assert_close(data.x.sum(1)[data.x.sum(1) > 0], torch.ones(int((data.x.sum(1) > 0).sum())))
     with pytest.raises(ValueError, match="PubMed.*raw files missing.*shipped here: Cora, CiteSeer"):
         load_planetoid("PubMed")
+    served = PlanetoidDataModule.from_data("CiteSeer", data)
+    assert next(iter(served.train_dataloader())) is data
+    with pytest.raises(ValueError, match="graph has no 'train_mask'"):
+        PlanetoidDataModule.from_data("CiteSeer", Data(x=data.x, edge_index=data.edge_index, y=data.y))
 
 
 def test_normalized_adjacency_matches_pyg_gcn_norm():
