@@ -122,6 +122,12 @@ BAD_INPUTS = [
     pytest.param(lambda: sparsenn.compile("D[i] = A[i]; import os"), NOTATION, r"unexpected character ';' at column 11",
                  id="expression-code-injection"),
     pytest.param(lambda: sparsenn.compile("D[i] = (A[i] + B[i]"), NOTATION, r"end of expression", id="expression-paren"),
+    pytest.param(lambda: sparsenn.compile("D[i,j] = A[i,k] * * B[k,j]"), NOTATION, r"expected a tensor name but found '\*'",
+                 id="expression-double-star"),
+    pytest.param(lambda: sparsenn.compile("D[i,j] A[i,j]"), NOTATION, r"expected '=' but found 'A'",
+                 id="expression-missing-equals"),
+    pytest.param(lambda: sparsenn.compile("D[i,j] = A[i,i]"), NOTATION, r"index 'i' appears twice in A\[i,i\]",
+                 id="expression-repeated-index"),
     pytest.param(lambda: sparsenn.compile("D[i] = 2 * A[i]"), NOTATION, r"unexpected character '2'", id="expression-number"),
     pytest.param(lambda: sparsenn.compile("D[i] = D[i]"), NOTATION, r"output tensor 'D' also appears",
                  id="expression-output-on-rhs"),
@@ -410,14 +416,18 @@ def test_dimension_beyond_int32_switches_to_int64() -> None:
     assert choose_index_dtype([3, n]) == torch.int64 and choose_index_dtype([3, 2**31 - 1]) == torch.int32
     idx = torch.tensor([[0, 1, 2, 2], [5, n - 1, 7, n - 2]])
     a = sparsenn.from_coo(idx, torch.tensor([1.0, 2.0, 3.0, 4.0]), (3, n), format="csr")
-    b = sparsenn.from_coo(idx[:, :3], torch.tensor([1.0, 1.0, 1.0]), (3, n), format="coo", index_dtype=torch.int64)
+    b = sparsenn.from_coo(idx[:, :3], torch.tensor([1.0, 1.0, 1.0]), (3, n), format="csr")
     assert a.index_dtype == torch.int64
     product = sparsenn.einsum("ij,ij->ij", a, b)
     assert product.index_dtype == torch.int64
     torch.testing.assert_close(product.coords()[0], idx[:, :3])
+    total = a + b
+    assert total.index_dtype == torch.int64
+    torch.testing.assert_close(total.coords()[1], torch.tensor([2.0, 3.0, 4.0, 4.0]))
     gram = sparsenn.einsum("ij,kj->ik", a, b)  # reduces over the huge j without densifying
-    torch.testing.assert_close(gram if isinstance(gram, torch.Tensor) else gram.to_dense(),
-                               torch.diag(torch.tensor([1.0, 2.0, 3.0])))
+    torch.testing.assert_close(dense(gram), torch.diag(torch.tensor([1.0, 2.0, 3.0])))
+    coo = sparsenn.from_coo(idx, torch.ones(4), (3, n), format="coo")
+    torch.testing.assert_close(dense(sparsenn.einsum("ij,ij->i", coo, a)), torch.tensor([1.0, 2.0, 7.0]))
 
 
 def test_result_with_more_elements_than_int32_stays_sparse_and_exact() -> None:
@@ -434,3 +444,13 @@ def test_result_with_more_elements_than_int32_stays_sparse_and_exact() -> None:
     entries = sorted(zip(expected.row.tolist(), expected.col.tolist(), expected.data.tolist()))
     indices, values = result.coords()
     assert sorted(zip(*indices.tolist(), values.tolist())) == entries
+
+
+def test_hostile_operand_names_are_only_names() -> None:
+    """Names in an expression are display labels: they never reach the generated C++."""
+    f = sparsenn.compile("D[i] = __import__[i] * system[i]")
+    a = sparsenn.from_dense(torch.tensor([1.0, 0.0, 2.0]), "coo")
+    b = torch.tensor([3.0, 4.0, 5.0])
+    torch.testing.assert_close(dense(f(a, b)), torch.tensor([3.0, 0.0, 10.0]))
+    source = f.explain(a, b).split("generated C++:")[1]
+    assert "__import__" not in source and "system" not in source
