@@ -221,6 +221,40 @@ def gcn_reference(c: dict) -> list[torch.Tensor]:
     return [out.detach(), weight.grad, bias.grad]
 
 
+def propagation_methods(c: dict) -> dict[str, Method]:
+    """The propagation step alone, ``Â H`` with ``H = X Wᵀ`` given (gradient with respect to H)."""
+    from torch_geometric.nn import GCNConv
+
+    x, edge_index = c["x"], c["edge_index"]
+    torch.manual_seed(1)
+    conv = SparseGCNConv(c["in"], c["out"], cached=True)
+    adjacency = conv.adjacency(edge_index, None, x.shape[0], x.dtype)
+    hidden = (x @ conv.weight.detach().T).contiguous()
+    indices, norm = adjacency.coords()  # rows are targets, columns sources
+    pyg = GCNConv(c["in"], c["out"], normalize=False)
+    source_target = indices.flip(0)
+
+    def method(propagate: Callable[[torch.Tensor], torch.Tensor]) -> Method:
+        def build() -> tuple:
+            h = hidden.clone().requires_grad_()
+            return _run(lambda: propagate(h), [h]), lambda: [h.grad]
+        return build
+
+    csr = adjacency.to_torch()
+    c["reference"] = (adjacency, hidden)
+    return {"sparsenn": method(lambda h: sparsenn.einsum("ts,so->to", adjacency, h)),
+            "PyG propagate": method(lambda h: pyg.propagate(source_target, x=h, edge_weight=norm)),
+            "torch.sparse CSR": method(lambda h: torch.sparse.mm(csr, h))}
+
+
+def propagation_reference(c: dict) -> list[torch.Tensor]:
+    adjacency, hidden = c["reference"]
+    h = hidden.double().requires_grad_()
+    out = torch.sparse.mm(adjacency.to_torch(torch.sparse_coo).double(), h)
+    out.square().mean().backward()
+    return [out.detach(), h.grad]
+
+
 # ----------------------------------------------------------------------------------- timing
 def timed_ms(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
@@ -388,6 +422,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="rounds per case (fewer when over the time budget)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--no-calibration", action="store_true", help="skip the break-even sweep")
+    parser.add_argument("--calibration-threads", type=int, default=1,
+                        help="threads for the break-even sweep (default 1: steadier on a loaded machine)")
     parser.add_argument("--first-call", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_call:
@@ -399,16 +435,22 @@ def main() -> None:
     specs = [("linear", (i, o, s, b)) for i, o in ([(784, 256), (1024, 1024)] if args.quick else
                                                    [(784, 256), (4096, 4096)])
              for s in ((0.9,) if args.quick else (0.5, 0.9, 0.95, 0.99)) for b in (64, 1024)]
-    specs += [("gcn", g) for g in (["Cora"] if args.quick else ["Cora", "CiteSeer", "synthetic"])]
+    graphs = ["Cora"] if args.quick else ["Cora", "CiteSeer", "synthetic"]
+    specs += [(kind, g) for g in graphs for kind in ("gcn", "propagation")]
     cases = []
     for kind, spec in specs:
         if kind == "linear":
             c = linear_case(*spec)
             methods, reference = linear_methods(c), linear_reference(c)
-        else:
+        elif kind == "gcn":
             c = gcn_case(spec, args.quick)
             methods = gcn_methods(c)
             reference = gcn_reference(c)
+        else:
+            c = gcn_case(spec, args.quick)
+            c["name"] = c["name"].replace("GCN", "propagation Â·H,", 1)
+            methods = propagation_methods(c)
+            reference = propagation_reference(c)
         print(c["name"], flush=True)
         torch.set_num_threads(max(args.threads))
         checked = check(methods, reference)
@@ -417,7 +459,7 @@ def main() -> None:
                       "timings": bench(methods, args.threads, repeats, budget)})
     firsts = {kind: first_call(kind) for kind in ("linear", "gcn")}
     print("first call:", firsts, flush=True)
-    calibration = None if args.no_calibration else calibrate(max(args.threads), repeats, args.quick)
+    calibration = None if args.no_calibration else calibrate(args.calibration_threads, repeats, args.quick)
     if calibration is not None:
         print("calibration:", {k: v for k, v in calibration.items() if k != "points"}, flush=True)
     info["git_end"], info["loadavg_end"] = git_rev(), os.getloadavg()
