@@ -89,6 +89,11 @@ template <class Take>
 static void emit_sorted(Chunk& C, int level, int rank, const int64_t* dims,
                         const std::vector<int64_t>& keys, Take take) {
   const int m = rank - level;
+  if (m == 1) {  // one level left: keys are its coordinates
+    std::vector<I>& crd = C.crd[level];
+    for (int64_t key : keys) { crd.push_back((I)key); C.val.push_back(take(key)); }
+    return;
+  }
   int64_t prev[16], cur[16];
   bool first = true;
   for (int64_t key : keys) {
