@@ -58,7 +58,7 @@ def test_bench_outputs_match_pyg_and_torch_sparse(trained, capsys):
 def test_first_call_runs_in_a_fresh_process_with_an_empty_kernel_cache(trained):
     first = _first_call_ms(CORA, trained, threads=1)
     assert first["kernels_built"] >= 1
-    assert first["first_ms"] > 0 and first["later_ms"] > 0
+    assert first["first_ms"] > 0 and first["threads"] == 1
 
 
 def test_bench_without_weights_is_a_usage_error(tmp_path, capsys):
