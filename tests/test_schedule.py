@@ -139,3 +139,28 @@ def test_no_register_block_without_a_reduction_or_for_narrow_rows():
     a = sparse((N, N), "csr")
     assert plan("ij,jk->ik", a, torch.randn(N, 8)).schedule.nests[0].register_block is None  # k < one block
     assert plan("ij,ij->ij", a, torch.randn(N, N)).schedule.nests[0].register_block is None  # k sparse
+
+
+def test_three_operand_sampled_product_is_fused():
+    # bo,bi,oi->oi samples g^T x on M's pattern: fused, values written in place; the
+    # dense 2048 x 2048 product must not be formed.
+    from sparsenn.compiler.dispatch import _contraction_path, _info, _parse_cached
+
+    m = sparse((2048, 2048), "csr", density=0.1)
+    g, x = torch.randn(64, 2048), torch.randn(64, 2048)
+    infos = tuple(_info(o) for o in (g, x, m))
+    assert _contraction_path(_parse_cached("bo,bi,oi->oi", 3), infos, torch.float32, None) is None
+
+
+def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
+    # to,ts,si->oi with 16 output channels and 1433 input features: G^T A (nnz * 16) as
+    # a dense intermediate, then a dense product; not A X (nnz * 1433).
+    from sparsenn.compiler.dispatch import _contraction_path, _info, _parse_cached
+
+    a = sparse((2708, 2708), "csr", density=0.002)
+    g, x = torch.randn(2708, 16), torch.randn(2708, 1433)
+    path = _contraction_path(_parse_cached("to,ts,si->oi", 3), tuple(_info(o) for o in (g, a, x)), torch.float32, None)
+    first = path[0]
+    assert {first.left, first.right} == {0, 1} and first.dense
+    result = sparsenn.einsum("to,ts,si->oi", g, a, x)
+    torch.testing.assert_close(result, g.T @ a.to_dense() @ x, rtol=1e-4, atol=1e-3)

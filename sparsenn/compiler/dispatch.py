@@ -440,7 +440,7 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format):
         return result
     index_dtype = _index_dtype(prepared)
     infos = tuple(_info(op) for op in prepared)
-    path = _contraction_path(assignment, infos, dtype)
+    path = _contraction_path(assignment, infos, dtype, out_format)
     if path is not None:
         return _run_path(assignment, prepared, path, out_format)
     plan = _plan(assignment, prepared, out_format, dtype, index_dtype, infos)
@@ -452,13 +452,15 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format):
     return result
 
 
-def _contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dtype) -> list[Step] | None:
+def _contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dtype, out_format) -> list[Step] | None:
     if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3:
         return None
-    key = (assignment, infos, dtype)
+    key = (assignment, infos, dtype, out_format)
     if key not in _paths:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        _paths[key] = best_path(assignment, infos, itemsize)
+        formats = [i.format for i in infos]
+        anchored = _anchor(assignment, formats, out_format, infer_output_format(assignment, formats)) is not None
+        _paths[key] = best_path(assignment, infos, itemsize, anchored)
     return _paths[key]
 
 
@@ -470,7 +472,7 @@ def _run_path(assignment: Assignment, prepared: list, path: list[Step], out_form
         (left, x), (right, y) = items[step.left], items[step.right]
         pair = Assignment(step.indices, (Term(1.0, (Access(0, left), Access(1, right))),), ("left", "right"))
         last = n == len(path) - 1
-        result = _evaluate(pair, [x, y], out_format if last else None)
+        result = _evaluate(pair, [x, y], out_format if last else "dense" if step.dense else None)
         items = [items[k] for k in range(len(items)) if k not in (step.left, step.right)]
         items.append((step.indices, result))
     (_, result), = items
