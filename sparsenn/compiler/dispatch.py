@@ -391,7 +391,8 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     if plan.anchor is not None:
         return SparseTensor(out_shape, pattern.format, pattern.pos, pattern.crd, out, check=False)
     if out is not None:
-        return out.permute(plan.output_permutation)
+        identity = plan.output_permutation == tuple(range(len(plan.output_permutation)))
+        return out if identity else out.permute(plan.output_permutation)
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
 
 
