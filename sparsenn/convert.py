@@ -24,14 +24,19 @@ __all__ = ["convert", "ConversionReport", "LayerDecision", "Converted", "predict
 
 Exclude = Iterable[str] | Callable[[str, nn.Module], bool] | None
 
-# Break-even model for skip_slower, fitted to benchmarks/layers.py (fwd+bwd, batch 64,
-# 2 threads; see BENCHMARKS.md "Layers"): time = overhead + cost * work, with work = the
-# multiply-adds of one forward+backward step (dense: 3 * out * in * batch; sparse:
-# 3 * nnz * batch).
-DENSE_OVERHEAD_US = 30.0
-DENSE_NS_PER_MAC = 0.04
-SPARSE_OVERHEAD_US = 150.0
-SPARSE_NS_PER_MAC = 0.21
+# Break-even model for skip_slower: time = overhead + ns_per_mac * work, where work is the
+# multiply-adds of one forward+backward step at batch B (dense: 3 * B * out * in; sparse:
+# 3 * B * nnz). Fitted (non-negative least squares on relative error) by
+# ``python benchmarks/layers.py`` to 25 layers (64x64 .. 2048x2048, sparsity 0.5 .. 0.99,
+# batch 64, 1 thread) on the 2-vCPU AMD EPYC machine of BENCHMARKS.md "Layers": dense
+# 114.6 us + 0.0266 ns/MAC, sparse 583.5 us + 0.1198 ns/MAC. So a large layer is faster
+# sparse below ~22 % density, and the sparse layer's fixed cost (three einsum calls per
+# step) keeps small layers dense: at 90 % sparsity a 784x256 layer is about even, a
+# 1024x1024 one ~2x faster sparse (measured 0.97x and 1.95x).
+DENSE_OVERHEAD_US = 114.6
+DENSE_NS_PER_MAC = 0.0266
+SPARSE_OVERHEAD_US = 583.5
+SPARSE_NS_PER_MAC = 0.1198
 CALIBRATION_BATCH = 64
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numbers
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsenn.compiler import einsum
@@ -58,9 +59,10 @@ class SparseGCNConv(nn.Module):
     edges ``(s, t)`` of ``edge_index`` (row 0 sources, row 1 targets), with edge weights
     ``edge_weight`` (default 1). The normalised adjacency is built once per call as a CSR
     :class:`~sparsenn.SparseTensor` indexed ``[target, source]`` (once per layer when
-    ``cached=True``). The product runs as two einsums: ``Â (X Wᵀ)`` when
-    ``out_channels <= in_channels`` or ``X`` is sparse, else ``(Â X) Wᵀ``, so the
-    sparse-times-dense product runs on the narrower of the two dense matrices.
+    ``cached=True``). The product runs as ``Â (X Wᵀ)`` when ``out_channels <= in_channels``
+    or ``X`` is sparse, else as ``(Â X) Wᵀ``, so the sparse-times-dense einsum runs on the
+    narrower of the two dense matrices; a dense ``X`` times ``Wᵀ`` is the dense GEMM
+    ``F.linear`` (where einsum's all-dense path would send it, minus its extra copies).
 
     Args:
         in_channels, out_channels: feature sizes.
@@ -137,11 +139,12 @@ class SparseGCNConv(nn.Module):
         if dtype != self.weight.dtype:
             raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
         adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
-        if isinstance(x, SparseTensor) or self.out_channels <= self.in_channels:
-            projected = einsum("si,oi->so", x, self.weight, out_format="dense")
-            out = einsum("ts,so->to", adjacency, projected)
+        if isinstance(x, SparseTensor):
+            out = einsum("ts,so->to", adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
+        elif self.out_channels <= self.in_channels:
+            out = einsum("ts,so->to", adjacency, F.linear(x, self.weight))
         else:
-            out = einsum("ti,oi->to", einsum("ts,si->ti", adjacency, x), self.weight)
+            out = F.linear(einsum("ts,si->ti", adjacency, x), self.weight)
         return out if self.bias is None else out + self.bias
 
     def adjacency(self, edge_index: Tensor | SparseTensor, edge_weight: Tensor | None, num_nodes: int,
