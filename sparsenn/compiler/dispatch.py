@@ -492,9 +492,12 @@ def _dense_fallback(assignment: Assignment, prepared: list, sizes: dict[str, int
         present = [i for i in assignment.output if i in term.indices]
         lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
         value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}", *[prepared[a.operand] for a in term.factors])
-        view = [sizes[i] if i in term.indices else 1 for i in assignment.output]
-        value = (term.coefficient * value).reshape(view).expand(tuple(sizes[i] for i in assignment.output))
-        out = value.clone() if out is None else out + value
+        if term.coefficient != 1.0:
+            value = term.coefficient * value
+        if len(present) != len(assignment.output):  # broadcast over output indices the term lacks
+            view = [sizes[i] if i in term.indices else 1 for i in assignment.output]
+            value = value.reshape(view).expand(tuple(sizes[i] for i in assignment.output)).clone()
+        out = value if out is None else out + value
     return out
 
 
