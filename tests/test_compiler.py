@@ -315,3 +315,28 @@ def test_tiled_and_register_blocked_batch_loop(dtype):
     w = sp((30, 3000), "csr", density=0.05, dtype=dtype)
     x = torch.randn(83, 3000, dtype=dtype)
     check("bi,oi->bo", [x, w], out_format="dense", atol=1e-3 if dtype == torch.float32 else 1e-9)
+
+
+def test_replaced_index_arrays_are_rejected_not_trusted():
+    # A same-length replacement has a fresh version counter; its address gives it away.
+    x = torch.randn(3, 2, dtype=torch.float64)
+    a = sparsenn.from_dense(torch.eye(3, dtype=torch.float64), "csr")
+    a.crd = (None, torch.tensor([100_000_000, 1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="operand 0: index arrays .* replaced"):
+        sparsenn.einsum("ij,jk->ik", a, x)
+    b = sparsenn.from_dense(torch.eye(3, dtype=torch.float64), "csr")
+    b.crd[1].data = torch.tensor([100_000_000, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="operand 0: index arrays .* replaced"):
+        sparsenn.einsum("ij,jk->ik", b, x)
+
+
+def test_dense_expression_with_sparse_out_format_keeps_every_entry():
+    # The pattern is structural: an entry that happens to be 0 still gets its gradient.
+    x = torch.tensor([[1.0, 0.0], [0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([[0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    result = sparsenn.einsum("ij,jk->ik", x, w, out_format="coo")
+    assert result.nnz == 4
+    torch.testing.assert_close(result.to_dense(), (x @ w).detach())
+    assert torch.autograd.gradcheck(
+        lambda a: sparsenn.einsum("ij,jk->ik", a, w, out_format="csr").values, (x.detach().requires_grad_(),)
+    )

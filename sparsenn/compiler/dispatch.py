@@ -437,7 +437,7 @@ def _evaluate(assignment: Assignment, operands: Sequence, out_format):
     if all(isinstance(op, torch.Tensor) for op in prepared):
         result = _dense_fallback(assignment, prepared, sizes)
         if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
-            return SparseTensor.from_dense(result, format=out_format)
+            return _stored_densely(result, out_format)
         return result
     index_dtype = _index_dtype(prepared)
     infos = tuple(_info(op) for op in prepared)
@@ -480,6 +480,14 @@ def _run_path(assignment: Assignment, prepared: list, path: list[Step], out_form
     if term.coefficient != 1.0:
         result = result * term.coefficient if isinstance(result, torch.Tensor) else result.with_values(result.values * term.coefficient)
     return result
+
+
+def _stored_densely(result: torch.Tensor, out_format) -> SparseTensor:
+    """A dense result in the sparse ``out_format`` with every entry stored, zeros too:
+    its pattern is structural (what the expression can produce), not the values that
+    happen to vanish, so gradients reach every entry."""
+    indices = torch.ones(result.shape, dtype=torch.bool).nonzero().T
+    return SparseTensor.from_coo(indices, result.reshape(-1), result.shape, format=out_format)
 
 
 def _dense_fallback(assignment: Assignment, prepared: list, sizes: dict[str, int]) -> torch.Tensor:

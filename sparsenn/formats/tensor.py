@@ -28,12 +28,13 @@ if TYPE_CHECKING:
     import scipy.sparse
 
 
-def array_version(array: Tensor | None) -> int | None:
-    """The in-place modification counter of an index array (None for no array, and for
-    inference-mode tensors, which torch does not version)."""
-    if array is None or array.is_inference():
+def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
+    """What identifies an index array's contents: its data address (changed when the
+    array or its ``.data`` is replaced) and its in-place modification counter (None for
+    inference-mode tensors, which torch does not version). None for no array."""
+    if array is None:
         return None
-    return array._version
+    return array.data_ptr(), None if array.is_inference() else array._version
 
 
 class SparseTensor(Constructors):
@@ -76,7 +77,7 @@ class SparseTensor(Constructors):
         self.values: Tensor = values
         self.level_sizes: tuple[int, ...] = sizes
         self.index_dtype: torch.dtype = index_dtype
-        self._versions: tuple[int | None, ...] = tuple(array_version(a) for a in pos + crd)
+        self._versions: tuple[tuple[int, int | None] | None, ...] = tuple(array_version(a) for a in pos + crd)
 
     # ----------------------------------------------------------------- properties
     @property
@@ -121,7 +122,7 @@ class SparseTensor(Constructors):
         """Raise ValueError if a pos/crd array was modified in place since construction."""
         now = tuple(array_version(a) for a in self.pos + self.crd)
         if now != self._versions:
-            raise ValueError("index arrays of this SparseTensor were modified in place after construction; "
+            raise ValueError("index arrays of this SparseTensor were modified in place or replaced after construction; "
                              "build a new SparseTensor instead of editing pos/crd")
 
     def __repr__(self) -> str:
