@@ -482,10 +482,10 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size)
         else:
             lo.emit_order(
-            order, states, leaf, bounds, around,
-            accumulator=acc if split < len(order) else None,
-            summed=summed,
-        )
+                order, states, leaf, bounds, around,
+                accumulator=acc if split < len(order) else None,
+                summed=summed,
+            )
         if nest.parallel:
             w.close()
         for _ in tiles:
