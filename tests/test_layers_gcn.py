@@ -1,30 +1,19 @@
 """SparseGCNConv against torch_geometric.nn.GCNConv (Cora) and dense references."""
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
+from torch_geometric.nn import GCNConv
 
 import sparsenn
+from models.planetoid import load_planetoid
 from sparsenn import SparseGCNConv
 from sparsenn.layers import gcn_norm
 
-torch_geometric = pytest.importorskip("torch_geometric")
-from torch_geometric.nn import GCNConv  # noqa: E402
-
-PLANETOID = Path("/work/shared/data/planetoid")
-
 
 @pytest.fixture(scope="module")
-def cora(tmp_path_factory):
-    if not (PLANETOID / "Cora" / "raw").is_dir():
-        pytest.skip(f"Cora raw files not found under {PLANETOID}")
-    from torch_geometric.datasets import Planetoid
-
-    root = tmp_path_factory.mktemp("planetoid")
-    shutil.copytree(PLANETOID / "Cora", root / "Cora")
-    return Planetoid(root=str(root), name="Cora")[0]
+def cora():
+    """Cora as PyG loads it (raw features), from the files shipped in models/data."""
+    return load_planetoid("Cora", normalize_features=False)
 
 
 def pair(in_channels, out_channels, seed=0, **kwargs):
