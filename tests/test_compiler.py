@@ -264,6 +264,9 @@ def test_register_blocked_products_and_sums():
     a2, b2 = sp((21, 6), "csr"), torch.randn(6, 40, dtype=torch.float64)
     result = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")(a2, b2, c)
     torch.testing.assert_close(result, a2.to_dense() @ b2 - c)
+    v = torch.randn(6, dtype=torch.float64)  # a term that broadcasts over the blocked index
+    result = sparsenn.compile("D[i,k] = A[i,j] * V[j] + C[i,k]")(a2, v, c)
+    torch.testing.assert_close(result, (a2.to_dense() @ v)[:, None] + c)
 
 
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])

@@ -326,6 +326,10 @@ class _Lowerer:
             return []
         return with_index
 
+    def vector_load(self, st: _State) -> str:
+        """SIMD vector ``v`` of a unit-stride dense factor at the current position."""
+        return f"sn_load(d{st.slot} + {self.offset(st.dense_indices)} + v * SN_W)"
+
     def emit_vector_reduction(
         self, index: str, states: list[_State], accumulator: str, summed: tuple[str, Sequence[int]],
         vectors: Sequence[int], bounds: tuple[str, str] | None,
@@ -344,7 +348,7 @@ class _Lowerer:
         w.line(f"VV {acc}[{REGISTER_BLOCK_VECTORS}] = {{}};")
         w.line(f"int64_t {var} = {lo};")
         w.open(f"for (; {var} + {block} <= {end}; {var} += {block})")
-        loads = [f"sn_load(d{states[k].slot} + {self.offset(states[k].dense_indices)} + v * SN_W)" for k in vectors]
+        loads = [self.vector_load(states[k]) for k in vectors]
         w.line("#pragma GCC unroll 16")
         w.line(f"for (int v = 0; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[v] += {' * '.join(loads)};")
         w.close()
@@ -512,10 +516,10 @@ def _emit_register_blocked(
     r = len(order) - 1
     while r > 0 and order[r - 1] not in output:
         r -= 1
-    with_k = [n for n, f in enumerate(term.factors) if k in f.indices]
-    scalars = [n for n in range(len(term.factors)) if n not in with_k]
-    if any(states[n].sparse or states[n].dense_indices[-1] != k for n in with_k):
+    with_k = lo.unit_stride_factors(k, states, range(len(term.factors)))
+    if not with_k:
         raise AssertionError(f"register block over {k!r} needs unit-stride dense factors")
+    scalars = [n for n in range(len(term.factors)) if n not in with_k]
     kb, acc, rest = w.fresh("kb"), w.fresh("vacc"), w.fresh("krest")
     var_k = lo.var(k)
     k_lo, n_k = bounds.get(k, ("0", lo.dim(k)))  # within a tile of k, if tiled
@@ -532,7 +536,7 @@ def _emit_register_blocked(
 
     def vector_leaf(st: list[_State]) -> None:
         w.line(f"const int64_t {var_k} = {kb};")
-        loads = [f"sn_load(d{st[n].slot} + {lo.offset(st[n].dense_indices)} + v * SN_W)" for n in with_k]
+        loads = [lo.vector_load(st[n]) for n in with_k]
         w.line("#pragma GCC unroll 16")
         w.line(f"for (int v = 0; v < {size} / SN_W; ++v) {acc}[v] += {' * '.join([lo.product(st, scalars), *loads])};")
 

@@ -301,21 +301,22 @@ def _tiles(
 
 
 def _register_block(
-    term: Term, output_order: tuple[str, ...], order: Sequence[str], factors: list[_Factor],
+    output_order: tuple[str, ...], order: Sequence[str], factors: list[_Factor],
     tiles: Sequence[Tile], dims: dict[str, int], itemsize: int,
 ) -> Tile | None:
     """A register block for the innermost loop (see the module doc), or None.
 
     Requires: the innermost index is the output's unit-stride (last) index, is read by
-    no sparse factor (so every factor holding it is a dense operand laid out with it
-    last), spans at least one block (one tile, if tiled), and reduction loops sit
+    some factor and by no sparse one (so every factor holding it is a dense operand laid
+    out with it last), spans at least one block (one tile, if tiled), and reduction loops sit
     directly above it (otherwise there is nothing to keep in registers across)."""
     if len(order) < 2 or not output_order:
         return None
     k = order[-1]
     if k != output_order[-1] or order[-2] in output_order:
         return None
-    if any(f.sparse and any(i == k for i, _ in f.levels) for f in factors):
+    holders = [f for f in factors if any(i == k for i, _ in f.levels)]
+    if not holders or any(f.sparse for f in holders):  # broadcast over k, or k sparse
         return None
     size = REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
     span = min([dims[k], *(t.size for t in tiles if t.index == k)])
@@ -359,6 +360,7 @@ def schedule(
 
 def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
+    nest_factors = []
     output_order, costliest = assignment.output, -1.0
     for t, term in enumerate(assignment.terms):
         indices = _nest_indices(term, assignment.output)
@@ -376,23 +378,20 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
         parallel = best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best]))
+        nest_factors.append(factors)
         transposes += _transposes(t, factors, term)
         total += costs[best]
         reasons.append(_explain_choice(t, best, costs, factors, parallel))
         if costs[best] > costliest:  # the output is laid out in its costliest nest's loop order
             output_order, costliest = tuple(sorted(assignment.output, key=best.index)), costs[best]
-    nests = [_with_register_block(assignment, nest, output_order, infos, dims, itemsize) for nest in nests]
+    # Register blocks need the output's layout, known once every nest is chosen.
+    nests = [
+        replace(nest, register_block=_register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize))
+        for nest, factors in zip(nests, nest_factors)
+    ]
     return Schedule(
         None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
-
-
-def _with_register_block(assignment, nest: Nest, output_order, infos, dims, itemsize) -> Nest:
-    """``nest`` with its register block, once the output's layout is known."""
-    term = assignment.terms[nest.term]
-    _, _, factors = _nest_cost(term, nest.order, infos, dims, assignment.output)
-    block = _register_block(term, output_order, nest.order, factors, nest.tiles, dims, itemsize)
-    return replace(nest, register_block=block) if block else nest
 
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule:
