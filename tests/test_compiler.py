@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -324,13 +325,23 @@ def test_replaced_index_arrays_are_rejected_not_trusted():
     # A same-length replacement has a fresh version counter; its address gives it away.
     x = torch.randn(3, 2, dtype=torch.float64)
     a = sparsenn.from_dense(torch.eye(3, dtype=torch.float64), "csr")
-    a.crd = (None, torch.tensor([100_000_000, 1, 2], dtype=torch.int32))
+    sparsenn.einsum("ij,jk->ik", a, x)  # the call signature is cached: the check must still run
+    a.crd[1].data = torch.tensor([100_000_000, 1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match="operand 0: index arrays .* replaced"):
         sparsenn.einsum("ij,jk->ik", a, x)
-    b = sparsenn.from_dense(torch.eye(3, dtype=torch.float64), "csr")
-    b.crd[1].data = torch.tensor([100_000_000, 1, 2], dtype=torch.int32)
-    with pytest.raises(ValueError, match="operand 0: index arrays .* replaced"):
-        sparsenn.einsum("ij,jk->ik", b, x)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_copied_sparse_tensors_are_usable(how, tmp_path):
+    a = sp((6, 5), "csr", density=0.4)
+    if how == "deepcopy":
+        b = copy.deepcopy(a)
+    else:
+        torch.save(a, tmp_path / "a.pt")
+        b = torch.load(tmp_path / "a.pt", weights_only=False)
+    assert b.pos[1] is not a.pos[1] and b.signature == a.signature
+    x = torch.randn(5, 3, dtype=a.dtype)
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", b, x), sparsenn.einsum("ij,jk->ik", a, x))
 
 
 def test_dense_expression_with_sparse_out_format_keeps_every_entry():

@@ -25,7 +25,6 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.tensor import array_version
-from sparsenn.formats.validate import check_structure
 
 from . import jit
 from .autograd import differentiable_evaluate
@@ -57,11 +56,13 @@ class Plan:
     library: ctypes.CDLL | None = None
     # Fixed by the plan's key (shapes included), so built once: the dims argument, each
     # array argument as (slot, "pos"|"crd"|"val"|"dense", level), the dense output's
-    # allocation shape and the permutation back to the output's index order.
+    # allocation shape and the permutation back to the output's index order (None: identity).
+    # ``direct``: every slot reads its operand as given (no re-store, no re-layout).
     dims: ctypes.Array | None = None
     arguments: tuple[tuple[int, str, int], ...] = ()
     dense_shape: tuple[int, ...] = ()
-    output_permutation: tuple[int, ...] = ()
+    output_permutation: tuple[int, ...] | None = None
+    direct: bool = False
 
     def load(self) -> ctypes.CDLL:
         if self.library is None:
@@ -108,22 +109,21 @@ def _check_out_format(out_format, out_shape: tuple[int, ...]) -> None:
 def _prepare_operands(
     assignment: Assignment, operands: Sequence, out_format=None
 ) -> tuple[list, torch.dtype, dict[str, int]]:
-    """Check types, dtypes, devices, ranks, index sizes, the structure of sparse operands
-    (O(levels): lengths, dtypes, no in-place edits since construction) and ``out_format``.
-    Returns the operands (dense ones contiguous, dense-format SparseTensors as tensors),
-    their dtype and the size of every index."""
+    """Check types, dtypes, devices, ranks, index sizes, that sparse operands' index arrays
+    were not edited since construction (O(levels)) and ``out_format``. Returns the
+    operands (dense ones contiguous, dense-format SparseTensors as tensors), their dtype
+    and the size of every index."""
     if len(operands) != assignment.num_operands:
         raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
     prepared = []
     dtype = None
     for n, op in enumerate(operands):
         if isinstance(op, SparseTensor):
-            check_structure(op, _describe(assignment, n))
+            values = op.values
             try:
                 op.check_unmodified()
             except ValueError as error:
                 raise ValueError(f"{_describe(assignment, n)}: {error}") from None
-            values = op.values
         elif isinstance(op, torch.Tensor):
             values = op
             if op.layout != torch.strided:
@@ -324,10 +324,11 @@ def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
     )
     plan.dense_shape = tuple(sizes[i] for i in plan.schedule.output_order)
     order = plan.schedule.output_order
-    plan.output_permutation = tuple(order.index(i) for i in plan.assignment.output)
+    permutation = tuple(order.index(i) for i in plan.assignment.output)
+    plan.output_permutation = None if permutation == tuple(range(len(permutation))) else permutation
+    plan.direct = all(slot.layout is None if slot.fmt is None else slot.fmt == plan.operand_formats[slot.operand]
+                      for slot in plan.kernel.slots)
     plan.dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
-
-
 def _slot_operands(plan: Plan, prepared: list) -> list:
     """Each slot's operand as the kernel reads it: a dense one laid out in loop order,
     a sparse one re-stored in the slot's mode order where the schedule asked for it.
@@ -345,22 +346,24 @@ def _slot_operands(plan: Plan, prepared: list) -> list:
 
 
 def _argument_pointers(plan: Plan, slot_operands: list, index_dtype: torch.dtype) -> tuple[list[int], list]:
-    """Data pointers of the kernel's array arguments, and the tensors that own them
-    (kept alive for the call)."""
+    """Data pointers of the kernel's array arguments, and the tensors made here for the
+    call (index arrays widened to the plan's index dtype, contiguous values), which
+    must stay alive until the kernel returns."""
     pointers, owners = [], []
     for slot, kind, level in plan.arguments:
         op = slot_operands[slot]
         if kind == "dense":
             array = op
         elif kind == "val":
-            array = op.values.detach()
+            array = op.values
             if not array.is_contiguous():
                 array = array.contiguous()
+                owners.append(array)
         else:
             array = (op.pos if kind == "pos" else op.crd)[level]
             if array.dtype != index_dtype:
                 array = array.to(index_dtype)
-        owners.append(array)
+                owners.append(array)
         pointers.append(array.data_ptr())
     return pointers, owners
 
@@ -369,7 +372,8 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     lib = plan.load()
     if plan.dims is None:
         _prepare_launch(plan, sizes)
-    pointers, owners = _argument_pointers(plan, _slot_operands(plan, prepared), index_dtype)
+    slot_operands = [prepared[slot.operand] for slot in plan.kernel.slots] if plan.direct else _slot_operands(plan, prepared)
+    pointers, owners = _argument_pointers(plan, slot_operands, index_dtype)
     out = None
     if plan.anchor is not None:
         pattern = prepared[plan.anchor]
@@ -378,21 +382,20 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         out = torch.zeros(plan.dense_shape, dtype=dtype)
     if out is not None:
         pointers.append(out.data_ptr())
-    arrays = (ctypes.c_void_p * max(len(pointers), 1))(*pointers)
+    arrays = (ctypes.c_void_p * len(pointers))(*pointers)
     handle = ctypes.c_void_p()
     nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
     code = lib.sn_run(arrays, plan.dims, nthreads, ctypes.byref(handle))
-    del owners
+    del owners, slot_operands
     if code != 0:
         if handle.value:
             lib.sn_free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
-    out_shape = tuple(sizes[i] for i in plan.assignment.output)
     if plan.anchor is not None:
-        return SparseTensor(out_shape, pattern.format, pattern.pos, pattern.crd, out, check=False)
+        return pattern.with_values(out)
     if out is not None:
-        identity = plan.output_permutation == tuple(range(len(plan.output_permutation)))
-        return out if identity else out.permute(plan.output_permutation)
+        return out if plan.output_permutation is None else out.permute(plan.output_permutation)
+    out_shape = tuple(sizes[i] for i in plan.assignment.output)
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
 
 
@@ -432,24 +435,91 @@ def _index_dtype(prepared: list) -> torch.dtype:
     return torch.int64 if torch.int64 in widths else torch.int32
 
 
-def _evaluate(assignment: Assignment, operands: Sequence, out_format):
-    prepared, dtype, sizes = _prepare_operands(assignment, operands, out_format)
+@dataclass
+class _Call:
+    """What a validated call signature resolves to (see :func:`_call_signature`): the
+    plan to run, or the pairwise path, or neither when every operand is dense."""
+
+    dtype: torch.dtype
+    sizes: dict[str, int]
+    index_dtype: torch.dtype | None = None
+    plan: Plan | None = None
+    path: list[Step] | None = None
+    final_format: Format | None = None  # a requested sparse format the kernel's result converts to
+
+
+_CALLS_LIMIT = 4096
+_calls: dict[tuple, _Call] = {}
+
+
+def _call_signature(assignment: Assignment, operands: Sequence, out_format) -> tuple | None:
+    """The key of a call whose operands the kernels read as they are: the expression,
+    ``out_format`` and per operand its dtype and shape (dense) or
+    :attr:`SparseTensor.signature`. Every check :func:`_prepare_operands` makes follows
+    from the key, except the per-call ones made here (CPU, strided, contiguous, index
+    arrays unedited). None sends the call through the full checks: an operand needing a
+    conversion (blocked, dense-format, non-contiguous) or failing a check."""
+    if out_format is not None and not isinstance(out_format, (str, Format)):
+        return None
+    key = [assignment, out_format]
+    for op in operands:
+        if isinstance(op, SparseTensor):
+            values = op.values
+            if op.format.block is not None or op.format.is_dense or not (values.is_cpu and values.is_contiguous()):
+                return None
+            try:
+                op.check_unmodified()
+            except ValueError:
+                return None
+            key += (op.signature, values.dtype)
+        elif isinstance(op, torch.Tensor):
+            if op.layout != torch.strided or not op.is_cpu or not op.is_contiguous():
+                return None
+            key += (op.shape, op.dtype)
+        else:
+            return None
+    return tuple(key)
+
+
+def _resolve(assignment: Assignment, prepared: list, dtype: torch.dtype, sizes: dict[str, int], out_format) -> _Call:
+    """Plan (or path) for checked operands."""
     if all(isinstance(op, torch.Tensor) for op in prepared):
-        result = _dense_fallback(assignment, prepared, sizes)
-        if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
-            return _stored_densely(result, out_format)
-        return result
+        return _Call(dtype, sizes)
     index_dtype = _index_dtype(prepared)
     infos = tuple(_info(op) for op in prepared)
     path = _contraction_path(assignment, infos, dtype, out_format)
     if path is not None:
-        return _run_path(assignment, prepared, path, out_format)
+        return _Call(dtype, sizes, index_dtype, path=path)
     plan = _plan(assignment, prepared, out_format, dtype, index_dtype, infos)
-    result = _run(plan, prepared, sizes, dtype, index_dtype)
-    if isinstance(result, SparseTensor) and out_format is not None:
-        wanted = parse_format(out_format, len(assignment.output))
-        if wanted != result.format:
-            result = result.asformat(wanted)
+    final = None
+    if plan.output_format is not None and out_format is not None:
+        final = parse_format(out_format, len(assignment.output))
+        if final == plan.output_format:
+            final = None
+    return _Call(dtype, sizes, index_dtype, plan=plan, final_format=final)
+
+
+def _evaluate(assignment: Assignment, operands: Sequence, out_format):
+    signature = _call_signature(assignment, operands, out_format)
+    call = None if signature is None else _calls.get(signature)
+    if call is None:
+        prepared, dtype, sizes = _prepare_operands(assignment, operands, out_format)
+        call = _resolve(assignment, prepared, dtype, sizes, out_format)
+        if signature is not None:
+            with _plans_lock:
+                if len(_calls) >= _CALLS_LIMIT:
+                    del _calls[next(iter(_calls))]
+                _calls[signature] = call
+    else:
+        prepared = list(operands)
+    if call.plan is not None:
+        result = _run(call.plan, prepared, call.sizes, call.dtype, call.index_dtype)
+        return result if call.final_format is None else result.asformat(call.final_format)
+    if call.path is not None:
+        return _run_path(assignment, prepared, call.path, out_format)
+    result = _dense_fallback(assignment, prepared, call.sizes)
+    if out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower() == "dense"):
+        return _stored_densely(result, out_format)
     return result
 
 

@@ -10,6 +10,8 @@ stored row-major, exactly torch's BSR/BSC ``values`` of shape ``(nnzb, bh, bw)``
 
 from __future__ import annotations
 
+import functools
+
 import re
 from dataclasses import dataclass
 
@@ -95,7 +97,7 @@ class Format:
         """Number of logical modes."""
         return len(self.mode_order)
 
-    @property
+    @functools.cached_property
     def is_dense(self) -> bool:
         """True when every level is dense and there is no block."""
         return self.block is None and all(level.locatable for level in self.levels)

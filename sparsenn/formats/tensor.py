@@ -37,6 +37,16 @@ def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
     return array.data_ptr(), None if array.is_inference() else array._version
 
 
+def _stored_positions(level_sizes: tuple[int, ...], crd: tuple[Tensor | None, ...]) -> tuple[int, ...]:
+    """Positions of each storage level: a dense level multiplies its parent's count,
+    compressed and singleton levels have one coordinate per position."""
+    positions, parents = [], 1
+    for size, coordinates in zip(level_sizes, crd):
+        parents = parents * size if coordinates is None else coordinates.shape[0]
+        positions.append(parents)
+    return tuple(positions)
+
+
 class SparseTensor(Constructors):
     """A sparse tensor: ``shape``, ``format`` and per-storage-level arrays.
 
@@ -47,6 +57,10 @@ class SparseTensor(Constructors):
     per position of the last storage level (dense inner levels, e.g. BSR
     blocks, store explicit zeros). ``values`` may require grad; it is never
     copied or detached.
+
+    A SparseTensor is immutable (its attributes cannot be reassigned; in-place edits of
+    its index arrays are detected before any kernel reads them), so its structure is
+    checked once, here.
 
     ``check=True`` validates every array (ValueError/TypeError naming it);
     ``check=False`` trusts the caller and costs O(number of levels).
@@ -70,14 +84,37 @@ class SparseTensor(Constructors):
         else:
             counts = [math.prod(sizes[:depth + 1]) for depth in range(len(sizes))]
             index_dtype = choose_index_dtype(shape + sizes + tuple(counts), index_dtype)
-        self.shape: tuple[int, ...] = shape
-        self.format: Format = fmt
-        self.pos: tuple[Tensor | None, ...] = pos
-        self.crd: tuple[Tensor | None, ...] = crd
-        self.values: Tensor = values
-        self.level_sizes: tuple[int, ...] = sizes
-        self.index_dtype: torch.dtype = index_dtype
-        self._versions: tuple[tuple[int, int | None] | None, ...] = tuple(array_version(a) for a in pos + crd)
+        self.__dict__.update(
+            shape=shape, format=fmt, pos=pos, crd=crd, values=values, level_sizes=sizes, index_dtype=index_dtype,
+            signature=(fmt, shape, _stored_positions(sizes, crd), index_dtype),
+            _index_arrays=tuple(arrays), _versions=tuple(array_version(a) for a in arrays),
+            _num_values=values.shape[0],
+        )
+
+    shape: tuple[int, ...]
+    format: Format
+    pos: tuple[Tensor | None, ...]
+    crd: tuple[Tensor | None, ...]
+    values: Tensor
+    level_sizes: tuple[int, ...]
+    index_dtype: torch.dtype
+    # (format, shape, stored positions per storage level, index dtype): all of the
+    # structure but the coordinates themselves. Compiled kernels are chosen by it.
+    signature: tuple
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(
+            f"SparseTensor is immutable: cannot set {name!r}; build a new one (with_values(), asformat(), "
+            "or the constructor) instead"
+        )
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"SparseTensor is immutable: cannot delete {name!r}")
+
+    def __reduce__(self):
+        """Pickle, ``copy.deepcopy`` and ``torch.save`` rebuild through the validating
+        constructor: the copy gets fresh modification records."""
+        return (SparseTensor, (self.shape, self.format, self.pos, self.crd, self.values, True, self.index_dtype))
 
     # ----------------------------------------------------------------- properties
     @property
@@ -119,11 +156,18 @@ class SparseTensor(Constructors):
         return count
 
     def check_unmodified(self) -> None:
-        """Raise ValueError if a pos/crd array was modified in place since construction."""
-        now = tuple(array_version(a) for a in self.pos + self.crd)
-        if now != self._versions:
-            raise ValueError("index arrays of this SparseTensor were modified in place or replaced after construction; "
-                             "build a new SparseTensor instead of editing pos/crd")
+        """Raise ValueError if a pos/crd array was modified in place (or its ``.data``
+        replaced) since construction, or ``values`` no longer has one entry per stored
+        position. With the attributes immutable, this is all that can break the
+        structure a kernel trusts; it costs O(number of levels)."""
+        for array, version in zip(self._index_arrays, self._versions):
+            if (array.data_ptr(), None if array.is_inference() else array._version) != version:
+                raise ValueError("index arrays of this SparseTensor were modified in place or replaced after "
+                                 "construction; build a new SparseTensor instead of editing pos/crd")
+        values = self.values
+        if values.dim() != 1 or values.shape[0] != self._num_values:
+            raise ValueError(f"values has shape {tuple(values.shape)}, expected ({self._num_values},) "
+                             "(one per stored position); it was resized after construction")
 
     def __repr__(self) -> str:
         return (f"SparseTensor(shape={self.shape}, format={self.format}, nnz={self.nnz}, "
@@ -167,8 +211,12 @@ class SparseTensor(Constructors):
     # ------------------------------------------------------------ views of storage
     def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:
         """A SparseTensor sharing this tensor's index arrays (and modification record)."""
+        if fmt == self.format and shape == self.shape:  # new values only: copy the fields as they are
+            view = object.__new__(SparseTensor)
+            view.__dict__.update(self.__dict__, values=values)
+            return view
         view = SparseTensor(shape, fmt, self.pos, self.crd, values, check=False, index_dtype=self.index_dtype)
-        view._versions = self._versions
+        view.__dict__["_versions"] = self._versions
         return view
 
     def with_values(self, values: Tensor) -> SparseTensor:

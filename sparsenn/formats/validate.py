@@ -6,7 +6,6 @@ Every check is vectorised and every error names the offending array, e.g.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 
 import torch
@@ -47,94 +46,6 @@ def validate(fmt: Format, shape: tuple[int, ...], sizes: tuple[int, ...], pos: t
     if narrow and max(counts, default=0) >= INT32_LIMIT:
         raise ValueError(f"int32 index arrays cannot address {max(counts)} positions; use torch.int64")
     check_order(fmt, pos, crd)
-
-
-def check_structure(tensor: object, name: str) -> None:
-    """Re-check, in O(number of levels), that a constructed SparseTensor still holds
-    together: shape, format and level sizes agree, every pos/crd array is present where
-    its level needs one, 1-D, contiguous, on the CPU and of the tensor's index dtype, and
-    the lengths chain up (``len(pos[l]) = parents + 1``, ``len(crd[l]) = pos[l][-1]``,
-    ``len(values)`` = positions of the last level). Generated kernels trust these
-    lengths, so this runs before every kernel call (a few microseconds); it catches
-    attributes reassigned or arrays resized after construction. Array contents are not
-    rescanned (that is :func:`validate`, O(nnz), at construction). Errors start with ``name``."""
-    fmt, shape = tensor.format, tensor.shape
-    if not isinstance(fmt, Format) or not isinstance(shape, tuple) or len(shape) != fmt.rank:
-        raise ValueError(f"{name}: format {fmt} and shape {shape} of this SparseTensor disagree; "
-                         "it was modified after construction")
-    if fmt.block is None:
-        sizes = tuple(shape[m] for m in fmt.mode_order)
-    else:
-        try:
-            sizes = tuple(size for _, size, _ in fmt.storage_levels(shape))
-        except ValueError as error:
-            raise ValueError(f"{name}: {error}; the SparseTensor was modified after construction") from None
-    if sizes != tensor.level_sizes:
-        raise ValueError(f"{name}: shape {shape} does not match the level sizes {tensor.level_sizes} the "
-                         "SparseTensor was built with; it was modified after construction")
-    pos, crd, index_dtype = tensor.pos, tensor.crd, tensor.index_dtype
-    if len(pos) != len(fmt.levels) or len(crd) != len(fmt.levels):
-        raise ValueError(f"{name}: pos and crd need one entry per storage level ({len(fmt.levels)}), "
-                         f"got {len(pos)} and {len(crd)}")
-    parents = 1
-    for index, (level, size) in enumerate(zip(fmt.levels, sizes)):
-        p, c = pos[index], crd[index]
-        if not (_is_index_array(p, index_dtype) if level.has_pos else p is None):
-            _explain_array(fmt, name, "pos", index, p, index_dtype)
-        if not (_is_index_array(c, index_dtype) if level.has_crd else c is None):
-            _explain_array(fmt, name, "crd", index, c, index_dtype)
-        if level.has_pos:
-            if p.shape[0] != parents + 1:
-                raise ValueError(f"{_label(fmt, name, 'pos', index)} has length {p.shape[0]}, expected "
-                                 f"{parents + 1} (number of parent positions + 1)")
-            end = _last(p)
-            if c.shape[0] != end:
-                raise ValueError(f"{_label(fmt, name, 'pos', index)} ends at {end} but crd[{index}] has "
-                                 f"length {c.shape[0]}")
-            parents = end
-        elif level.has_crd:
-            if c.shape[0] != parents:
-                raise ValueError(f"{_label(fmt, name, 'crd', index)} has length {c.shape[0]}, expected "
-                                 f"{parents} (one coordinate per parent position)")
-        else:
-            parents *= size
-    values = tensor.values
-    if not (isinstance(values, Tensor) and values.dtype in VALUE_DTYPES and values.is_cpu
-            and values.layout == torch.strided and values.dim() == 1):
-        check_array(f"{name}: values", values, VALUE_DTYPES, contiguous=False)
-    if values.shape[0] != parents:
-        raise ValueError(f"{name}: values has length {values.shape[0]}, expected {parents} "
-                         "(the number of positions of the last storage level)")
-
-
-_C_INDEX = {torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64}
-
-
-def _is_index_array(array: object, index_dtype: torch.dtype) -> bool:
-    return (isinstance(array, Tensor) and array.dtype == index_dtype and array.is_cpu
-            and array.layout == torch.strided and array.dim() == 1 and array.is_contiguous())
-
-
-def _last(array: Tensor) -> int:
-    """``int(array[-1])`` of a non-empty 1-D contiguous CPU index array, read directly
-    (a third of the cost of indexing a tensor)."""
-    address = array.data_ptr() + array.element_size() * (array.shape[0] - 1)
-    return _C_INDEX[array.dtype].from_address(address).value
-
-
-def _label(fmt: Format, name: str, kind: str, index: int) -> str:
-    return f"{name}: {kind}[{index}] ({describe(fmt, index)})"
-
-
-def _explain_array(fmt: Format, name: str, kind: str, index: int, array: object, index_dtype: torch.dtype) -> None:
-    """Raise the error for a pos/crd array that failed the fast check."""
-    label = _label(fmt, name, kind, index)
-    level = fmt.levels[index]
-    if not getattr(level, f"has_{kind}"):
-        raise ValueError(f"{label} must be None: this level has no {kind} array")
-    if array is None:
-        raise ValueError(f"{label} is missing")
-    check_array(label, array, (index_dtype,))
 
 
 def check_array(name: str, array: object, dtypes: tuple[torch.dtype, ...], contiguous: bool = True) -> Tensor:
