@@ -10,6 +10,7 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler import dispatch
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 
@@ -354,3 +355,25 @@ def test_dense_expression_with_sparse_out_format_keeps_every_entry():
     assert torch.autograd.gradcheck(
         lambda a: sparsenn.einsum("ij,jk->ik", a, w, out_format="csr").values, (x.detach().requires_grad_(),)
     )
+
+
+@pytest.mark.parametrize("equation", ["ij,jk->ik", "ij,j->i", "ij,ik,jk->ij"])
+def test_one_thread_and_a_team_run_the_same_nest(equation):
+    # Parallel nests are emitted twice: inside an OpenMP team, and bare for one thread
+    # (no team start-up). Both must compute the same thing.
+    a = sp((400, 300), "csr", density=0.5)
+    dense = [torch.randn(300, 40, dtype=torch.float64)] if equation == "ij,jk->ik" else (
+        [torch.randn(300, dtype=torch.float64)] if equation == "ij,j->i"
+        else [torch.randn(400, 40, dtype=torch.float64), torch.randn(300, 40, dtype=torch.float64)])
+    source = dispatch.plan(equation, a, *dense).source
+    assert "if (nthreads > 1)" in source and source.count("#pragma omp for") == 2
+    assert dispatch.plan(equation, a, *dense).schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(to_dense(check(equation, [a, *dense])))
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0], results[1], atol=1e-12, rtol=0)

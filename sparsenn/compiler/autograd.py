@@ -132,9 +132,12 @@ class _SparseEinsum(torch.autograd.Function):
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
     dense operand or sparse operand's values require grad."""
-    tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
-    if not torch.is_grad_enabled() or not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+    if not torch.is_grad_enabled() or not any(
+        (op.values if isinstance(op, SparseTensor) else op).requires_grad
+        for op in operands if isinstance(op, (SparseTensor, torch.Tensor))
+    ):
         return evaluate(assignment, operands, out_format)
+    tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
     templates = []
     for op in operands:
         if isinstance(op, SparseTensor):

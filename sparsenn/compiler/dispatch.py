@@ -63,6 +63,7 @@ class Plan:
     dense_shape: tuple[int, ...] = ()
     output_permutation: tuple[int, ...] | None = None
     direct: bool = False
+    pointer_array: type | None = None  # ctypes array type of the kernel's array arguments
 
     def load(self) -> ctypes.CDLL:
         if self.library is None:
@@ -329,6 +330,7 @@ def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
     plan.direct = all(slot.layout is None if slot.fmt is None else slot.fmt == plan.operand_formats[slot.operand]
                       for slot in plan.kernel.slots)
     plan.dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
+    plan.pointer_array = ctypes.c_void_p * (len(plan.arguments) + int(plan.kernel.dense_output))
 def _slot_operands(plan: Plan, prepared: list) -> list:
     """Each slot's operand as the kernel reads it: a dense one laid out in loop order,
     a sparse one re-stored in the slot's mode order where the schedule asked for it.
@@ -374,29 +376,29 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         _prepare_launch(plan, sizes)
     slot_operands = [prepared[slot.operand] for slot in plan.kernel.slots] if plan.direct else _slot_operands(plan, prepared)
     pointers, owners = _argument_pointers(plan, slot_operands, index_dtype)
-    out = None
-    if plan.anchor is not None:
+    nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
+    if plan.output_format is not None and plan.anchor is None:  # the kernel assembles a sparse result
+        handle = ctypes.c_void_p()
+        code = lib.sn_run(plan.pointer_array(*pointers), plan.dims, nthreads, ctypes.byref(handle))
+        del owners, slot_operands
+        if code != 0:
+            if handle.value:
+                lib.sn_free(handle)
+            raise MemoryError("sparsenn kernel ran out of memory")
+        out_shape = tuple(sizes[i] for i in plan.assignment.output)
+        return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
+    if plan.anchor is not None:  # values at the anchor's positions
         pattern = prepared[plan.anchor]
         out = torch.zeros(pattern.values.shape[0], dtype=dtype)
-    elif plan.output_format is None:
+    else:
         out = torch.zeros(plan.dense_shape, dtype=dtype)
-    if out is not None:
-        pointers.append(out.data_ptr())
-    arrays = (ctypes.c_void_p * len(pointers))(*pointers)
-    handle = ctypes.c_void_p()
-    nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
-    code = lib.sn_run(arrays, plan.dims, nthreads, ctypes.byref(handle))
+    code = lib.sn_run(plan.pointer_array(*pointers, out.data_ptr()), plan.dims, nthreads, None)
     del owners, slot_operands
     if code != 0:
-        if handle.value:
-            lib.sn_free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
     if plan.anchor is not None:
         return pattern.with_values(out)
-    if out is not None:
-        return out if plan.output_permutation is None else out.permute(plan.output_permutation)
-    out_shape = tuple(sizes[i] for i in plan.assignment.output)
-    return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
+    return out if plan.output_permutation is None else out.permute(plan.output_permutation)
 
 
 def _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads) -> SparseTensor:

@@ -430,6 +430,18 @@ def _output_offset(lo: _Lowerer, term: Term, anchor: int | None) -> Callable[[li
     return lambda states: states[k].pos
 
 
+def _close_team(w: _Writer, body: int) -> None:
+    """Close the parallel region whose body starts at line ``body``, and emit the same
+    body again for one thread, where its ``omp for`` runs every chunk: starting a
+    one-thread OpenMP team costs about a microsecond, more than a small kernel."""
+    w.close()
+    w.close()
+    lines = w.lines[body:-2]
+    w.open("else")
+    w.lines += [line[2:] for line in lines]
+    w.close()
+
+
 def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
     a, w = lo.a, lo.w
     for nest in lo.s.nests:
@@ -468,8 +480,10 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         tiles = [t for t in nest.tiles if t.index != order[0]]
         w.open("")
         if nest.parallel:
+            w.open("if (nthreads > 1)")
             w.line("#pragma omp parallel num_threads(nthreads)")
             w.open("")
+            team_body = len(w.lines)
         bounds = {}
         for tile in tiles:
             tv = f"T{lo.indices.index(tile.index)}"
@@ -495,7 +509,7 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         for _ in tiles:
             w.close()
         if nest.parallel:
-            w.close()
+            _close_team(w, team_body)
         w.close()
 
 
