@@ -18,6 +18,7 @@ Higher-order gradients are not supported.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -32,8 +33,9 @@ __all__ = ["differentiable_evaluate"]
 class _Spec:
     """Everything about a call that is not a tensor autograd tracks."""
 
-    def __init__(self, assignment: Assignment, templates: list, out_format, evaluate):
+    def __init__(self, assignment: Assignment, operands: Sequence, templates: list, out_format, evaluate):
         self.assignment = assignment
+        self.operands = operands  # as given, for the forward pass only
         self.templates = templates  # per operand: SparseTensor pattern, or None if dense
         self.out_format = out_format
         self.evaluate = evaluate
@@ -45,18 +47,34 @@ class _Spec:
 
 def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) -> tuple[Assignment, list, object]:
     """The assignment, operand list and out_format computing d(loss)/d(operand)."""
-    a = spec.assignment
     template = spec.templates[operand]
     if template is not None and template.format.is_dense:
         template = None  # stored densely: compute a dense gradient, then lay it out as values
     rank = len(operands[operand].shape)
-    target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
+    assignment, ones = _gradient_assignment(spec.assignment, operand, rank, template is not None)
     inputs = [grad_out] + list(operands)
     if template is not None:  # the pattern, with ones: samples the product at the pattern
         inputs.append(template.with_values(torch.ones_like(template.values)))
-        mask = len(inputs) - 1
+        return assignment, inputs, template.format
+    shape = operands[operand].shape
+    inputs += [torch.ones([shape[m] for m in modes], dtype=_dtype_of(grad_out)) for modes in ones]
+    return assignment, inputs, "dense"
+
+
+@functools.lru_cache(maxsize=1024)
+def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
+                         sampled: bool) -> tuple[Assignment, tuple[tuple[int, ...], ...]]:
+    """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, extra...)``.
+
+    ``sampled``: the extra input is a mask with the operand's pattern. Otherwise the
+    extra inputs are all-ones tensors over the operand's modes (returned, in order) that
+    a contributing factor reads but no other factor of its term covers: the gradient is
+    constant along them. Cached: the same call's backward builds the same expression."""
+    target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
+    extra = 1 + assignment.num_operands
+    ones: list[tuple[int, ...]] = []
     terms = []
-    for term in a.terms:
+    for term in assignment.terms:
         for k, factor in enumerate(term.factors):
             if factor.operand != operand:
                 continue
@@ -65,26 +83,22 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) ->
             def renamed(indices, rename=rename):
                 return tuple(rename.get(i, i) for i in indices)
 
-            factors = [Access(0, renamed(a.output))]
+            factors = [Access(0, renamed(assignment.output))]
             factors += [Access(1 + g.operand, renamed(g.indices)) for j, g in enumerate(term.factors) if j != k]
             covered = {i for f in factors for i in f.indices}
-            if template is not None:
-                factors.append(Access(mask, target))
+            if sampled:
+                factors.append(Access(extra, target))
             else:
                 missing = tuple(i for i in target if i not in covered)
-                if missing:  # indices only this factor has: the gradient is constant along them
-                    shape = [operands[operand].shape[target.index(i)] for i in missing]
-                    inputs.append(torch.ones(shape, dtype=_dtype_of(grad_out)))
-                    factors.append(Access(len(inputs) - 1, missing))
+                if missing:
+                    factors.append(Access(extra + len(ones), missing))
+                    ones.append(tuple(target.index(i) for i in missing))
             terms.append(Term(term.coefficient, tuple(factors)))
-    if template is not None:
+    if sampled:
         # 0 * mask keeps every stored position in the result, so values line up with X's.
-        terms.append(Term(0.0, (Access(mask, target),)))
-        out_format = template.format
-    else:
-        out_format = "dense"
-    names = tuple(f"operand{n}" for n in range(len(inputs)))
-    return Assignment(target, tuple(terms), names), inputs, out_format
+        terms.append(Term(0.0, (Access(extra, target),)))
+    names = tuple(f"operand{n}" for n in range(extra + (1 if sampled else len(ones))))
+    return Assignment(target, tuple(terms), names), tuple(ones)
 
 
 def _dtype_of(grad_out) -> torch.dtype:
@@ -94,7 +108,8 @@ def _dtype_of(grad_out) -> torch.dtype:
 class _SparseEinsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, *tensors):
-        result = spec.evaluate(spec.assignment, spec.rebuild(tensors), spec.out_format)
+        result = spec.evaluate(spec.assignment, spec.operands, spec.out_format)  # operands hold ``tensors``
+        spec.operands = None
         ctx.spec = spec
         ctx.save_for_backward(*tensors)
         if isinstance(result, SparseTensor):
@@ -151,6 +166,6 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
             templates.append(None)
         else:
             return evaluate(assignment, operands, out_format)  # raises the usual TypeError
-    spec = _Spec(assignment, templates, out_format, evaluate)
+    spec = _Spec(assignment, operands, templates, out_format, evaluate)
     values = _SparseEinsum.apply(spec, *tensors)
     return spec.result.with_values(values) if spec.result is not None else values

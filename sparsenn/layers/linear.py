@@ -33,6 +33,19 @@ def check_sparsity(sparsity: object, name: str = "sparsity") -> float:
     return value
 
 
+def _wraps(pattern: SparseTensor | None, fmt: Format, arrays: tuple[Tensor | None, ...]) -> bool:
+    """Whether ``pattern`` is ``fmt`` over exactly these (unedited) index arrays."""
+    if pattern is None or pattern.format != fmt:
+        return False
+    if any(a is not b for a, b in zip(pattern.pos + pattern.crd, arrays)):
+        return False
+    try:
+        pattern.check_unmodified()
+    except ValueError:
+        return False
+    return True
+
+
 def check_weight_format(format: str | Format) -> Format:
     """Parse a rank-2 weight format; blocked and all-dense formats are rejected."""
     if not isinstance(format, (str, Format)):
@@ -192,9 +205,17 @@ class SparseLinear(nn.Module):
 
     @property
     def weight(self) -> SparseTensor:
-        """The ``(out_features, in_features)`` weight; its ``values`` are ``weight_values``."""
-        return SparseTensor((self.out_features, self.in_features), self._format, self._arrays("pos"),
-                            self._arrays("crd"), self.weight_values, check=False)
+        """The ``(out_features, in_features)`` weight; its ``values`` are ``weight_values``.
+
+        The pattern is wrapped once and reused while the buffers are the same, unedited
+        tensors (``load_state_dict`` and ``.to()`` edit or replace them)."""
+        pos, crd = self._arrays("pos"), self._arrays("crd")
+        pattern = self.__dict__.get("_pattern")
+        if not _wraps(pattern, self._format, pos + crd):
+            pattern = SparseTensor((self.out_features, self.in_features), self._format, pos, crd,
+                                   self.weight_values.detach(), check=False)
+            self.__dict__["_pattern"] = pattern
+        return pattern.with_values(self.weight_values)
 
     @property
     def nnz(self) -> int:
