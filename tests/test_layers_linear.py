@@ -248,3 +248,24 @@ def test_bad_sizes_and_inputs():
         SparseLinear.from_dense(nn.Conv1d(2, 2, 1))
     with pytest.raises(ValueError, match="method must be"):
         SparseLinear.from_dense(nn.Linear(3, 3), method="largest")
+
+
+def test_a_new_pattern_of_the_same_size_is_picked_up_after_a_forward():
+    # The wrapped pattern is reused between calls; loading another pattern with the
+    # same format and nnz copies into the same buffers, and the next call must see it.
+    torch.manual_seed(10)
+    source, target = SparseLinear(12, 6, sparsity=0.5), SparseLinear(12, 6, sparsity=0.5)
+    assert not torch.equal(source.mask(), target.mask())
+    x = torch.randn(5, 12)
+    target(x)
+    target.load_state_dict(source.state_dict())  # new buffers
+    torch.testing.assert_close(target(x), source(x))
+    other = SparseLinear(12, 6, sparsity=0.5)
+    with torch.no_grad():  # the same buffers, edited in place
+        for name, buffer in target.named_buffers():
+            buffer.copy_(other.get_buffer(name))
+        target.weight_values.copy_(other.weight_values)
+        target.bias.copy_(other.bias)
+    torch.testing.assert_close(target(x), other(x))
+    target.double()  # .to() replaces the buffers
+    torch.testing.assert_close(target(x.double()), other.double()(x.double()))
