@@ -275,10 +275,16 @@ def build_times(reps: int) -> dict[str, dict[str, float]]:
     return out
 
 
+SMALL_NNZ = 10_000  # the call-overhead target's "small problems"
+LARGE_NNZ = 200_000
+
+
 def summary(rows: list[dict], threads: list[int]) -> list[str]:
-    """Per kernel and thread count: median of each ratio over the matrix set."""
-    lines = ["| kernel | threads | matrices | torch/sparsenn | scipy/sparsenn | dense-mask/sparsenn |",
-             "|---|---:|---:|---:|---:|---:|"]
+    """Per kernel and thread count: median of each ratio over the matrix set, and torch's
+    ratio over the small (call overhead) and large matrices."""
+    lines = ["| kernel | threads | matrices | torch/sparsenn | scipy/sparsenn | dense-mask/sparsenn | "
+             f"torch/sparsenn, nnz < 10^4: median (worst) | torch/sparsenn, nnz ≥ 2·10^5 |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for kernel in dict.fromkeys(r["kernel"] for r in rows):
         for t in sorted(threads, reverse=True):
             group = [r for r in rows if r["kernel"] == kernel and r["threads"] == t]
@@ -286,6 +292,10 @@ def summary(rows: list[dict], threads: list[int]) -> list[str]:
             for lib in ("torch", "scipy", "dense-mask"):
                 vals = [v for v in (ratio(r, lib) for r in group) if v is not None]
                 cells.append(f"{statistics.median(vals):.2f}x ({min(vals):.2f}–{max(vals):.2f})" if vals else "")
+            small = [v for r in group if r["nnz"] < SMALL_NNZ and (v := ratio(r, "torch")) is not None]
+            large = [v for r in group if r["nnz"] >= LARGE_NNZ and (v := ratio(r, "torch")) is not None]
+            cells.append(f"{statistics.median(small):.2f}x ({min(small):.2f})" if small else "")
+            cells.append(f"{statistics.median(large):.2f}x" if large else "")
             lines.append(f"| {kernel} | {t} | {len(group)} | " + " | ".join(cells) + " |")
     return lines
 
