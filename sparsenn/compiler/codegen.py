@@ -53,6 +53,12 @@ static inline V sn_hsum(VV v) {
   return lanes[0];
 }
 
+/* Prefetch the cache lines of bytes [p, p + n). */
+static inline void sn_prefetch(const V* p, int64_t n) {
+  const char* line = (const char*)((uintptr_t)p & ~(uintptr_t)63);
+  for (const char* end = (const char*)p + n; line < end; line += 64) __builtin_prefetch(line);
+}
+
 /* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
 template <class J>
 static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target) {
