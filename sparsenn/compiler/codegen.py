@@ -53,10 +53,9 @@ static inline V sn_hsum(VV v) {
   return lanes[0];
 }
 
-/* Prefetch the cache lines of bytes [p, p + n). */
+/* Prefetch n bytes from p, a cache line (64 bytes) at a time. */
 static inline void sn_prefetch(const V* p, int64_t n) {
-  const char* line = (const char*)((uintptr_t)p & ~(uintptr_t)63);
-  for (const char* end = (const char*)p + n; line < end; line += 64) __builtin_prefetch(line);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char*)p + b);
 }
 
 /* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
