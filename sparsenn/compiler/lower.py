@@ -343,7 +343,8 @@ class _Lowerer:
         never past the array). ``D`` keeps about PREFETCH_AHEAD_BYTES in flight."""
         w = self.w
         size, dist, last = w.fresh("pfbytes"), w.fresh("pfdist"), w.fresh("pflast")
-        w.line(f"const int64_t {size}[{len(gathers)}] = {{{', '.join(f'(int64_t)sizeof(V) * ({n})' for _, _, n in gathers)}}};")
+        spans = ", ".join(f"(int64_t)sizeof(V) * ({n})" for _, _, n in gathers)
+        w.line(f"const int64_t {size}[{len(gathers)}] = {{{spans}}};")
         total = " + ".join(f"{size}[{g}]" for g in range(len(gathers)))
         w.line(
             f"const int64_t {dist} = std::min<int64_t>({PREFETCH_MAX_DISTANCE}, "
