@@ -17,6 +17,10 @@ intersection (a product is zero elsewhere). Sums of terms with a sparse output a
 co-iterated as a *union* of the terms' streams at the shared output loops; below them a
 workspace absorbs scattered writes. The outermost loop is split into coordinate chunks
 (``lower_bound`` into sparse levels) that OpenMP threads take dynamically.
+
+Inner loops: an innermost reduction over one compressed level sums into several
+independent accumulators, and a loop over a compressed level's positions prefetches the
+dense rows (``d[..., crd[q + D], :]``) that position ``q + D`` will gather.
 """
 
 from __future__ import annotations
