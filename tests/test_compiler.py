@@ -377,3 +377,74 @@ def test_one_thread_and_a_team_run_the_same_nest(equation):
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(results[0], results[1], atol=1e-12, rtol=0)
+
+
+def rows_of_lengths(lengths, cols, dtype, seed=0):
+    """Dense matrix whose row r stores lengths[r] entries (rows shorter and longer than
+    the unrolled and prefetched distances, empty rows, a full last row)."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.zeros(len(lengths), cols, dtype=dtype)
+    for r, n in enumerate(lengths):
+        d[r, torch.randperm(cols, generator=g)[:n]] = torch.randn(n, generator=g, dtype=dtype)
+    return d
+
+
+def kernel_body(equation, *operands, out_format=None):
+    """The generated sn_run of the plan for ``operands`` (the prelude left out)."""
+    text = sparsenn.explain(equation, *operands, out_format=out_format)
+    return text[text.index('extern "C" int sn_run'):]
+
+
+LENGTHS = [0, 1, 3, 4, 5, 0, 8, 13, 40, 2, 0, 64]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
+    # SpMV's row dot product runs as 4 interleaved sums plus a scalar tail.
+    a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 64, dtype), "csr", index_dtype=index_dtype)
+    x = torch.randn(64, dtype=dtype)
+    atol = 1e-5 if dtype == torch.float32 else 1e-10
+    check("ij,j->i", [a, x], atol=atol)
+    assert "sacc" in kernel_body("ij,j->i", a, x)
+    # A dense-level operand located by the same loop, and a dense matrix factor.
+    b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
+    check("ij,ij->i", [a, b], atol=atol)
+    check("ij,ij,j->i", [a, torch.randn(len(LENGTHS), 64, dtype=dtype), x], atol=atol)
+    # Not for a singleton level (COO) nor for an intersection of two sparse levels.
+    coo = sparsenn.from_dense(a.to_dense(), "coo")
+    check("ij,j->i", [coo, x], atol=atol)
+    assert "sacc" not in kernel_body("ij,j->i", coo, x)
+    other = sparsenn.from_dense(rows_of_lengths(LENGTHS[::-1], 64, dtype, seed=1), "csr")
+    check("ij,ij->i", [a, other], atol=atol)
+    assert "sacc" not in kernel_body("ij,ij->i", a, other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("k", [1, 7, 32, 45, 160])
+def test_prefetched_gathers(dtype, index_dtype, k):
+    # SpMM and SDDMM prefetch the row of the dense operand that the position D ahead
+    # gathers (D up to 64 positions, running into later rows, never past the last one).
+    a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, dtype), "csr", index_dtype=index_dtype)
+    b = torch.randn(70, k, dtype=dtype)
+    x = torch.randn(len(LENGTHS), k, dtype=dtype)
+    atol = 1e-4 if dtype == torch.float32 else 1e-10
+    check("ij,jk->ik", [a, b], atol=atol)
+    check("ij,ik,jk->ij", [a, x, b], atol=atol)
+    assert "sn_prefetch(d" in kernel_body("ij,jk->ik", a, b)
+    assert "sn_prefetch(d" in kernel_body("ij,ik,jk->ij", a, x, b)
+    # Transposed B (k before j) is read with a stride, and SpMV gathers single elements.
+    check("ij,kj->ik", [a, b.T.contiguous()], atol=atol)
+    assert "sn_prefetch(d" not in kernel_body("ij,j->i", a, b[:, 0].contiguous())
+    # The last row is the longest, so the distance is clamped at the end of crd.
+    check("ij,jk->ik", [sparsenn.from_dense(rows_of_lengths([0, 2, 70], 70, dtype), "csr"), b], atol=atol)
+
+
+def test_prefetch_through_a_lower_level():
+    # A CSF tensor's innermost compressed level gathers rows of B: its crd length is
+    # pos[pos[N]] of the levels above.
+    a = sp((9, 8, 30), "csf", density=0.4)
+    b = torch.randn(30, 33, dtype=torch.float64)
+    check("ijl,lk->ijk", [a, b], out_format="dense")
+    assert "s0_pos2[(int64_t)s0_pos1[(int64_t)s0_pos0[1]]] - 1" in kernel_body("ijl,lk->ijk", a, b, out_format="dense")

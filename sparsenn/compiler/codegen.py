@@ -53,6 +53,11 @@ static inline V sn_hsum(VV v) {
   return lanes[0];
 }
 
+/* Prefetch n bytes from p, a cache line (64 bytes) at a time. */
+static inline void sn_prefetch(const V* p, int64_t n) {
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char*)p + b);
+}
+
 /* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
 template <class J>
 static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target) {

@@ -17,6 +17,10 @@ intersection (a product is zero elsewhere). Sums of terms with a sparse output a
 co-iterated as a *union* of the terms' streams at the shared output loops; below them a
 workspace absorbs scattered writes. The outermost loop is split into coordinate chunks
 (``lower_bound`` into sparse levels) that OpenMP threads take dynamically.
+
+Inner loops: an innermost reduction over one compressed level sums into several
+independent accumulators, and a loop over a compressed level's positions prefetches the
+dense rows (``d[..., crd[q + D], :]``) that position ``q + D`` will gather.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from .notation import Assignment, Term
 from .schedule import REGISTER_BLOCK_VECTORS, Schedule
 
 __all__ = ["Slot", "LoweredKernel", "lower"]
+
+SPARSE_ACCUMULATORS = 4  # independent sums of an innermost sparse reduction
+PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
+PREFETCH_MAX_DISTANCE = 64  # positions ahead, at most
+PREFETCH_MAX_BYTES = 1024  # of one gathered span; the hardware streams the rest
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,8 @@ class _Lowerer:
         self.indices = tuple(sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)))
         self.slots: list[Slot] = []
         self.formats = formats
+        # (loop position, index, block start, block end) while a register block is open
+        self.block: tuple[int, str, str, str] | None = None
 
     # -- names ---------------------------------------------------------------
     def var(self, index: str) -> str:
@@ -132,14 +143,30 @@ class _Lowerer:
             states.append(_State(n, levels, ()))
         return states
 
-    def offset(self, indices: Sequence[str]) -> str:
-        """Row-major linear offset of ``indices`` (Horner form)."""
+    def offset(self, indices: Sequence[str], at: dict[str, str] | None = None) -> str:
+        """Row-major linear offset of ``indices`` (Horner form), at the current values
+        of the index variables or at the expressions ``at`` gives."""
         if not indices:
             return "0"
-        expr = self.var(indices[0])
+        value = (at or {}).get
+        expr = value(indices[0], self.var(indices[0]))
         for index in indices[1:]:
-            expr = f"({expr}) * {self.dim(index)} + {self.var(index)}"
+            expr = f"({expr}) * {self.dim(index)} + {value(index, self.var(index))}"
         return expr
+
+    def level_size(self, st: _State, depth: int) -> str:
+        """Number of positions of ``st``'s storage level ``depth`` (a compressed level's
+        ``crd`` length): parents times N for a dense level, ``pos[parents]`` for a
+        compressed one, the parents for a singleton."""
+        if depth < 0:
+            return "1"
+        index, letter, _ = st.levels[depth]
+        parents = self.level_size(st, depth - 1)
+        if letter == "d":
+            return f"({parents}) * {self.dim(index)}"
+        if letter == "c":
+            return f"(int64_t)s{st.slot}_pos{depth}[{parents}]"
+        return parents
 
     def product(self, states: Sequence[_State], only: Sequence[int] | None = None) -> str:
         """The product of the factors' values at their current positions (of the
@@ -192,12 +219,14 @@ class _Lowerer:
         body: Callable[[list[_State]], None],
         bounds: tuple[str, str] | None = None,
         reduction: str | None = None,
+        gathers: Sequence[tuple[int, dict[str, str], str]] = (),
     ) -> None:
         """Co-iterate ``index`` over the factors in ``states`` (intersection).
 
         ``reduction`` names a scalar the body sums into; an innermost dense loop then
         carries ``omp simd reduction`` so the sum vectorises (IEEE order is otherwise
-        kept, which forbids it)."""
+        kept, which forbids it). ``gathers`` (see :meth:`gathered_spans`) are prefetched
+        ahead when a single sparse level drives the loop."""
         w, var, n = self.w, self.var(index), self.dim(index)
         sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
         locate = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] == "d"]
@@ -239,8 +268,11 @@ class _Lowerer:
         if len(ranges) == 1:
             k, q, h, crd = ranges[0]
             unique = states[k].levels[states[k].depth][2]
+            prefetch = self.prefetcher(states, states[k], gathers) if gathers else None
             w.open(f"while ({q} < {h})" if not unique else f"for (; {q} < {h}; ++{q})")
             w.line(f"const int64_t {var} = {crd}[{q}];")
+            if prefetch:
+                prefetch(q, crd)
             end, seg = advance_end(k, q, h, crd)
             new[k] = replace(states[k], depth=states[k].depth + 1, pos=q, seg_end=seg)
             locate_dense()
@@ -278,6 +310,65 @@ class _Lowerer:
             w.line(f"if ({c} == {var}) {q} = {e};")
         w.close()
 
+    def gathered_spans(
+        self, order: Sequence[str], position: int, states: Sequence[_State], bounds: dict[str, tuple[str, str]]
+    ) -> list[tuple[int, dict[str, str], str]]:
+        """Dense factors ``d[P, index, T]`` that each iteration of loop ``order[position]``
+        reads a contiguous span of: ``P`` bound by enclosing loops, ``T`` non-empty and
+        swept by the loops inside (whole rows, a tile of one index, or the open register
+        block). Returns (factor, start of ``T``, span length in elements)."""
+        index, inner, bound = order[position], order[position + 1:], set(order[:position])
+        spans = []
+        for k, st in enumerate(states):
+            if st.sparse or index not in st.dense_indices:
+                continue
+            n = st.dense_indices.index(index)
+            prefix, trailing = st.dense_indices[:n], st.dense_indices[n + 1:]
+            if not trailing or not set(prefix) <= bound:
+                continue
+            last = trailing[-1]
+            if trailing == (last,) and last in inner and last in bounds:
+                start, end = bounds[last]
+            elif trailing == (last,) and self.block is not None and self.block[1] == last and position >= self.block[0]:
+                start, end = self.block[2:]
+            elif all(t in inner and t not in bounds for t in trailing):
+                start, end = "0", " * ".join(self.dim(t) for t in trailing)
+            else:
+                continue
+            spans.append((k, {t: "0" for t in trailing} | {last: start}, f"({end}) - ({start})"))
+        return spans
+
+    def prefetcher(
+        self, states: Sequence[_State], driver: _State, gathers: Sequence[tuple[int, dict[str, str], str]]
+    ) -> Callable[[str, str], None]:
+        """Declare the prefetch distance ``D`` of a loop over ``driver``'s positions and
+        return the emitter of its per-iteration prefetch: the spans ``gathers`` at
+        coordinate ``crd[min(q + D, last position)]`` (running on into the next segment,
+        never past the array). ``D`` keeps about PREFETCH_AHEAD_BYTES in flight."""
+        w = self.w
+        size, dist, last = w.fresh("pfbytes"), w.fresh("pfdist"), w.fresh("pflast")
+        spans = ", ".join(f"(int64_t)sizeof(V) * ({n})" for _, _, n in gathers)
+        w.line(f"const int64_t {size}[{len(gathers)}] = {{{spans}}};")
+        total = " + ".join(f"{size}[{g}]" for g in range(len(gathers)))
+        w.line(
+            f"const int64_t {dist} = std::min<int64_t>({PREFETCH_MAX_DISTANCE}, "
+            f"{PREFETCH_AHEAD_BYTES} / std::max<int64_t>({total}, 1) + 1);"
+        )
+        w.line(f"const int64_t {last} = {self.level_size(driver, driver.depth)} - 1;")
+
+        def emit(q: str, crd: str) -> None:
+            ahead = w.fresh("ahead")
+            w.line(f"const int64_t {ahead} = {crd}[std::min<int64_t>({q} + {dist}, {last})];")
+            index = driver.levels[driver.depth][0]
+            for g, (k, at, _) in enumerate(gathers):
+                st = states[k]
+                w.line(
+                    f"sn_prefetch(d{st.slot} + {self.offset(st.dense_indices, {**at, index: ahead})}, "
+                    f"std::min<int64_t>({size}[{g}], {PREFETCH_MAX_BYTES}));"
+                )
+
+        return emit
+
     def emit_order(
         self,
         order: Sequence[str],
@@ -303,8 +394,11 @@ class _Lowerer:
             before(states)
         innermost = position == len(order) - 1
         vector = summed is not None and innermost and self.unit_stride_factors(order[position], states, summed[1])
+        driver = self.sparse_driver(order[position], states) if summed is not None and innermost else None
         if vector:
             self.emit_vector_reduction(order[position], states, accumulator, summed, vector, bounds.get(order[position]))
+        elif driver is not None:
+            self.emit_sparse_reduction(order[position], states, driver, accumulator, summed, bounds.get(order[position]))
         else:
             self.emit_loop(
                 order[position],
@@ -312,9 +406,60 @@ class _Lowerer:
                 lambda st: self.emit_order(order, st, leaf, bounds, around, position + 1, accumulator, summed),
                 bounds.get(order[position]),
                 accumulator if innermost else None,
+                self.gathered_spans(order, position, states, bounds),
             )
         if after:
             after(states)
+
+    def sparse_driver(self, index: str, states: Sequence[_State]) -> int | None:
+        """The factor whose unique compressed level alone drives loop ``index`` (the
+        other factors indexed there locate dense levels or are dense tensors), if any."""
+        sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
+        if len(sparse) != 1:
+            return None
+        _, letter, unique = states[sparse[0]].levels[states[sparse[0]].depth]
+        return sparse[0] if letter == "c" and unique else None
+
+    def emit_sparse_reduction(
+        self, index: str, states: list[_State], driver: int, accumulator: str,
+        summed: tuple[str, Sequence[int]], bounds: tuple[str, str] | None,
+    ) -> None:
+        """``accumulator += coef * sum_q prod(factors at crd[q])`` over the driver's
+        positions, into SPARSE_ACCUMULATORS independent sums (position q feeds sum
+        ``q mod SPARSE_ACCUMULATORS`` of the unrolled loop), so that consecutive adds do
+        not wait on each other's latency; a scalar tail takes the last positions."""
+        w, var = self.w, self.var(index)
+        coef, factors = summed
+        st = states[driver]
+        acc = w.fresh("sacc")
+        w.open("")
+        q, h, crd = self.open_cursor(st, bounds)
+        locate = [k for k, s in enumerate(states) if s.next_index() == index and k != driver]
+
+        def step(position: str, target: str) -> None:
+            new = list(states)
+            new[driver] = replace(st, depth=st.depth + 1, pos=position, seg_end=None)
+            w.line(f"const int64_t {var} = {crd}[{position}];")
+            for k in locate:
+                p = w.fresh("p")
+                w.line(f"const int64_t {p} = (int64_t){states[k].pos} * {self.dim(index)} + {var};")
+                new[k] = replace(states[k], depth=states[k].depth + 1, pos=p, seg_end=None)
+            w.line(f"{target} += {self.product(new, factors)};")
+
+        n = SPARSE_ACCUMULATORS
+        w.line(f"V {acc}[{n}] = {{}};")
+        w.open(f"for (; {q} + {n} <= {h}; {q} += {n})")
+        w.line("#pragma GCC unroll 16")
+        w.open(f"for (int u = 0; u < {n}; ++u)")
+        step(f"{q} + u", f"{acc}[u]")
+        w.close()
+        w.close()
+        w.open(f"for (; {q} < {h}; ++{q})")
+        step(q, f"{acc}[0]")
+        w.close()
+        w.line(f"for (int u = 1; u < {n}; ++u) {acc}[0] += {acc}[u];")
+        w.line(f"{accumulator} += {coef} * {acc}[0];")
+        w.close()
 
     def unit_stride_factors(self, index: str, states: Sequence[_State], factors: Sequence[int]) -> list[int]:
         """The factors (of ``factors``) indexed by ``index`` if every one of them is a
@@ -571,4 +716,6 @@ def _emit_register_blocked(
         lo.emit_order(order, st, scalar_leaf, {**bounds, k: (rest, n_k)}, None, position=r)
         w.close()
 
+    lo.block = (r, k, kb, f"{kb} + {size}")
     lo.emit_order(order[:-1], states, vector_leaf, bounds, {r: (open_block, close_block)})
+    lo.block = None
