@@ -20,12 +20,15 @@ C boundary.
 
 from __future__ import annotations
 
+from . import lower
 from .lower import LoweredKernel, Slot
 from .schedule import VECTOR_BYTES
 
 __all__ = ["generate_source", "slot_arrays"]
 
 _CTYPES = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
+_ITEMSIZE = {"float32": 4, "float64": 8, "int32": 4, "int64": 8}
+_LANE_INTS = {"float32": "int32_t", "float64": "int64_t"}  # shuffle index lanes
 
 _PRELUDE = r"""
 #include <algorithm>
@@ -52,7 +55,14 @@ static inline V sn_hsum(VV v) {
     for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   return lanes[0];
 }
-
+/* Lanes of a and b picked by constant indices (b's lanes numbered from SN_W). */
+typedef @IV@ VI __attribute__((vector_size(@VECTOR_BYTES@)));
+#if defined(__clang__)
+#define SN_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SN_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (VI){__VA_ARGS__})
+#endif
+@HSUMS@
 /* Prefetch n bytes from p, a cache line (64 bytes) at a time. */
 static inline void sn_prefetch(const V* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char*)p + b);
@@ -247,6 +257,43 @@ extern "C" void sn_free(void* handle) { delete (Result*)handle; }
 """
 
 
+def _hsums_source(width: int, rows: int, vectors: int) -> str:
+    """``sn_hsums(acc, out)``: ``out[r] = sum of the lanes of sum_v acc[r][v]`` for
+    ``r < rows``, by a transpose-and-add: pairing vectors ``a, b`` whose lanes hold
+    ``s`` rows each (lane ``l`` holds row ``l mod s``) and adding lanes ``l`` and ``l + s``
+    of each block of ``2 s`` gives one vector holding their ``2 s`` rows; with every row
+    in one vector, halves are folded until ``rows`` lanes remain. Row groups of ``width``
+    if ``rows`` exceeds it. ``rows`` and ``width`` are powers of two."""
+    group = min(rows, width)
+    lines = [f"static inline void sn_hsums(const VV (&acc)[{rows}][{vectors}], V* out) {{"]
+    for r in range(rows):
+        lines.append(f"  const VV s{r} = {' + '.join(f'acc[{r}][{v}]' for v in range(vectors))};")
+    fresh = 0
+    for first in range(0, rows, group):
+        level, size = [f"s{r}" for r in range(first, first + group)], 1
+        while len(level) > 1:
+            pick_low = [i for b in range(0, width, 2 * size) for i in [*range(b, b + size), *range(width + b, width + b + size)]]
+            pick_high = [i + size for i in pick_low]
+            paired = []
+            for a, b in zip(level[::2], level[1::2]):
+                fresh += 1
+                lines.append(
+                    f"  const VV t{fresh} = SN_SHUFFLE({a}, {b}, {', '.join(map(str, pick_low))}) + "
+                    f"SN_SHUFFLE({a}, {b}, {', '.join(map(str, pick_high))});"
+                )
+                paired.append(f"t{fresh}")
+            level, size = paired, 2 * size
+        total, live = level[0], width
+        while live > group:
+            half = live // 2
+            fresh += 1
+            mask = [l + half if l < half else l for l in range(width)]
+            lines.append(f"  const VV t{fresh} = {total} + SN_SHUFFLE({total}, {total}, {', '.join(map(str, mask))});")
+            total, live = f"t{fresh}", half
+        lines.append(f"  std::memcpy(out + {first}, &{total}, {group} * sizeof(V));")
+    return "\n".join(lines + ["}"])
+
+
 def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
     """The arrays a slot passes, in order: ("pos"|"crd", level) ..., ("val", -1);
     a dense slot passes ("dense", -1)."""
@@ -266,6 +313,10 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
     prelude = (
         _PRELUDE.replace("@V@", _CTYPES[value_dtype])
         .replace("@I@", _CTYPES[index_dtype])
+        .replace("@IV@", _LANE_INTS.get(value_dtype, _CTYPES[value_dtype]))
+        .replace(
+            "@HSUMS@", _hsums_source(VECTOR_BYTES // _ITEMSIZE[value_dtype], lower.ROW_BLOCK, lower.ROW_BLOCK_VECTORS)
+        )
         .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
     )
     unpack, n = [], 0

@@ -36,6 +36,8 @@ from .schedule import REGISTER_BLOCK_VECTORS, Schedule
 __all__ = ["Slot", "LoweredKernel", "lower"]
 
 SPARSE_ACCUMULATORS = 4  # independent sums of an innermost sparse reduction
+ROW_BLOCK = 4  # stored entries whose dense reductions share loads of their common factors
+ROW_BLOCK_VECTORS = 2  # SIMD accumulators per entry of a row block
 PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
 PREFETCH_MAX_DISTANCE = 64  # positions ahead, at most
 PREFETCH_MAX_BYTES = 1024  # of one gathered span; the hardware streams the rest
@@ -168,9 +170,11 @@ class _Lowerer:
             return f"(int64_t)s{st.slot}_pos{depth}[{parents}]"
         return parents
 
-    def product(self, states: Sequence[_State], only: Sequence[int] | None = None) -> str:
+    def product(
+        self, states: Sequence[_State], only: Sequence[int] | None = None, at: dict[str, str] | None = None
+    ) -> str:
         """The product of the factors' values at their current positions (of the
-        factors numbered in ``only``, if given)."""
+        factors numbered in ``only``, if given; dense tensors at ``at``, see :meth:`offset`)."""
         parts = []
         for k, st in enumerate(states):
             if only is not None and k not in only:
@@ -178,7 +182,7 @@ class _Lowerer:
             if st.sparse:
                 parts.append(f"s{st.slot}_val[{st.pos}]")
             else:
-                parts.append(f"d{st.slot}[{self.offset(st.dense_indices)}]")
+                parts.append(f"d{st.slot}[{self.offset(st.dense_indices, at)}]")
         return " * ".join(parts) if parts else "V(1)"
 
     # -- one loop of an intersection -----------------------------------------------
@@ -220,13 +224,16 @@ class _Lowerer:
         bounds: tuple[str, str] | None = None,
         reduction: str | None = None,
         gathers: Sequence[tuple[int, dict[str, str], str]] = (),
+        blocked: Callable[[str, str, str, Callable[[str, str], None] | None], None] | None = None,
     ) -> None:
         """Co-iterate ``index`` over the factors in ``states`` (intersection).
 
         ``reduction`` names a scalar the body sums into; an innermost dense loop then
         carries ``omp simd reduction`` so the sum vectorises (IEEE order is otherwise
         kept, which forbids it). ``gathers`` (see :meth:`gathered_spans`) are prefetched
-        ahead when a single sparse level drives the loop."""
+        ahead when a single sparse level drives the loop. ``blocked(q, h, crd,
+        prefetch)``, given, emits a loop over whole blocks of a single unique sparse
+        level's positions first; the plain loop then takes the rest."""
         w, var, n = self.w, self.var(index), self.dim(index)
         sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
         locate = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] == "d"]
@@ -269,6 +276,8 @@ class _Lowerer:
             k, q, h, crd = ranges[0]
             unique = states[k].levels[states[k].depth][2]
             prefetch = self.prefetcher(states, states[k], gathers) if gathers else None
+            if blocked is not None and unique:
+                blocked(q, h, crd, prefetch)
             w.open(f"while ({q} < {h})" if not unique else f"for (; {q} < {h}; ++{q})")
             w.line(f"const int64_t {var} = {crd}[{q}];")
             if prefetch:
@@ -395,6 +404,9 @@ class _Lowerer:
         innermost = position == len(order) - 1
         vector = summed is not None and innermost and self.unit_stride_factors(order[position], states, summed[1])
         driver = self.sparse_driver(order[position], states) if summed is not None and innermost else None
+        blocked = None
+        if summed is not None and position == len(order) - 2 and self.sparse_driver(order[position], states) is not None:
+            blocked = self.row_blocker(order, position, states, around or {}, accumulator, summed, bounds)
         if vector:
             self.emit_vector_reduction(order[position], states, accumulator, summed, vector, bounds.get(order[position]))
         elif driver is not None:
@@ -407,6 +419,7 @@ class _Lowerer:
                 bounds.get(order[position]),
                 accumulator if innermost else None,
                 self.gathered_spans(order, position, states, bounds),
+                blocked,
             )
         if after:
             after(states)
@@ -428,22 +441,15 @@ class _Lowerer:
         positions, into SPARSE_ACCUMULATORS independent sums (position q feeds sum
         ``q mod SPARSE_ACCUMULATORS`` of the unrolled loop), so that consecutive adds do
         not wait on each other's latency; a scalar tail takes the last positions."""
-        w, var = self.w, self.var(index)
+        w = self.w
         coef, factors = summed
         st = states[driver]
         acc = w.fresh("sacc")
         w.open("")
         q, h, crd = self.open_cursor(st, bounds)
-        locate = [k for k, s in enumerate(states) if s.next_index() == index and k != driver]
 
         def step(position: str, target: str) -> None:
-            new = list(states)
-            new[driver] = replace(st, depth=st.depth + 1, pos=position, seg_end=None)
-            w.line(f"const int64_t {var} = {crd}[{position}];")
-            for k in locate:
-                p = w.fresh("p")
-                w.line(f"const int64_t {p} = (int64_t){states[k].pos} * {self.dim(index)} + {var};")
-                new[k] = replace(states[k], depth=states[k].depth + 1, pos=p, seg_end=None)
+            new = self.enter(index, states, driver, position, crd)
             w.line(f"{target} += {self.product(new, factors)};")
 
         n = SPARSE_ACCUMULATORS
@@ -461,6 +467,110 @@ class _Lowerer:
         w.line(f"{accumulator} += {coef} * {acc}[0];")
         w.close()
 
+    def enter(self, index: str, states: Sequence[_State], driver: int, position: str, crd: str) -> list[_State]:
+        """Bind ``index`` to the coordinate at ``position`` of the driver's unique
+        sparse level (which ``crd`` names) and locate the dense levels indexed by it."""
+        w, var = self.w, self.var(index)
+        w.line(f"const int64_t {var} = {crd}[{position}];")
+        new = list(states)
+        new[driver] = replace(states[driver], depth=states[driver].depth + 1, pos=position, seg_end=None)
+        for k, st in enumerate(states):
+            if k != driver and st.next_index() == index:
+                p = w.fresh("p")
+                w.line(f"const int64_t {p} = (int64_t){st.pos} * {self.dim(index)} + {var};")
+                new[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+        return new
+
+    def row_blocker(
+        self, order: Sequence[str], position: int, states: list[_State],
+        around: dict[int, tuple[Callable[[list[_State]], None], Callable[[list[_State]], None]]],
+        accumulator: str, summed: tuple[str, Sequence[int]], bounds: dict[str, tuple[str, str]],
+    ) -> Callable[[str, str, str, Callable[[str, str], None] | None], None] | None:
+        """Blocks of ROW_BLOCK positions for loop ``order[position]`` over a unique sparse
+        level ``j`` whose body is an innermost unit-stride vector reduction over ``k``
+        with some factors ``s`` not indexed by ``j`` (SDDMM's ``X[i, k]``) and some ``g``
+        that are (``Y[j, k]``):
+
+            for q in blocks: t[r] = sum_k prod s[k] * prod g[crd[q + r], k]  (r < ROW_BLOCK)
+
+        loads each vector of ``prod s`` once per block instead of once per position.
+        Each ``r`` then runs the loop body's epilogue with ``accumulator += coef * t[r]``.
+        None if the loop does not qualify."""
+        index, inner = order[position], order[position + 1]
+        vectors = self.unit_stride_factors(inner, states, summed[1])
+        shared = [k for k in vectors if index not in states[k].dense_indices]
+        if ROW_BLOCK < 2 or not shared or len(shared) == len(vectors):
+            return None
+        driver = self.sparse_driver(index, states)
+        before, after = around.get(position + 1, (None, None))
+        coef, factors = summed
+        scalars = [k for k in factors if k not in vectors]
+        w = self.w
+
+        def emit(q: str, h: str, crd: str, prefetch: Callable[[str, str], None] | None) -> None:
+            w.open(f"for (; {q} + {ROW_BLOCK} <= {h}; {q} += {ROW_BLOCK})")
+            rows = w.fresh("rows")
+            w.line(f"const int64_t {rows}[{ROW_BLOCK}] = {{{', '.join(f'{crd}[{q} + {r}]' for r in range(ROW_BLOCK))}}};")
+            if prefetch:
+                for r in range(ROW_BLOCK):
+                    prefetch(f"{q} + {r}", crd)
+            totals = self.emit_row_block_reduction(inner, states, vectors, shared, f"{rows}[r]", index, bounds.get(inner))
+            for r in range(ROW_BLOCK):
+                w.open("")
+                new = self.enter(index, states, driver, f"{q} + {r}", crd)
+                if before:
+                    before(new)
+                w.line(f"{accumulator} += {' * '.join([coef, *([self.product(new, scalars)] if scalars else []), f'{totals}[{r}]'])};")
+                if after:
+                    after(new)
+                w.close()
+            w.close()
+
+        return emit
+
+    def emit_row_block_reduction(
+        self, index: str, states: list[_State], vectors: Sequence[int], shared: Sequence[int],
+        row: str, row_index: str, bounds: tuple[str, str] | None,
+    ) -> str:
+        """Declare ``t[ROW_BLOCK]``, ``t[r] = sum_index prod(vectors)`` with ``row_index``
+        at ``row`` (an expression of ``r``); see :meth:`row_blocker`. The ``shared``
+        factors' product is loaded once per vector for all ``r``; each ``r`` sums into
+        ROW_BLOCK_VECTORS SIMD accumulators, then whole vectors, then scalars."""
+        w, var, n = self.w, self.var(index), self.dim(index)
+        lo, hi = bounds or ("0", n)
+        acc, end, total, x = w.fresh("rsum"), w.fresh("end"), w.fresh("rtot"), w.fresh("x")
+        at = {row_index: row}
+        own = [k for k in vectors if k not in shared]
+        R, A = ROW_BLOCK, ROW_BLOCK_VECTORS
+
+        def fma(v: str, lane: str) -> None:
+            w.line(f"const VV {x} = {' * '.join(self.vector_load(states[k], lane=lane) for k in shared)};")
+            w.line("#pragma GCC unroll 16")
+            loads = " * ".join(self.vector_load(states[k], at, lane) for k in own)
+            w.line(f"for (int r = 0; r < {R}; ++r) {acc}[r][{v}] += {x} * {loads};")
+
+        w.line(f"V {total}[{R}];")
+        w.open("")
+        w.line(f"const int64_t {end} = {hi};")
+        w.line(f"VV {acc}[{R}][{A}] = {{}};")
+        w.line(f"int64_t {var} = {lo};")
+        w.open(f"for (; {var} + {A} * SN_W <= {end}; {var} += {A} * SN_W)")
+        w.line("#pragma GCC unroll 16")
+        w.open(f"for (int v = 0; v < {A}; ++v)")
+        fma("v", "v * SN_W")
+        w.close()
+        w.close()
+        w.open(f"for (; {var} + SN_W <= {end}; {var} += SN_W)")
+        fma("0", "0")
+        w.close()
+        w.line(f"sn_hsums({acc}, {total});")
+        w.open(f"for (; {var} < {end}; ++{var})")
+        w.line("#pragma GCC unroll 16")
+        w.line(f"for (int r = 0; r < {R}; ++r) {total}[r] += {self.product(states, vectors, at)};")
+        w.close()
+        w.close()
+        return total
+
     def unit_stride_factors(self, index: str, states: Sequence[_State], factors: Sequence[int]) -> list[int]:
         """The factors (of ``factors``) indexed by ``index`` if every one of them is a
         dense tensor with ``index`` last (unit stride) and no sparse factor has it; else []."""
@@ -471,9 +581,10 @@ class _Lowerer:
             return []
         return with_index
 
-    def vector_load(self, st: _State) -> str:
-        """SIMD vector ``v`` of a unit-stride dense factor at the current position."""
-        return f"sn_load(d{st.slot} + {self.offset(st.dense_indices)} + v * SN_W)"
+    def vector_load(self, st: _State, at: dict[str, str] | None = None, lane: str = "v * SN_W") -> str:
+        """SIMD vector of a unit-stride dense factor ``lane`` elements past the current
+        position (or past ``at``, see :meth:`offset`)."""
+        return f"sn_load(d{st.slot} + {self.offset(st.dense_indices, at)} + {lane})"
 
     def emit_vector_reduction(
         self, index: str, states: list[_State], accumulator: str, summed: tuple[str, Sequence[int]],
