@@ -448,3 +448,41 @@ def test_prefetch_through_a_lower_level():
     b = torch.randn(30, 33, dtype=torch.float64)
     check("ijl,lk->ijk", [a, b], out_format="dense")
     assert "s0_pos2[(int64_t)s0_pos1[(int64_t)s0_pos0[1]]] - 1" in kernel_body("ijl,lk->ijk", a, b, out_format="dense")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("k", [1, 7, 16, 45, 64])
+def test_row_blocked_inner_reductions(dtype, index_dtype, k):
+    # Rows of 0..9 stored entries: whole blocks of 4 share X[i, :] loads and one
+    # transpose-and-add of their sums; the rest take the one-entry path.
+    lengths = [*range(10), 0, 17]
+    a = sparsenn.from_dense(rows_of_lengths(lengths, 30, dtype), "csr", index_dtype=index_dtype)
+    x = torch.randn(len(lengths), k, dtype=dtype)
+    y = torch.randn(30, k, dtype=dtype)
+    atol = 1e-4 if dtype == torch.float32 else 1e-10
+    for equation in ["ij,ik,jk->ij", "ij,ik,jk->i", "ij,ik,jk->j", "ij,ik,jk->"]:
+        check(equation, [a, x, y], atol=atol)
+    check("ij,ik,jk->ij", [a, x, y], out_format="dense", atol=atol)
+    assert "sn_hsums(" in kernel_body("ij,ik,jk->ij", a, x, y)
+    assert "sn_hsums(" in kernel_body("ij,ik,jk->i", a, x, y)
+    # A factor of the entry's own (Z[i, j]) and two shared ones (X, W): still blocked.
+    z = torch.randn(len(lengths), 30, dtype=dtype)
+    check("ij,ij,ik,ik,jk->ij", [a, z, x, x.flip(0).contiguous(), y], atol=atol)
+    assert "sn_hsums(" in kernel_body("ij,ij,ik,ik,jk->ij", a, z, x, x.flip(0).contiguous(), y)
+    # No factor shared by the block's entries (every vector factor indexed by j): no block.
+    w = torch.randn(len(lengths), 30, k, dtype=dtype)
+    check("ij,ijk,jk->ij", [a, w, y], atol=atol)
+    assert "sn_hsums(" not in kernel_body("ij,ijk,jk->ij", a, w, y)
+
+
+def test_hsums_transpose_and_add():
+    # Lane l of every paired vector holds row l mod s; every row ends in its own lane.
+    from sparsenn.compiler.codegen import _hsums_source
+
+    text = _hsums_source(8, 4, 2)
+    assert "SN_SHUFFLE(s0, s1, 0, 8, 2, 10, 4, 12, 6, 14) + SN_SHUFFLE(s0, s1, 1, 9, 3, 11, 5, 13, 7, 15)" in text
+    assert "SN_SHUFFLE(t1, t2, 0, 1, 8, 9, 4, 5, 12, 13) + SN_SHUFFLE(t1, t2, 2, 3, 10, 11, 6, 7, 14, 15)" in text
+    assert "std::memcpy(out + 0, &t4, 4 * sizeof(V))" in text
+    # More rows than lanes: groups of one vector's width.
+    assert "std::memcpy(out + 2, &t2, 2 * sizeof(V))" in _hsums_source(2, 4, 1)
