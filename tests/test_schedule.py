@@ -129,10 +129,17 @@ def test_spmm_register_blocks_the_dense_output_row():
     p = plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64))
     (nest,) = p.schedule.nests
     assert nest.register_block is not None and nest.register_block.index == "k"
-    assert nest.register_block.size == 32  # 4 AVX2 vectors of float32
+    assert nest.register_block.size == 64  # 8 AVX2 vectors of float32 tile k exactly
     assert "VV vacc" in p.source
-    p64 = plan("ij,jk->ik", sparse((N, N), "csr").to(torch.float64), torch.randn(N, 64, dtype=torch.float64))
-    assert p64.schedule.nests[0].register_block.size == 16
+    assert "register block of 64 over k (8 vectors: 8-vector blocks tile k exactly)" in "\n".join(p.schedule.reasons)
+    # 8 vectors would leave a partial block (run by the plain loop): 4 vectors instead.
+    for k in (32, 96):
+        assert plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, k)).schedule.nests[0].register_block.size == 32
+    a64 = sparse((N, N), "csr").to(torch.float64)
+    assert plan("ij,jk->ik", a64, torch.randn(N, 64, dtype=torch.float64)).schedule.nests[0].register_block.size == 32
+    p48 = plan("ij,jk->ik", a64, torch.randn(N, 48, dtype=torch.float64))
+    assert p48.schedule.nests[0].register_block.size == 16
+    assert "do not tile k exactly" in "\n".join(p48.schedule.reasons)
 
 
 def test_no_register_block_without_a_reduction_or_for_narrow_rows():
