@@ -323,9 +323,10 @@ def _register_block(
     holders = [f for f in factors if any(i == k for i, _ in f.levels)]
     if not holders or any(f.sparse for f in holders):  # broadcast over k, or k sparse
         return None
-    span = min([dims[k], *(t.size for t in tiles if t.index == k)])
+    spans = [dims[k], *(t.size for t in tiles if t.index == k)]  # the extent and its tile
+    span = min(spans)
     wide = WIDE_REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
-    if span >= wide and span % wide == 0:
+    if span >= wide and all(s % wide == 0 for s in spans):
         return Tile(k, wide)
     size = REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
     if span < size:
