@@ -484,5 +484,13 @@ def test_hsums_transpose_and_add():
     assert "SN_SHUFFLE(s0, s1, 0, 8, 2, 10, 4, 12, 6, 14) + SN_SHUFFLE(s0, s1, 1, 9, 3, 11, 5, 13, 7, 15)" in text
     assert "SN_SHUFFLE(t1, t2, 0, 1, 8, 9, 4, 5, 12, 13) + SN_SHUFFLE(t1, t2, 2, 3, 10, 11, 6, 7, 14, 15)" in text
     assert "std::memcpy(out + 0, &t4, 4 * sizeof(V))" in text
+    assert "const VV s0 = acc[0][0];" in _hsums_source(8, 4, 1)
     # More rows than lanes: groups of one vector's width.
     assert "std::memcpy(out + 2, &t2, 2 * sizeof(V))" in _hsums_source(2, 4, 1)
+
+
+def test_prefetches_go_to_l2():
+    # prefetcht1: prefetcht0's lines would wait for the L1's few miss buffers.
+    a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
+    text = sparsenn.explain("ij,jk->ik", a, torch.randn(70, 32))
+    assert "__builtin_prefetch((const char*)p + b, 0, 2)" in text

@@ -37,7 +37,7 @@ __all__ = ["Slot", "LoweredKernel", "lower"]
 
 SPARSE_ACCUMULATORS = 4  # independent sums of an innermost sparse reduction
 ROW_BLOCK = 4  # stored entries whose dense reductions share loads of their common factors
-ROW_BLOCK_VECTORS = 2  # SIMD accumulators per entry of a row block
+ROW_BLOCK_VECTORS = 1  # SIMD accumulators per entry of a row block (its ROW_BLOCK sums interleave)
 PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
 PREFETCH_MAX_DISTANCE = 64  # positions ahead, at most
 PREFETCH_MAX_BYTES = 1024  # of one gathered span; the hardware streams the rest
@@ -535,7 +535,8 @@ class _Lowerer:
         """Declare ``t[ROW_BLOCK]``, ``t[r] = sum_index prod(vectors)`` with ``row_index``
         at ``row`` (an expression of ``r``); see :meth:`row_blocker`. The ``shared``
         factors' product is loaded once per vector for all ``r``; each ``r`` sums into
-        ROW_BLOCK_VECTORS SIMD accumulators, then whole vectors, then scalars."""
+        ROW_BLOCK_VECTORS SIMD accumulators (then single vectors, if several), then
+        scalars."""
         w, var, n = self.w, self.var(index), self.dim(index)
         lo, hi = bounds or ("0", n)
         acc, end, total, x = w.fresh("rsum"), w.fresh("end"), w.fresh("rtot"), w.fresh("x")
@@ -560,9 +561,10 @@ class _Lowerer:
         fma("v", "v * SN_W")
         w.close()
         w.close()
-        w.open(f"for (; {var} + SN_W <= {end}; {var} += SN_W)")
-        fma("0", "0")
-        w.close()
+        if A > 1:
+            w.open(f"for (; {var} + SN_W <= {end}; {var} += SN_W)")
+            fma("0", "0")
+            w.close()
         w.line(f"sn_hsums({acc}, {total});")
         w.open(f"for (; {var} < {end}; ++{var})")
         w.line("#pragma GCC unroll 16")
