@@ -6,12 +6,14 @@ a fraction of a second) and exports ``extern "C"`` entry points over raw pointer
 ``int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle)``
     computes the expression. ``arrays`` holds each slot's arrays (see
     :func:`slot_arrays`) followed, for a dense output, by the zero-initialised output.
-    For a sparse output, ``*handle`` receives per-chunk level buffers.
+    For a sparse output, ``*handle`` receives per-chunk level buffers, or, for a
+    two-phase output (see assemble), the output's ``pos``; it then keeps ``arrays`` and
+    ``dims``, which must stay valid until ``sn_finish``.
 ``void sn_sizes(void* handle, int64_t* sizes)``
     per output level: stored coordinates and counts; then the number of values.
 ``int sn_finish(void* handle, void* const* arrays, int wide, int nthreads)``
     writes pos/crd (int32, or int64 when ``wide``) and values into caller-owned arrays
-    (prefix sums of the per-parent counts) and frees the handle.
+    (prefix sums of the per-parent counts, or the second phase) and frees the handle.
 ``void sn_free(void* handle)``
 
 Errors (allocation failure) are returned as non-zero codes, never thrown across the
@@ -32,6 +34,7 @@ _PRELUDE = r"""
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <utility>
 #include <vector>
@@ -81,6 +84,10 @@ struct Chunk {
 struct Result {
   int rank, num_dense;
   std::vector<Chunk> chunks;
+  /* Two-phase: pos of the one compressed level, and sn_run's arguments for phase 2. */
+  std::vector<int64_t> pos;
+  void* const* arrays = nullptr;
+  const int64_t* dims = nullptr;
   Result(int r, int d) : rank(r), num_dense(d) {}
 };
 
@@ -145,6 +152,82 @@ struct DenseWS {
   }
 };
 
+/* Two-phase workspaces over keys [0, n), n < 2^32 (a dense workspace's size): a
+   bitmap of the touched keys and their list, appended without branches (a repeated key
+   is written past the end). Phase 1 only counts each row's keys. */
+struct CountWS {
+  std::vector<uint64_t> bits;
+  std::unique_ptr<uint32_t[]> list;
+  int64_t n = 0;
+  void init(int64_t size) { bits.assign((size + 63) / 64, 0); list.reset(new uint32_t[size + 1]); }
+  inline void mark(int64_t x) {
+    uint64_t& word = bits[x >> 6];
+    const uint64_t bit = uint64_t(1) << (x & 63);
+    list[n] = (uint32_t)x;
+    n += !(word & bit);
+    word |= bit;
+  }
+  int64_t count() {
+    for (int64_t t = 0; t < n; ++t) bits[list[t] >> 6] = 0;
+    const int64_t k = n;
+    n = 0;
+    return k;
+  }
+};
+
+/* Phase 2 also sums values; drain writes a row's keys in order with their sums, from
+   the bitmap words between the smallest and largest key when they are fewer than
+   k log2 k, else by sorting the list. */
+struct FillWS {
+  std::vector<V> val;
+  std::vector<uint64_t> bits;
+  std::unique_ptr<uint32_t[]> list;
+  int64_t n = 0;
+  void init(int64_t size) {
+    val.assign(size, V(0));
+    bits.assign((size + 63) / 64, 0);
+    list.reset(new uint32_t[size + 1]);
+  }
+  inline void add(int64_t x, V v) {
+    uint64_t& word = bits[x >> 6];
+    const uint64_t bit = uint64_t(1) << (x & 63);
+    const bool fresh = !(word & bit);
+    list[n] = (uint32_t)x;
+    n += fresh;
+    word |= bit;
+    val[x] = fresh ? v : val[x] + v;
+  }
+  template <class J>
+  int64_t drain(J* __restrict__ crd, V* __restrict__ out) {
+    const int64_t k = n;
+    if (k == 0) return 0;
+    uint32_t lo = list[0], hi = list[0];
+    for (int64_t t = 1; t < k; ++t) { lo = std::min(lo, list[t]); hi = std::max(hi, list[t]); }
+    const int64_t w0 = lo >> 6, w1 = hi >> 6;
+    if (w1 - w0 < k * (64 - __builtin_clzll((unsigned long long)k))) {
+      int64_t q = 0;
+      for (int64_t w = w0; w <= w1; ++w) {
+        for (uint64_t word = bits[w]; word; word &= word - 1) {
+          const int64_t x = w * 64 + __builtin_ctzll(word);
+          crd[q] = (J)x;
+          out[q++] = val[x];
+        }
+        bits[w] = 0;
+      }
+    } else {
+      std::sort(list.get(), list.get() + k);
+      for (int64_t t = 0; t < k; ++t) {
+        const uint32_t x = list[t];
+        crd[t] = (J)x;
+        out[t] = val[x];
+        bits[x >> 6] = 0;
+      }
+    }
+    n = 0;
+    return k;
+  }
+};
+
 /* Sparse accumulator: (key, value) pairs, stably sorted and combined at drain time. */
 struct SparseWS {
   std::vector<std::pair<int64_t, V>> entries;
@@ -169,6 +252,12 @@ struct SparseWS {
 
 extern "C" void sn_sizes(void* handle, int64_t* sizes) {
   const Result* r = (const Result*)handle;
+  if (!r->pos.empty()) {  // two-phase: dense levels, then one compressed level
+    std::fill(sizes, sizes + 2 * r->rank + 1, 0);
+    sizes[2 * r->num_dense] = sizes[2 * r->rank] = r->pos.back();
+    sizes[2 * r->num_dense + 1] = (int64_t)r->pos.size() - 1;
+    return;
+  }
   for (int l = 0; l < r->rank; ++l) {
     int64_t crd = 0, cnt = 0;
     for (const Chunk& c : r->chunks) {
@@ -186,7 +275,7 @@ extern "C" void sn_sizes(void* handle, int64_t* sizes) {
 
 /* pos arrays are exclusive prefix sums of the concatenated per-parent counts. */
 template <class J>
-static void sn_fill(const Result* r, void* const* out, int nthreads) {
+static int sn_fill(Result* r, void* const* out, int nthreads) {
   const int64_t nc = (int64_t)r->chunks.size();
   int slot = 0;
   std::vector<int64_t> crd_off(nc + 1), cnt_off(nc + 1), sum_off(nc + 1);
@@ -224,18 +313,7 @@ static void sn_fill(const Result* r, void* const* out, int nthreads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t c = 0; c < nc; ++c)
     std::copy(r->chunks[c].val.begin(), r->chunks[c].val.end(), val + val_off[c]);
-}
-
-extern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {
-  Result* r = (Result*)handle;
-  int code = 0;
-  try {
-    if (wide) sn_fill<int64_t>(r, out, nthreads); else sn_fill<int32_t>(r, out, nthreads);
-  } catch (const std::bad_alloc&) {
-    code = 1;
-  }
-  delete r;
-  return code;
+  return 0;
 }
 
 extern "C" void sn_free(void* handle) { delete (Result*)handle; }
@@ -263,7 +341,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         .replace("@I@", _CTYPES[index_dtype])
         .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
     )
-    unpack, n = [], 0
+    inputs, n = [], 0
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):
             if kind == "dense":
@@ -272,8 +350,9 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
                 name, ctype = f"s{s}_val", "V"
             else:
                 name, ctype = f"s{s}_{kind}{level}", "I"
-            unpack.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
+            inputs.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
             n += 1
+    unpack = list(inputs)
     if kernel.dense_output:
         unpack.append(f"    V* __restrict__ out = (V*)arrays[{n}];")
         unpack.append("    (void)handle;")
@@ -286,4 +365,23 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         + kernel.body
         + "\n    return 0;\n"
         + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
+        + _finish(kernel, inputs)
+    )
+
+
+def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
+    """``sn_finish``: copies the chunks' buffers out, or runs a two-phase output's fill."""
+    source, fill = "", "sn_fill"
+    if kernel.fill is not None:
+        fill = "sn_fill_phase"
+        source = (
+            "\ntemplate <class J>\nstatic int sn_fill_phase(Result* r, void* const* out, int nthreads) {\n"
+            "    void* const* arrays = r->arrays;\n    const int64_t* dims = r->dims;\n"
+            + "\n".join(inputs) + "\n" + kernel.fill + "\n    return 0;\n}\n"
+        )
+    return source + (
+        '\nextern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {\n'
+        "  Result* r = (Result*)handle;\n  int code = 0;\n  try {\n"
+        f"    code = wide ? {fill}<int64_t>(r, out, nthreads) : {fill}<int32_t>(r, out, nthreads);\n"
+        "  } catch (const std::bad_alloc&) {\n    code = 1;\n  }\n  delete r;\n  return code;\n}\n"
     )

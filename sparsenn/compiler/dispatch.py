@@ -382,7 +382,6 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     handle = ctypes.c_void_p()
     nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
     code = lib.sn_run(arrays, plan.dims, nthreads, ctypes.byref(handle))
-    del owners
     if code != 0:
         if handle.value:
             lib.sn_free(handle)
@@ -393,6 +392,7 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     if out is not None:
         identity = plan.output_permutation == tuple(range(len(plan.output_permutation)))
         return out if identity else out.permute(plan.output_permutation)
+    # A two-phase output's sn_finish reads the operands again: owners and arrays live on.
     return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
 
 
