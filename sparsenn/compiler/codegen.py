@@ -152,78 +152,97 @@ struct DenseWS {
   }
 };
 
-/* Two-phase workspaces over keys [0, n), n < 2^32 (a dense workspace's size): a
-   bitmap of the touched keys and their list, appended without branches (a repeated key
-   is written past the end). Phase 1 only counts each row's keys. */
+/* Two-phase workspaces over keys [0, n), n < 2^32 (a dense workspace's size). A key
+   is new in the current row when its stamp is not the row's; keys are stamped without
+   branches and without sharing words (a bitmap's read-modify-writes of one word would
+   chain). Phase 1 only counts each row's keys. */
 struct CountWS {
-  std::vector<uint64_t> bits;
-  std::unique_ptr<uint32_t[]> list;
+  std::vector<uint32_t> seen;
+  uint32_t row = 1;
   int64_t n = 0;
-  void init(int64_t size) { bits.assign((size + 63) / 64, 0); list.reset(new uint32_t[size + 1]); }
+  void init(int64_t size) { seen.assign(size, 0); }
   inline void mark(int64_t x) {
-    uint64_t& word = bits[x >> 6];
-    const uint64_t bit = uint64_t(1) << (x & 63);
-    list[n] = (uint32_t)x;
-    n += !(word & bit);
-    word |= bit;
+    n += seen[x] != row;
+    seen[x] = row;
   }
   int64_t count() {
-    for (int64_t t = 0; t < n; ++t) bits[list[t] >> 6] = 0;
     const int64_t k = n;
     n = 0;
+    if (++row == 0) { std::fill(seen.begin(), seen.end(), 0); row = 1; }
     return k;
   }
 };
 
-/* Phase 2 also sums values; drain writes a row's keys in order with their sums, from
-   the bitmap words between the smallest and largest key when they are fewer than
-   k log2 k, else by sorting the list. */
+/* Phase 2 also sums values (zeroed again as they are drained) and lists the row's keys
+   (a repeated key is written past the list's end). drain writes them in order with
+   their sums: a short list by insertion sort; else through a two-level bitmap (a bit
+   per key, and per 64 words a summary word of the non-zero ones), set from the list
+   and walked between the smallest and largest key, O(k) whatever the key range. */
 struct FillWS {
   std::vector<V> val;
-  std::vector<uint64_t> bits;
+  std::vector<uint32_t> seen;
+  std::vector<uint64_t> bits, summary;
   std::unique_ptr<uint32_t[]> list;
+  uint32_t row = 1;
   int64_t n = 0;
   void init(int64_t size) {
     val.assign(size, V(0));
+    seen.assign(size, 0);
     bits.assign((size + 63) / 64, 0);
+    summary.assign((size + 4095) / 4096, 0);
     list.reset(new uint32_t[size + 1]);
   }
   inline void add(int64_t x, V v) {
-    uint64_t& word = bits[x >> 6];
-    const uint64_t bit = uint64_t(1) << (x & 63);
-    const bool fresh = !(word & bit);
+    const bool fresh = seen[x] != row;
+    seen[x] = row;
     list[n] = (uint32_t)x;
     n += fresh;
-    word |= bit;
-    val[x] = fresh ? v : val[x] + v;
+    val[x] += v;
   }
   template <class J>
   int64_t drain(J* __restrict__ crd, V* __restrict__ out) {
     const int64_t k = n;
     if (k == 0) return 0;
-    uint32_t lo = list[0], hi = list[0];
-    for (int64_t t = 1; t < k; ++t) { lo = std::min(lo, list[t]); hi = std::max(hi, list[t]); }
-    const int64_t w0 = lo >> 6, w1 = hi >> 6;
-    if (w1 - w0 < k * (64 - __builtin_clzll((unsigned long long)k))) {
-      int64_t q = 0;
-      for (int64_t w = w0; w <= w1; ++w) {
+    n = 0;
+    if (++row == 0) { std::fill(seen.begin(), seen.end(), 0); row = 1; }
+    uint32_t* keys = list.get();
+    if (k <= 16) {
+      for (int64_t t = 1; t < k; ++t) {
+        const uint32_t x = keys[t];
+        int64_t u = t;
+        for (; u > 0 && keys[u - 1] > x; --u) keys[u] = keys[u - 1];
+        keys[u] = x;
+      }
+      for (int64_t t = 0; t < k; ++t) {
+        const uint32_t x = keys[t];
+        crd[t] = (J)x;
+        out[t] = val[x];
+        val[x] = V(0);
+      }
+      return k;
+    }
+    uint32_t lo = keys[0], hi = keys[0];
+    for (int64_t t = 0; t < k; ++t) {
+      const uint32_t x = keys[t];
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+      bits[x >> 6] |= uint64_t(1) << (x & 63);
+      summary[x >> 12] |= uint64_t(1) << ((x >> 6) & 63);
+    }
+    int64_t q = 0;
+    for (int64_t s = lo >> 12; s <= (int64_t)(hi >> 12); ++s) {
+      for (uint64_t sw = summary[s]; sw; sw &= sw - 1) {
+        const int64_t w = s * 64 + __builtin_ctzll(sw);
         for (uint64_t word = bits[w]; word; word &= word - 1) {
           const int64_t x = w * 64 + __builtin_ctzll(word);
           crd[q] = (J)x;
           out[q++] = val[x];
+          val[x] = V(0);
         }
         bits[w] = 0;
       }
-    } else {
-      std::sort(list.get(), list.get() + k);
-      for (int64_t t = 0; t < k; ++t) {
-        const uint32_t x = list[t];
-        crd[t] = (J)x;
-        out[t] = val[x];
-        bits[x >> 6] = 0;
-      }
+      summary[s] = 0;
     }
-    n = 0;
     return k;
   }
 };
