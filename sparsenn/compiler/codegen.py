@@ -222,24 +222,33 @@ struct FillWS {
       return k;
     }
     uint32_t lo = keys[0], hi = keys[0];
+    uint64_t run = 0;  // bits of word w, or'ed in once per run of keys in that word
+    uint32_t w = keys[0] >> 6;
     for (int64_t t = 0; t < k; ++t) {
       const uint32_t x = keys[t];
       lo = std::min(lo, x);
       hi = std::max(hi, x);
-      bits[x >> 6] |= uint64_t(1) << (x & 63);
-      summary[x >> 12] |= uint64_t(1) << ((x >> 6) & 63);
+      if ((x >> 6) != w) {
+        bits[w] |= run;
+        summary[w >> 6] |= uint64_t(1) << (w & 63);
+        run = 0;
+        w = x >> 6;
+      }
+      run |= uint64_t(1) << (x & 63);
     }
+    bits[w] |= run;
+    summary[w >> 6] |= uint64_t(1) << (w & 63);
     int64_t q = 0;
     for (int64_t s = lo >> 12; s <= (int64_t)(hi >> 12); ++s) {
       for (uint64_t sw = summary[s]; sw; sw &= sw - 1) {
-        const int64_t w = s * 64 + __builtin_ctzll(sw);
-        for (uint64_t word = bits[w]; word; word &= word - 1) {
-          const int64_t x = w * 64 + __builtin_ctzll(word);
+        const int64_t b = s * 64 + __builtin_ctzll(sw);
+        for (uint64_t word = bits[b]; word; word &= word - 1) {
+          const int64_t x = b * 64 + __builtin_ctzll(word);
           crd[q] = (J)x;
           out[q++] = val[x];
           val[x] = V(0);
         }
-        bits[w] = 0;
+        bits[b] = 0;
       }
       summary[s] = 0;
     }
