@@ -304,14 +304,18 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
         # stores explicit zeros where ``op`` has no entry, and those must gather 0.
         numbered = op.with_values(torch.arange(1, op.values.shape[0] + 1, dtype=torch.float64))
         moved = numbered.asformat(fmt)
-        hit = (versions, moved, moved.values.to(torch.int64), arrays)
+        permutation = moved.values.to(torch.int64)
+        padded = bool((permutation == 0).any())  # else a pure permutation: gather from values
+        hit = (versions, moved, permutation if padded else permutation - 1, padded, arrays)
         with _plans_lock:
             _restored[key] = hit
             while len(_restored) > _RESTORED_LIMIT:
                 _restored.popitem(last=False)
-    _, moved, permutation, _ = hit
+    _, moved, permutation, padded, _ = hit
     values = op.values.detach()
-    values = torch.cat([values.new_zeros(1), values])[permutation]
+    if padded:
+        values = torch.cat([values.new_zeros(1), values])
+    values = torch.index_select(values, 0, permutation)
     return SparseTensor(op.shape, fmt, moved.pos, moved.crd, values, check=False)
 
 
