@@ -9,6 +9,8 @@ a fraction of a second) and exports ``extern "C"`` entry points over raw pointer
     For a sparse output, ``*handle`` receives per-chunk level buffers, or, for a
     two-phase output (see assemble), the output's ``pos``; it then keeps ``arrays`` and
     ``dims``, which must stay valid until ``sn_finish``.
+Kernels with a sparse (non-sampled) output also export:
+
 ``void sn_sizes(void* handle, int64_t* sizes)``
     per output level: stored coordinates and counts; then the number of values.
 ``int sn_finish(void* handle, void* const* arrays, int wide, int nthreads)``
@@ -31,13 +33,9 @@ _CTYPES = {"float32": "float", "float64": "double", "int32": "int32_t", "int64":
 
 _PRELUDE = r"""
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <new>
-#include <utility>
-#include <vector>
 
 typedef @V@ V;
 typedef @I@ I;
@@ -71,6 +69,15 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
   }
   return lo;
 }
+
+"""
+
+# Only kernels that assemble a sparse output need these (they double the build time).
+_SPARSE_OUTPUT_PRELUDE = r"""
+#include <climits>
+#include <memory>
+#include <utility>
+#include <vector>
 
 static inline void sn_fail(int& flag) {
 #pragma omp atomic write
@@ -369,8 +376,9 @@ def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
     """The complete C++ translation unit for ``kernel``."""
+    prelude = _PRELUDE if kernel.dense_output else _PRELUDE + _SPARSE_OUTPUT_PRELUDE
     prelude = (
-        _PRELUDE.replace("@V@", _CTYPES[value_dtype])
+        prelude.replace("@V@", _CTYPES[value_dtype])
         .replace("@I@", _CTYPES[index_dtype])
         .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
     )
@@ -398,7 +406,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         + kernel.body
         + "\n    return 0;\n"
         + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
-        + _finish(kernel, inputs)
+        + ("" if kernel.dense_output else _finish(kernel, inputs))
     )
 
 

@@ -70,7 +70,8 @@ class Plan:
             library = jit.load_library(self.source, "sparse_einsum")
             library.sn_run.restype = ctypes.c_int
             library.sn_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            library.sn_finish.restype = ctypes.c_int
+            if not self.kernel.dense_output:  # the kernel assembles its sparse output
+                library.sn_finish.restype = ctypes.c_int
             self.library = library
         return self.library
 
