@@ -4,9 +4,9 @@
 
 Matrices: every SuiteSparse ``.mtx`` in ``../shared/data/suitesparse`` plus synthetic
 uniform, banded and R-MAT (power-law) ones, all fp32 CSR. Every library is timed on
-the same case in the same run (median after a warm-up); the figures that matter are
-the ratios alternative time / sparsenn time (> 1: sparsenn is faster). First-build
-compile time and warm-cache load time are measured in fresh processes.
+the same case in the same run, round-robin (medians after warm-up rounds); the figures
+that matter are the ratios alternative time / sparsenn time (> 1: sparsenn is faster).
+First-build compile time and warm-cache load time are measured in fresh processes.
 """
 
 from __future__ import annotations
@@ -44,15 +44,29 @@ RTOL = 1e-3
 KINDS = {"SpMV": "ij,j->i", "SpMM": "ij,jk->ik", "SDDMM": "ij,ik,jk->ij", "SpGEMM": "ij,kj->ik"}
 
 
-def median_time(fn, min_time: float = 0.3, max_reps: int = 30, min_reps: int = 5) -> float:
-    """Median seconds per call after 2 warm-up calls; repeats until min_time or max_reps."""
-    fn(), fn()
-    times, start = [], time.perf_counter()
-    while len(times) < min_reps or (time.perf_counter() - start < min_time and len(times) < max_reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+def median_times(fns: dict, min_time: float = 0.3, max_reps: int = 30, min_reps: int = 5) -> dict:
+    """Median seconds per call of each function, measured round-robin (one call of each
+    per round, so load from other jobs hits them alike) after 2 warm-up rounds, for at
+    least min_reps rounds and until min_time or max_reps. A function that raises gets
+    its error text instead."""
+    times: dict = {name: [] for name in fns}
+    live = dict(fns)
+    rounds, begin = -2, None
+    while rounds < min_reps or (time.perf_counter() - begin < min_time and rounds < max_reps):
+        if rounds == 0:
+            begin = time.perf_counter()
+        for name, fn in list(live.items()):
+            t = time.perf_counter()
+            try:
+                fn()
+            except Exception as error:  # noqa: BLE001 - recorded in the table
+                times[name] = error_text(error)
+                del live[name]
+                continue
+            if rounds >= 0:
+                times[name].append(time.perf_counter() - t)
+        rounds += 1
+    return {name: statistics.median(v) if isinstance(v, list) else v for name, v in times.items()}
 
 
 def machine_info() -> dict:
@@ -215,11 +229,9 @@ def run_case(name: str, m: sps.csr_array, case: dict, threads: list[int]) -> lis
     for t in threads:
         torch.set_num_threads(t)
         row = dict(base, threads=t)
-        for lib, fn in [("sparsenn", case["ours"]), *case["alts"].items()]:
-            try:
-                row[lib] = median_time(fn) * 1e3 if callable(fn) else fn
-            except Exception as error:  # noqa: BLE001 - recorded in the table
-                row[lib] = error_text(error)
+        fns = {lib: fn for lib, fn in [("sparsenn", case["ours"]), *case["alts"].items()] if callable(fn)}
+        row.update({lib: fn for lib, fn in case["alts"].items() if not callable(fn)})  # skip notes
+        row.update({lib: v * 1e3 if isinstance(v, float) else v for lib, v in median_times(fns).items()})
         if case["nbytes"] and m.nnz >= 1_000_000 and isinstance(row["sparsenn"], float):
             row["bw_fraction"] = case["nbytes"] / BANDWIDTH[t] / (row["sparsenn"] * 1e-3)
         out.append(row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -448,6 +449,89 @@ def test_prefetch_through_a_lower_level():
     b = torch.randn(30, 33, dtype=torch.float64)
     check("ijl,lk->ijk", [a, b], out_format="dense")
     assert "s0_pos2[(int64_t)s0_pos1[(int64_t)s0_pos0[1]]] - 1" in kernel_body("ijl,lk->ijk", a, b, out_format="dense")
+
+
+# ----------------------------------------------------------------------------- two-phase sparse outputs
+
+
+def two_phase_plan(equation, operands, out_format=None):
+    """The plan, asserting its output is assembled in two phases (count, then fill)."""
+    plan = dispatch.plan(equation, *operands, out_format=out_format)
+    assert plan.kernel.fill is not None, plan.output_format
+    return plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_two_phase_spgemm_with_empty_rows(dtype, index_dtype):
+    dense = random_dense((40, 30), 0.15, dtype)
+    dense[::3] = 0  # every third row empty, so are those rows of A·Aᵀ
+    a = sparsenn.from_dense(dense, format="csr", index_dtype=index_dtype)
+    two_phase_plan("ij,kj->ik", [a, a], out_format="csr")
+    atol = 1e-5 if dtype == torch.float32 else 1e-10
+    result = check("ij,kj->ik", [a, a], out_format="csr", atol=atol)
+    assert result.index_dtype == index_dtype and result.values.dtype == dtype
+    assert (result.pos[1][1::3] == result.pos[1][::3][: len(result.pos[1][1::3])]).all()  # empty rows
+    check("ij,jk->ik", [a, sp((30, 20), "csr", 0.2, seed=3, dtype=dtype, index_dtype=index_dtype)], atol=atol)
+
+
+def test_two_phase_empty_result():
+    # Non-empty operands whose product has no entry: A only uses column 0, B's row 0 is empty.
+    a = sparsenn.from_dense(torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 0.0]], dtype=torch.float64), "csr")
+    b = sparsenn.from_dense(torch.tensor([[0.0, 0.0, 0.0], [0.0, 3.0, 4.0]], dtype=torch.float64), "csr")
+    two_phase_plan("ij,jk->ik", [a, b])
+    result = check("ij,jk->ik", [a, b])
+    assert result.nnz == 0 and result.pos[1].tolist() == [0, 0, 0, 0]
+
+
+def test_two_phase_many_chunks_per_thread_short_and_long_rows():
+    """Enough work to run in parallel (several chunks per thread), keys spanning several
+    4096-key summary words, rows with few keys (sorted) and many (bitmap walk)."""
+    import scipy.sparse as sps
+
+    rng = np.random.default_rng(0)
+    a = sps.random(1500, 9000, density=0.0002, format="csr", random_state=rng)
+    a = sps.vstack([sps.random(100, 9000, density=0.02, format="csr", random_state=rng), a[100:]]).tocsr()
+    keep = np.ones(1500)
+    keep[7] = 0
+    a = (sps.diags(keep) @ a).tocsr()
+    a.eliminate_zeros()
+    b = sps.random(9000, 9000, density=0.0005, format="csr", random_state=rng)
+    x, y = sparsenn.from_scipy(a, format="csr"), sparsenn.from_scipy(b, format="csr")
+    plan = two_phase_plan("ij,jk->ik", [x, y], out_format="csr")
+    assert plan.schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    expected = (a @ b).toarray()
+    previous = torch.get_num_threads()
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            result = sparsenn.einsum("ij,jk->ik", x, y, out_format="csr")
+        finally:
+            torch.set_num_threads(previous)
+        np.testing.assert_allclose(result.to_scipy().toarray(), expected, rtol=1e-12, atol=1e-12)
+        counts = result.pos[1].diff()
+        assert counts[7] == 0 and counts.max() > 16 and 0 < counts[counts > 0].min() <= 16
+
+
+def test_two_phase_outputs_of_other_shapes():
+    # Two dense levels then a compressed one; sums of products with and without a workspace.
+    x = sp((3, 5, 6), "dcc", 0.3, seed=1)
+    y = sp((3, 6, 4), "dcc", 0.3, seed=2)
+    two_phase_plan("bij,bjk->bik", [x, y], out_format="ddc")
+    check("bij,bjk->bik", [x, y], out_format="ddc")
+    a, b, c = sp((8, 9), "csr", 0.2, seed=3), sp((9, 7), "csr", 0.2, seed=4), sp((8, 7), "csr", 0.2, seed=5)
+    f = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")
+    plan = dispatch._plan(f.assignment, [a, b, c], None, torch.float64, torch.int32)
+    assert plan.kernel.fill is not None
+    torch.testing.assert_close(to_dense(f(a, b, c)), to_dense(a) @ to_dense(b) - to_dense(c))
+    union = two_phase_plan("ij,ij->ij", [a, sp((8, 9), "csr", 0.2, seed=6)])
+    assert union.schedule.workspace is None
+    check("ij,ij->ij", [a, sp((8, 9), "csr", 0.2, seed=6)])
+
+
+def test_deeper_sparse_outputs_keep_the_appended_assembly():
+    plan = dispatch.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
+    assert plan.kernel.fill is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -2,10 +2,18 @@
 
 The output's storage levels are appended in order by the *shared* loops (a union of
 the terms' streams when there are several terms); output levels below them are
-scattered into a per-thread workspace and drained in sorted order. Each chunk of the
-outermost loop appends into its own buffers (per compressed level: coordinates, and
-per parent position the number of children); ``sn_finish`` turns the counts into
-``pos`` arrays by prefix sums and copies the chunks in parallel.
+scattered into a per-thread workspace and drained in sorted order.
+
+* **Two-phase** (dense levels, then one compressed level: CSR, and its analogues of
+  any rank ``d...dc``). ``sn_run`` runs the loops once for the pattern only and
+  counts each parent's children, ``cnt[p + 1]``; ``pos = prefix sums of cnt`` then
+  gives the exact output size, and ``sn_finish`` runs the loops again with values,
+  writing parent ``p``'s children straight into ``crd/val[pos[p] .. pos[p + 1])`` of
+  the caller's arrays, in parallel and without intermediate buffers.
+* **Appended** (any other level structure). Each chunk of the outermost loop appends
+  into its own buffers (per compressed level: coordinates, and per parent position
+  the number of children); ``sn_finish`` turns the counts into ``pos`` arrays by
+  prefix sums and copies the chunks in parallel.
 """
 
 from __future__ import annotations
@@ -14,76 +22,219 @@ from dataclasses import replace
 
 from .lower import _chunk_prologue, _Lowerer, _State, balancing_pos, chunk_bounds
 from .notation import Term
-from .schedule import Nest
+from .schedule import Nest, Schedule
 
-__all__ = ["lower_sparse_output"]
+__all__ = ["lower_sparse_output", "two_phase"]
 
 
-def lower_sparse_output(lo: _Lowerer) -> None:
-    """Chunks of the first shared loop append into per-chunk level buffers."""
+def two_phase(s: Schedule) -> bool:
+    """Whether the output is assembled in two phases: one or more dense levels, then one
+    compressed level (each row fits in one chunk), any workspace a dense one."""
+    letters = s.output_format.letters
+    num_dense = len(letters) - len(letters.lstrip("d"))
+    return num_dense >= 1 and len(s.output_order) == num_dense + 1 and (
+        s.workspace is None or s.workspace.kind == "dense"
+    )
+
+
+class _Append:
+    """Appended assembly: per-chunk level buffers (``Chunk``), any level structure."""
+
+    values = True
+
+    def __init__(self, lo: _Lowerer):
+        letters = lo.s.output_format.letters
+        self.rank = len(lo.s.output_order)
+        self.num_dense = len(letters) - len(letters.lstrip("d"))
+        self.workspace = None if lo.s.workspace is None else "DenseWS" if lo.s.workspace.kind == "dense" else "SparseWS"
+
+    def start(self, lo: _Lowerer) -> None:
+        lo.w.line(f"Result* res = new Result({self.rank}, {self.num_dense});")
+        lo.w.line("*handle = res;")
+
+    def chunks(self, lo: _Lowerer) -> None:
+        lo.w.line("res->chunks.resize(sn_chunks);")
+
+    def chunk(self, lo: _Lowerer) -> None:
+        lo.w.line("Chunk& C = res->chunks[sn_chunk];")
+        lo.w.line("C.init(res->rank);")
+
+    def finish(self, lo: _Lowerer) -> None:
+        pass
+
+    def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
+        """Code before visiting the children of output level ``level`` at ``coord``."""
+        w, rank, num_dense = lo.w, self.rank, self.num_dense
+        if level >= num_dense:
+            w.line(f"C.crd[{level}].push_back({coord});")
+        if level + 1 >= rank:
+            return None
+        mark = w.fresh("m")
+        child = f"C.crd[{level + 1}].size()"
+        if level >= num_dense or level + 1 == num_dense:
+            w.line(f"const size_t {mark} = {child};")
+            return mark
+        return None
+
+    def close(self, lo: _Lowerer, level: int, mark: str | None) -> None:
+        if mark is None:
+            return
+        child = f"C.crd[{level + 1}].size()"
+        if level >= self.num_dense:
+            lo.w.line(f"if ({child} == {mark}) C.crd[{level}].pop_back(); "
+                      f"else C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+        else:
+            lo.w.line(f"C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+
+    def store(self, lo: _Lowerer, value: str) -> None:
+        lo.w.line(f"C.val.push_back({value});")
+
+    def scatter(self, lo: _Lowerer, key: str, value: str) -> None:
+        lo.w.line(f"ws.add({key}, {value});")
+
+    def drain(self, lo: _Lowerer, level: int) -> None:
+        lo.w.line(f"ws.drain(C, {level}, {self.rank}, ws_dims);")
+
+
+class _Count(_Append):
+    """Two-phase assembly, phase 1: ``sn_cnt[p + 1]`` = children of dense parent ``p``
+    (pattern only: no values computed); then ``sn_cnt`` becomes ``pos`` by prefix sums."""
+
+    values = False
+
+    def __init__(self, lo: _Lowerer):
+        super().__init__(lo)
+        self.workspace = "CountWS"
+        self.parent = lo.offset(lo.s.output_order[: self.num_dense])
+        self.parents = " * ".join(lo.dim(i) for i in lo.s.output_order[: self.num_dense])
+
+    def start(self, lo: _Lowerer) -> None:
+        w = lo.w
+        w.line(f"Result* res = new Result({self.rank}, {self.num_dense});")
+        w.line("*handle = res;")
+        w.line("res->arrays = arrays;")
+        w.line("res->dims = dims;")
+        w.line(f"const int64_t sn_parents = {self.parents};")
+        w.line("res->pos.assign(sn_parents + 1, 0);")
+        w.line("int64_t* __restrict__ sn_cnt = res->pos.data();")
+
+    def chunks(self, lo: _Lowerer) -> None:
+        pass
+
+    def chunk(self, lo: _Lowerer) -> None:
+        pass
+
+    def finish(self, lo: _Lowerer) -> None:
+        lo.w.line("for (int64_t p = 0; p < sn_parents; ++p) sn_cnt[p + 1] += sn_cnt[p];")
+
+    def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
+        if level == self.num_dense - 1:
+            lo.w.line("int64_t sn_n = 0;")
+            return "sn_n"
+        return None
+
+    def close(self, lo: _Lowerer, level: int, mark: str | None) -> None:
+        if mark is not None:
+            lo.w.line(f"sn_cnt[{self.parent} + 1] = sn_n;")
+
+    def store(self, lo: _Lowerer, value: str) -> None:
+        lo.w.line("++sn_n;")
+
+    def scatter(self, lo: _Lowerer, key: str, value: str) -> None:
+        lo.w.line(f"ws.mark({key});")
+
+    def drain(self, lo: _Lowerer, level: int) -> None:
+        lo.w.line("sn_n = ws.count();")
+
+
+class _Fill(_Count):
+    """Two-phase assembly, phase 2 (``sn_finish``): parent ``p``'s children go to
+    ``crd/val[pos[p] ..]`` of the caller's arrays (``out``: pos, crd, values)."""
+
+    values = True
+
+    def __init__(self, lo: _Lowerer):
+        super().__init__(lo)
+        self.workspace = "FillWS"
+        self.last = lo.var(lo.s.output_order[-1])
+
+    def start(self, lo: _Lowerer) -> None:
+        w = lo.w
+        w.line("const int64_t* __restrict__ sn_pos = r->pos.data();")
+        w.line("J* __restrict__ sn_out_pos = (J*)out[0];")
+        w.line("J* __restrict__ sn_out_crd = (J*)out[1];")
+        w.line("V* __restrict__ sn_out_val = (V*)out[2];")
+        w.line("#pragma omp parallel for num_threads(nthreads)")
+        w.line("for (int64_t p = 0; p < (int64_t)r->pos.size(); ++p) sn_out_pos[p] = (J)sn_pos[p];")
+
+    def finish(self, lo: _Lowerer) -> None:
+        pass
+
+    def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
+        if level == self.num_dense - 1:
+            lo.w.line(f"int64_t sn_q = sn_pos[{self.parent}];")
+        return None
+
+    def store(self, lo: _Lowerer, value: str) -> None:
+        lo.w.line(f"sn_out_crd[sn_q] = (J){self.last};")
+        lo.w.line(f"sn_out_val[sn_q++] = {value};")
+
+    def scatter(self, lo: _Lowerer, key: str, value: str) -> None:
+        lo.w.line(f"ws.add({key}, {value});")
+
+    def drain(self, lo: _Lowerer, level: int) -> None:
+        lo.w.line("sn_q += ws.drain(sn_out_crd + sn_q, sn_out_val + sn_q);")
+
+
+def lower_sparse_output(lo: _Lowerer) -> str | None:
+    """Emit the sparse-output kernel into ``lo``; for a two-phase output, return the body
+    of its second phase (``sn_finish``'s fill), else None."""
+    if not two_phase(lo.s):
+        _emit(lo, _Append(lo))
+        return None
+    _emit(lo, _Count(lo))
+    fill = _Lowerer(lo.a, lo.s, lo.formats)
+    fill.declare_dims()
+    _emit(fill, _Fill(fill))
+    assert fill.slots == lo.slots, "both phases read the operands through the same slots"
+    return "\n".join(fill.w.lines)
+
+
+def _emit(lo: _Lowerer, out: _Append) -> None:
+    """Chunks of the first shared loop run the shared loops, assembling through ``out``."""
     a, s, w = lo.a, lo.s, lo.w
-    fmt = s.output_format
-    rank = len(s.output_order)
-    num_dense = len(fmt.letters) - len(fmt.letters.lstrip("d"))
     shared = s.shared
-    w.line(f"Result* res = new Result({rank}, {num_dense});")
-    w.line("*handle = res;")
+    out.start(lo)
     _chunk_prologue(w, lo.dim(shared[0]) if shared else "1")
     w.line("const int64_t sn_chunks = std::max<int64_t>(sn_nchunks, 1);")
-    w.line("res->chunks.resize(sn_chunks);")
+    out.chunks(lo)
     w.line("int sn_error = 0;")
     w.line(f"#pragma omp parallel num_threads({'nthreads' if shared else '1'})")
     w.open("")
     if s.workspace is not None:
         ws = s.workspace
-        w.line(f"{'DenseWS' if ws.kind == 'dense' else 'SparseWS'} ws;")
+        w.line(f"{out.workspace} ws;")
         dims = ", ".join(lo.dim(i) for i in ws.indices)
-        w.line(f"const int64_t ws_dims[] = {{{dims}}};")
+        w.line(f"const int64_t ws_dims[] = {{{dims}}}; (void)ws_dims;")
         w.line(f"try {{ ws.init({' * '.join(lo.dim(i) for i in ws.indices)}); }} catch (const std::bad_alloc&) {{ sn_fail(sn_error); }}")
     w.line("#pragma omp for schedule(dynamic, 1)")
     w.open("for (int64_t sn_chunk = 0; sn_chunk < sn_chunks; ++sn_chunk)")
     w.line("if (sn_error) continue;")
     w.open("try")
-    w.line("Chunk& C = res->chunks[sn_chunk];")
-    w.line("C.init(res->rank);")
+    out.chunk(lo)
     terms = [(n.term, a.terms[n.term], n) for n in s.nests]
     states = {t: lo.initial_states(t, term) for t, term, _ in terms}
     balance = balancing_pos(lo, states[terms[0][0]], shared[0]) if shared and len(terms) == 1 else None
     chunk_bounds(w, "sn_chunk", "sn_chunks", balance)
     if len(terms) == 1:
-        _shared_single(lo, terms[0], states[terms[0][0]], 0, num_dense, rank)
+        _shared_single(lo, out, terms[0], states[terms[0][0]], 0)
     else:
-        _shared_union(lo, terms, states, {t: "true" for t, _, _ in terms}, 0, num_dense, rank)
+        _shared_union(lo, out, terms, states, {t: "true" for t, _, _ in terms}, 0)
     w.close("} catch (const std::bad_alloc&) { sn_fail(sn_error); }")
     w.close()  # chunk loop
     w.close()  # parallel region
     w.line("if (sn_error) return sn_error;")
-
-
-def _append_open(lo: _Lowerer, level: int, rank: int, num_dense: int, coord: str) -> str | None:
-    """Code before visiting the children of output level ``level`` at ``coord``."""
-    w = lo.w
-    if level >= num_dense:
-        w.line(f"C.crd[{level}].push_back({coord});")
-    if level + 1 >= rank:
-        return None
-    mark = w.fresh("m")
-    child = f"C.crd[{level + 1}].size()"
-    if level >= num_dense or level + 1 == num_dense:
-        w.line(f"const size_t {mark} = {child};")
-        return mark
-    return None
-
-
-def _append_close(lo: _Lowerer, level: int, rank: int, num_dense: int, mark: str | None) -> None:
-    w = lo.w
-    if mark is None:
-        return
-    child = f"C.crd[{level + 1}].size()"
-    if level >= num_dense:
-        w.line(f"if ({child} == {mark}) C.crd[{level}].pop_back(); else C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
-    else:
-        w.line(f"C.cnt[{level + 1}].push_back((int64_t)({child} - {mark}));")
+    out.finish(lo)
 
 
 def _term_value(lo: _Lowerer, t: int, term: Term, nest: Nest, states: list[_State], target: str) -> None:
@@ -97,7 +248,7 @@ def _term_value(lo: _Lowerer, t: int, term: Term, nest: Nest, states: list[_Stat
     lo.emit_order(nest.order, states, leaf, {}, accumulator=target)
 
 
-def _workspace_fill_and_drain(lo, terms, states_of, active, level: int, rank: int) -> None:
+def _workspace_fill_and_drain(lo, out, terms, states_of, active, level: int) -> None:
     """Each active term scatters into the workspace; then drain it into levels >= level."""
     w, s = lo.w, lo.s
     ws = s.workspace
@@ -105,43 +256,44 @@ def _workspace_fill_and_drain(lo, terms, states_of, active, level: int, rank: in
         coef = repr(float(term.coefficient))
 
         def leaf(st, coef=coef):
-            w.line(f"ws.add({lo.offset(ws.indices)}, V({coef}) * {lo.product(st)});")
+            out.scatter(lo, lo.offset(ws.indices), f"V({coef}) * {lo.product(st)}" if out.values else "")
 
         w.open(f"if ({active[t]})")
         lo.emit_order(nest.order, states_of[t], leaf, {})
         w.close()
-    w.line(f"ws.drain(C, {level}, {rank}, ws_dims);")
+    out.drain(lo, level)
 
 
-def _shared_single(lo: _Lowerer, term_info, states, level, num_dense, rank) -> None:
+def _shared_single(lo: _Lowerer, out: _Append, term_info, states, level) -> None:
     """Shared output loops for a single term: plain intersection co-iteration."""
     w, s = lo.w, lo.s
     t, term, nest = term_info
     if level == len(s.shared):
         if s.workspace is not None:
-            _workspace_fill_and_drain(lo, [term_info], {t: states}, {t: "true"}, level, rank)
+            _workspace_fill_and_drain(lo, out, [term_info], {t: states}, {t: "true"}, level)
             return
-        w.line("V sn_val = 0;")
-        _term_value(lo, t, term, nest, states, "sn_val")
-        w.line("C.val.push_back(sn_val);")
+        if out.values:
+            w.line("V sn_val = 0;")
+            _term_value(lo, t, term, nest, states, "sn_val")
+        out.store(lo, "sn_val")
         return
     index = s.shared[level]
-    if level < num_dense and any(st.next_index() == index and st.levels[st.depth][1] != "d" for st in states):
+    if level < out.num_dense and any(st.next_index() == index and st.levels[st.depth][1] != "d" for st in states):
         # A dense output level needs every coordinate (each gets a count), but the
         # term's stream visits only the stored ones: walk them all as a union does.
-        _shared_union(lo, [term_info], {t: states}, {t: "true"}, level, num_dense, rank)
+        _shared_union(lo, out, [term_info], {t: states}, {t: "true"}, level)
         return
     bounds = ("sn_lo", "sn_hi") if level == 0 else None
 
     def body(st):
-        mark = _append_open(lo, level, rank, num_dense, lo.var(index))
-        _shared_single(lo, term_info, st, level + 1, num_dense, rank)
-        _append_close(lo, level, rank, num_dense, mark)
+        mark = out.open(lo, level, lo.var(index))
+        _shared_single(lo, out, term_info, st, level + 1)
+        out.close(lo, level, mark)
 
     lo.emit_loop(index, states, body, bounds)
 
 
-def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -> None:
+def _shared_union(lo: _Lowerer, out: _Append, terms, states, active, level) -> None:
     """Shared output loops for a sum: co-iterate the union of the terms' streams.
 
     Each term's stream at this loop is the intersection of its sparse levels (or every
@@ -151,19 +303,20 @@ def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -
     w, s = lo.w, lo.s
     if level == len(s.shared):
         if s.workspace is not None:
-            _workspace_fill_and_drain(lo, terms, states, active, level, rank)
+            _workspace_fill_and_drain(lo, out, terms, states, active, level)
             return
-        w.line("V sn_val = 0;")
-        for t, term, nest in terms:
-            w.open(f"if ({active[t]})")
-            _term_value(lo, t, term, nest, states[t], "sn_val")
-            w.close()
-        w.line("C.val.push_back(sn_val);")
+        if out.values:
+            w.line("V sn_val = 0;")
+            for t, term, nest in terms:
+                w.open(f"if ({active[t]})")
+                _term_value(lo, t, term, nest, states[t], "sn_val")
+                w.close()
+        out.store(lo, "sn_val")
         return
     index = s.shared[level]
     var, n = lo.var(index), lo.dim(index)
     bounds = ("sn_lo", "sn_hi") if level == 0 else None
-    dense_level = level < num_dense
+    dense_level = level < out.num_dense
     # Per term: cursors over its sparse levels at this index.
     cursors = {}
     any_dense_term = False
@@ -234,9 +387,9 @@ def _shared_union(lo: _Lowerer, terms, states, active, level, num_dense, rank) -
         new_states[t] = st_list
     any_active = " || ".join(new_active.values())
     w.open(f"if ({any_active})" if not dense_level else "")
-    mark = _append_open(lo, level, rank, num_dense, var)
-    _shared_union(lo, terms, new_states, new_active, level + 1, num_dense, rank)
-    _append_close(lo, level, rank, num_dense, mark)
+    mark = out.open(lo, level, var)
+    _shared_union(lo, out, terms, new_states, new_active, level + 1)
+    out.close(lo, level, mark)
     w.close()
     for flag, q, end in advances:
         w.line(f"if ({flag}) {q} = {end};")

@@ -6,12 +6,16 @@ a fraction of a second) and exports ``extern "C"`` entry points over raw pointer
 ``int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle)``
     computes the expression. ``arrays`` holds each slot's arrays (see
     :func:`slot_arrays`) followed, for a dense output, by the zero-initialised output.
-    For a sparse output, ``*handle`` receives per-chunk level buffers.
+    For a sparse output, ``*handle`` receives per-chunk level buffers, or, for a
+    two-phase output (see assemble), the output's ``pos``; it then keeps ``arrays`` and
+    ``dims``, which must stay valid until ``sn_finish``.
+Kernels with a sparse (non-sampled) output also export:
+
 ``void sn_sizes(void* handle, int64_t* sizes)``
     per output level: stored coordinates and counts; then the number of values.
 ``int sn_finish(void* handle, void* const* arrays, int wide, int nthreads)``
     writes pos/crd (int32, or int64 when ``wide``) and values into caller-owned arrays
-    (prefix sums of the per-parent counts) and frees the handle.
+    (prefix sums of the per-parent counts, or the second phase) and frees the handle.
 ``void sn_free(void* handle)``
 
 Errors (allocation failure) are returned as non-zero codes, never thrown across the
@@ -32,12 +36,9 @@ _LANE_INTS = {"float32": "int32_t", "float64": "int64_t"}  # shuffle index lanes
 
 _PRELUDE = r"""
 #include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <new>
-#include <utility>
-#include <vector>
 
 typedef @V@ V;
 typedef @I@ I;
@@ -80,6 +81,15 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
   return lo;
 }
 
+"""
+
+# Only kernels that assemble a sparse output need these (they double the build time).
+_SPARSE_OUTPUT_PRELUDE = r"""
+#include <climits>
+#include <memory>
+#include <utility>
+#include <vector>
+
 static inline void sn_fail(int& flag) {
 #pragma omp atomic write
   flag = 1;
@@ -97,6 +107,10 @@ struct Chunk {
 struct Result {
   int rank, num_dense;
   std::vector<Chunk> chunks;
+  /* Two-phase: pos of the one compressed level, and sn_run's arguments for phase 2. */
+  std::vector<int64_t> pos;
+  void* const* arrays = nullptr;
+  const int64_t* dims = nullptr;
   Result(int r, int d) : rank(r), num_dense(d) {}
 };
 
@@ -161,6 +175,110 @@ struct DenseWS {
   }
 };
 
+/* Two-phase workspaces over keys [0, n), n < 2^32 (a dense workspace's size). A key
+   is new in the current row when its stamp is not the row's; keys are stamped without
+   branches and without sharing words (a bitmap's read-modify-writes of one word would
+   chain). Phase 1 only counts each row's keys. */
+struct CountWS {
+  std::vector<uint32_t> seen;
+  uint32_t row = 1;
+  int64_t n = 0;
+  void init(int64_t size) { seen.assign(size, 0); }
+  inline void mark(int64_t x) {
+    n += seen[x] != row;
+    seen[x] = row;
+  }
+  int64_t count() {
+    const int64_t k = n;
+    n = 0;
+    if (++row == 0) { std::fill(seen.begin(), seen.end(), 0); row = 1; }
+    return k;
+  }
+};
+
+/* Phase 2 also sums values (zeroed again as they are drained) and lists the row's keys
+   (a repeated key is written past the list's end). drain writes them in order with
+   their sums: a short list by insertion sort; else through a two-level bitmap (a bit
+   per key, and per 64 words a summary word of the non-zero ones), set from the list
+   and walked between the smallest and largest key, O(k) whatever the key range. */
+struct FillWS {
+  std::vector<V> val;
+  std::vector<uint32_t> seen;
+  std::vector<uint64_t> bits, summary;
+  std::unique_ptr<uint32_t[]> list;
+  uint32_t row = 1;
+  int64_t n = 0;
+  void init(int64_t size) {
+    val.assign(size, V(0));
+    seen.assign(size, 0);
+    bits.assign((size + 63) / 64, 0);
+    summary.assign((size + 4095) / 4096, 0);
+    list.reset(new uint32_t[size + 1]);
+  }
+  inline void add(int64_t x, V v) {
+    const bool fresh = seen[x] != row;
+    seen[x] = row;
+    list[n] = (uint32_t)x;
+    n += fresh;
+    val[x] += v;
+  }
+  template <class J>
+  int64_t drain(J* __restrict__ crd, V* __restrict__ out) {
+    const int64_t k = n;
+    if (k == 0) return 0;
+    n = 0;
+    if (++row == 0) { std::fill(seen.begin(), seen.end(), 0); row = 1; }
+    uint32_t* keys = list.get();
+    if (k <= 16) {
+      for (int64_t t = 1; t < k; ++t) {
+        const uint32_t x = keys[t];
+        int64_t u = t;
+        for (; u > 0 && keys[u - 1] > x; --u) keys[u] = keys[u - 1];
+        keys[u] = x;
+      }
+      for (int64_t t = 0; t < k; ++t) {
+        const uint32_t x = keys[t];
+        crd[t] = (J)x;
+        out[t] = val[x];
+        val[x] = V(0);
+      }
+      return k;
+    }
+    uint32_t lo = keys[0], hi = keys[0];
+    uint64_t run = 0;  // bits of word w, or'ed in once per run of keys in that word
+    uint32_t w = keys[0] >> 6;
+    for (int64_t t = 0; t < k; ++t) {
+      const uint32_t x = keys[t];
+      lo = std::min(lo, x);
+      hi = std::max(hi, x);
+      if ((x >> 6) != w) {
+        bits[w] |= run;
+        summary[w >> 6] |= uint64_t(1) << (w & 63);
+        run = 0;
+        w = x >> 6;
+      }
+      run |= uint64_t(1) << (x & 63);
+    }
+    bits[w] |= run;
+    summary[w >> 6] |= uint64_t(1) << (w & 63);
+    int64_t q = 0;
+    for (int64_t s = lo >> 12; s <= (int64_t)(hi >> 12); ++s) {
+      for (uint64_t sw = summary[s]; sw; sw &= sw - 1) {
+        const int64_t b = s * 64 + __builtin_ctzll(sw);
+        for (uint64_t word = bits[b]; word; word &= word - 1) {
+          const int64_t x = b * 64 + __builtin_ctzll(word);
+          crd[q] = (J)x;
+          out[q++] = val[x];
+          val[x] = V(0);
+        }
+        bits[b] = 0;
+      }
+      summary[s] = 0;
+    }
+    return k;
+  }
+};
+
 /* Sparse accumulator: (key, value) pairs, stably sorted and combined at drain time. */
 struct SparseWS {
   std::vector<std::pair<int64_t, V>> entries;
@@ -185,6 +303,12 @@ struct SparseWS {
 
 extern "C" void sn_sizes(void* handle, int64_t* sizes) {
   const Result* r = (const Result*)handle;
+  if (!r->pos.empty()) {  // two-phase: dense levels, then one compressed level
+    std::fill(sizes, sizes + 2 * r->rank + 1, 0);
+    sizes[2 * r->num_dense] = sizes[2 * r->rank] = r->pos.back();
+    sizes[2 * r->num_dense + 1] = (int64_t)r->pos.size() - 1;
+    return;
+  }
   for (int l = 0; l < r->rank; ++l) {
     int64_t crd = 0, cnt = 0;
     for (const Chunk& c : r->chunks) {
@@ -202,7 +326,7 @@ extern "C" void sn_sizes(void* handle, int64_t* sizes) {
 
 /* pos arrays are exclusive prefix sums of the concatenated per-parent counts. */
 template <class J>
-static void sn_fill(const Result* r, void* const* out, int nthreads) {
+static int sn_fill(Result* r, void* const* out, int nthreads) {
   const int64_t nc = (int64_t)r->chunks.size();
   int slot = 0;
   std::vector<int64_t> crd_off(nc + 1), cnt_off(nc + 1), sum_off(nc + 1);
@@ -240,18 +364,7 @@ static void sn_fill(const Result* r, void* const* out, int nthreads) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t c = 0; c < nc; ++c)
     std::copy(r->chunks[c].val.begin(), r->chunks[c].val.end(), val + val_off[c]);
-}
-
-extern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {
-  Result* r = (Result*)handle;
-  int code = 0;
-  try {
-    if (wide) sn_fill<int64_t>(r, out, nthreads); else sn_fill<int32_t>(r, out, nthreads);
-  } catch (const std::bad_alloc&) {
-    code = 1;
-  }
-  delete r;
-  return code;
+  return 0;
 }
 
 extern "C" void sn_free(void* handle) { delete (Result*)handle; }
@@ -311,8 +424,9 @@ def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
     """The complete C++ translation unit for ``kernel``."""
+    prelude = _PRELUDE if kernel.dense_output else _PRELUDE + _SPARSE_OUTPUT_PRELUDE
     prelude = (
-        _PRELUDE.replace("@V@", _CTYPES[value_dtype])
+        prelude.replace("@V@", _CTYPES[value_dtype])
         .replace("@I@", _CTYPES[index_dtype])
         .replace("@IV@", _LANE_INTS.get(value_dtype, _CTYPES[value_dtype]))
         .replace(
@@ -320,7 +434,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         )
         .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
     )
-    unpack, n = [], 0
+    inputs, n = [], 0
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):
             if kind == "dense":
@@ -329,8 +443,9 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
                 name, ctype = f"s{s}_val", "V"
             else:
                 name, ctype = f"s{s}_{kind}{level}", "I"
-            unpack.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
+            inputs.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
             n += 1
+    unpack = list(inputs)
     if kernel.dense_output:
         unpack.append(f"    V* __restrict__ out = (V*)arrays[{n}];")
         unpack.append("    (void)handle;")
@@ -343,4 +458,23 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         + kernel.body
         + "\n    return 0;\n"
         + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
+        + ("" if kernel.dense_output else _finish(kernel, inputs))
+    )
+
+
+def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
+    """``sn_finish``: copies the chunks' buffers out, or runs a two-phase output's fill."""
+    source, fill = "", "sn_fill"
+    if kernel.fill is not None:
+        fill = "sn_fill_phase"
+        source = (
+            "\ntemplate <class J>\nstatic int sn_fill_phase(Result* r, void* const* out, int nthreads) {\n"
+            "    void* const* arrays = r->arrays;\n    const int64_t* dims = r->dims;\n"
+            + "\n".join(inputs) + "\n" + kernel.fill + "\n    return 0;\n}\n"
+        )
+    return source + (
+        '\nextern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {\n'
+        "  Result* r = (Result*)handle;\n  int code = 0;\n  try {\n"
+        f"    code = wide ? {fill}<int64_t>(r, out, nthreads) : {fill}<int32_t>(r, out, nthreads);\n"
+        "  } catch (const std::bad_alloc&) {\n    code = 1;\n  }\n  delete r;\n  return code;\n}\n"
     )

@@ -70,7 +70,8 @@ class Plan:
             library = jit.load_library(self.source, "sparse_einsum")
             library.sn_run.restype = ctypes.c_int
             library.sn_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-            library.sn_finish.restype = ctypes.c_int
+            if not self.kernel.dense_output:  # the kernel assembles its sparse output
+                library.sn_finish.restype = ctypes.c_int
             self.library = library
         return self.library
 
@@ -305,14 +306,18 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
         # stores explicit zeros where ``op`` has no entry, and those must gather 0.
         numbered = op.with_values(torch.arange(1, op.values.shape[0] + 1, dtype=torch.float64))
         moved = numbered.asformat(fmt)
-        hit = (versions, moved, moved.values.to(torch.int64), arrays)
+        permutation = moved.values.to(torch.int64)
+        padded = bool((permutation == 0).any())  # else a pure permutation: gather from values
+        hit = (versions, moved, permutation if padded else permutation - 1, padded, arrays)
         with _plans_lock:
             _restored[key] = hit
             while len(_restored) > _RESTORED_LIMIT:
                 _restored.popitem(last=False)
-    _, moved, permutation, _ = hit
+    _, moved, permutation, padded, _ = hit
     values = op.values.detach()
-    values = torch.cat([values.new_zeros(1), values])[permutation]
+    if padded:
+        values = torch.cat([values.new_zeros(1), values])
+    values = torch.index_select(values, 0, permutation)
     return SparseTensor(op.shape, fmt, moved.pos, moved.crd, values, check=False)
 
 
@@ -379,14 +384,17 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
     if plan.output_format is not None and plan.anchor is None:  # the kernel assembles a sparse result
         handle = ctypes.c_void_p()
-        code = lib.sn_run(plan.pointer_array(*pointers), plan.dims, nthreads, ctypes.byref(handle))
-        del owners, slot_operands
+        arrays = plan.pointer_array(*pointers)
+        code = lib.sn_run(arrays, plan.dims, nthreads, ctypes.byref(handle))
         if code != 0:
             if handle.value:
                 lib.sn_free(handle)
             raise MemoryError("sparsenn kernel ran out of memory")
         out_shape = tuple(sizes[i] for i in plan.assignment.output)
-        return _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
+        # A two-phase output's sn_finish reads the operands again: arrays and owners live on.
+        result = _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
+        del arrays, owners, slot_operands
+        return result
     if plan.anchor is not None:  # values at the anchor's positions
         pattern = prepared[plan.anchor]
         out = torch.zeros(pattern.values.shape[0], dtype=dtype)

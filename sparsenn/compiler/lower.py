@@ -20,7 +20,10 @@ workspace absorbs scattered writes. The outermost loop is split into coordinate 
 
 Inner loops: an innermost reduction over one compressed level sums into several
 independent accumulators, and a loop over a compressed level's positions prefetches the
-dense rows (``d[..., crd[q + D], :]``) that position ``q + D`` will gather.
+dense rows (``d[..., crd[q + D], :]``) that position ``q + D`` will gather. A loop over a
+compressed level whose body is a dense vector reduction runs blocks of ROW_BLOCK
+positions whose reductions share the loads of the factors not indexed by the level
+(SDDMM's ``X[i, :]`` for four ``Y[j, :]``) and one transpose-and-add of their sums.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class LoweredKernel:
     slots: tuple[Slot, ...]
     indices: tuple[str, ...]  # index variables, in the order of the dims array
     dense_output: bool
+    fill: str | None = None  # a two-phase sparse output's second phase (see assemble)
 
 
 @dataclass(frozen=True)
@@ -144,6 +148,10 @@ class _Lowerer:
             )
             states.append(_State(n, levels, ()))
         return states
+
+    def declare_dims(self) -> None:
+        for n, _ in enumerate(self.indices):
+            self.w.line(f"const int64_t N{n} = dims[{n}]; (void)N{n};")
 
     def offset(self, indices: Sequence[str], at: dict[str, str] | None = None) -> str:
         """Row-major linear offset of ``indices`` (Horner form), at the current values
@@ -659,16 +667,15 @@ def lower(
     term reads at the output's indices): the kernel writes values at the anchor's
     positions into a dense values array, and no output assembly is needed."""
     lo = _Lowerer(assignment, sched, formats)
-    w = lo.w
-    for n, _ in enumerate(lo.indices):
-        w.line(f"const int64_t N{n} = dims[{n}]; (void)N{n};")
+    lo.declare_dims()
+    fill = None
     if sched.output_format is None:
         _lower_dense_output(lo, anchor)
     else:
         from .assemble import lower_sparse_output  # imports this module's co-iteration
 
-        lower_sparse_output(lo)
-    return LoweredKernel("\n".join(w.lines), tuple(lo.slots), lo.indices, sched.output_format is None)
+        fill = lower_sparse_output(lo)
+    return LoweredKernel("\n".join(lo.w.lines), tuple(lo.slots), lo.indices, sched.output_format is None, fill)
 
 
 # ----------------------------------------------------------------------------- dense output
