@@ -479,7 +479,7 @@ class _Lowerer:
         """Bind ``index`` to the coordinate at ``position`` of the driver's unique
         sparse level (which ``crd`` names) and locate the dense levels indexed by it."""
         w, var = self.w, self.var(index)
-        w.line(f"const int64_t {var} = {crd}[{position}];")
+        w.line(f"const int64_t {var} = {crd}[{position}]; (void){var};")
         new = list(states)
         new[driver] = replace(states[driver], depth=states[driver].depth + 1, pos=position, seg_end=None)
         for k, st in enumerate(states):
