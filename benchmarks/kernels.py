@@ -46,16 +46,20 @@ KINDS = {"SpMV": "ij,j->i", "SpMM": "ij,jk->ik", "SDDMM": "ij,ik,jk->ij", "SpGEM
 
 def median_times(fns: dict, min_time: float = 0.3, max_reps: int = 30, min_reps: int = 5) -> dict:
     """Median seconds per call of each function, measured round-robin (one call of each
-    per round, so load from other jobs hits them alike) after 2 warm-up rounds, for at
-    least min_reps rounds and until min_time or max_reps. A function that raises gets
-    its error text instead."""
+    per round, starting with a different one each round, so load from other jobs and the
+    previous call's cache footprint hit them alike) after 2 warm-up rounds, for at least
+    min_reps rounds and until min_time or max_reps. A function that raises gets its
+    error text instead."""
     times: dict = {name: [] for name in fns}
     live = dict(fns)
     rounds, begin = -2, None
-    while rounds < min_reps or (time.perf_counter() - begin < min_time and rounds < max_reps):
+    while live and (rounds < min_reps or (time.perf_counter() - begin < min_time and rounds < max_reps)):
         if rounds == 0:
             begin = time.perf_counter()
-        for name, fn in list(live.items()):
+        names = list(live)
+        shift = rounds % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = live[name]
             t = time.perf_counter()
             try:
                 fn()
@@ -231,7 +235,10 @@ def run_case(name: str, m: sps.csr_array, case: dict, threads: list[int]) -> lis
         row = dict(base, threads=t)
         fns = {lib: fn for lib, fn in [("sparsenn", case["ours"]), *case["alts"].items()] if callable(fn)}
         row.update({lib: fn for lib, fn in case["alts"].items() if not callable(fn)})  # skip notes
-        row.update({lib: v * 1e3 if isinstance(v, float) else v for lib, v in median_times(fns).items()})
+        # The dense baseline writes n² floats per call, evicting everything: timed on its own.
+        alone = {lib: fns.pop(lib) for lib in list(fns) if lib == "dense-mask"}
+        for group in (fns, alone):
+            row.update({lib: v * 1e3 if isinstance(v, float) else v for lib, v in median_times(group).items()})
         if case["nbytes"] and m.nnz >= 1_000_000 and isinstance(row["sparsenn"], float):
             row["bw_fraction"] = case["nbytes"] / BANDWIDTH[t] / (row["sparsenn"] * 1e-3)
         out.append(row)

@@ -6,6 +6,7 @@ import torch
 
 import sparsenn
 from sparsenn.compiler.dispatch import plan
+from sparsenn.compiler import schedule as schedule_module
 from sparsenn.compiler.schedule import cache_sizes
 
 
@@ -80,6 +81,20 @@ def test_tiles_only_dense_loops_not_parents_of_sparse():
     assert 32 <= tile.size < 4096
     assert 2_000 * tile.size * 4 <= l2 // 2  # the reused tile of B fits in half of L2
     assert nest.register_block is not None and tile.size % nest.register_block.size == 0
+
+
+def test_reduction_indices_are_not_tiled(monkeypatch):
+    # SDDMM's k is dense and its rows of X and Y are reused, but tiling it would split
+    # each dot product into partial sums added in separate passes over the pattern.
+    # SpMM's k is an output index: tiled under the same cache size.
+    monkeypatch.setattr(schedule_module, "cache_sizes", lambda: (1 << 20, 32 << 20))
+    n, k = 1_000, 256
+    a = sparse((n, n), "csr", density=0.01)
+    sddmm = plan("ij,ik,jk->ij", a, torch.randn(n, k), torch.randn(n, k))
+    (nest,) = sddmm.schedule.nests
+    assert nest.order[-1] == "k" and nest.tiles == ()
+    spmm = plan("ij,jk->ik", a, torch.randn(n, k))
+    assert [t.index for t in spmm.schedule.nests[0].tiles] == ["k"]
 
 
 def test_small_dense_loops_are_not_tiled():

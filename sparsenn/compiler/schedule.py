@@ -21,8 +21,10 @@ level. It returns a :class:`Schedule`:
   workspace's cost. SpGEMM gets Gustavson's ``i,k,j`` with a row workspace; SDDMM
   iterates its sampling pattern with an inner dense reduction.
 * **Tiling** (Algorithm 3, dense outputs): a dense loop is tiled when some access is
-  reused across another loop, the index is dense in every operand, and it is not the
-  parent of a sparse loop; the tile makes the reused data fit in half of a core's
+  reused across another loop, the index is dense in every operand, it is an output
+  index (a tiled reduction would split every sum into per-tile partial sums, each a
+  pass over the sparse operand) and it is not the parent of a sparse loop; the tile
+  makes the reused data fit in half of a core's
   private L2 (the last-level cache is shared with the other core and, on a VM, with
   other tenants, so it is not a dependable target).
 * **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
@@ -286,7 +288,9 @@ def _tiles(
     sparse_indices = {i for f in factors for i, letter in f.levels if letter != "d"}
     working -= sparse_indices
     last_sparse = max((order.index(i) for i in sparse_indices if i in order), default=-1)
-    working = {i for i in working if order.index(i) > last_sparse}
+    # A tiled reduction index would split every sum into one partial sum per tile, each
+    # added to the output in its own pass over the sparse operand: only output indices.
+    working = {i for i in working if order.index(i) > last_sparse and i in output}
     l2, _ = cache_sizes()
     tiles = []
     for index in sorted(working, key=order.index):
