@@ -336,6 +336,8 @@ def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
                       for slot in plan.kernel.slots)
     plan.dims = (ctypes.c_int64 * max(len(plan.kernel.indices), 1))(*[sizes[i] for i in plan.kernel.indices])
     plan.pointer_array = ctypes.c_void_p * (len(plan.arguments) + int(plan.kernel.dense_output))
+
+
 def _slot_operands(plan: Plan, prepared: list) -> list:
     """Each slot's operand as the kernel reads it: a dense one laid out in loop order,
     a sparse one re-stored in the slot's mode order where the schedule asked for it.

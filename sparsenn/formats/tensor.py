@@ -67,6 +67,17 @@ class SparseTensor(Constructors):
     ``index_dtype`` is only needed when no level has index arrays.
     """
 
+    shape: tuple[int, ...]
+    format: Format
+    pos: tuple[Tensor | None, ...]
+    crd: tuple[Tensor | None, ...]
+    values: Tensor
+    level_sizes: tuple[int, ...]
+    index_dtype: torch.dtype
+    # (format, shape, stored positions per storage level, index dtype): all of the
+    # structure but the coordinates themselves. Compiled kernels are chosen by it.
+    signature: tuple
+
     def __init__(self, shape: Sequence[int], format: str | Format, pos: Sequence[Tensor | None],
                  crd: Sequence[Tensor | None], values: Tensor, check: bool = True,
                  index_dtype: torch.dtype | None = None) -> None:
@@ -90,17 +101,6 @@ class SparseTensor(Constructors):
             _index_arrays=tuple(arrays), _versions=tuple(array_version(a) for a in arrays),
             _num_values=values.shape[0],
         )
-
-    shape: tuple[int, ...]
-    format: Format
-    pos: tuple[Tensor | None, ...]
-    crd: tuple[Tensor | None, ...]
-    values: Tensor
-    level_sizes: tuple[int, ...]
-    index_dtype: torch.dtype
-    # (format, shape, stored positions per storage level, index dtype): all of the
-    # structure but the coordinates themselves. Compiled kernels are chosen by it.
-    signature: tuple
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(
