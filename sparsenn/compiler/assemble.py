@@ -37,15 +37,53 @@ def two_phase(s: Schedule) -> bool:
     )
 
 
-class _Append:
-    """Appended assembly: per-chunk level buffers (``Chunk``), any level structure."""
+class _Output:
+    """How :func:`_emit`'s shared loops assemble the output: each hook emits C++ at one
+    point of the kernel; a hook a strategy does not need emits nothing."""
 
-    values = True
+    values = True  # whether the loops compute values (else only the pattern)
+    workspace: str | None = None  # the C++ workspace type, if the schedule has one
 
     def __init__(self, lo: _Lowerer):
         letters = lo.s.output_format.letters
         self.rank = len(lo.s.output_order)
         self.num_dense = len(letters) - len(letters.lstrip("d"))
+
+    def start(self, lo: _Lowerer) -> None:
+        """Before the chunks are laid out."""
+
+    def chunks(self, lo: _Lowerer) -> None:
+        """Once their number, ``sn_chunks``, is known."""
+
+    def chunk(self, lo: _Lowerer) -> None:
+        """At the start of chunk ``sn_chunk``."""
+
+    def finish(self, lo: _Lowerer) -> None:
+        """After the parallel region."""
+
+    def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
+        """Before visiting the children of output level ``level`` at ``coord``; returns
+        the mark :meth:`close` gets."""
+        return None
+
+    def close(self, lo: _Lowerer, level: int, mark: str | None) -> None:
+        """After visiting them."""
+
+    def store(self, lo: _Lowerer, value: str) -> None:
+        """One entry of the last output level, with ``value``."""
+
+    def scatter(self, lo: _Lowerer, key: str, value: str) -> None:
+        """Add ``value`` at workspace ``key``."""
+
+    def drain(self, lo: _Lowerer, level: int) -> None:
+        """The workspace's entries become output levels ``level`` and below."""
+
+
+class _Append(_Output):
+    """Appended assembly: per-chunk level buffers (``Chunk``), any level structure."""
+
+    def __init__(self, lo: _Lowerer):
+        super().__init__(lo)
         self.workspace = None if lo.s.workspace is None else "DenseWS" if lo.s.workspace.kind == "dense" else "SparseWS"
 
     def start(self, lo: _Lowerer) -> None:
@@ -59,11 +97,7 @@ class _Append:
         lo.w.line("Chunk& C = res->chunks[sn_chunk];")
         lo.w.line("C.init(res->rank);")
 
-    def finish(self, lo: _Lowerer) -> None:
-        pass
-
     def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
-        """Code before visiting the children of output level ``level`` at ``coord``."""
         w, rank, num_dense = lo.w, self.rank, self.num_dense
         if level >= num_dense:
             w.line(f"C.crd[{level}].push_back({coord});")
@@ -96,17 +130,22 @@ class _Append:
         lo.w.line(f"ws.drain(C, {level}, {self.rank}, ws_dims);")
 
 
-class _Count(_Append):
-    """Two-phase assembly, phase 1: ``sn_cnt[p + 1]`` = children of dense parent ``p``
-    (pattern only: no values computed); then ``sn_cnt`` becomes ``pos`` by prefix sums."""
-
-    values = False
+class _TwoPhase(_Output):
+    """Both phases of a two-phase output: ``parent`` is the linear position of the
+    current dense parent (a row), ``parents`` their number."""
 
     def __init__(self, lo: _Lowerer):
         super().__init__(lo)
-        self.workspace = "CountWS"
         self.parent = lo.offset(lo.s.output_order[: self.num_dense])
         self.parents = " * ".join(lo.dim(i) for i in lo.s.output_order[: self.num_dense])
+
+
+class _Count(_TwoPhase):
+    """Phase 1: ``sn_cnt[p + 1]`` = children of dense parent ``p`` (pattern only: no
+    values computed); then ``sn_cnt`` becomes ``pos`` by prefix sums."""
+
+    values = False
+    workspace = "CountWS"
 
     def start(self, lo: _Lowerer) -> None:
         w = lo.w
@@ -117,12 +156,6 @@ class _Count(_Append):
         w.line(f"const int64_t sn_parents = {self.parents};")
         w.line("res->pos.assign(sn_parents + 1, 0);")
         w.line("int64_t* __restrict__ sn_cnt = res->pos.data();")
-
-    def chunks(self, lo: _Lowerer) -> None:
-        pass
-
-    def chunk(self, lo: _Lowerer) -> None:
-        pass
 
     def finish(self, lo: _Lowerer) -> None:
         lo.w.line("for (int64_t p = 0; p < sn_parents; ++p) sn_cnt[p + 1] += sn_cnt[p];")
@@ -147,15 +180,14 @@ class _Count(_Append):
         lo.w.line("sn_n = ws.count();")
 
 
-class _Fill(_Count):
-    """Two-phase assembly, phase 2 (``sn_finish``): parent ``p``'s children go to
-    ``crd/val[pos[p] ..]`` of the caller's arrays (``out``: pos, crd, values)."""
+class _Fill(_TwoPhase):
+    """Phase 2 (``sn_finish``): parent ``p``'s children go to ``crd/val[pos[p] ..]`` of
+    the caller's arrays (``out``: pos, crd, values)."""
 
-    values = True
+    workspace = "FillWS"
 
     def __init__(self, lo: _Lowerer):
         super().__init__(lo)
-        self.workspace = "FillWS"
         self.last = lo.var(lo.s.output_order[-1])
 
     def start(self, lo: _Lowerer) -> None:
@@ -166,9 +198,6 @@ class _Fill(_Count):
         w.line("V* __restrict__ sn_out_val = (V*)out[2];")
         w.line("#pragma omp parallel for num_threads(nthreads)")
         w.line("for (int64_t p = 0; p < (int64_t)r->pos.size(); ++p) sn_out_pos[p] = (J)sn_pos[p];")
-
-    def finish(self, lo: _Lowerer) -> None:
-        pass
 
     def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
         if level == self.num_dense - 1:
@@ -200,7 +229,7 @@ def lower_sparse_output(lo: _Lowerer) -> str | None:
     return "\n".join(fill.w.lines)
 
 
-def _emit(lo: _Lowerer, out: _Append) -> None:
+def _emit(lo: _Lowerer, out: _Output) -> None:
     """Chunks of the first shared loop run the shared loops, assembling through ``out``."""
     a, s, w = lo.a, lo.s, lo.w
     shared = s.shared
@@ -264,7 +293,7 @@ def _workspace_fill_and_drain(lo, out, terms, states_of, active, level: int) -> 
     out.drain(lo, level)
 
 
-def _shared_single(lo: _Lowerer, out: _Append, term_info, states, level) -> None:
+def _shared_single(lo: _Lowerer, out: _Output, term_info, states, level) -> None:
     """Shared output loops for a single term: plain intersection co-iteration."""
     w, s = lo.w, lo.s
     t, term, nest = term_info
@@ -293,7 +322,7 @@ def _shared_single(lo: _Lowerer, out: _Append, term_info, states, level) -> None
     lo.emit_loop(index, states, body, bounds)
 
 
-def _shared_union(lo: _Lowerer, out: _Append, terms, states, active, level) -> None:
+def _shared_union(lo: _Lowerer, out: _Output, terms, states, active, level) -> None:
     """Shared output loops for a sum: co-iterate the union of the terms' streams.
 
     Each term's stream at this loop is the intersection of its sparse levels (or every

@@ -186,19 +186,10 @@ def _bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << round(math.log2(n))
 
 
-def _positions(op: SparseTensor) -> list[int]:
-    """Stored positions per level, from array lengths (no device sync, no .item())."""
-    positions, parent = [], 1
-    for level, size in enumerate(op.level_sizes):
-        crd = op.crd[level]
-        parent = parent * size if crd is None else crd.shape[0]
-        positions.append(parent)
-    return positions
-
-
 def _info(op) -> OperandInfo:
     if isinstance(op, SparseTensor):
-        return OperandInfo(op.format, tuple(op.shape), tuple(_bucket(p) for p in _positions(op)))
+        _, shape, positions, _ = op.signature
+        return OperandInfo(op.format, shape, tuple(_bucket(p) for p in positions))
     return OperandInfo(None, tuple(op.shape))
 
 

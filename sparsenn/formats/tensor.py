@@ -149,11 +149,7 @@ class SparseTensor(Constructors):
 
     def num_positions(self, level: int) -> int:
         """Positions of storage level ``level`` (the root, above level 0, has one)."""
-        last = range(len(self.format.levels))[level]
-        count = 1
-        for index in range(last + 1):
-            count = self.format.levels[index].num_positions(count, self.level_sizes[index], self.pos[index])
-        return count
+        return self.signature[2][level]
 
     def check_unmodified(self) -> None:
         """Raise ValueError if a pos/crd array was modified in place (or its ``.data``
