@@ -587,6 +587,9 @@ def test_hsums_transpose_and_add():
     assert "const VV s0 = acc[0][0];" in _hsums_source(8, 4, 1)
     # More rows than lanes: groups of one vector's width.
     assert "std::memcpy(out + 2, &t2, 2 * sizeof(V))" in _hsums_source(2, 4, 1)
+    # One vector's sum: halves folded onto the low lanes, in the order of a lane loop's tree.
+    assert "const VV t1 = v + SN_SHUFFLE(v, v, 4, 5, 6, 7, 4, 5, 6, 7);" in text
+    assert "const VV t3 = t2 + SN_SHUFFLE(t2, t2, 1, 1, 2, 3, 4, 5, 6, 7);\n  return t3[0];" in text
 
 
 def test_prefetches_go_to_l2():

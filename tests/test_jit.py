@@ -294,3 +294,9 @@ def test_kernels_share_torchs_openmp_runtime(cache: pathlib.Path) -> None:
     with open("/proc/self/maps") as maps:
         gomp = {line.split()[-1] for line in maps if "libgomp" in line}
     assert len(gomp) == 1, gomp
+
+
+def test_gcc_only_flags_are_not_passed_to_clang() -> None:
+    assert set(jit.GCC_FLAGS) <= set(jit.compiler_flags("g++ (Debian 12.2.0-14) 12.2.0"))
+    assert not set(jit.GCC_FLAGS) & set(jit.compiler_flags("Ubuntu clang version 17.0.6"))
+    assert set(jit.CXX_FLAGS) <= set(jit.compiler_flags("Apple clang version 15.0.0"))

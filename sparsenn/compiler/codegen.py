@@ -48,14 +48,6 @@ typedef V VV __attribute__((vector_size(@VECTOR_BYTES@)));
 constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
-/* Sum of the lanes as a tree (log2(SN_W) dependent adds, not SN_W). */
-static inline V sn_hsum(VV v) {
-  V lanes[SN_W];
-  std::memcpy(lanes, &v, sizeof v);
-  for (int width = SN_W / 2; width > 0; width /= 2)
-    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-  return lanes[0];
-}
 /* Lanes of a and b picked by constant indices (b's lanes numbered from SN_W). */
 typedef @IV@ VI __attribute__((vector_size(@VECTOR_BYTES@)));
 #if defined(__clang__)
@@ -371,18 +363,35 @@ extern "C" void sn_free(void* handle) { delete (Result*)handle; }
 """
 
 
+def _fold_halves(total: str, width: int, keep: int, lines: list[str], fresh: list[int]) -> str:
+    """Emit adds of the upper half of ``total``'s first ``live`` lanes onto the lower
+    half until ``keep`` lanes remain; returns the vector holding them."""
+    live = width
+    while live > keep:
+        half = live // 2
+        fresh[0] += 1
+        mask = [l + half if l < half else l for l in range(width)]
+        lines.append(f"  const VV t{fresh[0]} = {total} + SN_SHUFFLE({total}, {total}, {', '.join(map(str, mask))});")
+        total, live = f"t{fresh[0]}", half
+    return total
+
+
 def _hsums_source(width: int, rows: int, vectors: int) -> str:
-    """``sn_hsums(acc, out)``: ``out[r] = sum of the lanes of sum_v acc[r][v]`` for
+    """``sn_hsum(v)``, the sum of v's lanes as a tree of vector shuffles and adds
+    (log2(width) dependent adds, no round trip through memory), and
+    ``sn_hsums(acc, out)``: ``out[r] = sum of the lanes of sum_v acc[r][v]`` for
     ``r < rows``, by a transpose-and-add: pairing vectors ``a, b`` whose lanes hold
     ``s`` rows each (lane ``l`` holds row ``l mod s``) and adding lanes ``l`` and ``l + s``
     of each block of ``2 s`` gives one vector holding their ``2 s`` rows; with every row
     in one vector, halves are folded until ``rows`` lanes remain. Row groups of ``width``
     if ``rows`` exceeds it. ``rows`` and ``width`` are powers of two."""
-    group = min(rows, width)
-    lines = [f"static inline void sn_hsums(const VV (&acc)[{rows}][{vectors}], V* out) {{"]
+    lines = ["static inline V sn_hsum(VV v) {"]
+    lines.append(f"  return {_fold_halves('v', width, 1, lines, [0])}[0];")
+    lines.append("}")
+    fresh, group = [0], min(rows, width)
+    lines.append(f"static inline void sn_hsums(const VV (&acc)[{rows}][{vectors}], V* out) {{")
     for r in range(rows):
         lines.append(f"  const VV s{r} = {' + '.join(f'acc[{r}][{v}]' for v in range(vectors))};")
-    fresh = 0
     for first in range(0, rows, group):
         level, size = [f"s{r}" for r in range(first, first + group)], 1
         while len(level) > 1:
@@ -390,20 +399,14 @@ def _hsums_source(width: int, rows: int, vectors: int) -> str:
             pick_high = [i + size for i in pick_low]
             paired = []
             for a, b in zip(level[::2], level[1::2]):
-                fresh += 1
+                fresh[0] += 1
                 lines.append(
-                    f"  const VV t{fresh} = SN_SHUFFLE({a}, {b}, {', '.join(map(str, pick_low))}) + "
+                    f"  const VV t{fresh[0]} = SN_SHUFFLE({a}, {b}, {', '.join(map(str, pick_low))}) + "
                     f"SN_SHUFFLE({a}, {b}, {', '.join(map(str, pick_high))});"
                 )
-                paired.append(f"t{fresh}")
+                paired.append(f"t{fresh[0]}")
             level, size = paired, 2 * size
-        total, live = level[0], width
-        while live > group:
-            half = live // 2
-            fresh += 1
-            mask = [l + half if l < half else l for l in range(width)]
-            lines.append(f"  const VV t{fresh} = {total} + SN_SHUFFLE({total}, {total}, {', '.join(map(str, mask))});")
-            total, live = f"t{fresh}", half
+        total = _fold_halves(level[0], width, group, lines, fresh)
         lines.append(f"  std::memcpy(out + {first}, &{total}, {group} * sizeof(V));")
     return "\n".join(lines + ["}"])
 
