@@ -67,12 +67,13 @@ def test_spgemm_sparse_output(fa, fb):
 
 
 def test_spgemm_inferred_formats():
-    """Algorithm 4 per output mode: k is sparse iff B stores k in a sparse level (these
-    small, 40 %-dense operands give a dense-sized product, so no density refinement)."""
+    """Algorithm 4 per output mode: k is sparse iff B stores k in a sparse level. CSR
+    times CSC stores both i and k in dense levels, but only sparse operands carry them:
+    the product is sparse (CSR), even for these small, 40 %-dense operands."""
     a = sp((9, 8), "csr", seed=1)
     assert str(sparsenn.einsum("ij,jk->ik", a, sp((8, 10), "csr")).format) == "csr"
     assert str(sparsenn.einsum("ij,jk->ik", sp((9, 8), "dcsr"), sp((8, 10), "dcsr")).format) == "dcsr"
-    assert isinstance(sparsenn.einsum("ij,jk->ik", a, sp((8, 10), "csc")), torch.Tensor)
+    assert str(check("ij,jk->ik", [a, sp((8, 10), "csc")]).format) == "csr"
 
 
 @pytest.mark.parametrize("fa,fb", [("csr", "csr"), ("csc", "coo"), ("dcsr", "csc")])
@@ -150,13 +151,28 @@ def test_sums_of_products():
     torch.testing.assert_close(to_dense(g(x, y, z, e)), expected)
 
 
-def test_sparse_gram_matrix_is_stored_sparse():
-    """A·Aᵀ of CSR operands: Algorithm 4 sees two dense levels, but the product is sparse;
-    the schedule's estimate turns the result into CSR (Gustavson), not an n² array."""
-    a = sp((400, 300), "csr", density=0.01)
+@pytest.mark.parametrize("density", [0.01, 0.5])
+def test_sparse_gram_matrix_is_stored_sparse(density):
+    """A·Aᵀ of CSR operands: Algorithm 4 sees two dense levels, but only sparse operands
+    carry the output's indices, so the result is CSR (Gustavson), not an n² array, even
+    when the product count suggests it fills in (the count can exceed the true nonzeros
+    many times over, as on banded matrices)."""
+    a = sp((400, 300), "csr", density=density)
     result = check("ij,kj->ik", [a, a])
     assert isinstance(result, SparseTensor) and str(result.format) == "csr"
     assert isinstance(sparsenn.einsum("ij,kj->ik", a, torch.randn(400, 300, dtype=torch.float64)), torch.Tensor)
+
+
+def test_transposed_product_with_dense_operand_fills_in_and_is_dense():
+    """Aᵀ·B with dense B: Algorithm 4 makes k compressed because it follows the sparse j,
+    yet every stored j gets all of k; when the estimated fill reaches 1/8 the result is
+    dense. A result with few stored j stays sparse."""
+    a, b = sp((300, 200), "csr", density=0.05), torch.randn(300, 16, dtype=torch.float64)
+    result = check("ij,ik->jk", [a, b])
+    assert isinstance(result, torch.Tensor)
+    few = sparsenn.from_coo(torch.tensor([[0, 5], [3, 150]]), torch.ones(2, dtype=torch.float64), (300, 200), format="csr")
+    result = check("ij,ik->jk", [few, b])
+    assert isinstance(result, SparseTensor) and result.nnz == 2 * 16
 
 
 def test_sparse_plus_sparse_union_is_sparse():

@@ -188,38 +188,39 @@ struct CountWS {
   }
 };
 
-/* Phase 2 also sums values (zeroed again as they are drained) and lists the row's keys
+/* Phase 2 also sums values (zeroed again as they are drained; a key's sum and stamp
+   share a cache line) and lists the row's keys
    (a repeated key is written past the list's end). drain writes them in order with
    their sums: a short list by insertion sort; else through a two-level bitmap (a bit
    per key, and per 64 words a summary word of the non-zero ones), set from the list
    and walked between the smallest and largest key, O(k) whatever the key range. */
 struct FillWS {
-  std::vector<V> val;
-  std::vector<uint32_t> seen;
+  struct Slot { V val; uint32_t seen; };
+  std::vector<Slot> slot;
   std::vector<uint64_t> bits, summary;
   std::unique_ptr<uint32_t[]> list;
   uint32_t row = 1;
   int64_t n = 0;
   void init(int64_t size) {
-    val.assign(size, V(0));
-    seen.assign(size, 0);
+    slot.assign(size, Slot{V(0), 0});
     bits.assign((size + 63) / 64, 0);
     summary.assign((size + 4095) / 4096, 0);
     list.reset(new uint32_t[size + 1]);
   }
   inline void add(int64_t x, V v) {
-    const bool fresh = seen[x] != row;
-    seen[x] = row;
+    Slot& e = slot[x];
+    const bool fresh = e.seen != row;
+    e.seen = row;
     list[n] = (uint32_t)x;
     n += fresh;
-    val[x] += v;
+    e.val += v;
   }
   template <class J>
   int64_t drain(J* __restrict__ crd, V* __restrict__ out) {
     const int64_t k = n;
     if (k == 0) return 0;
     n = 0;
-    if (++row == 0) { std::fill(seen.begin(), seen.end(), 0); row = 1; }
+    if (++row == 0) { for (Slot& e : slot) e.seen = 0; row = 1; }
     uint32_t* keys = list.get();
     if (k <= 16) {
       for (int64_t t = 1; t < k; ++t) {
@@ -231,8 +232,8 @@ struct FillWS {
       for (int64_t t = 0; t < k; ++t) {
         const uint32_t x = keys[t];
         crd[t] = (J)x;
-        out[t] = val[x];
-        val[x] = V(0);
+        out[t] = slot[x].val;
+        slot[x].val = V(0);
       }
       return k;
     }
@@ -260,8 +261,8 @@ struct FillWS {
         for (uint64_t word = bits[b]; word; word &= word - 1) {
           const int64_t x = b * 64 + __builtin_ctzll(word);
           crd[q] = (J)x;
-          out[q++] = val[x];
-          val[x] = V(0);
+          out[q++] = slot[x].val;
+          slot[x].val = V(0);
         }
         bits[b] = 0;
       }

@@ -30,7 +30,7 @@ from . import jit
 from .autograd import differentiable_evaluate
 from .codegen import generate_source, slot_arrays
 from .contract import Step, best_path
-from .infer import infer_output_format, sparse_by_estimate
+from .infer import infer_output_format, refine_by_fill
 from .lower import LoweredKernel, lower
 from .notation import Access, Assignment, Term, parse_einsum, parse_expression
 from .schedule import OperandInfo, Schedule, schedule
@@ -257,10 +257,9 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
             raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result")
         output = _native_output(parse_format(out_format, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if out_format is None and output is None:
-        leaves = schedule(assignment, infos, None, itemsize).leaves
-        numel = math.prod(infos_size(assignment, infos))
-        output = sparse_by_estimate(assignment, formats, leaves, numel)
+    if out_format is None:
+        leaves = schedule(assignment, infos, output, itemsize).leaves
+        output = refine_by_fill(assignment, formats, output, leaves, math.prod(infos_size(assignment, infos)))
     anchor = _anchor(assignment, formats, out_format, output)
     sched = schedule(assignment, infos, None if anchor is not None else output, itemsize)
     if anchor is not None and any(

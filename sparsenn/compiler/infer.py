@@ -12,7 +12,9 @@ variable in the operands:
 
 Generated kernels assemble sparse outputs as a dense prefix followed by compressed
 levels, so a dense level that would follow a sparse one is stored compressed too
-(again the conservative choice).
+(again the conservative choice). :func:`refine_by_fill` corrects the two cases where
+the per-mode view is asymptotically wrong (A·Aᵀ of CSR operands is sparse; Aᵀ·B with
+dense B fills in).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from sparsenn.formats import Format, parse_format
 
 from .notation import Assignment, Term
 
-__all__ = ["infer_output_format", "mode_is_sparse", "sparse_by_estimate", "SPARSE_OUTPUT_DENSITY"]
+__all__ = ["infer_output_format", "mode_is_sparse", "refine_by_fill", "SPARSE_OUTPUT_DENSITY"]
 
 SPARSE_OUTPUT_DENSITY = 1 / 8
 
@@ -62,20 +64,49 @@ def infer_output_format(
     return parse_format("".join(letters), len(letters))
 
 
-def sparse_by_estimate(
-    assignment: Assignment, formats: Sequence[Format | None], estimated_nnz: float, numel: int
+def _carried_by_sparse(assignment: Assignment, index: str, formats: Sequence[Format | None]) -> bool:
+    """Some sparse operand has ``index`` (in any level: its pattern constrains it)."""
+    return any(
+        formats[access.operand] is not None and index in access.indices
+        for term in assignment.terms
+        for access in term.factors
+    )
+
+
+def _carried_by_sparse_only(assignment: Assignment, formats: Sequence[Format | None]) -> bool:
+    """No dense operand carries an output index (none can fill an output fiber)."""
+    output = set(assignment.output)
+    return not any(
+        formats[access.operand] is None and output & set(access.indices)
+        for term in assignment.terms
+        for access in term.factors
+    )
+
+
+def refine_by_fill(
+    assignment: Assignment, formats: Sequence[Format | None], inferred: Format | None,
+    estimated_nnz: float, numel: int,
 ) -> Format | None:
-    """A sparse format for a result Algorithm 4 calls dense, when that is asymptotically
-    wrong: ``A[i,j] A[k,j]`` (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense
-    levels, yet the result only has the pairs that share a ``j``. When every output index
-    is carried by sparse operands only (no dense operand can fill a row) and the
-    schedule's estimate of the result's nonzeros is below ``SPARSE_OUTPUT_DENSITY`` of
-    its size, the result is stored with a dense first level and compressed rest."""
+    """Correct Algorithm 4 where its per-mode view is asymptotically wrong.
+
+    * Dense, yet every output index is carried by sparse operands only: ``A[i,j] A[k,j]``
+      (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense levels, but the result
+      only has the pairs that share a ``j``. It is stored with a dense first level and
+      compressed rest, whatever its estimated fill: the estimate (products, an upper
+      bound) can exceed the true count many times over, and a dense n² result costs
+      asymptotically more than a full sparse one.
+    * Sparse, with an index after the first sparse one that no sparse operand carries
+      (its level was made compressed only to follow a sparse one, see the module
+      docstring), and an estimated fill (``estimated_nnz``, an upper bound) reaching
+      ``SPARSE_OUTPUT_DENSITY`` of ``numel``: ``A[i,j] B[i,k] -> [j,k]`` (Aᵀ·B, dense B)
+      fills every ``k`` of each stored ``j``, so it is stored dense."""
     output = assignment.output
-    if len(output) < 2 or numel == 0 or estimated_nnz >= SPARSE_OUTPUT_DENSITY * numel:
-        return None
-    for term in assignment.terms:
-        for access in term.factors:
-            if formats[access.operand] is None and set(access.indices) & set(output):
-                return None
-    return parse_format("d" + "c" * (len(output) - 1), len(output))
+    if numel == 0 or len(output) < 2:
+        return inferred
+    if inferred is None:
+        return parse_format("d" + "c" * (len(output) - 1), len(output)) if _carried_by_sparse_only(assignment, formats) else None
+    filled = any(
+        _level_letter(inferred, m) != "d" and not _carried_by_sparse(assignment, i, formats)
+        for m, i in enumerate(output)
+    )
+    return None if filled and estimated_nnz >= SPARSE_OUTPUT_DENSITY * numel else inferred
