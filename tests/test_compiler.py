@@ -453,10 +453,40 @@ def test_long_fibers_take_more_accumulators(dtype):
     assert re.search(r"V sacc\d+\[4\]", kernel_body("ij,j->i", short_rows, x))
 
 
+@pytest.fixture
+def always_prefetch(monkeypatch):
+    """Kernels built while this is active prefetch every gather, whatever the operand's
+    size and the pattern's locality (the test operands are far smaller than a cache)."""
+    from sparsenn.compiler import lower
+
+    monkeypatch.setattr(lower, "PREFETCH_MIN_FOOTPRINT", 0.0)
+    monkeypatch.setattr(lower, "PREFETCH_MIN_JUMP", 0)
+    monkeypatch.setattr(dispatch, "_plans", {})
+    monkeypatch.setattr(dispatch, "_calls", {})
+
+
+def test_prefetch_only_when_gathers_miss_the_caches():
+    # Each loop over a row decides once: operands of a quarter of the last-level cache or
+    # more, whose coordinate D positions ahead is 8 or more away; it then runs the loop
+    # with prefetches, else the plain copy.
+    from sparsenn.compiler import lower, schedule
+
+    a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
+    text = kernel_body("ij,jk->ik", a, torch.randn(70, 32))
+    threshold = int(schedule.cache_sizes()[1] * lower.PREFETCH_MIN_FOOTPRINT)
+    assert re.search(
+        rf"const bool (pfon\d+) = q\d+ < h\d+ && \(int64_t\)sizeof\(V\) \* N1 \* N2 >= \(int64_t\){threshold} && "
+        r"std::abs\(.*\) >= 8;\n\s*if \(\1\)", text
+    )
+    flagged = re.findall(r"if \(pfon\d+\)", text)
+    assert len(flagged) >= 2 and text.count("sn_prefetch(d") == len(flagged)
+    assert len(re.findall(r"\}\n\s*else \{\n\s*for \(; q\d+ < h\d+; \+\+q\d+\)", text)) == len(flagged)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("k", [1, 7, 32, 45, 160])
-def test_prefetched_gathers(dtype, index_dtype, k):
+def test_prefetched_gathers(dtype, index_dtype, k, always_prefetch):
     # SpMM and SDDMM prefetch the row of the dense operand that the position D ahead
     # gathers (D up to 64 positions, running into later rows, never past the last one).
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, dtype), "csr", index_dtype=index_dtype)
@@ -474,7 +504,7 @@ def test_prefetched_gathers(dtype, index_dtype, k):
     check("ij,jk->ik", [sparsenn.from_dense(rows_of_lengths([0, 2, 70], 70, dtype), "csr"), b], atol=atol)
 
 
-def test_prefetch_through_a_lower_level():
+def test_prefetch_through_a_lower_level(always_prefetch):
     # A CSF tensor's innermost compressed level gathers rows of B: its crd length is
     # pos[pos[N]] of the levels above.
     a = sp((9, 8, 30), "csf", density=0.4)

@@ -37,6 +37,7 @@ _LANE_INTS = {"float32": "int32_t", "float64": "int64_t"}  # shuffle index lanes
 _PRELUDE = r"""
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
