@@ -193,11 +193,11 @@ class _Fill(_TwoPhase):
     def start(self, lo: _Lowerer) -> None:
         w = lo.w
         w.line("const int64_t* __restrict__ sn_pos = r->pos.data();")
-        w.line("J* __restrict__ sn_out_pos = (J*)out[0];")
-        w.line("J* __restrict__ sn_out_crd = (J*)out[1];")
+        w.line("const IndexOut sn_out_pos{out[0], wide};")
+        w.line("const IndexOut sn_out_crd{out[1], wide};")
         w.line("V* __restrict__ sn_out_val = (V*)out[2];")
         w.line("#pragma omp parallel for num_threads(nthreads)")
-        w.line("for (int64_t p = 0; p < (int64_t)r->pos.size(); ++p) sn_out_pos[p] = (J)sn_pos[p];")
+        w.line("for (int64_t p = 0; p < (int64_t)r->pos.size(); ++p) sn_out_pos.put(p, sn_pos[p]);")
 
     def open(self, lo: _Lowerer, level: int, coord: str) -> str | None:
         if level == self.num_dense - 1:
@@ -205,14 +205,14 @@ class _Fill(_TwoPhase):
         return None
 
     def store(self, lo: _Lowerer, value: str) -> None:
-        lo.w.line(f"sn_out_crd[sn_q] = (J){self.last};")
+        lo.w.line(f"sn_out_crd.put(sn_q, {self.last});")
         lo.w.line(f"sn_out_val[sn_q++] = {value};")
 
     def scatter(self, lo: _Lowerer, key: str, value: str) -> None:
         lo.w.line(f"ws.add({key}, {value});")
 
     def drain(self, lo: _Lowerer, level: int) -> None:
-        lo.w.line("sn_q += ws.drain(sn_out_crd + sn_q, sn_out_val + sn_q);")
+        lo.w.line("sn_q += ws.drain(sn_out_crd, sn_q, sn_out_val + sn_q);")
 
 
 def lower_sparse_output(lo: _Lowerer) -> str | None:

@@ -189,6 +189,17 @@ struct CountWS {
   }
 };
 
+/* Index array of the result, int32 or int64 as the caller allocated it: one copy of the
+   fill phase serves both widths (a template per width doubled its build time), the
+   width test is loop-invariant. */
+struct IndexOut {
+  void* base;
+  int wide;
+  inline void put(int64_t q, int64_t x) const {
+    if (wide) ((int64_t*)base)[q] = x; else ((int32_t*)base)[q] = (int32_t)x;
+  }
+};
+
 /* Phase 2 also sums values (zeroed again as they are drained; a key's sum and stamp
    share a cache line) and lists the row's keys
    (a repeated key is written past the list's end). drain writes them in order with
@@ -216,8 +227,7 @@ struct FillWS {
     n += fresh;
     e.val += v;
   }
-  template <class J>
-  int64_t drain(J* __restrict__ crd, V* __restrict__ out) {
+  int64_t drain(const IndexOut& crd, int64_t at, V* __restrict__ out) {
     const int64_t k = n;
     if (k == 0) return 0;
     n = 0;
@@ -232,7 +242,7 @@ struct FillWS {
       }
       for (int64_t t = 0; t < k; ++t) {
         const uint32_t x = keys[t];
-        crd[t] = (J)x;
+        crd.put(at + t, x);
         out[t] = slot[x].val;
         slot[x].val = V(0);
       }
@@ -261,7 +271,7 @@ struct FillWS {
         const int64_t b = s * 64 + __builtin_ctzll(sw);
         for (uint64_t word = bits[b]; word; word &= word - 1) {
           const int64_t x = b * 64 + __builtin_ctzll(word);
-          crd[q] = (J)x;
+          crd.put(at + q, x);
           out[q++] = slot[x].val;
           slot[x].val = V(0);
         }
@@ -469,17 +479,17 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
 
 def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
     """``sn_finish``: copies the chunks' buffers out, or runs a two-phase output's fill."""
-    source, fill = "", "sn_fill"
+    source, call = "", "wide ? sn_fill<int64_t>(r, out, nthreads) : sn_fill<int32_t>(r, out, nthreads)"
     if kernel.fill is not None:
-        fill = "sn_fill_phase"
+        call = "sn_fill_phase(r, out, wide, nthreads)"
         source = (
-            "\ntemplate <class J>\nstatic int sn_fill_phase(Result* r, void* const* out, int nthreads) {\n"
+            "\nstatic int sn_fill_phase(Result* r, void* const* out, int wide, int nthreads) {\n"
             "    void* const* arrays = r->arrays;\n    const int64_t* dims = r->dims;\n"
             + "\n".join(inputs) + "\n" + kernel.fill + "\n    return 0;\n}\n"
         )
     return source + (
         '\nextern "C" int sn_finish(void* handle, void* const* out, int wide, int nthreads) {\n'
         "  Result* r = (Result*)handle;\n  int code = 0;\n  try {\n"
-        f"    code = wide ? {fill}<int64_t>(r, out, nthreads) : {fill}<int32_t>(r, out, nthreads);\n"
+        f"    code = {call};\n"
         "  } catch (const std::bad_alloc&) {\n    code = 1;\n  }\n  delete r;\n  return code;\n}\n"
     )
