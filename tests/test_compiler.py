@@ -268,7 +268,7 @@ def test_restored_patterns_are_cached_but_values_follow():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("k", [16, 32, 45, 96])
+@pytest.mark.parametrize("k", [4, 8, 12, 16, 20, 32, 45, 96])
 def test_register_blocked_spmm_with_partial_blocks(dtype, k):
     # Whole register blocks plus a remainder handled by the plain loop.
     a = sp((37, 29), "csr", dtype=dtype)
@@ -461,22 +461,27 @@ def always_prefetch(monkeypatch):
 
     monkeypatch.setattr(lower, "PREFETCH_MIN_FOOTPRINT", 0.0)
     monkeypatch.setattr(lower, "PREFETCH_MIN_JUMP", 0)
+    monkeypatch.setattr(lower, "cache_sizes", lambda: (0, 0))
     monkeypatch.setattr(dispatch, "_plans", {})
     monkeypatch.setattr(dispatch, "_calls", {})
 
 
 def test_prefetch_only_when_gathers_miss_the_caches():
-    # Each loop over a row decides once: operands of a quarter of the last-level cache or
-    # more, whose coordinate D positions ahead is 8 or more away; it then runs the loop
-    # with prefetches, else the plain copy.
+    # Each loop over a row decides once (see lower.PREFETCH_MIN_FOOTPRINT): never for
+    # operands that fit the L2; for large ones, when the coordinate D positions ahead is
+    # 8 or more away; in between, when the row's coordinates spread over half the range.
+    # It then runs the loop with prefetches, else the plain copy.
     from sparsenn.compiler import lower, schedule
 
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
     text = kernel_body("ij,jk->ik", a, torch.randn(70, 32))
-    threshold = int(schedule.cache_sizes()[1] * lower.PREFETCH_MIN_FOOTPRINT)
+    l2, llc = schedule.cache_sizes()
     assert re.search(
-        rf"const bool (pfon\d+) = q\d+ < h\d+ && \(int64_t\)sizeof\(V\) \* N1 \* N2 >= \(int64_t\){threshold} && "
-        r"std::abs\(.*\) >= 8;\n\s*if \(\1\)", text
+        rf"const int64_t (pfsize\d+) = \(int64_t\)sizeof\(V\) \* N1 \* N2;\n\s*"
+        rf"const bool (pfon\d+) = q\d+ < h\d+ && \1 > \(int64_t\){l2} && "
+        rf"\(\1 >= \(int64_t\){int(llc * lower.PREFETCH_MIN_FOOTPRINT)} \? std::abs\(.*\) >= 8 : "
+        rf"2 \* \(\(int64_t\)s0_crd1\[h\d+ - 1\] - \(int64_t\)s0_crd1\[q\d+\]\) >= N1\);\n\s*if \(\2\)",
+        text,
     )
     flagged = re.findall(r"if \(pfon\d+\)", text)
     assert len(flagged) >= 2 and text.count("sn_prefetch(d") == len(flagged)

@@ -159,7 +159,10 @@ def test_spmm_register_blocks_the_dense_output_row():
 
 def test_no_register_block_without_a_reduction_or_for_narrow_rows():
     a = sparse((N, N), "csr")
-    assert plan("ij,jk->ik", a, torch.randn(N, 8)).schedule.nests[0].register_block is None  # k < one block
+    assert plan("ij,jk->ik", a, torch.randn(N, 3)).schedule.nests[0].register_block is None  # k < one vector
+    # k between one vector and a full block: the whole vectors that fit (float32: 8 lanes).
+    assert plan("ij,jk->ik", a, torch.randn(N, 16)).schedule.nests[0].register_block.size == 16
+    assert plan("ij,jk->ik", a, torch.randn(N, 20)).schedule.nests[0].register_block.size == 16
     assert plan("ij,ij->ij", a, torch.randn(N, N)).schedule.nests[0].register_block is None  # k sparse
 
 

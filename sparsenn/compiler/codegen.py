@@ -201,8 +201,8 @@ struct IndexOut {
 };
 
 /* Phase 2 also sums values (zeroed again as they are drained; a key's sum and stamp
-   share a cache line) and lists the row's keys
-   (a repeated key is written past the list's end). drain writes them in order with
+   share a cache line) and lists the row's keys (a repeated key is written past the
+   list's end). drain writes them in order with
    their sums: a short list by insertion sort; else through a two-level bitmap (a bit
    per key, and per 64 words a summary word of the non-zero ones), set from the list
    and walked between the smallest and largest key, O(k) whatever the key range. */
@@ -376,8 +376,8 @@ extern "C" void sn_free(void* handle) { delete (Result*)handle; }
 
 
 def _fold_halves(total: str, width: int, keep: int, lines: list[str], fresh: list[int]) -> str:
-    """Emit adds of the upper half of ``total``'s first ``live`` lanes onto the lower
-    half until ``keep`` lanes remain; returns the vector holding them."""
+    """Emit ``t = total + (total's upper half moved onto its lower half)``, halving the
+    lanes that matter until ``keep`` remain; returns the name of the vector holding them."""
     live = width
     while live > keep:
         half = live // 2

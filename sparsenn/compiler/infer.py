@@ -104,7 +104,9 @@ def refine_by_fill(
     if numel == 0 or len(output) < 2:
         return inferred
     if inferred is None:
-        return parse_format("d" + "c" * (len(output) - 1), len(output)) if _carried_by_sparse_only(assignment, formats) else None
+        if not _carried_by_sparse_only(assignment, formats):
+            return None
+        return parse_format("d" + "c" * (len(output) - 1), len(output))
     filled = any(
         _level_letter(inferred, m) != "d" and not _carried_by_sparse(assignment, i, formats)
         for m, i in enumerate(output)

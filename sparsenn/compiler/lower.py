@@ -47,10 +47,13 @@ ROW_BLOCK_VECTORS = 1  # SIMD accumulators per entry of a row block (its ROW_BLO
 PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
 PREFETCH_MAX_DISTANCE = 64  # positions ahead, at most
 PREFETCH_MAX_BYTES = 1024  # of one gathered span; the hardware streams the rest
-# Gathers are prefetched from dense operands of at least this fraction of the last-level
-# cache, in loops whose coordinate D positions in is PREFETCH_MIN_JUMP or more from the
-# first: smaller operands stay cached, and near coordinates (banded patterns) are
-# streamed by the hardware. The prefetching loop cost those 10-40 % (SpMM, SDDMM).
+# Whether a loop over a fiber prefetches its gathers (decided per fiber, see
+# _Lowerer.prefetcher): never when the gathered dense operands fit the L2; when they take
+# PREFETCH_MIN_FOOTPRINT of the last-level cache or more, if the coordinate D positions
+# ahead is PREFETCH_MIN_JUMP or more from the first (near ones, as in banded patterns,
+# are streamed by the hardware); in between, only for fibers whose coordinates spread
+# over half the range (random patterns; local ones reuse what neighbouring fibers
+# loaded). Prefetching where it was not needed cost 10-40 % (SpMM, SDDMM).
 PREFETCH_MIN_FOOTPRINT = 0.25
 PREFETCH_MIN_JUMP = 8
 
@@ -128,6 +131,9 @@ class _Lowerer:
         self.infos = infos  # stored positions per level, when known
         # (loop position, index, block start, block end) while a register block is open
         self.block: tuple[int, str, str, str] | None = None
+        # Set while lowering a dense output: an innermost loop over an output index then
+        # writes a different element per iteration (see emit_loop's ``independent``).
+        self.dense_output = False
 
     # -- names ---------------------------------------------------------------
     def var(self, index: str) -> str:
@@ -244,12 +250,15 @@ class _Lowerer:
         reduction: str | None = None,
         gathers: Sequence[tuple[int, dict[str, str], str]] = (),
         blocked: Callable[[str, str, str, Callable[[str, str], None] | None], None] | None = None,
+        independent: bool = False,
     ) -> None:
         """Co-iterate ``index`` over the factors in ``states`` (intersection).
 
         ``reduction`` names a scalar the body sums into; an innermost dense loop then
         carries ``omp simd reduction`` so the sum vectorises (IEEE order is otherwise
-        kept, which forbids it). ``gathers`` (see :meth:`gathered_spans`) are prefetched
+        kept, which forbids it). ``independent``: the body writes a different output
+        element per iteration, so a dense loop carries ``omp simd`` (the vectoriser's
+        cost model would leave a loop of runtime length scalar). ``gathers`` (see :meth:`gathered_spans`) are prefetched
         ahead when a single sparse level drives the loop. ``blocked(q, h, crd,
         prefetch)``, given, emits a loop over whole blocks of a single unique sparse
         level's positions first; the plain loop then takes the rest."""
@@ -273,6 +282,8 @@ class _Lowerer:
                 hi = end
             if reduction is not None:
                 w.line(f"#pragma omp simd reduction(+:{reduction})")
+            elif independent:
+                w.line("#pragma omp simd")
             w.open(f"for (int64_t {var} = {lo}; {var} < {hi}; ++{var})")
             locate_dense()
             body(new)
@@ -386,10 +397,9 @@ class _Lowerer:
         in it, and return that flag and the emitter of the per-iteration prefetch of the
         spans ``gathers`` at coordinate ``crd[min(q + D, last position)]`` (running on
         into the next segment, never past the array). ``D`` keeps about
-        PREFETCH_AHEAD_BYTES in flight. The flag holds when the gathered operands take
-        PREFETCH_MIN_FOOTPRINT of the last-level cache or more and the coordinate ``D``
-        positions past the loop's first is PREFETCH_MIN_JUMP or more away from it; the
-        caller emits the loop once with prefetches and once without."""
+        PREFETCH_AHEAD_BYTES in flight. The flag follows the rule above
+        PREFETCH_MIN_FOOTPRINT; the caller emits the loop once with prefetches and once
+        without."""
         w = self.w
         size, dist, last, on = w.fresh("pfbytes"), w.fresh("pfdist"), w.fresh("pflast"), w.fresh("pfon")
         spans = ", ".join(f"(int64_t)sizeof(V) * ({n})" for _, _, n in gathers)
@@ -400,13 +410,16 @@ class _Lowerer:
             f"{PREFETCH_AHEAD_BYTES} / std::max<int64_t>({total}, 1) + 1);"
         )
         w.line(f"const int64_t {last} = {self.level_size(driver, driver.depth)} - 1;")
-        footprint = " + ".join(
+        footprint, bytes_ = w.fresh("pfsize"), " + ".join(
             f"(int64_t)sizeof(V) * {' * '.join(self.dim(i) for i in states[k].dense_indices)}" for k, _, _ in gathers
         )
+        l2, llc = cache_sizes()
+        first, extent = f"(int64_t){crd}[{q}]", self.dim(driver.levels[driver.depth][0])
+        w.line(f"const int64_t {footprint} = {bytes_};")
         w.line(
-            f"const bool {on} = {q} < {h} && {footprint} >= (int64_t){int(cache_sizes()[1] * PREFETCH_MIN_FOOTPRINT)}"
-            f" && std::abs((int64_t){crd}[std::min<int64_t>({q} + {dist}, {last})] - (int64_t){crd}[{q}])"
-            f" >= {PREFETCH_MIN_JUMP};"
+            f"const bool {on} = {q} < {h} && {footprint} > (int64_t){l2} && ({footprint} >= "
+            f"(int64_t){int(llc * PREFETCH_MIN_FOOTPRINT)} ? std::abs((int64_t){crd}[std::min<int64_t>({q} + {dist}, "
+            f"{last})] - {first}) >= {PREFETCH_MIN_JUMP} : 2 * ((int64_t){crd}[{h} - 1] - {first}) >= {extent});"
         )
 
         def emit(q: str, crd: str) -> None:
@@ -464,6 +477,7 @@ class _Lowerer:
                 accumulator if innermost else None,
                 self.gathered_spans(order, position, states, bounds),
                 blocked,
+                innermost and accumulator is None and self.dense_output and order[position] in self.a.output,
             )
         if after:
             after(states)
@@ -650,7 +664,8 @@ class _Lowerer:
     ) -> None:
         """``accumulator += coef * scalars * sum_index prod(vectors)`` with
         REGISTER_BLOCK_VECTORS independent SIMD accumulators (a single one would wait on
-        each add's latency), a tree sum of the lanes, and a scalar tail."""
+        each add's latency), then single vectors, a tree sum of the lanes, and a scalar
+        tail."""
         w, var, n = self.w, self.var(index), self.dim(index)
         coef, factors = summed
         scalars = [k for k in factors if k not in vectors]
@@ -665,6 +680,9 @@ class _Lowerer:
         loads = [self.vector_load(states[k]) for k in vectors]
         w.line("#pragma GCC unroll 16")
         w.line(f"for (int v = 0; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[v] += {' * '.join(loads)};")
+        w.close()
+        w.open(f"for (; {var} + SN_W <= {end}; {var} += SN_W)")
+        w.line(f"{acc}[0] += {' * '.join(self.vector_load(states[k], lane='0') for k in vectors)};")
         w.close()
         w.line(f"for (int v = 1; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[0] += {acc}[v];")
         w.line(f"V {total} = sn_hsum({acc}[0]);")
@@ -759,6 +777,7 @@ def _close_team(w: _Writer, body: int) -> None:
 
 def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
     a, w = lo.a, lo.w
+    lo.dense_output = True
     for nest in lo.s.nests:
         term = a.terms[nest.term]
         states = lo.initial_states(nest.term, term)

@@ -31,7 +31,8 @@ level. It returns a :class:`Schedule`:
   output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
   ``k`` is strip-mined into blocks of :data:`WIDE_REGISTER_BLOCK_VECTORS` SIMD vectors
   when they divide ``k`` (each block is one pass over ``R``), else of
-  :data:`REGISTER_BLOCK_VECTORS`, and the block loop is hoisted above ``R``:
+  :data:`REGISTER_BLOCK_VECTORS` (or of the whole vectors that fit, when ``k`` is
+  narrower), and the block loop is hoisted above ``R``:
   ``out[i, kb:kb+B]`` then stays in registers while ``R`` (the sparse row) streams
   past, and is stored once per block instead of once per nonzero. Blocks that do not
   fill a whole register block run the plain loop.
@@ -332,10 +333,13 @@ def _register_block(
     wide = WIDE_REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
     if span >= wide and all(s % wide == 0 for s in spans):
         return Tile(k, wide)
-    size = REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
-    if span < size:
+    lanes = VECTOR_BYTES // itemsize
+    if span < lanes:
         return None
-    return Tile(k, size)
+    # Narrower extents (k = 8 .. 31 floats) take as many whole vectors as fit: left to a
+    # plain loop, their k loop would run scalar (the vectoriser's cost model skips loops
+    # that need a remainder).
+    return Tile(k, min(REGISTER_BLOCK_VECTORS * lanes, span // lanes * lanes))
 
 
 # ----------------------------------------------------------------------------- search
