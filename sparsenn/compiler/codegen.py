@@ -202,10 +202,10 @@ struct IndexOut {
 
 /* Phase 2 also sums values (zeroed again as they are drained; a key's sum and stamp
    share a cache line) and lists the row's keys (a repeated key is written past the
-   list's end). drain writes them in order with
-   their sums: a short list by insertion sort; else through a two-level bitmap (a bit
-   per key, and per 64 words a summary word of the non-zero ones), set from the list
-   and walked between the smallest and largest key, O(k) whatever the key range. */
+   list's end). drain writes them in order with their sums: a short list by insertion
+   sort; else through a two-level bitmap (a bit per key, and per 64 words a summary
+   word of the non-zero ones), set from the list and walked between the smallest and
+   largest key, O(k) whatever the key range. */
 struct FillWS {
   struct Slot { V val; uint32_t seen; };
   std::vector<Slot> slot;

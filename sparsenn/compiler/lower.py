@@ -258,10 +258,11 @@ class _Lowerer:
         carries ``omp simd reduction`` so the sum vectorises (IEEE order is otherwise
         kept, which forbids it). ``independent``: the body writes a different output
         element per iteration, so a dense loop carries ``omp simd`` (the vectoriser's
-        cost model would leave a loop of runtime length scalar). ``gathers`` (see :meth:`gathered_spans`) are prefetched
-        ahead when a single sparse level drives the loop. ``blocked(q, h, crd,
-        prefetch)``, given, emits a loop over whole blocks of a single unique sparse
-        level's positions first; the plain loop then takes the rest."""
+        cost model would leave a loop of runtime length scalar). ``gathers`` (see
+        :meth:`gathered_spans`) are prefetched ahead when a single sparse level drives
+        the loop. ``blocked(q, h, crd, prefetch)``, given, emits a loop over whole
+        blocks of a single unique sparse level's positions first; the plain loop then
+        takes the rest."""
         w, var, n = self.w, self.var(index), self.dim(index)
         sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
         locate = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] == "d"]
