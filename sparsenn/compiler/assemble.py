@@ -30,8 +30,7 @@ __all__ = ["lower_sparse_output", "two_phase"]
 def two_phase(s: Schedule) -> bool:
     """Whether the output is assembled in two phases: one or more dense levels, then one
     compressed level (each row fits in one chunk), any workspace a dense one."""
-    letters = s.output_format.letters
-    num_dense = len(letters) - len(letters.lstrip("d"))
+    num_dense = s.output_format.dense_prefix
     return num_dense >= 1 and len(s.output_order) == num_dense + 1 and (
         s.workspace is None or s.workspace.kind == "dense"
     )
@@ -45,9 +44,8 @@ class _Output:
     workspace: str | None = None  # the C++ workspace type, if the schedule has one
 
     def __init__(self, lo: _Lowerer):
-        letters = lo.s.output_format.letters
         self.rank = len(lo.s.output_order)
-        self.num_dense = len(letters) - len(letters.lstrip("d"))
+        self.num_dense = lo.s.output_format.dense_prefix
 
     def start(self, lo: _Lowerer) -> None:
         """Before the chunks are laid out."""

@@ -189,9 +189,9 @@ struct CountWS {
   }
 };
 
-/* Index array of the result, int32 or int64 as the caller allocated it: one copy of the
-   fill phase serves both widths (a template per width doubled its build time), the
-   width test is loop-invariant. */
+/* Index array of the result, int32 or int64 as the caller allocated it: one copy of
+   sn_fill and of the fill phase serves both widths (a template per width doubled their
+   build time), the width test is loop-invariant. */
 struct IndexOut {
   void* base;
   int wide;
@@ -329,14 +329,13 @@ extern "C" void sn_sizes(void* handle, int64_t* sizes) {
 }
 
 /* pos arrays are exclusive prefix sums of the concatenated per-parent counts. */
-template <class J>
-static int sn_fill(Result* r, void* const* out, int nthreads) {
+static int sn_fill(Result* r, void* const* out, int wide, int nthreads) {
   const int64_t nc = (int64_t)r->chunks.size();
   int slot = 0;
   std::vector<int64_t> crd_off(nc + 1), cnt_off(nc + 1), sum_off(nc + 1);
   for (int l = r->num_dense; l < r->rank; ++l) {
-    J* pos = (J*)out[slot++];
-    J* crd = (J*)out[slot++];
+    const IndexOut pos{out[slot++], wide};
+    const IndexOut crd{out[slot++], wide};
     crd_off[0] = cnt_off[0] = sum_off[0] = 0;
     for (int64_t c = 0; c < nc; ++c) {
       const Chunk& ch = r->chunks[c];
@@ -347,17 +346,17 @@ static int sn_fill(Result* r, void* const* out, int nthreads) {
       if (live) for (int64_t v : ch.cnt[l]) s += v;
       sum_off[c + 1] = sum_off[c] + s;
     }
-    pos[0] = 0;
-    if (l == 0) pos[1] = (J)crd_off[nc];
+    pos.put(0, 0);
+    if (l == 0) pos.put(1, crd_off[nc]);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t c = 0; c < nc; ++c) {
       const Chunk& ch = r->chunks[c];
       if (ch.crd.empty()) continue;
-      std::copy(ch.crd[l].begin(), ch.crd[l].end(), crd + crd_off[c]);
+      int64_t q = crd_off[c];
+      for (I x : ch.crd[l]) crd.put(q++, x);
       if (l > 0) {
-        int64_t run = sum_off[c];
-        J* p = pos + cnt_off[c] + 1;
-        for (int64_t v : ch.cnt[l]) { run += v; *p++ = (J)run; }
+        int64_t run = sum_off[c], p = cnt_off[c] + 1;
+        for (int64_t v : ch.cnt[l]) { run += v; pos.put(p++, run); }
       }
     }
   }
@@ -479,7 +478,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
 
 def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
     """``sn_finish``: copies the chunks' buffers out, or runs a two-phase output's fill."""
-    source, call = "", "wide ? sn_fill<int64_t>(r, out, nthreads) : sn_fill<int32_t>(r, out, nthreads)"
+    source, call = "", "sn_fill(r, out, wide, nthreads)"
     if kernel.fill is not None:
         call = "sn_fill_phase(r, out, wide, nthreads)"
         source = (

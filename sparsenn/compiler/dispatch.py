@@ -196,9 +196,8 @@ def _info(op) -> OperandInfo:
 def _native_output(requested: Format) -> Format:
     """The kernel-assembled format closest to ``requested``: its dense prefix, then
     compressed levels, in the same mode order."""
-    letters = requested.letters[: requested.rank]
-    dense = len(letters) - len(letters.lstrip("d"))
-    native = parse_format("d" * dense + "c" * (len(letters) - dense), len(letters))
+    dense = min(requested.dense_prefix, requested.rank)
+    native = parse_format("d" * dense + "c" * (requested.rank - dense), requested.rank)
     return Format(native.levels, requested.mode_order, None)
 
 
@@ -257,16 +256,25 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
             raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result")
         output = _native_output(parse_format(out_format, rank))
     itemsize = torch.empty((), dtype=dtype).element_size()
+    schedules: dict[Format | None, Schedule] = {}
+
+    def scheduled(fmt: Format | None) -> Schedule:  # each output format scheduled once
+        if fmt not in schedules:
+            schedules[fmt] = schedule(assignment, infos, fmt, itemsize)
+        return schedules[fmt]
+
     if out_format is None:
-        leaves = schedule(assignment, infos, output, itemsize).leaves
-        output = refine_by_fill(assignment, formats, output, leaves, math.prod(infos_size(assignment, infos)))
+        inferred = output
+        output = refine_by_fill(
+            assignment, formats, inferred, lambda: scheduled(inferred).leaves, math.prod(infos_size(assignment, infos))
+        )
     anchor = _anchor(assignment, formats, out_format, output)
-    sched = schedule(assignment, infos, None if anchor is not None else output, itemsize)
+    sched = scheduled(None if anchor is not None else output)
     if anchor is not None and any(
         assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes
     ):  # the anchor would be re-stored: its positions are not the output's
         anchor = None
-        sched = schedule(assignment, infos, output, itemsize)
+        sched = scheduled(output)
     if anchor is not None:
         output = formats[anchor]
     lowered = lower(assignment, sched, formats, anchor, infos)
@@ -407,7 +415,7 @@ def _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads) -> Spa
     counts = (ctypes.c_int64 * (2 * rank + 1))()
     lib.sn_sizes(handle, counts)
     level_dims = [out_shape[m] for m in fmt.mode_order]
-    num_dense = len(fmt.letters) - len(fmt.letters.lstrip("d"))
+    num_dense = fmt.dense_prefix
     wide = index_dtype == torch.int64 or max([counts[2 * rank], *level_dims, 0]) >= 2**31 - 1
     idx = torch.int64 if wide else torch.int32
     pos: list = [None] * rank

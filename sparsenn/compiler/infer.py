@@ -19,7 +19,7 @@ dense B fills in).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sparsenn.formats import Format, parse_format
 
@@ -85,7 +85,7 @@ def _carried_by_sparse_only(assignment: Assignment, formats: Sequence[Format | N
 
 def refine_by_fill(
     assignment: Assignment, formats: Sequence[Format | None], inferred: Format | None,
-    estimated_nnz: float, numel: int,
+    estimated_nnz: Callable[[], float], numel: int,
 ) -> Format | None:
     """Correct Algorithm 4 where its per-mode view is asymptotically wrong.
 
@@ -97,7 +97,8 @@ def refine_by_fill(
       asymptotically more than a full sparse one.
     * Sparse, with an index after the first sparse one that no sparse operand carries
       (its level was made compressed only to follow a sparse one, see the module
-      docstring), and an estimated fill (``estimated_nnz``, an upper bound) reaching
+      docstring), and an estimated fill (``estimated_nnz()``, an upper bound on the
+      result's nonzeros for ``inferred``, only called in this case) reaching
       ``SPARSE_OUTPUT_DENSITY`` of ``numel``: ``A[i,j] B[i,k] -> [j,k]`` (Aᵀ·B, dense B)
       fills every ``k`` of each stored ``j``, so it is stored dense."""
     output = assignment.output
@@ -111,4 +112,4 @@ def refine_by_fill(
         _level_letter(inferred, m) != "d" and not _carried_by_sparse(assignment, i, formats)
         for m, i in enumerate(output)
     )
-    return None if filled and estimated_nnz >= SPARSE_OUTPUT_DENSITY * numel else inferred
+    return None if filled and estimated_nnz() >= SPARSE_OUTPUT_DENSITY * numel else inferred

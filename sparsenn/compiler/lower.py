@@ -264,16 +264,11 @@ class _Lowerer:
         blocks of a single unique sparse level's positions first; the plain loop then
         takes the rest."""
         w, var, n = self.w, self.var(index), self.dim(index)
-        sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
-        locate = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] == "d"]
+        sparse = self.sparse_at(index, states)
         new = list(states)
 
         def locate_dense():
-            for k in locate:
-                st = states[k]
-                p = w.fresh("p")
-                w.line(f"const int64_t {p} = (int64_t){st.pos} * {n} + {var};")
-                new[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+            self.locate_dense(index, states, new)
 
         if not sparse:
             lo, hi = bounds or ("0", n)
@@ -461,13 +456,13 @@ class _Lowerer:
             before(states)
         innermost = position == len(order) - 1
         vector = summed is not None and innermost and self.unit_stride_factors(order[position], states, summed[1])
-        driver = self.sparse_driver(order[position], states) if summed is not None and innermost else None
+        driver = self.sparse_driver(order[position], states) if summed is not None else None
         blocked = None
-        if summed is not None and position == len(order) - 2 and self.sparse_driver(order[position], states) is not None:
-            blocked = self.row_blocker(order, position, states, around or {}, accumulator, summed, bounds)
+        if driver is not None and position == len(order) - 2:
+            blocked = self.row_blocker(order, position, states, driver, around or {}, accumulator, summed, bounds)
         if vector:
             self.emit_vector_reduction(order[position], states, accumulator, summed, vector, bounds.get(order[position]))
-        elif driver is not None:
+        elif driver is not None and innermost:
             self.emit_sparse_reduction(order[position], states, driver, accumulator, summed, bounds.get(order[position]))
         else:
             self.emit_loop(
@@ -483,10 +478,23 @@ class _Lowerer:
         if after:
             after(states)
 
+    def sparse_at(self, index: str, states: Sequence[_State]) -> list[int]:
+        """The factors whose next storage level, over ``index``, is sparse."""
+        return [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
+
+    def locate_dense(self, index: str, states: Sequence[_State], new: list[_State]) -> None:
+        """Into ``new``: the factors whose next level, over ``index``, is dense, located
+        at the current coordinate (position = parent position * N + coordinate)."""
+        for k, st in enumerate(states):
+            if st.next_index() == index and st.levels[st.depth][1] == "d":
+                p = self.w.fresh("p")
+                self.w.line(f"const int64_t {p} = (int64_t){st.pos} * {self.dim(index)} + {self.var(index)};")
+                new[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+
     def sparse_driver(self, index: str, states: Sequence[_State]) -> int | None:
         """The factor whose unique compressed level alone drives loop ``index`` (the
         other factors indexed there locate dense levels or are dense tensors), if any."""
-        sparse = [k for k, st in enumerate(states) if st.next_index() == index and st.levels[st.depth][1] != "d"]
+        sparse = self.sparse_at(index, states)
         if len(sparse) != 1:
             return None
         _, letter, unique = states[sparse[0]].levels[states[sparse[0]].depth]
@@ -545,22 +553,18 @@ class _Lowerer:
         w.line(f"const int64_t {var} = {crd}[{position}]; (void){var};")
         new = list(states)
         new[driver] = replace(states[driver], depth=states[driver].depth + 1, pos=position, seg_end=None)
-        for k, st in enumerate(states):
-            if k != driver and st.next_index() == index:
-                p = w.fresh("p")
-                w.line(f"const int64_t {p} = (int64_t){st.pos} * {self.dim(index)} + {var};")
-                new[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)
+        self.locate_dense(index, states, new)
         return new
 
     def row_blocker(
-        self, order: Sequence[str], position: int, states: list[_State],
+        self, order: Sequence[str], position: int, states: list[_State], driver: int,
         around: dict[int, tuple[Callable[[list[_State]], None], Callable[[list[_State]], None]]],
         accumulator: str, summed: tuple[str, Sequence[int]], bounds: dict[str, tuple[str, str]],
     ) -> Callable[[str, str, str, Callable[[str, str], None] | None], None] | None:
-        """Blocks of ROW_BLOCK positions for loop ``order[position]`` over a unique sparse
-        level ``j`` whose body is an innermost unit-stride vector reduction over ``k``
-        with some factors ``s`` not indexed by ``j`` (SDDMM's ``X[i, k]``) and some ``g``
-        that are (``Y[j, k]``):
+        """Blocks of ROW_BLOCK positions for loop ``order[position]`` over ``driver``'s
+        unique sparse level ``j`` whose body is an innermost unit-stride vector reduction
+        over ``k`` with some factors ``s`` not indexed by ``j`` (SDDMM's ``X[i, k]``) and
+        some ``g`` that are (``Y[j, k]``):
 
             for q in blocks: t[r] = sum_k prod s[k] * prod g[crd[q + r], k]  (r < ROW_BLOCK)
 
@@ -572,7 +576,6 @@ class _Lowerer:
         shared = [k for k in vectors if index not in states[k].dense_indices]
         if ROW_BLOCK < 2 or not shared or len(shared) == len(vectors):
             return None
-        driver = self.sparse_driver(index, states)
         before, after = around.get(position + 1, (None, None))
         coef, factors = summed
         scalars = [k for k in factors if k not in vectors]

@@ -422,7 +422,7 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule:
     out_order = tuple(assignment.output[m] for m in output_format.mode_order)
-    num_dense = len(output_format.letters) - len(output_format.letters.lstrip("d"))
+    num_dense = output_format.dense_prefix
     best = None
     for p in range(num_dense, len(out_order) + 1):
         shared = out_order[:p]

@@ -107,6 +107,12 @@ class Format:
         """Level letters of every storage level, e.g. ``"dc"`` (``"dcdd"`` for BSR)."""
         return "".join(level.letter for level in self.levels)
 
+    @property
+    def dense_prefix(self) -> int:
+        """Number of leading dense storage levels (1 for CSR, 0 for DCSR and COO)."""
+        letters = self.letters
+        return len(letters) - len(letters.lstrip("d"))
+
     def storage_levels(self, shape: tuple[int, ...]) -> tuple[tuple[int, int, bool], ...]:
         """``(mode, size, is_block_inner)`` of each storage level for a tensor of ``shape``."""
         shape = tuple(shape)
