@@ -306,6 +306,37 @@ def test_register_blocked_products_and_sums():
     torch.testing.assert_close(result, (a2.to_dense() @ v)[:, None] + c)
 
 
+def test_outputs_stored_once_skip_zeroing():
+    # A kernel that stores every output element once gets uninitialised memory (NaN
+    # here, see conftest): dense loops over every output index, reductions inside.
+    a = sp((23, 19), "csr", density=0.2)
+    a.values[:] = torch.randn(a.nnz, dtype=torch.float64)
+    empty_rows = sparsenn.from_dense(torch.cat([a.to_dense()[:10], torch.zeros(13, 19, dtype=torch.float64)]), "dcsr")
+    stored_once = {
+        "ij,j->i": [a, torch.randn(19, dtype=torch.float64)],
+        "ij,jk->ik": [a, torch.randn(19, 45, dtype=torch.float64)],  # register blocks and a scalar tail
+        "ij,ik,jk->ij": [a, torch.randn(23, 8, dtype=torch.float64), torch.randn(19, 8, dtype=torch.float64)],
+        "ij->": [a],
+    }
+    for equation, operands in stored_once.items():
+        assert dispatch.plan(equation, *operands).kernel.overwrites_output, equation
+        check(equation, operands)
+    added = {
+        "ij,j->i": [empty_rows, torch.randn(19, dtype=torch.float64)],  # rows without entries are never visited
+        "ij,j->j": [a, torch.randn(19, dtype=torch.float64)],  # a reduction outside the output loop
+        "ij,j->ij": [a, torch.randn(19, dtype=torch.float64)],
+    }
+    for equation, operands in added.items():
+        assert not dispatch.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
+        check(equation, operands, out_format="dense")
+    # A sum's first term stores, the second adds.
+    x, b = torch.randn(19, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
+    expression = sparsenn.compile("y[i] = A[i,j] * x[j] + b[i]")
+    stores = re.findall(r"out\[i\d+\] (\+?=) ", expression.explain(a, x, b))
+    assert stores == ["=", "=", "+=", "+="]  # each nest twice: for a team and for one thread
+    torch.testing.assert_close(expression(a, x, b), a.to_dense() @ x + b)
+
+
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
 def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     # Row 1 of the outer product has no stored entry, but a dense output level must

@@ -76,6 +76,9 @@ class LoweredKernel:
     indices: tuple[str, ...]  # index variables, in the order of the dims array
     dense_output: bool
     fill: str | None = None  # a two-phase sparse output's second phase (see assemble)
+    # The kernel stores every element of its dense output (or every anchor value) once,
+    # with ``=``: the caller may pass uninitialised memory (see _stores_each_output_once).
+    overwrites_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -740,14 +743,15 @@ def lower(
     (the operands' stored positions) tunes inner loops to the fibers' mean length."""
     lo = _Lowerer(assignment, sched, formats, infos)
     lo.declare_dims()
-    fill = None
+    fill, overwrites = None, False
     if sched.output_format is None:
-        _lower_dense_output(lo, anchor)
+        overwrites = _lower_dense_output(lo, anchor)
     else:
         from .assemble import lower_sparse_output  # imports this module's co-iteration
 
         fill = lower_sparse_output(lo)
-    return LoweredKernel("\n".join(lo.w.lines), tuple(lo.slots), lo.indices, sched.output_format is None, fill)
+    return LoweredKernel("\n".join(lo.w.lines), tuple(lo.slots), lo.indices, sched.output_format is None, fill,
+                         overwrites)
 
 
 # ----------------------------------------------------------------------------- dense output
@@ -779,19 +783,55 @@ def _close_team(w: _Writer, body: int) -> None:
     w.close()
 
 
-def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
+def _reductions_from(order: Sequence[str], output: Sequence[str], end: int) -> int:
+    """Start of the run of reduction (non-output) loops that ends at ``order[end]``."""
+    while end > 0 and order[end - 1] not in output:
+        end -= 1
+    return end
+
+
+def _stores_each_output_once(
+    lo: _Lowerer, nest, states: Sequence[_State], output_loops: Sequence[str], anchor_k: int | None
+) -> bool:
+    """Whether ``nest`` stores every output element exactly once: the output loops
+    (``output_loops``, outside every reduction loop) are all of the output's indices
+    and each visits every coordinate (no factor but the anchor ``anchor_k`` has a
+    sparse level over an output index), and no tile splits a reduction."""
+    output = set(lo.a.output)
+    if set(output_loops) != output or any(tile.index not in output for tile in nest.tiles):
+        return False
+    return all(
+        letter == "d"
+        for k, st in enumerate(states) if k != anchor_k
+        for index, letter, _ in st.levels if index in output
+    )
+
+
+def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> bool:
+    """Emit every term's nest, adding into ``out``; the first nest stores with ``=``
+    when it writes each output element once. Returns whether it does (the caller then
+    need not zero the output)."""
     a, w = lo.a, lo.w
     lo.dense_output = True
-    for nest in lo.s.nests:
+    overwrites = False
+    for n_nest, nest in enumerate(lo.s.nests):
         term = a.terms[nest.term]
         states = lo.initial_states(nest.term, term)
         offset = _output_offset(lo, term, anchor)
         coef = repr(float(term.coefficient))
         order = nest.order
         # Trailing reduction loops accumulate in a register, then add to the output once.
-        split = len(order)
-        while split > 0 and order[split - 1] not in a.output:
-            split -= 1
+        split = _reductions_from(order, a.output, len(order))
+        if nest.register_block is not None:  # outputs P + (k,) around reductions R, see below
+            output_loops = (*order[: _reductions_from(order, a.output, len(order) - 1)], order[-1])
+        else:
+            output_loops = order[:split]
+        anchor_k = None if anchor is None else anchor_factor(term, a.output, anchor)
+        once = n_nest == 0 and (anchor is None or nest.register_block is None) and _stores_each_output_once(
+            lo, nest, states, output_loops, anchor_k
+        )
+        overwrites = overwrites or once
+        store = "=" if once else "+="
         around = {}
         acc = w.fresh("acc")
         summed = None  # the leaf's sum, for a vectorised innermost reduction
@@ -802,9 +842,9 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             inside = [k for k in range(len(term.factors)) if k not in outside]
             summed = ("V(1)", inside)
 
-            def after(st, acc=acc, offset=offset, outside=outside):
+            def after(st, acc=acc, offset=offset, outside=outside, store=store):
                 scale = " * ".join([f"V({coef})", *([lo.product(st, outside)] if outside else [])])
-                w.line(f"out[{offset(st)}] += {scale} * {acc};")
+                w.line(f"out[{offset(st)}] {store} {scale} * {acc};")
 
             around[split] = (lambda st, acc=acc: w.line(f"V {acc} = 0;"), after)
 
@@ -812,8 +852,8 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
                 w.line(f"{acc} += {lo.product(st, inside)};")
         else:
 
-            def leaf(st, offset=offset):
-                w.line(f"out[{offset(st)}] += V({coef}) * {lo.product(st)};")
+            def leaf(st, offset=offset, store=store):
+                w.line(f"out[{offset(st)}] {store} V({coef}) * {lo.product(st)};")
 
         tiles = [t for t in nest.tiles if t.index != order[0]]
         w.open("")
@@ -835,7 +875,7 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
             chunk_bounds(w, "sn_chunk", "sn_nchunks", balancing_pos(lo, states, order[0]))
             bounds[order[0]] = ("sn_lo", "sn_hi")
         if nest.register_block is not None:
-            _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size)
+            _emit_register_blocked(lo, term, order, states, offset, coef, bounds, nest.register_block.size, once)
         else:
             lo.emit_order(
                 order, states, leaf, bounds, around,
@@ -849,11 +889,13 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> None:
         if nest.parallel:
             _close_team(w, team_body)
         w.close()
+    return overwrites
 
 
 def _emit_register_blocked(
     lo: _Lowerer, term: Term, order: Sequence[str], states: list[_State],
     offset: Callable[[list[_State]], str], coef: str, bounds: dict[str, tuple[str, str]], size: int,
+    overwrite: bool = False,
 ) -> None:
     """``order = P + R + (k,)`` with ``k`` register-blocked (see schedule's module doc):
 
@@ -862,12 +904,12 @@ def _emit_register_blocked(
                    out[P, kb : kb + size] += coef * acc
                for R: for k in the last, partial block: out[P, k] += coef * product
 
-    ``acc`` is ``size / SN_W`` SIMD vectors that the C++ compiler keeps in registers."""
+    ``acc`` is ``size / SN_W`` SIMD vectors that the C++ compiler keeps in registers.
+    With ``overwrite`` the blocks store ``coef * acc`` and the partial block's elements
+    are zeroed before its loops add to them."""
     w, output = lo.w, lo.a.output
     k = order[-1]
-    r = len(order) - 1
-    while r > 0 and order[r - 1] not in output:
-        r -= 1
+    r = _reductions_from(order, output, len(order) - 1)
     with_k = lo.unit_stride_factors(k, states, range(len(term.factors)))
     if not with_k:
         raise AssertionError(f"register block over {k!r} needs unit-stride dense factors")
@@ -897,11 +939,14 @@ def _emit_register_blocked(
         w.line(f"const int64_t {var_k} = {kb};")
         w.line(f"V* const sn_row = out + {offset(st)};")
         w.line("#pragma GCC unroll 16")
-        w.line(f"for (int v = 0; v < {size} / SN_W; ++v) sn_store(sn_row + v * SN_W, sn_load(sn_row + v * SN_W) + V({coef}) * {acc}[v]);")
+        old = "" if overwrite else "sn_load(sn_row + v * SN_W) + "
+        w.line(f"for (int v = 0; v < {size} / SN_W; ++v) sn_store(sn_row + v * SN_W, {old}V({coef}) * {acc}[v]);")
         w.close()
         w.close()
         w.line(f"const int64_t {rest} = {n_k} - ({n_k} - {k_lo}) % {size};")
         w.open(f"if ({rest} < {n_k})")
+        if overwrite:
+            w.line(f"for (int64_t {var_k} = {rest}; {var_k} < {n_k}; ++{var_k}) out[{offset(st)}] = 0;")
 
         def scalar_leaf(inner: list[_State]) -> None:
             w.line(f"out[{offset(inner)}] += V({coef}) * {lo.product(inner)};")
