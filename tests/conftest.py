@@ -24,5 +24,5 @@ def _poisoned_outputs():
     """Kernels that overwrite their dense output get NaN-filled memory instead of
     whatever torch.empty returns (often zeros), so a skipped element fails the test."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dispatch, "uninitialised", lambda shape, dtype: torch.empty(shape, dtype=dtype).fill_(math.nan))
+        patch.setattr(dispatch, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
         yield

@@ -337,6 +337,30 @@ def test_outputs_stored_once_skip_zeroing():
     torch.testing.assert_close(expression(a, x, b), a.to_dense() @ x + b)
 
 
+def test_repeated_calls_take_the_direct_launch():
+    # After a cached call's first run, operands the kernel reads as given skip _run.
+    a = sp((23, 19), "csr")
+    b, x, y = (torch.randn(19, 6, dtype=torch.float64), torch.randn(23, 8, dtype=torch.float64),
+               torch.randn(19, 8, dtype=torch.float64))
+    cases = [("ij,jk->ik", [a, b]), ("ij,jk->ki", [a, b]), ("ij,ik,jk->ij", [a, x, y]), ("ij->", [a])]
+    for equation, operands in cases:
+        first = sparsenn.einsum(equation, *operands)
+        call = dispatch._calls[dispatch._call_signature(dispatch._parse_cached(equation, len(operands)), operands, None)]
+        assert callable(call.launch), equation
+        operands = [op.with_values(op.values * 2) if isinstance(op, SparseTensor) else op for op in operands]
+        again = sparsenn.einsum(equation, *operands)
+        if isinstance(first, SparseTensor):
+            first, again = first.to_dense(), again.to_dense()
+        torch.testing.assert_close(again, 2 * first)
+    # Index arrays narrower than the plan's are widened per call: the general path.
+    wide = sp((23, 19), "csr", index_dtype=torch.int64)
+    narrow = sp((19, 7), "csr", seed=1, index_dtype=torch.int32)
+    for _ in range(2):
+        check("ij,jk->ik", [wide, narrow], out_format="dense")
+    signature = dispatch._call_signature(dispatch._parse_cached("ij,jk->ik", 2), [wide, narrow], "dense")
+    assert dispatch._calls[signature].launch is False
+
+
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
 def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     # Row 1 of the outer product has no stored entry, but a dense output level must
