@@ -315,8 +315,7 @@ def _restored_as(op: SparseTensor, fmt: Format) -> SparseTensor:
     values = op.values.detach()
     if padded:
         values = torch.cat([values.new_zeros(1), values])
-    values = torch.index_select(values, 0, permutation)
-    return SparseTensor(op.shape, fmt, moved.pos, moved.crd, values, check=False)
+    return moved.with_values(torch.index_select(values, 0, permutation))
 
 
 def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
