@@ -10,6 +10,10 @@
    output format, schedule, lower, generate C++ and load it through the JIT cache;
 4. re-store operands the schedule wants in another mode order, call the kernel with the
    GIL released (ctypes), and assemble a dense tensor or a :class:`SparseTensor`.
+
+A call whose signature was seen before skips steps 1 and 3; when its operands need no
+re-store and the kernel writes a dense array, step 4 is a closure built after its first
+run (:func:`_direct_launcher`).
 """
 
 from __future__ import annotations
