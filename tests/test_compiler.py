@@ -496,7 +496,7 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     x = torch.randn(64, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 1e-10
     check("ij,j->i", [a, x], atol=atol)
-    assert "sacc" in kernel_body("ij,j->i", a, x)
+    assert re.search(r"V sacc\d+\[4\]", kernel_body("ij,j->i", a, x))
     # A dense-level operand located by the same loop, and a dense matrix factor.
     b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
     check("ij,ij->i", [a, b], atol=atol)
@@ -508,21 +508,6 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     other = sparsenn.from_dense(rows_of_lengths(LENGTHS[::-1], 64, dtype, seed=1), "csr")
     check("ij,ij->i", [a, other], atol=atol)
     assert "sacc" not in kernel_body("ij,ij->i", a, other)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_long_fibers_take_more_accumulators(dtype):
-    # Rows of 16+ entries on average: 8 interleaved sums (rows shorter than 8 and empty
-    # rows still run through the tail); short rows keep 4.
-    lengths = [0, 3, 7, 8, 9, 15, 16, 17, 40, 64, 63, 33]
-    long_rows = sparsenn.from_dense(rows_of_lengths(lengths, 64, dtype), "csr")
-    short_rows = sparsenn.from_dense(rows_of_lengths([n // 4 for n in lengths], 64, dtype), "csr")
-    x = torch.randn(64, dtype=dtype)
-    atol = 1e-5 if dtype == torch.float32 else 1e-10
-    check("ij,j->i", [long_rows, x], atol=atol)
-    check("ij,j->i", [short_rows, x], atol=atol)
-    assert re.search(r"V sacc\d+\[8\]", kernel_body("ij,j->i", long_rows, x))
-    assert re.search(r"V sacc\d+\[4\]", kernel_body("ij,j->i", short_rows, x))
 
 
 @pytest.fixture

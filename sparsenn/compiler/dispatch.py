@@ -281,7 +281,7 @@ def _plan(assignment: Assignment, prepared: list, out_format, dtype: torch.dtype
         sched = scheduled(output)
     if anchor is not None:
         output = formats[anchor]
-    lowered = lower(assignment, sched, formats, anchor, infos)
+    lowered = lower(assignment, sched, formats, anchor)
     source = generate_source(lowered, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
     plan = Plan(assignment, formats, output, sched, lowered, source, anchor)
     with _plans_lock:

@@ -40,13 +40,14 @@ from dataclasses import dataclass, replace
 from sparsenn.formats import Format
 
 from .notation import Assignment, Term
-from .schedule import REGISTER_BLOCK_VECTORS, Nest, OperandInfo, Schedule, cache_sizes
+from .schedule import REGISTER_BLOCK_VECTORS, Nest, Schedule, cache_sizes
 
 __all__ = ["Slot", "LoweredKernel", "lower"]
 
-SPARSE_ACCUMULATORS = 4  # independent sums of an innermost sparse reduction
-LONG_FIBER_ACCUMULATORS = 8  # ... over fibers of LONG_FIBER or more stored entries on average
-LONG_FIBER = 16
+# Independent sums of an innermost sparse reduction. 8 (tried for fibers of 16+ entries)
+# was up to 5 % faster on cache-resident rows but 1.75x slower on uniform 2^19's SpMV
+# (20 entries per row, x in the last-level cache).
+SPARSE_ACCUMULATORS = 4
 ROW_BLOCK = 4  # stored entries whose dense reductions share loads of their common factors
 ROW_BLOCK_VECTORS = 1  # SIMD accumulators per entry of a row block (its ROW_BLOCK sums interleave)
 PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
@@ -128,15 +129,13 @@ class _Writer:
 
 
 class _Lowerer:
-    def __init__(self, assignment: Assignment, sched: Schedule, formats: Sequence[Format | None],
-                 infos: Sequence[OperandInfo] | None = None):
+    def __init__(self, assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]):
         self.a = assignment
         self.s = sched
         self.w = _Writer()
         self.indices = tuple(sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)))
         self.slots: list[Slot] = []
         self.formats = formats
-        self.infos = infos  # stored positions per level, when known
         # (loop position, index, block start, block end) while a register block is open
         self.block: tuple[int, str, str, str] | None = None
         # Set while lowering a dense output: an innermost loop over an output index then
@@ -515,9 +514,7 @@ class _Lowerer:
         """``accumulator += coef * sum_q prod(factors at crd[q])`` over the driver's
         positions, into SPARSE_ACCUMULATORS independent sums (position q feeds sum
         ``q mod SPARSE_ACCUMULATORS`` of the unrolled loop), so that consecutive adds do
-        not wait on each other's latency; a scalar tail takes the last positions. Long
-        fibers (LONG_FIBER entries on average) use LONG_FIBER_ACCUMULATORS sums: more
-        gathers in flight; short ones would pay for combining them on every fiber."""
+        not wait on each other's latency; a scalar tail takes the last positions."""
         w = self.w
         coef, factors = summed
         st = states[driver]
@@ -529,7 +526,7 @@ class _Lowerer:
             new = self.enter(index, states, driver, position, crd)
             w.line(f"{target} += {self.product(new, factors)};")
 
-        n = LONG_FIBER_ACCUMULATORS if self.mean_fiber(st) >= LONG_FIBER else SPARSE_ACCUMULATORS
+        n = SPARSE_ACCUMULATORS
         w.line(f"V {acc}[{n}] = {{}};")
         w.open(f"for (; {q} + {n} <= {h}; {q} += {n})")
         w.line("#pragma GCC unroll 16")
@@ -543,16 +540,6 @@ class _Lowerer:
         w.line(f"for (int u = 1; u < {n}; ++u) {acc}[0] += {acc}[u];")
         w.line(f"{accumulator} += {coef} * {acc}[0];")
         w.close()
-
-    def mean_fiber(self, st: _State) -> float:
-        """Mean stored entries per parent of ``st``'s current level (0 when unknown: a
-        re-stored operand, or no operand information)."""
-        slot = self.slots[st.slot]
-        info = None if self.infos is None else self.infos[slot.operand]
-        if info is None or info.format != slot.fmt or len(info.positions) <= st.depth:
-            return 0.0
-        parents = info.positions[st.depth - 1] if st.depth > 0 else 1
-        return info.positions[st.depth] / max(parents, 1)
 
     def enter(self, index: str, states: Sequence[_State], driver: int, position: str, crd: str) -> list[_State]:
         """Bind ``index`` to the coordinate at ``position`` of the driver's unique
@@ -738,15 +725,13 @@ def chunk_bounds(w: _Writer, chunk: str, nchunks: str, pos: str | None) -> None:
 
 def lower(
     assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None = None,
-    infos: Sequence[OperandInfo] | None = None,
 ) -> LoweredKernel:
     """C++ statements computing ``assignment`` per ``sched`` (see the module doc).
 
     With ``anchor``, the output has the pattern of that sparse operand (which every
     term reads at the output's indices): the kernel writes values at the anchor's
-    positions into a dense values array, and no output assembly is needed. ``infos``
-    (the operands' stored positions) tunes inner loops to the fibers' mean length."""
-    lo = _Lowerer(assignment, sched, formats, infos)
+    positions into a dense values array, and no output assembly is needed."""
+    lo = _Lowerer(assignment, sched, formats)
     lo.declare_dims()
     fill, overwrites = None, False
     if sched.output_format is None:
