@@ -361,6 +361,25 @@ def test_repeated_calls_take_the_direct_launch():
     assert dispatch._calls[signature].launch is False
 
 
+def test_strided_dense_operands_are_cached_and_copied_only_when_needed():
+    # A transposed operand (the output of `bi,oi->bo`, which the kernel writes as
+    # (o, b)) keys its own cached call; the forward reads it as (i, b), which its
+    # strides already are, so no copy is made.
+    w = sp((7, 9), "csr")
+    x = torch.randn(9, 5, dtype=torch.float64).t()  # shape (5, 9), strides (1, 5)
+    equation, assignment = "bi,oi->bo", dispatch._parse_cached("bi,oi->bo", 2)
+    plan = dispatch.plan(equation, x, w)
+    assert [slot.layout for slot in plan.kernel.slots if slot.fmt is None] == [(1, 0)]
+    for operand, copied in ((x, False), (x.contiguous(), True)):
+        for _ in range(2):
+            torch.testing.assert_close(sparsenn.einsum(equation, operand, w), operand @ w.to_dense().T)
+        assert dispatch._call_signature(assignment, [operand, w], None) in dispatch._calls
+        dense_slot = next(op for op in dispatch._slot_operands(plan, [operand, w]) if isinstance(op, torch.Tensor))
+        assert (dense_slot.data_ptr() != operand.data_ptr()) == copied
+    out = sparsenn.einsum("ij,jk->ik", w, torch.randn(9, 4, dtype=torch.float64)).t()  # non-contiguous
+    torch.testing.assert_close(sparsenn.einsum("ki,ij->kj", out, w, out_format="dense"), out @ w.to_dense())
+
+
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
 def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     # Row 1 of the outer product has no stored entry, but a dense output level must

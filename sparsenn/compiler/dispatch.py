@@ -117,8 +117,8 @@ def _prepare_operands(
 ) -> tuple[list, torch.dtype, dict[str, int]]:
     """Check types, dtypes, devices, ranks, index sizes, that sparse operands' index arrays
     were not edited since construction (O(levels)) and ``out_format``. Returns the
-    operands (dense ones contiguous, dense-format SparseTensors as tensors), their dtype
-    and the size of every index."""
+    operands (dense-format SparseTensors as tensors; dense tensors keep their strides,
+    see :func:`_slot_operands`), their dtype and the size of every index."""
     if len(operands) != assignment.num_operands:
         raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
     prepared = []
@@ -156,8 +156,6 @@ def _prepare_operands(
                 op = op.asformat(unblocked)
             elif op.format.is_dense:
                 op = op.to_dense()
-        elif not op.is_contiguous():
-            op = op.contiguous()
         prepared.append(op)
     sizes: dict[str, tuple[int, int]] = {}
     for term in assignment.terms:
@@ -340,15 +338,16 @@ def _prepare_launch(plan: Plan, sizes: dict[str, int]) -> None:
 
 
 def _slot_operands(plan: Plan, prepared: list) -> list:
-    """Each slot's operand as the kernel reads it: a dense one laid out in loop order,
-    a sparse one re-stored in the slot's mode order where the schedule asked for it.
-    One operand may fill several slots (read in different orders by different terms)."""
+    """Each slot's operand as the kernel reads it: a dense one contiguous in loop order
+    (copied only when its strides are not already that order's: the transposed output of
+    a previous product often is), a sparse one re-stored in the slot's mode order where
+    the schedule asked for it. One operand may fill several slots (read in different
+    orders by different terms)."""
     operands = []
     for slot in plan.kernel.slots:
         op = prepared[slot.operand]
         if slot.fmt is None:
-            if slot.layout is not None:
-                op = op.permute(slot.layout).contiguous()
+            op = (op if slot.layout is None else op.permute(slot.layout)).contiguous()
         elif op.format != slot.fmt:
             op = _restored_as(op, slot.fmt)
         operands.append(op)
@@ -382,7 +381,7 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
     lib = plan.load()
     if plan.dims is None:
         _prepare_launch(plan, sizes)
-    slot_operands = [prepared[slot.operand] for slot in plan.kernel.slots] if plan.direct else _slot_operands(plan, prepared)
+    slot_operands = _slot_operands(plan, prepared)
     pointers, owners = _argument_pointers(plan, slot_operands, index_dtype)
     nthreads = torch.get_num_threads() if plan.schedule.leaves >= PARALLEL_MIN_WORK else 1
     if plan.output_format is not None and plan.anchor is None:  # the kernel assembles a sparse result
@@ -415,15 +414,17 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
 
 def _direct_launcher(call: _Call, prepared: list) -> Callable[[Sequence], torch.Tensor | SparseTensor] | None:
     """What :func:`_run` does for ``call``'s operands, cut to the per-call work, when they
-    need no preparation: each slot reads its operand as given, index arrays already have
-    the plan's width, and the kernel writes a dense array (output or anchor values).
-    For cached calls only, whose signature vouches for contiguous arrays. Built after
-    the call's first run (which fills the plan's launch constants)."""
+    need no preparation: each slot reads its operand as given (dense ones contiguous),
+    index arrays already have the plan's width, and the kernel writes a dense array
+    (output or anchor values). For cached calls only, whose signature fixes the dense
+    operands' strides and vouches for contiguous sparse values. Built after the call's
+    first run (which fills the plan's launch constants)."""
     plan = call.plan
     if (
         call.final_format is not None or not plan.direct
         or (plan.output_format is not None and plan.anchor is None)
         or any(isinstance(op, SparseTensor) and op.index_dtype != call.index_dtype for op in prepared)
+        or any(isinstance(op, torch.Tensor) and not op.is_contiguous() for op in prepared)
     ):
         return None
     pointers = []
@@ -518,11 +519,12 @@ _calls: dict[tuple, _Call] = {}
 
 def _call_signature(assignment: Assignment, operands: Sequence, out_format) -> tuple | None:
     """The key of a call whose operands the kernels read as they are: the expression,
-    ``out_format`` and per operand its dtype and shape (dense) or
+    ``out_format`` and per operand its dtype, shape and strides (dense) or
     :attr:`SparseTensor.signature`. Every check :func:`_prepare_operands` makes follows
-    from the key, except the per-call ones made here (CPU, strided, contiguous, index
-    arrays unedited). None sends the call through the full checks: an operand needing a
-    conversion (blocked, dense-format, non-contiguous) or failing a check."""
+    from the key, except the per-call ones made here (CPU, strided, contiguous sparse
+    values, index arrays unedited). None sends the call through the full checks: an
+    operand needing a conversion (blocked, dense-format, non-contiguous values) or
+    failing a check."""
     if out_format is not None and not isinstance(out_format, (str, Format)):
         return None
     key = [assignment, out_format]
@@ -537,9 +539,9 @@ def _call_signature(assignment: Assignment, operands: Sequence, out_format) -> t
                 return None
             key += (op.signature, values.dtype)
         elif isinstance(op, torch.Tensor):
-            if op.layout != torch.strided or not op.is_cpu or not op.is_contiguous():
+            if op.layout != torch.strided or not op.is_cpu:
                 return None
-            key += (op.shape, op.dtype)
+            key += (op.shape, op.dtype, op.stride())
         else:
             return None
     return tuple(key)
