@@ -774,7 +774,8 @@ def _close_team(w: _Writer, body: int) -> None:
 
 
 def _reductions_from(order: Sequence[str], output: Sequence[str], end: int) -> int:
-    """Start of the run of reduction (non-output) loops that ends at ``order[end]``."""
+    """Where the run of reduction (non-output) loops just before ``order[end]`` starts
+    (``end`` itself when ``order[end - 1]`` is an output loop)."""
     while end > 0 and order[end - 1] not in output:
         end -= 1
     return end
