@@ -397,18 +397,26 @@ def _run(plan: Plan, prepared: list, sizes: dict[str, int], dtype: torch.dtype, 
         result = _assemble(plan, lib, handle, out_shape, dtype, index_dtype, nthreads)
         del arrays, owners, slot_operands
         return result
-    allocate = uninitialised if plan.kernel.overwrites_output else torch.zeros
-    if plan.anchor is not None:  # values at the anchor's positions
-        pattern = prepared[plan.anchor]
-        out = allocate(pattern.values.shape[0], dtype=dtype)
-    else:
-        out = allocate(*(plan.dense_shape or ((),)), dtype=dtype)
+    out = _output_array(plan, prepared, dtype)
     code = lib.sn_run(plan.pointer_array(*pointers, out.data_ptr()), plan.dims, nthreads, None)
     del owners, slot_operands
     if code != 0:
         raise MemoryError("sparsenn kernel ran out of memory")
+    return _dense_result(plan, out, prepared)
+
+
+def _output_array(plan: Plan, operands: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """The array a dense-writing kernel fills: the output in loop order, or the anchor's
+    values; uninitialised when the kernel stores every element (see lower)."""
+    size = (plan.dense_shape or ((),)) if plan.anchor is None else (operands[plan.anchor].values.shape[0],)
+    return (uninitialised if plan.kernel.overwrites_output else torch.zeros)(*size, dtype=dtype)
+
+
+def _dense_result(plan: Plan, out: torch.Tensor, operands: Sequence) -> torch.Tensor | SparseTensor:
+    """The call's result from the array the kernel filled: the anchor's pattern with those
+    values, or the output in the expression's index order (a view)."""
     if plan.anchor is not None:
-        return pattern.with_values(out)
+        return operands[plan.anchor].with_values(out)
     return out if plan.output_permutation is None else out.permute(plan.output_permutation)
 
 
@@ -436,28 +444,23 @@ def _direct_launcher(call: _Call, prepared: list) -> Callable[[Sequence], torch.
             pointers.append(lambda ops, n=n: ops[n].values.data_ptr())
         else:
             pointers.append(lambda ops, n=n, kind=kind, level=level: getattr(ops[n], kind)[level].data_ptr())
-    run, dims, array_type = plan.load().sn_run, plan.dims, plan.pointer_array
+    run, dims, array_type, dtype = plan.load().sn_run, plan.dims, plan.pointer_array, call.dtype
     serial = plan.schedule.leaves < PARALLEL_MIN_WORK
-    overwrites, dtype, anchor = plan.kernel.overwrites_output, call.dtype, plan.anchor
-    shape = plan.dense_shape if anchor is None else (prepared[anchor].values.shape[0],)
-    size = shape or ((),)  # torch.empty(*size) parses faster than a shape tuple
-    permutation = plan.output_permutation
 
     def launch(ops: Sequence) -> torch.Tensor | SparseTensor:
-        out = uninitialised(*size, dtype=dtype) if overwrites else torch.zeros(*size, dtype=dtype)
+        out = _output_array(plan, ops, dtype)
         arrays = array_type(*[pointer(ops) for pointer in pointers], out.data_ptr())
         if run(arrays, dims, 1 if serial else torch.get_num_threads(), None) != 0:
             raise MemoryError("sparsenn kernel ran out of memory")
-        if anchor is not None:
-            return ops[anchor].with_values(out)
-        return out if permutation is None else out.permute(permutation)
+        return _dense_result(plan, out, ops)
 
     return launch
 
 
 def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(*size)``: memory for a kernel that stores every element of its
-    output (the test suite fills it with NaN, so an element a kernel skips shows)."""
+    """``torch.empty(*size)`` (sizes as arguments: parsed faster than a shape tuple):
+    memory for a kernel that stores every element of its output (the test suite fills
+    it with NaN, so an element a kernel skips shows)."""
     return torch.empty(*size, dtype=dtype)
 
 

@@ -781,16 +781,22 @@ def _reductions_from(order: Sequence[str], output: Sequence[str], end: int) -> i
     return end
 
 
-def _stores_each_output_once(
-    lo: _Lowerer, nest: Nest, states: Sequence[_State], output_loops: Sequence[str], anchor_k: int | None
-) -> bool:
-    """Whether ``nest`` stores every output element exactly once: the output loops
-    (``output_loops``, outside every reduction loop) are all of the output's indices
-    and each visits every coordinate (no factor but the anchor ``anchor_k`` has a
+def _stores_each_output_once(lo: _Lowerer, nest: Nest, states: Sequence[_State], anchor: int | None) -> bool:
+    """Whether ``nest`` stores every output element exactly once: the loops outside its
+    trailing reductions (for a register block, ``P`` and ``k``, see
+    :func:`_emit_register_blocked`, which anchored outputs do not take) are all of the
+    output's indices, each visits every coordinate (no factor but the anchor has a
     sparse level over an output index), and no tile splits a reduction."""
-    output = set(lo.a.output)
+    order, output = nest.order, set(lo.a.output)
+    if nest.register_block is not None:
+        if anchor is not None:
+            return False
+        output_loops = (*order[: _reductions_from(order, lo.a.output, len(order) - 1)], order[-1])
+    else:
+        output_loops = order[: _reductions_from(order, lo.a.output, len(order))]
     if set(output_loops) != output or any(tile.index not in output for tile in nest.tiles):
         return False
+    anchor_k = None if anchor is None else anchor_factor(lo.a.terms[nest.term], lo.a.output, anchor)
     return all(
         letter == "d"
         for k, st in enumerate(states) if k != anchor_k
@@ -813,15 +819,9 @@ def _lower_dense_output(lo: _Lowerer, anchor: int | None) -> bool:
         order = nest.order
         # Trailing reduction loops accumulate in a register, then add to the output once.
         split = _reductions_from(order, a.output, len(order))
-        if nest.register_block is not None:  # outputs P + (k,) around reductions R, see below
-            output_loops = (*order[: _reductions_from(order, a.output, len(order) - 1)], order[-1])
-        else:
-            output_loops = order[:split]
-        anchor_k = None if anchor is None else anchor_factor(term, a.output, anchor)
-        once = n_nest == 0 and (anchor is None or nest.register_block is None) and _stores_each_output_once(
-            lo, nest, states, output_loops, anchor_k
-        )
-        overwrites = overwrites or once
+        once = n_nest == 0 and _stores_each_output_once(lo, nest, states, anchor)
+        if once:
+            overwrites = True
         store = "=" if once else "+="
         around = {}
         acc = w.fresh("acc")
