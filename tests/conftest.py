@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from sparsenn.compiler import dispatch
+from sparsenn.compiler.runtime import dispatch
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

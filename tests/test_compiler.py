@@ -12,7 +12,7 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler import dispatch
+from sparsenn.compiler.runtime import dispatch
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 
@@ -532,7 +532,7 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
 def always_prefetch(monkeypatch):
     """Kernels built while this is active prefetch every gather, whatever the operand's
     size and the pattern's locality (the test operands are far smaller than a cache)."""
-    from sparsenn.compiler import lower
+    from sparsenn.compiler.lower import nest as lower
 
     monkeypatch.setattr(lower, "PREFETCH_MIN_FOOTPRINT", 0.0)
     monkeypatch.setattr(lower, "PREFETCH_MIN_JUMP", 0)
@@ -546,7 +546,8 @@ def test_prefetch_only_when_gathers_miss_the_caches():
     # operands that fit the L2; for large ones, when the coordinate D positions ahead is
     # 8 or more away; in between, when the row's coordinates spread over half the range.
     # It then runs the loop with prefetches, else the plain copy.
-    from sparsenn.compiler import lower, schedule
+    from sparsenn.compiler.lower import nest as lower
+    from sparsenn.compiler.plan import schedule
 
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
     text = kernel_body("ij,jk->ik", a, torch.randn(70, 32))
@@ -704,7 +705,7 @@ def test_row_blocked_inner_reductions(dtype, index_dtype, k):
 
 def test_hsums_transpose_and_add():
     # Lane l of every paired vector holds row l mod s; every row ends in its own lane.
-    from sparsenn.compiler.codegen import _hsums_source
+    from sparsenn.compiler.backend.codegen import _hsums_source
 
     text = _hsums_source(8, 4, 2)
     assert "SN_SHUFFLE(s0, s1, 0, 8, 2, 10, 4, 12, 6, 14) + SN_SHUFFLE(s0, s1, 1, 9, 3, 11, 5, 13, 7, 15)" in text

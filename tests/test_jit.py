@@ -18,7 +18,7 @@ import uuid
 import pytest
 import torch
 
-from sparsenn.compiler import jit
+from sparsenn.compiler.backend import jit
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 N = 10_000
@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     """
     import ctypes, os, pathlib, sys, time
     import torch
-    from sparsenn.compiler import jit
+    from sparsenn.compiler.backend import jit
 
     source = sys.stdin.read()
     if len(sys.argv) > 1:

@@ -1,8 +1,8 @@
 """The sparse einsum compiler: notation -> format inference -> schedule -> lower ->
 C++ -> JIT, behind :func:`einsum`, :func:`compile_expression` and :func:`explain`."""
 
-from .dispatch import CompiledExpression, compile_expression, einsum, explain
-from .jit import CompilerNotFoundError, KernelBuildError
+from .runtime.dispatch import CompiledExpression, compile_expression, einsum, explain
+from .backend.jit import CompilerNotFoundError, KernelBuildError
 from .notation import NotationError
 
 __all__ = [

@@ -49,7 +49,7 @@ from functools import lru_cache
 
 from sparsenn.formats import Format
 
-from .notation import Assignment, Term
+from ..notation import Assignment, Term
 
 __all__ = ["OperandInfo", "Nest", "Workspace", "Schedule", "schedule", "cache_sizes"]
 

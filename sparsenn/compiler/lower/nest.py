@@ -39,8 +39,8 @@ from dataclasses import dataclass, replace
 
 from sparsenn.formats import Format
 
-from .notation import Assignment, Term
-from .schedule import REGISTER_BLOCK_VECTORS, Nest, Schedule, cache_sizes
+from ..notation import Assignment, Term
+from ..plan.schedule import REGISTER_BLOCK_VECTORS, Nest, Schedule, cache_sizes
 
 __all__ = ["Slot", "LoweredKernel", "lower"]
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
-from .notation import Access, Assignment, Term
+from ..notation import Access, Assignment, Term
 from .schedule import OperandInfo, _estimate_positions, schedule
 
 __all__ = ["Step", "best_path"]

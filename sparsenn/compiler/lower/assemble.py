@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .lower import _chunk_prologue, _Lowerer, _State, balancing_pos, chunk_bounds
-from .notation import Term
-from .schedule import Nest, Schedule
+from .nest import _chunk_prologue, _Lowerer, _State, balancing_pos, chunk_bounds
+from ..notation import Term
+from ..plan.schedule import Nest, Schedule
 
 __all__ = ["lower_sparse_output", "two_phase"]
 

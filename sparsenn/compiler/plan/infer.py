@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from sparsenn.formats import Format, parse_format
 
-from .notation import Assignment, Term
+from ..notation import Assignment, Term
 
 __all__ = ["infer_output_format", "mode_is_sparse", "refine_by_fill", "SPARSE_OUTPUT_DENSITY"]
 

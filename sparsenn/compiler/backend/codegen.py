@@ -24,9 +24,9 @@ C boundary.
 
 from __future__ import annotations
 
-from . import lower
-from .lower import LoweredKernel, Slot
-from .schedule import VECTOR_BYTES
+from ..lower import nest as lower
+from ..lower.nest import LoweredKernel, Slot
+from ..plan.schedule import VECTOR_BYTES
 
 __all__ = ["generate_source", "slot_arrays"]
 

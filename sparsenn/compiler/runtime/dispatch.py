@@ -30,14 +30,14 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.tensor import array_version
 
-from . import jit
-from .autograd import differentiable_evaluate
-from .codegen import generate_source, slot_arrays
-from .contract import Step, best_path
-from .infer import infer_output_format, refine_by_fill
-from .lower import LoweredKernel, lower
-from .notation import Access, Assignment, Term, parse_einsum, parse_expression
-from .schedule import OperandInfo, Schedule, schedule
+from ..backend import jit
+from ..autograd import differentiable_evaluate
+from ..backend.codegen import generate_source, slot_arrays
+from ..plan.contract import Step, best_path
+from ..plan.infer import infer_output_format, refine_by_fill
+from ..lower.nest import LoweredKernel, lower
+from ..notation import Access, Assignment, Term, parse_einsum, parse_expression
+from ..plan.schedule import OperandInfo, Schedule, schedule
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "Plan", "CompiledExpression"]
 

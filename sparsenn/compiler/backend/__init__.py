@@ -1,0 +1,1 @@
+"""Back end: C++ generation and the JIT that builds and caches kernels."""

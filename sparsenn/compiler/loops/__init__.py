@@ -1,0 +1,1 @@
+"""The typed loop IR that lowering builds and the C++ printer prints."""

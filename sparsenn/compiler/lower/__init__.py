@@ -1,0 +1,1 @@
+"""Lowering: a scheduled assignment to loop nests."""

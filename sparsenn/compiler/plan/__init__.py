@@ -1,0 +1,1 @@
+"""Planning: output format inference, loop-order scheduling and contraction paths."""

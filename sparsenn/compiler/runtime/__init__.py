@@ -1,0 +1,1 @@
+"""Runtime: validation, plan lookup and kernel launch behind the public API."""
