@@ -1,18 +1,21 @@
-"""The kernel ABI: what a generated kernel exports and how it is called, defined once
-for the C++ generator (which spells the entry points from :data:`RUN` ... :data:`FREE`)
-and for the launcher (which binds them with :func:`bind`).
+"""The kernel ABI, defined once: the entry points a generated kernel exports (the C++
+generator spells them from :data:`RUN`, :data:`FINISH`; the assembly header defines
+:data:`SIZES`, :data:`FREE`), the order of their array arguments (:func:`slot_arrays`,
+:func:`finish_arrays`), the layout of ``sn_sizes`` (:class:`OutputSizes`) and their
+ctypes signatures (:func:`bind`, for the launcher).
 
 Entry points, all ``extern "C"``; errors (allocation failure) are non-zero return
 codes, never exceptions across the C boundary:
 
 ``int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle)``
-    computes the expression. ``arrays``: each slot's arrays in slot order (see
-    :func:`slot_arrays`), then, for a dense output, the output (zeroed, or
-    uninitialised when the kernel overwrites every element). ``dims``: the size of each
-    index variable, in the kernel's index order. For a sparse output ``*handle``
-    receives the result under assembly; a two-phase output keeps ``arrays`` and
-    ``dims``, which must stay valid until ``sn_finish``. A dense output ignores
-    ``handle`` (pass None).
+    computes the expression. ``arrays``: each slot's arrays, slot by slot (see
+    :func:`slot_arrays`); then, if the kernel writes a dense array
+    (``LoweredKernel.dense_output``), that array: the output in loop order, or the
+    values of an output sampled at an operand's pattern; zeroed, or uninitialised when
+    the kernel overwrites every element. ``dims``: the size of each index variable, in
+    the kernel's index order. A sparse output's ``*handle`` receives the result under
+    assembly (a two-phase output keeps ``arrays`` and ``dims``, which must stay valid
+    until ``sn_finish``); a dense output ignores ``handle`` (pass None).
 
 Kernels that assemble a sparse output also export:
 
@@ -20,8 +23,8 @@ Kernels that assemble a sparse output also export:
     writes ``2 * rank + 1`` sizes (see :class:`OutputSizes`).
 ``int sn_finish(void* handle, void* const* out, int wide, int nthreads)``
     writes the output into caller-owned arrays in the order of :func:`finish_arrays`
-    (index arrays int32, or int64 when ``wide``; pos arrays with one entry more than
-    their level's parents) and frees the handle, whatever it returns.
+    (index arrays int32, or int64 when ``wide``) and frees the handle, whatever it
+    returns.
 ``void sn_free(void* handle)``
     frees the handle without finishing (after a failed ``sn_run``).
 
@@ -29,8 +32,9 @@ A launcher::
 
     entry = abi.bind(library, assembles_sparse_output=not kernel.dense_output)
     code = entry.run(arrays, dims, nthreads, ctypes.byref(handle))
-    sizes = entry.output_sizes(handle, rank)        # OutputSizes
-    ...allocate finish_arrays(rank, num_dense)...
+    sizes = entry.output_sizes(handle, rank)  # an OutputSizes
+    # allocate finish_arrays(rank, num_dense): pos arrays of sizes.positions(level)
+    # entries, crd arrays of sizes.coordinates[level], values of sizes.values
     code = entry.finish(handle, out, wide, nthreads)
 """
 
@@ -113,6 +117,11 @@ class OutputSizes:
     @classmethod
     def decode(cls, sizes: Sequence[int], rank: int) -> OutputSizes:
         return cls(tuple(sizes[0 : 2 * rank : 2]), tuple(sizes[1 : 2 * rank : 2]), sizes[2 * rank])
+
+    def positions(self, level: int) -> int:
+        """Entries of an assembled level's ``pos`` array: one more than its parents (the
+        counts it holds, or for level 0 the one root)."""
+        return (self.counts[level] if level > 0 else 1) + 1
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,9 @@ GCC_FLAGS = ("-fvect-cost-model=very-cheap",)
 # Bump when the cache layout or build procedure changes, to invalidate old entries.
 FORMAT_VERSION = "2"
 BUILD_TIMEOUT_S = 600
-_MAX_NAME_LEN = 40
-# The runtime headers kernels include (``#include "sparsenn_kernel.h"``).
+# The runtime headers (``*.h``) kernels may include, e.g. ``#include "sparsenn_kernel.h"``.
 RUNTIME_HEADERS = importlib.resources.files(__package__) / "runtime"
+_MAX_NAME_LEN = 40
 _MAX_LOG_CHARS = 4000
 
 
@@ -209,16 +209,19 @@ def compiler_flags(version: str) -> tuple[str, ...]:
 
 
 def _runtime_headers() -> dict[str, bytes]:
-    """Name and contents of each runtime header, read afresh (they are part of every key)."""
-    return {f.name: f.read_bytes() for f in sorted(RUNTIME_HEADERS.iterdir(), key=lambda f: f.name)
-            if f.name.endswith(".h")}
+    """Name and contents of each runtime header, by name: what a build compiles against."""
+    files = sorted((f for f in RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")), key=lambda f: f.name)
+    return {f.name: f.read_bytes() for f in files}
 
 
 def _cache_key(source: str, compiler: tuple[str, ...], headers: dict[str, bytes]) -> str:
     digest = hashlib.sha256()
     compiler_id = _compiler_version(compiler)
-    parts = [FORMAT_VERSION, " ".join(compiler_flags(compiler_id)), compiler_id, _cpu_identity(), source]
-    for part in [*(p.encode() for p in parts), *(n.encode() + b"\0" + text for n, text in headers.items())]:
+    texts = [FORMAT_VERSION, " ".join(compiler_flags(compiler_id)), compiler_id, _cpu_identity(), source]
+    parts = [text.encode() for text in texts]
+    for name, contents in headers.items():
+        parts += [name.encode(), contents]
+    for part in parts:
         digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()
