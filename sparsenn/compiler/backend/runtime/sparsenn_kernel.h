@@ -27,6 +27,8 @@ typedef SN_INDEX I;
 /* SIMD vectors of V for register-blocked loops (GCC/Clang vector extensions). */
 typedef V VV __attribute__((vector_size(SN_VECTOR_BYTES)));
 constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
+static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
+              "SN_VECTOR_BYTES must be a power-of-two multiple of sizeof(V)");
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
