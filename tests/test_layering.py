@@ -62,7 +62,8 @@ def modules_under(folder: str) -> list[Path]:
 def offending(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
     found = {}
     for path in paths:
-        bad = sorted(n for n in imported_modules(path) if n in forbidden or n.startswith(tuple(f + "." for f in forbidden)))
+        names = imported_modules(path)
+        bad = sorted(n for n in names if n in forbidden or n.startswith(tuple(f + "." for f in forbidden)))
         if bad:
             found[str(path.relative_to(ROOT))] = bad
     return found

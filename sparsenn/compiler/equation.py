@@ -69,16 +69,17 @@ def _is_plain(equation: str) -> bool:
     return all(len(set(spec)) == len(spec) for spec in lhs.split(","))
 
 
-def _labels(text: str, start: int, end: int, where: str, equation: str) -> tuple[str, ...]:
-    """The labels of ``text[start:end]`` (one operand, or the output)."""
+def _labels(equation: str, start: int, end: int, where: str) -> tuple[str, ...]:
+    """The labels of ``equation[start:end]`` (one operand, or the output), whose
+    characters are letters, spaces and dots."""
     labels: list[str] = []
     column = start
     while column < end:
-        char = text[column]
+        char = equation[column]
         if char in _LETTERS:
             labels.append(char)
         elif char == ".":
-            if text[column:column + 3] != ELLIPSIS or column + 3 > end:
+            if equation[column:column + 3] != ELLIPSIS or column + 3 > end:
                 raise NotationError(
                     f"einsum equation {equation!r}: '.' at column {column} in {where} is not part of an "
                     "ellipsis '...'"
@@ -107,16 +108,12 @@ def parse(equation: str) -> Equation:
         )
     lhs_end = len(equation) if arrow < 0 else arrow
     inputs, start = [], 0
-    while True:
-        comma = equation.find(",", start, lhs_end)
-        end = lhs_end if comma < 0 else comma
-        inputs.append(_labels(equation, start, end, f"operand {len(inputs)}", equation))
-        if comma < 0:
-            break
-        start = comma + 1
+    for end in [column for column in range(lhs_end) if equation[column] == ","] + [lhs_end]:
+        inputs.append(_labels(equation, start, end, f"operand {len(inputs)}"))
+        start = end + 1
     if arrow < 0:
         return Equation(equation, tuple(inputs), None)
-    output = _labels(equation, arrow + 2, len(equation), "the output", equation)
+    output = _labels(equation, arrow + 2, len(equation), "the output")
     used = {label for labels in inputs for label in labels}
     for n, label in enumerate(output):
         if label in output[:n]:
@@ -227,8 +224,8 @@ def _rewrite(eq: Equation, operands: Sequence) -> tuple[str, tuple]:
         for mode, (label, size) in enumerate(zip(names, shape)):
             if size != 1 or sizes[label] == 1:  # a broadcast size-1 dimension is dropped
                 groups.setdefault(label, []).append(mode)
-        plain = [m for g in groups.values() for m in g] == list(range(len(shape))) and len(groups) == len(shape)
-        rewritten.append(op if plain else view(op, tuple(tuple(g) for g in groups.values())))
+        as_is = list(groups.values()) == [[mode] for mode in range(len(shape))]
+        rewritten.append(op if as_is else view(op, tuple(tuple(g) for g in groups.values())))
         specs.append("".join(letter[label] for label in groups))
     output = "".join(letter[label] for label in _output(eq, width))
     return ",".join(specs) + "->" + output, tuple(rewritten)
@@ -246,9 +243,11 @@ def _from_sublists(args: tuple) -> tuple[str, tuple]:
     """``(A, [0, 1], B, [1, 2], [0, 2])`` -> ``("AB,BC->AC", (A, B))``, as torch maps
     0-25 to A-Z and 26-51 to a-z."""
     pairs = len(args) // 2
+    sublists = [(args[2 * n + 1], f"operand {n}") for n in range(pairs)]
+    if len(args) % 2:
+        sublists.append((args[-1], "the output"))
     specs = []
-    for n in range(pairs + len(args) % 2):
-        sublist, where = args[2 * n + 1] if n < pairs else args[-1], f"operand {n}" if n < pairs else "the output"
+    for sublist, where in sublists:
         if not isinstance(sublist, (list, tuple)):
             raise TypeError(f"einsum sublist of {where} must be a list of ints, got {type(sublist).__name__}")
         specs.append("".join(_subscript(label, where) for label in sublist))
@@ -260,11 +259,12 @@ def normalise(equation: object, operands: tuple) -> tuple[object, tuple]:
     """``(equation, operands)`` of an ``einsum`` call in the core form. Plain equations
     return at once; a non-str equation other than an operand (sublist form) is returned
     as it is for the core parser to reject."""
-    if type(equation) is str and equation in _plain and (len(operands) != 1 or not isinstance(operands[0], (list, tuple))):
+    listed = len(operands) == 1 and isinstance(operands[0], (list, tuple))
+    if type(equation) is str and equation in _plain and not listed:
         return equation, operands
     if isinstance(equation, (torch.Tensor, SparseTensor)):
         equation, operands = _from_sublists((equation, *operands))
-    elif len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+    elif listed:
         operands = tuple(operands[0])
     if not isinstance(equation, str):
         return equation, operands
