@@ -16,8 +16,9 @@ also takes
 
 :func:`normalise` rewrites a call into the core form: fresh letters for the ellipsis
 dimensions, each operand with repeated letters or broadcast dimensions replaced by its
-:func:`~sparsenn.compiler.diagonal.view`, and an explicit output. An equation that
-needs none of this (no ``.``, no letter twice within an operand) is recognised once per
+:func:`~sparsenn.compiler.diagonal.view`, and an explicit output; what to do is worked
+out once per equation and operand shapes (:class:`Rewrite`). An equation that needs
+none of this (no ``.``, no letter twice within an operand) is recognised once per
 string and passed on as it is; size-1 broadcasting in such an equation is handled by
 :func:`broadcast_size_one` only after the plain call has failed, so it costs nothing
 when shapes agree.
@@ -37,7 +38,7 @@ from sparsenn.formats import SparseTensor
 from .diagonal import view
 from .notation import NotationError
 
-__all__ = ["Equation", "parse", "normalise", "broadcast_size_one"]
+__all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one"]
 
 ELLIPSIS = "..."
 _LETTERS = string.ascii_letters
@@ -135,7 +136,7 @@ def _shape(n: int, op: object) -> tuple[int, ...]:
     return tuple(op.shape)
 
 
-def _dimension_labels(eq: Equation, shapes: list[tuple[int, ...]]) -> tuple[list[tuple[str, ...]], int]:
+def _dimension_labels(eq: Equation, shapes: Sequence[tuple[int, ...]]) -> tuple[list[tuple[str, ...]], int]:
     """Each operand's label per dimension, its ellipsis dimensions labelled ``.0`` ..
     ``.{E-1}`` right-aligned (``E``: the most any operand has), and ``E``."""
     named = [len(labels) - (ELLIPSIS in labels) for labels in eq.inputs]
@@ -165,7 +166,7 @@ def _describe(label: str) -> str:
     return f"index '{label}'" if label in _LETTERS else f"'...' dimension {label[1:]} (counted from the left)"
 
 
-def _broadcast_sizes(eq: Equation, labels: list[tuple[str, ...]], shapes: list[tuple[int, ...]]) -> dict[str, int]:
+def _broadcast_sizes(eq: Equation, labels: list[tuple[str, ...]], shapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
     """The size of every label after broadcasting; a repeated letter within an operand
     must have one size there, and sizes other than 1 must agree across operands."""
     sizes: dict[str, tuple[int, int]] = {}
@@ -205,30 +206,45 @@ def _output(eq: Equation, width: int) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _rewrite(eq: Equation, operands: Sequence) -> tuple[str, tuple]:
-    """``eq`` on ``operands`` in the core form (see the module docstring)."""
-    if len(operands) != len(eq.inputs):
-        raise NotationError(
-            f"einsum equation {eq.text!r} names {len(eq.inputs)} operand(s) but {len(operands)} were given"
-        )
-    shapes = [_shape(n, op) for n, op in enumerate(operands)]
+@dataclass(frozen=True)
+class Rewrite:
+    """One equation's core form for operands of given shapes: the core equation, and per
+    operand the groups of modes its :func:`~sparsenn.compiler.diagonal.view` walks
+    together (None: the operand is used as it is)."""
+
+    equation: str
+    groups: tuple[tuple[tuple[int, ...], ...] | None, ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def _rewrite_for(eq: Equation, shapes: tuple[tuple[int, ...], ...]) -> Rewrite:
     labels, width = _dimension_labels(eq, shapes)
     sizes = _broadcast_sizes(eq, labels, shapes)
     fresh = [x for x in _LETTERS if not any(x in names for names in eq.inputs)]
     if width > len(fresh):
         raise NotationError(f"einsum equation {eq.text!r} needs {width} letters for '...' but {len(fresh)} are unused")
     letter = {f".{d}": fresh[d] for d in range(width)} | {x: x for x in _LETTERS}
-    specs, rewritten = [], []
-    for op, names, shape in zip(operands, labels, shapes):
+    specs, views = [], []
+    for names, shape in zip(labels, shapes):
         groups: dict[str, list[int]] = {}
         for mode, (label, size) in enumerate(zip(names, shape)):
             if size != 1 or sizes[label] == 1:  # a broadcast size-1 dimension is dropped
                 groups.setdefault(label, []).append(mode)
         as_is = list(groups.values()) == [[mode] for mode in range(len(shape))]
-        rewritten.append(op if as_is else view(op, tuple(tuple(g) for g in groups.values())))
+        views.append(None if as_is else tuple(tuple(g) for g in groups.values()))
         specs.append("".join(letter[label] for label in groups))
     output = "".join(letter[label] for label in _output(eq, width))
-    return ",".join(specs) + "->" + output, tuple(rewritten)
+    return Rewrite(",".join(specs) + "->" + output, tuple(views))
+
+
+def _rewrite(eq: Equation, operands: Sequence) -> tuple[str, tuple]:
+    """``eq`` on ``operands`` in the core form (see the module docstring)."""
+    if len(operands) != len(eq.inputs):
+        raise NotationError(
+            f"einsum equation {eq.text!r} names {len(eq.inputs)} operand(s) but {len(operands)} were given"
+        )
+    rewrite = _rewrite_for(eq, tuple(_shape(n, op) for n, op in enumerate(operands)))
+    return rewrite.equation, tuple(op if g is None else view(op, g) for op, g in zip(operands, rewrite.groups))
 
 
 def _subscript(label: object, where: str) -> str:
