@@ -21,7 +21,7 @@ from torch import Tensor
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.pack import pack
 
-__all__ = ["view", "view_format"]
+__all__ = ["Groups", "view", "view_format"]
 
 Groups = tuple[tuple[int, ...], ...]
 

@@ -35,7 +35,7 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .diagonal import view
+from .diagonal import Groups, view
 from .notation import NotationError
 
 __all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one"]
@@ -213,7 +213,7 @@ class Rewrite:
     together (None: the operand is used as it is)."""
 
     equation: str
-    groups: tuple[tuple[tuple[int, ...], ...] | None, ...]
+    groups: tuple[Groups | None, ...]
 
 
 @functools.lru_cache(maxsize=1024)
