@@ -33,6 +33,7 @@ from sparsenn.formats.tensor import array_version
 from ..backend import jit
 from ..autograd import differentiable_evaluate
 from ..backend.codegen import generate_source, slot_arrays
+from ..equation import broadcast_size_one, normalise
 from ..plan.contract import Step, best_path
 from ..plan.infer import infer_output_format, refine_by_fill
 from ..lower.nest import LoweredKernel, lower
@@ -672,7 +673,16 @@ def einsum(equation: str, *operands, out_format=None):
 
     ``out_format`` overrides the inferred output format (``"dense"`` for a tensor).
     Returns a dense ``torch.Tensor`` when the output is dense, else a ``SparseTensor``.
+    The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
     """
+    equation, operands = normalise(equation, operands)
+    try:
+        return differentiable_evaluate(_evaluate, _parse_cached(equation, len(operands)), operands, out_format)
+    except ValueError:
+        broadcast = broadcast_size_one(equation, operands)  # sizes 1 that torch broadcasts
+        if broadcast is None:
+            raise
+    equation, operands = broadcast
     return differentiable_evaluate(_evaluate, _parse_cached(equation, len(operands)), operands, out_format)
 
 
@@ -774,4 +784,5 @@ def plan(equation: str, *operands, out_format=None) -> Plan:
 def explain(equation: str, *operands, out_format=None) -> str:
     """The parsed notation, output format, loop orders with reasons, workspace, tiles
     and generated C++ for ``einsum(equation, *operands)``."""
+    equation, operands = normalise(equation, operands)
     return _explain(_parse_cached(equation, len(operands)), operands, out_format)
