@@ -17,7 +17,7 @@ def test_arrays_are_spelled_by_the_printer():
     assert print_expr(ir.Load(VAL, Q)) == "s0_val[q1]"
     assert print_expr(ir.Load(X, I)) == "d1[i0]"
     assert print_expr(ir.Load(ir.Array("out"), I)) == "out[i0]"
-    assert print_expr(ir.VectorLoad(X, ir.mul(I, ir.Dim(2)))) == "sn_load(d1 + i0 * N2)"
+    assert print_expr(ir.VectorLoad(X, ir.mul(I, ir.Var("N2")))) == "sn_load(d1 + i0 * N2)"
 
 
 def test_precedence_keeps_the_evaluation_order():
@@ -34,7 +34,7 @@ def test_precedence_keeps_the_evaluation_order():
 
 
 def test_folding():
-    i, n = ir.Var("i"), ir.Dim(0)
+    i, n = ir.Var("i"), ir.Var("N0")
     assert fold(ir.add(ir.mul(0, n), i)) == i
     assert fold(ir.mul(1, ir.add(i, 0))) == i
     assert fold(ir.add(ir.Const(2), ir.Const(3))) == ir.Const(5)
@@ -44,10 +44,10 @@ def test_folding():
 def test_unused_declarations_are_dropped():
     used, unused, chain = ir.Var("u"), ir.Var("x"), ir.Var("y")
     block = ir.Block((
-        ir.Decl(unused, "index", ir.Dim(0), const=True),
-        ir.Decl(chain, "index", ir.Dim(1), const=True),
+        ir.Decl(unused, "index", ir.Var("N0"), const=True),
+        ir.Decl(chain, "index", ir.Var("N1"), const=True),
         ir.Decl(ir.Var("z"), "index", chain, const=True),  # only user of y, itself unused
-        ir.Decl(used, "index", ir.Dim(2), const=True),
+        ir.Decl(used, "index", ir.Var("N2"), const=True),
         ir.Assign(ir.Load(ir.Array("out"), ir.Const(0)), used),
     ), scoped=False)
     assert simplify(block).stmts == block.stmts[3:]
@@ -70,7 +70,7 @@ def test_a_sparse_dot_product_prints_as_cpp():
 
 def test_pragmas_and_the_one_thread_copy():
     loop = ir.For(
-        ir.Decl(I, "index", ir.Const(0)), ir.lt(I, ir.Dim(0)), ir.Incr(I),
+        ir.Decl(I, "index", ir.Const(0)), ir.lt(I, ir.Var("N0")), ir.Incr(I),
         ir.Block((ir.Assign(ACC, ir.Load(X, I), "+="),)), "simd_reduction", ACC,
     )
     text = print_block(ir.Block((ir.Parallel(ir.Block((loop,), scoped=False)),)), depth=0)

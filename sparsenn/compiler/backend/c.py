@@ -20,7 +20,7 @@ _PRECEDENCE = {"*": 6, "/": 6, "%": 6, "+": 5, "-": 5, "<": 4, "<=": 4, ">": 4, 
 _ATOM = 10
 
 # Runtime objects of a sparse output (see codegen's sparse-output prelude).
-_RUNTIME_ARRAYS = {"cnt": "sn_cnt", "fill_pos": "sn_pos", "out_val": "sn_out_val", "ws_dims": "ws_dims"}
+_RUNTIME_ARRAYS = {"dims": "dims", "cnt": "sn_cnt", "fill_pos": "sn_pos", "out_val": "sn_out_val", "ws_dims": "ws_dims"}
 
 # Effects: name -> C++ template over the printed arguments.
 _EFFECTS = {
@@ -74,8 +74,10 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
         if isinstance(e.value, float):
             return f"V({e.value!r})", _ATOM
         return str(e.value), _ATOM if e.value >= 0 else 7
-    if isinstance(e, ir.Dim):
-        return f"N{e.n}", _ATOM
+    if isinstance(e, ir.Lanes):
+        return "SN_W", _ATOM
+    if isinstance(e, ir.VectorZero):
+        return "VV{}", _ATOM
     if isinstance(e, ir.Load):
         return f"{array_name(e.array)}[{print_expr(e.index)}]", _ATOM
     if isinstance(e, ir.Elem):
@@ -106,8 +108,10 @@ def _call(e: ir.Call) -> str:
     if e.name == "lower_bound":
         crd, lo, hi, value = args
         return f"std::lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
-    if e.name == "size":
-        return f"{args[0]}.size()"
+    if e.name == "max_index":
+        return "INT64_MAX"
+    if e.name == "value_size":
+        return "(int64_t)sizeof(V)"
     if e.name == "chunk_size":
         return f"C.crd[{args[0]}].size()"
     if e.name == "ws_count":
@@ -134,7 +138,7 @@ def print_expr(e: ir.Expr) -> str:
 
 
 def _decl(d: ir.Decl) -> str:
-    shape = "".join(f"[{n}]" for n in d.shape)
+    shape = "".join(f"[{n if isinstance(n, int) else print_expr(n)}]" for n in d.shape)
     text = f"{'const ' if d.const else ''}{_TYPES[d.type]} {d.var.name}{shape}"
     if d.init is None:
         return text

@@ -24,9 +24,7 @@ C boundary.
 
 from __future__ import annotations
 
-from ..lower import nest as lower
-from ..lower.nest import LoweredKernel, Slot
-from ..plan.schedule import VECTOR_BYTES
+from ..lower.kernel import LoweredKernel, Slot
 
 __all__ = ["generate_source", "slot_arrays"]
 
@@ -444,9 +442,10 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         .replace("@I@", _CTYPES[index_dtype])
         .replace("@IV@", _LANE_INTS.get(value_dtype, _CTYPES[value_dtype]))
         .replace(
-            "@HSUMS@", _hsums_source(VECTOR_BYTES // _ITEMSIZE[value_dtype], lower.ROW_BLOCK, lower.ROW_BLOCK_VECTORS)
+            "@HSUMS@",
+            _hsums_source(kernel.vector_bytes // _ITEMSIZE[value_dtype], kernel.row_block, kernel.row_block_vectors),
         )
-        .replace("@VECTOR_BYTES@", str(VECTOR_BYTES))
+        .replace("@VECTOR_BYTES@", str(kernel.vector_bytes))
     )
     inputs, n = [], 0
     for s, slot in enumerate(kernel.slots):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Expr", "Stmt", "Var", "Const", "Dim", "Array", "Load", "Address", "Bin", "Not", "Select", "Cast",
+    "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Not", "Select", "Cast",
     "Call", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect", "If", "For",
     "While", "Block", "Parallel", "TryChunk", "Return", "add", "sub", "mul", "lt", "le", "eq",
     "and_", "or_", "min_", "max_", "c",
@@ -45,10 +45,13 @@ class Const(Expr):
 
 
 @dataclass(frozen=True)
-class Dim(Expr):
-    """The extent of index variable number ``n`` (``dims[n]``)."""
+class Lanes(Expr):
+    """The number of V lanes of a SIMD vector (a compile-time constant of the kernel)."""
 
-    n: int
+
+@dataclass(frozen=True)
+class VectorZero(Expr):
+    """A SIMD vector of zeros."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,8 @@ class Call(Expr):
     """A pure helper: ``min``/``max`` (any number of arguments, int64), ``abs``,
     ``lower_bound(array, lo, hi, value)`` (the first position in ``[lo, hi)`` whose
     coordinate is not below ``value``), ``hsum(vector)`` (sum of its lanes),
-    ``balanced_bound(pos, extent, work)``, ``size(array)``; runtime object queries
-    (``count``) are calls too."""
+    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V); runtime
+    object queries are calls too."""
 
     name: str
     args: tuple[Expr | Array, ...]
@@ -142,7 +145,7 @@ class Decl(Stmt):
     type: str
     init: Expr | tuple[Expr, ...] | str | None = None
     const: bool = False
-    shape: tuple[int, ...] = ()
+    shape: tuple[int | Expr, ...] = ()
 
 
 @dataclass(frozen=True)

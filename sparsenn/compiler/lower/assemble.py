@@ -213,18 +213,20 @@ class _Fill(_TwoPhase):
         lo.w.line("sn_q += ws.drain(sn_out_crd, sn_q, sn_out_val + sn_q);")
 
 
-def lower_sparse_output(lo: _Lowerer) -> str | None:
-    """Emit the sparse-output kernel into ``lo``; for a two-phase output, return the body
-    of its second phase (``sn_finish``'s fill), else None."""
+def lower_sparse_output(assignment, sched: Schedule, formats):
+    """The sparse-output kernel's body, slots, index variables and, for a two-phase
+    output, the body of its second phase (``sn_finish``'s fill), else None."""
+    lo = _Lowerer(assignment, sched, formats)
+    lo.declare_dims()
     if not two_phase(lo.s):
         _emit(lo, _Append(lo))
-        return None
+        return "\n".join(lo.w.lines), tuple(lo.slots), lo.indices, None
     _emit(lo, _Count(lo))
     fill = _Lowerer(lo.a, lo.s, lo.formats)
     fill.declare_dims()
     _emit(fill, _Fill(fill))
     assert fill.slots == lo.slots, "both phases read the operands through the same slots"
-    return "\n".join(fill.w.lines)
+    return "\n".join(lo.w.lines), tuple(lo.slots), lo.indices, "\n".join(fill.w.lines)
 
 
 def _emit(lo: _Lowerer, out: _Output) -> None:

@@ -40,7 +40,8 @@ from dataclasses import dataclass, replace
 from sparsenn.formats import Format
 
 from ..notation import Assignment, Term
-from ..plan.schedule import REGISTER_BLOCK_VECTORS, Nest, Schedule, cache_sizes
+from ..plan.schedule import Nest, Schedule
+from .context import Slot
 
 __all__ = ["Slot", "LoweredKernel", "lower"]
 
@@ -49,42 +50,19 @@ __all__ = ["Slot", "LoweredKernel", "lower"]
 # (20 entries per row, x in the last-level cache).
 SPARSE_ACCUMULATORS = 4
 ROW_BLOCK = 4  # stored entries whose dense reductions share loads of their common factors
-ROW_BLOCK_VECTORS = 1  # SIMD accumulators per entry of a row block (its ROW_BLOCK sums interleave)
+ROW_BLOCK_VECTORS = 1  # SIMD accumulators per entry of a row block (its self.s.target.row_block sums interleave)
 PREFETCH_AHEAD_BYTES = 4096  # gathered bytes in flight ahead of the current position
 PREFETCH_MAX_DISTANCE = 64  # positions ahead, at most
 PREFETCH_MAX_BYTES = 1024  # of one gathered span; the hardware streams the rest
 # Whether a loop over a fiber prefetches its gathers (decided per fiber, see
 # _Lowerer.prefetcher): never when the gathered dense operands fit the L2; when they take
-# PREFETCH_MIN_FOOTPRINT of the last-level cache or more, if the coordinate D positions
-# ahead is PREFETCH_MIN_JUMP or more from the first (near ones, as in banded patterns,
+# self.s.target.prefetch_min_footprint of the last-level cache or more, if the coordinate D positions
+# ahead is self.s.target.prefetch_min_jump or more from the first (near ones, as in banded patterns,
 # are streamed by the hardware); in between, only for fibers whose coordinates spread
 # over half the range (random patterns; local ones reuse what neighbouring fibers
 # loaded). Prefetching where it was not needed cost 10-40 % (SpMM, SDDMM).
 PREFETCH_MIN_FOOTPRINT = 0.25
 PREFETCH_MIN_JUMP = 8
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One operand as the kernel reads it: a sparse operand stored as is or re-stored
-    in another mode order (``fmt``), or a dense tensor (``fmt is None``), contiguous
-    with its modes permuted by ``layout`` when the schedule asked for it."""
-
-    operand: int
-    fmt: Format | None
-    layout: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class LoweredKernel:
-    body: str  # the statements of sn_run's try-block
-    slots: tuple[Slot, ...]
-    indices: tuple[str, ...]  # index variables, in the order of the dims array
-    dense_output: bool
-    fill: str | None = None  # a two-phase sparse output's second phase (see assemble)
-    # The kernel stores every element of its dense output (or every anchor value) once,
-    # with ``=``: the caller may pass uninitialised memory (see _stores_each_output_once).
-    overwrites_output: bool = False
 
 
 @dataclass(frozen=True)
@@ -400,7 +378,7 @@ class _Lowerer:
         in it, and return that flag and the emitter of the per-iteration prefetch of the
         spans ``gathers`` at coordinate ``crd[min(q + D, last position)]`` (running on
         into the next segment, never past the array). ``D`` keeps about
-        PREFETCH_AHEAD_BYTES in flight. The flag follows the rule above
+        self.s.target.prefetch_ahead_bytes in flight. The flag follows the rule above
         PREFETCH_MIN_FOOTPRINT; the caller emits the loop once with prefetches and once
         without."""
         w = self.w
@@ -409,20 +387,20 @@ class _Lowerer:
         w.line(f"const int64_t {size}[{len(gathers)}] = {{{spans}}};")
         total = " + ".join(f"{size}[{g}]" for g in range(len(gathers)))
         w.line(
-            f"const int64_t {dist} = std::min<int64_t>({PREFETCH_MAX_DISTANCE}, "
-            f"{PREFETCH_AHEAD_BYTES} / std::max<int64_t>({total}, 1) + 1);"
+            f"const int64_t {dist} = std::min<int64_t>({self.s.target.prefetch_max_distance}, "
+            f"{self.s.target.prefetch_ahead_bytes} / std::max<int64_t>({total}, 1) + 1);"
         )
         w.line(f"const int64_t {last} = {self.level_size(driver, driver.depth)} - 1;")
         footprint, bytes_ = w.fresh("pfsize"), " + ".join(
             f"(int64_t)sizeof(V) * {' * '.join(self.dim(i) for i in states[k].dense_indices)}" for k, _, _ in gathers
         )
-        l2, llc = cache_sizes()
+        l2, llc = self.s.target.l2_bytes, self.s.target.llc_bytes
         first, extent = f"(int64_t){crd}[{q}]", self.dim(driver.levels[driver.depth][0])
         w.line(f"const int64_t {footprint} = {bytes_};")
         w.line(
             f"const bool {on} = {q} < {h} && {footprint} > (int64_t){l2} && ({footprint} >= "
             f"(int64_t){int(llc * PREFETCH_MIN_FOOTPRINT)} ? std::abs((int64_t){crd}[std::min<int64_t>({q} + {dist}, "
-            f"{last})] - {first}) >= {PREFETCH_MIN_JUMP} : 2 * ((int64_t){crd}[{h} - 1] - {first}) >= {extent});"
+            f"{last})] - {first}) >= {self.s.target.prefetch_min_jump} : 2 * ((int64_t){crd}[{h} - 1] - {first}) >= {extent});"
         )
 
         def emit(q: str, crd: str) -> None:
@@ -433,7 +411,7 @@ class _Lowerer:
                 st = states[k]
                 w.line(
                     f"sn_prefetch(d{st.slot} + {self.offset(st.dense_indices, {**at, index: ahead})}, "
-                    f"std::min<int64_t>({size}[{g}], {PREFETCH_MAX_BYTES}));"
+                    f"std::min<int64_t>({size}[{g}], {self.s.target.prefetch_max_bytes}));"
                 )
 
         return on, emit
@@ -512,7 +490,7 @@ class _Lowerer:
         summed: tuple[str, Sequence[int]], bounds: tuple[str, str] | None,
     ) -> None:
         """``accumulator += coef * sum_q prod(factors at crd[q])`` over the driver's
-        positions, into SPARSE_ACCUMULATORS independent sums (position q feeds sum
+        positions, into self.s.target.sparse_accumulators independent sums (position q feeds sum
         ``q mod SPARSE_ACCUMULATORS`` of the unrolled loop), so that consecutive adds do
         not wait on each other's latency; a scalar tail takes the last positions."""
         w = self.w
@@ -556,7 +534,7 @@ class _Lowerer:
         around: dict[int, tuple[Callable[[list[_State]], None], Callable[[list[_State]], None]]],
         accumulator: str, summed: tuple[str, Sequence[int]], bounds: dict[str, tuple[str, str]],
     ) -> Callable[[str, str, str, Callable[[str, str], None] | None], None] | None:
-        """Blocks of ROW_BLOCK positions for loop ``order[position]`` over ``driver``'s
+        """Blocks of self.s.target.row_block positions for loop ``order[position]`` over ``driver``'s
         unique sparse level ``j`` whose body is an innermost unit-stride vector reduction
         over ``k`` with some factors ``s`` not indexed by ``j`` (SDDMM's ``X[i, k]``) and
         some ``g`` that are (``Y[j, k]``):
@@ -569,7 +547,7 @@ class _Lowerer:
         index, inner = order[position], order[position + 1]
         vectors = self.unit_stride_factors(inner, states, summed[1])
         shared = [k for k in vectors if index not in states[k].dense_indices]
-        if ROW_BLOCK < 2 or not shared or len(shared) == len(vectors):
+        if self.s.target.row_block < 2 or not shared or len(shared) == len(vectors):
             return None
         before, after = around.get(position + 1, (None, None))
         coef, factors = summed
@@ -577,9 +555,9 @@ class _Lowerer:
         w = self.w
 
         def emit(q: str, h: str, crd: str, prefetch: Callable[[str, str], None] | None) -> None:
-            w.open(f"for (; {q} + {ROW_BLOCK} <= {h}; {q} += {ROW_BLOCK})")
+            w.open(f"for (; {q} + {self.s.target.row_block} <= {h}; {q} += {self.s.target.row_block})")
             rows = w.fresh("rows")
-            w.line(f"const int64_t {rows}[{ROW_BLOCK}] = {{{', '.join(f'{crd}[{q} + {r}]' for r in range(ROW_BLOCK))}}};")
+            w.line(f"const int64_t {rows}[{self.s.target.row_block}] = {{{', '.join(f'{crd}[{q} + {r}]' for r in range(ROW_BLOCK))}}};")
             if prefetch:
                 for r in range(ROW_BLOCK):
                     prefetch(f"{q} + {r}", crd)
@@ -604,7 +582,7 @@ class _Lowerer:
         """Declare ``t[ROW_BLOCK]``, ``t[r] = sum_index prod(vectors)`` with ``row_index``
         at ``row`` (an expression of ``r``); see :meth:`row_blocker`. The ``shared``
         factors' product is loaded once per vector for all ``r``; each ``r`` sums into
-        ROW_BLOCK_VECTORS SIMD accumulators (then single vectors, if several), then
+        self.s.target.row_block_vectors SIMD accumulators (then single vectors, if several), then
         scalars."""
         w, var, n = self.w, self.var(index), self.dim(index)
         lo, hi = bounds or ("0", n)
@@ -662,7 +640,7 @@ class _Lowerer:
         vectors: Sequence[int], bounds: tuple[str, str] | None,
     ) -> None:
         """``accumulator += coef * scalars * sum_index prod(vectors)`` with
-        REGISTER_BLOCK_VECTORS independent SIMD accumulators (a single one would wait on
+        self.s.target.register_block_vectors independent SIMD accumulators (a single one would wait on
         each add's latency), then single vectors, a tree sum of the lanes, and a scalar
         tail."""
         w, var, n = self.w, self.var(index), self.dim(index)
@@ -670,20 +648,20 @@ class _Lowerer:
         scalars = [k for k in factors if k not in vectors]
         lo, hi = bounds or ("0", n)
         acc, end, total = w.fresh("vsum"), w.fresh("end"), w.fresh("tot")
-        block = f"{REGISTER_BLOCK_VECTORS} * SN_W"
+        block = f"{self.s.target.register_block_vectors} * SN_W"
         w.open("")
         w.line(f"const int64_t {end} = {hi};")
-        w.line(f"VV {acc}[{REGISTER_BLOCK_VECTORS}] = {{}};")
+        w.line(f"VV {acc}[{self.s.target.register_block_vectors}] = {{}};")
         w.line(f"int64_t {var} = {lo};")
         w.open(f"for (; {var} + {block} <= {end}; {var} += {block})")
         loads = [self.vector_load(states[k]) for k in vectors]
         w.line("#pragma GCC unroll 16")
-        w.line(f"for (int v = 0; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[v] += {' * '.join(loads)};")
+        w.line(f"for (int v = 0; v < {self.s.target.register_block_vectors}; ++v) {acc}[v] += {' * '.join(loads)};")
         w.close()
         w.open(f"for (; {var} + SN_W <= {end}; {var} += SN_W)")
         w.line(f"{acc}[0] += {' * '.join(self.vector_load(states[k], lane='0') for k in vectors)};")
         w.close()
-        w.line(f"for (int v = 1; v < {REGISTER_BLOCK_VECTORS}; ++v) {acc}[0] += {acc}[v];")
+        w.line(f"for (int v = 1; v < {self.s.target.register_block_vectors}; ++v) {acc}[0] += {acc}[v];")
         w.line(f"V {total} = sn_hsum({acc}[0]);")
         w.line(f"for (; {var} < {end}; ++{var}) {total} += {self.product(states, vectors)};")
         w.line(f"{accumulator} += {' * '.join([coef, *([self.product(states, scalars)] if scalars else []), total])};")
@@ -721,27 +699,6 @@ def chunk_bounds(w: _Writer, chunk: str, nchunks: str, pos: str | None) -> None:
         f"const int64_t sn_hi = {chunk} + 1 == {nchunks} ? sn_extent : "
         f"sn_balanced_bound({pos}, sn_extent, sn_work * ({chunk} + 1) / {nchunks});"
     )
-
-
-def lower(
-    assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None = None,
-) -> LoweredKernel:
-    """C++ statements computing ``assignment`` per ``sched`` (see the module doc).
-
-    With ``anchor``, the output has the pattern of that sparse operand (which every
-    term reads at the output's indices): the kernel writes values at the anchor's
-    positions into a dense values array, and no output assembly is needed."""
-    lo = _Lowerer(assignment, sched, formats)
-    lo.declare_dims()
-    fill, overwrites = None, False
-    if sched.output_format is None:
-        overwrites = _lower_dense_output(lo, anchor)
-    else:
-        from .assemble import lower_sparse_output  # imports this module's co-iteration
-
-        fill = lower_sparse_output(lo)
-    return LoweredKernel("\n".join(lo.w.lines), tuple(lo.slots), lo.indices, sched.output_format is None, fill,
-                         overwrites)
 
 
 # ----------------------------------------------------------------------------- dense output

@@ -35,7 +35,7 @@ from ..autograd import differentiable_evaluate
 from ..backend.codegen import generate_source, slot_arrays
 from ..plan.contract import Step, best_path
 from ..plan.infer import infer_output_format, refine_by_fill
-from ..lower.nest import LoweredKernel, lower
+from ..lower.kernel import LoweredKernel, lower
 from ..notation import Access, Assignment, Term, parse_einsum, parse_expression
 from ..plan.schedule import OperandInfo, Schedule, schedule
 
