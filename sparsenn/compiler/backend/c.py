@@ -2,7 +2,7 @@
 
 This is the only place that spells the kernel's array names (``s0_crd1``, ``d2``,
 ``out``), the runtime helpers (``sn_load``, ``sn_hsum``, ``sn_prefetch``,
-``sn_balanced_bound``, workspace and chunk methods) and the pragmas; the prelude and
+``sn_balanced_bound``) and the pragmas; the prelude and
 entry points around the printed statements come from :mod:`.codegen`.
 """
 
@@ -19,32 +19,7 @@ _PRECEDENCE = {"*": 6, "/": 6, "%": 6, "+": 5, "-": 5, "<": 4, "<=": 4, ">": 4, 
                "&&": 2, "||": 1}
 _ATOM = 10
 
-# Runtime objects of a sparse output (see codegen's sparse-output prelude).
-_RUNTIME_ARRAYS = {"dims": "dims", "cnt": "sn_cnt", "fill_pos": "sn_pos", "out_val": "sn_out_val", "ws_dims": "ws_dims"}
-
-# Effects: name -> C++ template over the printed arguments.
-_EFFECTS = {
-    "hsums": "sn_hsums({0}, {1});",
-    "new_result": "Result* res = new Result({0}, {1});\n*handle = res;",
-    "keep_inputs": "res->arrays = arrays;\nres->dims = dims;",
-    "count_parents": "res->pos.assign({0} + 1, 0);\nint64_t* __restrict__ sn_cnt = res->pos.data();",
-    "resize_chunks": "res->chunks.resize({0});",
-    "open_chunk": "Chunk& C = res->chunks[{0}];\nC.init(res->rank);",
-    "push_crd": "C.crd[{0}].push_back({1});",
-    "pop_crd": "C.crd[{0}].pop_back();",
-    "push_cnt": "C.cnt[{0}].push_back((int64_t)({1}));",
-    "push_val": "C.val.push_back({0});",
-    "ws_declare": "{0} ws;",
-    "ws_init": "try {{ ws.init({0}); }} catch (const std::bad_alloc&) {{ sn_fail({1}); }}",
-    "ws_add": "ws.add({0}, {1});",
-    "ws_mark": "ws.mark({0});",
-    "ws_drain_chunk": "ws.drain(C, {0}, {1}, ws_dims);",
-    "fill_open": ("const int64_t* __restrict__ sn_pos = r->pos.data();\n"
-                  "const IndexOut sn_out_pos{{out[0], wide}};\nconst IndexOut sn_out_crd{{out[1], wide}};\n"
-                  "V* __restrict__ sn_out_val = (V*)out[2];\n#pragma omp parallel for num_threads(nthreads)\n"
-                  "for (int64_t p = 0; p < (int64_t)r->pos.size(); ++p) sn_out_pos.put(p, sn_pos[p]);"),
-    "put_crd": "sn_out_crd.put({0}, {1});",
-}
+_EFFECTS = {"hsums": "sn_hsums({0}, {1});"}
 
 _CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound"}
 
@@ -59,7 +34,9 @@ def array_name(array: ir.Array) -> str:
         return f"d{array.slot}"
     if array.kind == "out":
         return "out"
-    return _RUNTIME_ARRAYS[array.kind]
+    if array.kind == "dims":
+        return "dims"
+    raise ValueError(f"unknown array kind {array.kind!r}")
 
 
 def _arg(arg: ir.Expr | ir.Array) -> str:
@@ -86,8 +63,6 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
         return _binary("+", ir.Var(array_name(e.array)), e.offset)
     if isinstance(e, ir.Bin):
         return _binary(e.op, e.left, e.right)
-    if isinstance(e, ir.Not):
-        return f"!{_wrap(e.operand, 7)}", 7
     if isinstance(e, ir.Select):
         return f"{_wrap(e.cond, 1)} ? {print_expr(e.then)} : {print_expr(e.other)}", 0
     if isinstance(e, ir.Cast):
@@ -108,16 +83,8 @@ def _call(e: ir.Call) -> str:
     if e.name == "lower_bound":
         crd, lo, hi, value = args
         return f"std::lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
-    if e.name == "max_index":
-        return "INT64_MAX"
     if e.name == "value_size":
         return "(int64_t)sizeof(V)"
-    if e.name == "chunk_size":
-        return f"C.crd[{args[0]}].size()"
-    if e.name == "ws_count":
-        return "ws.count()"
-    if e.name == "ws_drain_fill":
-        return f"ws.drain(sn_out_crd, {args[0]}, sn_out_val + {args[0]})"
     return f"{_CALLS[e.name]}({', '.join(args)})"
 
 
@@ -196,8 +163,6 @@ class _Printer:
             self.line(f"sn_prefetch({_expr(ir.Address(s.array, s.offset))[0]}, {print_expr(s.size)});")
         elif isinstance(s, ir.Effect):
             self.line(_EFFECTS[s.name].format(*(_arg(a) for a in s.args)))
-        elif isinstance(s, ir.Return):
-            self.line(f"return {print_expr(s.value)};")
         elif isinstance(s, ir.Block):
             if s.scoped:
                 self.open("")
@@ -228,20 +193,10 @@ class _Printer:
             self.close()
         elif isinstance(s, ir.Parallel):
             self.parallel(s)
-        elif isinstance(s, ir.TryChunk):
-            self.open("try")
-            self.body(s.body)
-            self.close(f"}} catch (const std::bad_alloc&) {{ sn_fail({s.error.name}); }}")
         else:
             raise TypeError(f"not a statement: {s!r}")
 
     def parallel(self, s: ir.Parallel) -> None:
-        if not s.serial_copy:
-            self.line(f"#pragma omp parallel num_threads({print_expr(s.threads)})")
-            self.open("")
-            self.body(s.body)
-            self.close()
-            return
         self.open("if (nthreads > 1)")
         self.line("#pragma omp parallel num_threads(nthreads)")
         self.open("")

@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Not", "Select", "Cast",
+    "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
     "Call", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect", "If", "For",
-    "While", "Block", "Parallel", "TryChunk", "Return", "add", "sub", "mul", "lt", "le", "eq",
-    "and_", "or_", "min_", "max_", "c",
+    "While", "Block", "Parallel", "add", "sub", "mul", "lt", "le", "eq",
+    "and_", "min_", "max_", "c",
 ]
 
 
@@ -57,8 +57,8 @@ class VectorZero(Expr):
 @dataclass(frozen=True)
 class Array:
     """A kernel array: an operand slot's ``pos``/``crd`` of storage level ``level``,
-    its ``val``ues, a dense operand (``dense``), the dense output (``out``), or a
-    runtime object named by ``kind`` (``cnt``: a two-phase output's counts)."""
+    its ``val``ues, a dense operand (``dense``), the dense output (``out``), or the
+    extents of the index variables (``dims``)."""
 
     kind: str
     slot: int = -1
@@ -89,11 +89,6 @@ class Bin(Expr):
 
 
 @dataclass(frozen=True)
-class Not(Expr):
-    operand: Expr
-
-
-@dataclass(frozen=True)
 class Select(Expr):
     """``cond ? then : other``."""
 
@@ -113,8 +108,7 @@ class Call(Expr):
     """A pure helper: ``min``/``max`` (any number of arguments, int64), ``abs``,
     ``lower_bound(array, lo, hi, value)`` (the first position in ``[lo, hi)`` whose
     coordinate is not below ``value``), ``hsum(vector)`` (sum of its lanes),
-    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V); runtime
-    object queries are calls too."""
+    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V)."""
 
     name: str
     args: tuple[Expr | Array, ...]
@@ -182,9 +176,8 @@ class Prefetch(Stmt):
 
 @dataclass(frozen=True)
 class Effect(Stmt):
-    """A runtime call for its effect: ``hsums(acc, out)`` (row sums of a block of
-    vector accumulators), or an assembly operation on the result, a chunk or a
-    workspace (see :mod:`..backend.c` for the list)."""
+    """A runtime call for its effect: ``hsums(acc, out)`` (``out[r]`` = the lanes of
+    ``acc[r][:]`` summed, by a transpose-and-add)."""
 
     name: str
     args: tuple[Expr | Array, ...] = ()
@@ -227,28 +220,11 @@ class Block(Stmt):
 
 @dataclass(frozen=True)
 class Parallel(Stmt):
-    """``body`` run by a team of ``nthreads`` OpenMP threads. With ``serial_copy`` the
-    team starts only for ``nthreads > 1``, and one thread runs the same body without a
-    team (its ``omp for`` then runs every iteration): starting a one-thread team costs
-    more than a small kernel. Without it, ``threads`` is the team size (an Expr)."""
+    """``body`` run by a team of ``nthreads`` OpenMP threads when ``nthreads > 1``;
+    one thread runs the same body without a team (its ``omp for`` then runs every
+    iteration): starting a one-thread team costs more than a small kernel."""
 
     body: Block
-    serial_copy: bool = True
-    threads: Expr | None = None
-
-
-@dataclass(frozen=True)
-class TryChunk(Stmt):
-    """``body`` with an allocation failure recorded in ``error`` instead of thrown
-    (exceptions must not leave an OpenMP region)."""
-
-    body: Block
-    error: Var
-
-
-@dataclass(frozen=True)
-class Return(Stmt):
-    value: Expr
 
 
 # -- builders: the lowerer writes arithmetic through these, with plain ints as constants
@@ -289,11 +265,6 @@ def and_(*terms: Expr) -> Expr:
     return out
 
 
-def or_(*terms: Expr) -> Expr:
-    out = terms[0]
-    for t in terms[1:]:
-        out = Bin("||", out, t)
-    return out
 
 
 def min_(*args) -> Expr:

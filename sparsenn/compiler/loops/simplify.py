@@ -93,7 +93,7 @@ def _drop_unused(node, used: Counter):
             _drop_unused(s, used) for s in node.stmts if not (isinstance(s, ir.Decl) and not used[s.var.name])
         )
         return dataclasses.replace(node, stmts=kept)
-    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.TryChunk)):
+    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel)):
         changes = {
             f.name: _drop_unused(getattr(node, f.name), used)
             for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)

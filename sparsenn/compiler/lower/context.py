@@ -92,6 +92,10 @@ class Lowering:
     def product(self, states, only: Sequence[int] | None = None, at: dict[str, ir.Expr] | None = None) -> ir.Expr:
         """The product of the factors' values at their current positions (of those
         numbered in ``only``, if given; dense operands at ``at``, see :meth:`offset`)."""
+        return product_of(self.values(states, only, at))
+
+    def values(self, states, only: Sequence[int] | None = None, at: dict[str, ir.Expr] | None = None) -> list:
+        """The factors' values that :meth:`product` multiplies, in order."""
         parts = []
         for k, st in enumerate(states):
             if only is not None and k not in only:
@@ -100,7 +104,7 @@ class Lowering:
                 parts.append(ir.Load(ir.Array("val", st.slot), st.pos))
             else:
                 parts.append(ir.Load(ir.Array("dense", st.slot), self.offset(st.dense_indices, at)))
-        return product_of(parts)
+        return parts
 
     def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None) -> ir.Expr:
         """SIMD vector of a unit-stride dense factor ``lane`` elements past its current

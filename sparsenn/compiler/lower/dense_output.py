@@ -76,13 +76,12 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
             lo.emit(ir.Decl(acc, "V", ir.Const(0)))
 
         def finish(st):
-            scale = product_of([coef, *([lo.product(st, outside)] if outside else [])])
-            lo.emit(ir.Assign(ir.Load(OUT, offset(st)), ir.mul(scale, acc), store))
+            lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st, outside), acc]), store))
 
         walk.around[split] = (start, finish)
         walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
     else:
-        walk.leaf = lambda st: lo.emit(ir.Assign(ir.Load(OUT, offset(st)), ir.mul(coef, lo.product(st)), store))
+        walk.leaf = lambda st: lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st)]), store))
 
     tiles = [t for t in nest.tiles if t.index != order[0]]
 
@@ -176,7 +175,7 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
                 lo.emit(ir.For(ir.Decl(var_k, "index", rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
                     ir.Assign(ir.Load(OUT, offset(st)), ir.Const(0)),))))
             tail = NestWalk(nest, order, lambda inner: lo.emit(ir.Assign(
-                ir.Load(OUT, offset(inner)), ir.mul(coef, lo.product(inner)), "+=")),
+                ir.Load(OUT, offset(inner)), product_of([coef, *lo.values(inner)]), "+=")),
                 {**walk.bounds, k: (rest, n_k)}, dense_output=True)
             emit_order(lo, tail, st, r)
 

@@ -7,12 +7,10 @@ At loop ``i`` the factors whose next level is over ``i`` are co-iterated:
 * one: a loop over that level's positions ``q``, coordinate ``crd[q]`` (a non-unique
   level's ``q`` jumps over its segment), optionally with prefetches (see
   :mod:`.prefetch`) or a blocked loop first (see :mod:`.reductions`);
-* several: a merge of sorted streams. Each *stream* is the intersection of some
-  cursors (the factors of one term; a product is zero elsewhere); the loop visits the
-  union of the streams: at each step ``i = min`` of the live cursors' coordinates, a
-  stream is present when all its cursors sit at ``i``, and every cursor at ``i``
-  advances past its segment. One stream is an intersection (the loop ends when a cursor
-  does); several are a union (it ends when all streams have).
+* several: a merge of the sorted cursors visiting their intersection (a product is
+  zero elsewhere): at each step ``i = min`` of their coordinates; the body runs where
+  all sit at ``i``; every cursor at ``i`` advances past its segment; the loop ends
+  when a cursor does.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ def co_iterate(
         return
     cursors = [open_cursor(lo, k, states[k], bounds) for k in sparse]
     if len(cursors) > 1:
-        merge_streams(lo, index, [(states, cursors, None)], lambda present: body(present[0][1]))
+        merge_streams(lo, index, states, cursors, body)
         return
     (cursor,) = cursors
     st = states[cursor.k]
@@ -98,51 +96,30 @@ def _dense_loop(lo, index, states, new, body, bounds, reduction, independent) ->
     lo.emit(ir.For(ir.Decl(var, "index", first), ir.lt(var, last), ir.Incr(var), lo.block(step), pragma, reduction))
 
 
-def merge_streams(
-    lo: Lowering, index: str, streams: Sequence[tuple[list, list[Cursor], ir.Expr | None]],
-    body: Callable[[list[tuple[ir.Expr, list]]], None],
-) -> None:
-    """The merge loop over ``streams`` = (states, their open cursors, active flag or
-    None) (see the module doc). ``body(present)`` gets, per stream, the condition that
-    it is present at ``i`` and its states there; it runs where any stream is present."""
+def merge_streams(lo: Lowering, index: str, states: list, cursors: Sequence[Cursor], body: Body) -> None:
+    """The merge loop over the intersection of ``cursors`` (see the module doc):
+    ``i = min`` of their coordinates, the body where all sit at ``i``, then every
+    cursor at ``i`` advances past its segment."""
     var = lo.var(index)
-    union = len(streams) > 1
-    alive = [ir.and_(*(ir.lt(c.q, c.h) for c in cursors)) for _, cursors, _ in streams]
 
     def step():
         coords = {}
-        for s, (_, cursors, _) in enumerate(streams):
-            for cursor in cursors:
-                value = ir.Load(cursor.crd, cursor.q)
-                if union:  # a finished stream's cursors no longer count
-                    value = ir.Select(alive[s], ir.Cast("index", value), ir.Call("max_index", ()))
-                coord = lo.fresh("c")
-                lo.emit(ir.Decl(coord, "index", value, const=True))
-                coords[cursor] = coord
+        for cursor in cursors:
+            coords[cursor] = lo.fresh("c")
+            lo.emit(ir.Decl(coords[cursor], "index", ir.Load(cursor.crd, cursor.q), const=True))
         lo.emit(ir.Decl(var, "index", ir.min_(*coords.values()), const=True))
-        present, advances = [], []
-        for states, cursors, _ in streams:
-            hit = ir.and_(*(ir.eq(coords[c], var) for c in cursors))
-            if union:
-                flag = lo.fresh("a")
-                lo.emit(ir.Decl(flag, "bool", hit, const=True))
-                hit = flag
-            new = list(states)
-            for cursor in cursors:
-                at = ir.eq(coords[cursor], var)
-                new[cursor.k], after = enter_position(lo, cursor, states[cursor.k], at)
-                advances.append(ir.If(at, ir.Block((ir.Assign(cursor.q, after),), scoped=False)))
-            present.append((hit, new))
+        new, advances = list(states), []
+        for cursor in cursors:
+            at = ir.eq(coords[cursor], var)
+            new[cursor.k], after = enter_position(lo, cursor, states[cursor.k], at)
+            advances.append(ir.If(at, ir.Block((ir.Assign(cursor.q, after),), scoped=False)))
 
         def visit():
-            located = []
-            for hit, new in present:  # locating is arithmetic: done for absent streams too
-                at = list(new)
-                locate(lo, index, new, at)
-                located.append((hit, at))
+            located = list(new)
+            locate(lo, index, new, located)
             body(located)
 
-        lo.emit(ir.If(ir.or_(*(hit for hit, _ in present)) if union else present[0][0], lo.block(visit)))
+        lo.emit(ir.If(ir.and_(*(ir.eq(coords[c], var) for c in cursors)), lo.block(visit)))
         lo.emit(*advances)
 
-    lo.emit(ir.While(ir.or_(*alive) if union else alive[0], lo.block(step)))
+    lo.emit(ir.While(ir.and_(*(ir.lt(c.q, c.h) for c in cursors)), lo.block(step)))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from ..loops import ir
 from ..plan.decisions import PrefetchPolicy
-from .context import Lowering
+from .context import Lowering, product_of
 from .iterators import Cursor, level_size
 
 __all__ = ["Span", "spans", "prefetcher"]
@@ -37,16 +37,9 @@ def spans(lo: Lowering, factors: Sequence[int], index: str, states, bounds: dict
         elif len(trailing) == 1 and block is not None and block[0] == last:
             start, end = block[1], block[2]
         else:
-            start, end = ir.Const(0), _product([lo.dim(t) for t in trailing])
+            start, end = ir.Const(0), product_of([lo.dim(t) for t in trailing])
         at = {t: ir.Const(0) for t in trailing} | {last: start}
         out.append((k, at, ir.sub(end, start)))
-    return out
-
-
-def _product(parts):
-    out = parts[0]
-    for p in parts[1:]:
-        out = ir.mul(out, p)
     return out
 
 
@@ -65,7 +58,7 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
             ir.Bin("/", ir.Const(policy.ahead_bytes), ir.max_(total, 1)), 1)), const=True))
         lo.emit(ir.Decl(last, "index", ir.sub(ir.Cast("index", level_size(lo, driver, driver.depth)), 1), const=True))
         lo.emit(ir.Decl(footprint, "index", _sum([
-            _product([value, *(lo.dim(i) for i in states[k].dense_indices)]) for k, _, _ in gathers]), const=True))
+            product_of([value, *(lo.dim(i) for i in states[k].dense_indices)]) for k, _, _ in gathers]), const=True))
         first = ir.Cast("index", ir.Load(crd, q))
         ahead = ir.Cast("index", ir.Load(crd, ir.min_(ir.add(q, dist), last)))
         jump = ir.le(ir.Const(policy.min_jump), ir.Call("abs", (ir.sub(ahead, first),)))

@@ -32,7 +32,7 @@ def _counted(var: ir.Var, n: int, body: ir.Block, pragma: str | None = "unroll",
 
 
 def _scale(coef: ir.Expr, lo: Lowering, states, scalars: Sequence[int], total: ir.Expr) -> ir.Expr:
-    return product_of([coef, *([lo.product(states, scalars)] if scalars else []), total])
+    return product_of([coef, *lo.values(states, scalars), total])
 
 
 def vector_reduction(

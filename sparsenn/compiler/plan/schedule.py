@@ -50,37 +50,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from sparsenn.formats import Format
-from sparsenn.formats.level import Dense, Level
 
 from ..notation import Assignment, Term
 from . import decisions
-from .decisions import NestFactor, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from .cost import Factor, OperandInfo, estimate_positions, nest_cost
+from .decisions import PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
 __all__ = ["OperandInfo", "Tile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
 
 EXHAUSTIVE_LIMIT = 6
-TRANSPOSE_COST = 4.0
 SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
-SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
-VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
-DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
-
-
-@dataclass(frozen=True)
-class OperandInfo:
-    """What the scheduler knows about one operand."""
-
-    format: Format | None
-    shape: tuple[int, ...]
-    positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
-
-    @property
-    def nnz(self) -> int:
-        return self.positions[-1] if self.positions else math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -186,109 +169,6 @@ class Schedule:
         return None
 
 
-# ----------------------------------------------------------------------------- cost model
-
-
-@dataclass
-class _Factor:
-    """A factor's storage levels as (index, level), in the order the nest reads them
-    (a dense operand: its indices in layout order, each a dense level)."""
-
-    operand: int
-    sparse: bool
-    levels: list[tuple[str, Level]]
-    fibers: list[float]
-    natural: bool
-    nnz: int
-    storage: float = 0.0  # index entries of the (possibly re-stored) levels
-
-    @property
-    def transpose_cost(self) -> float:
-        if self.natural:
-            return 0.0
-        if not self.sparse:
-            return DENSE_COPY_COST * self.nnz
-        return TRANSPOSE_COST * (self.nnz + self.storage)
-
-    def nest_factor(self) -> NestFactor:
-        return NestFactor(self.operand, self.sparse, tuple(self.levels))
-
-
-def estimate_positions(levels: Sequence[Level], sizes: Sequence[int], nnz: int) -> list[float]:
-    """Expected positions of each storage level of a tensor with ``nnz`` entries."""
-    positions, parent, full = [], 1.0, 1.0
-    for level, size in zip(levels, sizes):
-        full *= max(size, 1)
-        parent = level.estimate_positions(parent, nnz, full, size)
-        positions.append(parent)
-    return positions
-
-
-def _factor(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> _Factor:
-    """A factor read in loop order. A dense operand is laid out in loop order too (a
-    copy when that differs from its own), so its innermost accesses are unit-stride."""
-    if info.format is None:
-        layout = sorted(access.indices, key=lambda i: loop_rank[i])
-        return _Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices), info.nnz)
-    fmt = info.format
-    natural = [access.indices[m] for m in fmt.mode_order]
-    wanted = sorted(natural, key=lambda i: loop_rank[i])
-    if wanted == natural:
-        positions = list(info.positions)
-    else:
-        sizes = [info.shape[access.indices.index(i)] for i in wanted]
-        positions = estimate_positions(fmt.levels, sizes, info.nnz)
-    fibers, parent, storage = [], 1.0, 0.0
-    for level, p in zip(fmt.levels, positions):
-        fibers.append(p / parent if parent > 0 else 0.0)
-        storage += level.index_entries(parent, p)
-        parent = p
-    return _Factor(
-        access.operand, True, list(zip(wanted, fmt.levels)), fibers, wanted == natural, info.nnz, storage
-    )
-
-
-def _nest_cost(
-    term: Term,
-    order: Sequence[str],
-    infos: Sequence[OperandInfo],
-    dims: dict[str, int],
-    output: tuple[str, ...] = (),
-) -> tuple[float, float, list[_Factor]]:
-    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
-
-    ``output`` (dense outputs) counts toward the innermost loop's unit stride."""
-    rank = {i: n for n, i in enumerate(order)}
-    factors = [_factor(a, infos[a.operand], rank, term) for a in term.factors]
-    depth = [0] * len(factors)
-    cost, iters = 0.0, 1.0
-    if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
-        cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
-    for position, index in enumerate(order):
-        n = float(max(dims[index], 1))
-        fibers = []
-        for k, f in enumerate(factors):
-            if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
-                if not f.levels[depth[k]][1].locatable:
-                    fibers.append(f.fibers[depth[k]])
-                depth[k] += 1
-        if fibers:
-            trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
-            work = SPARSE_ITERATION_COST * sum(fibers)
-        else:
-            trip = work = n
-            if position == len(order) - 1:
-                work = n / VECTOR_WIDTH
-        cost += iters * max(work, 1.0)
-        iters *= trip
-    innermost_dense = bool(order) and not any(
-        f.sparse and f.levels[-1][0] == order[-1] and not f.levels[-1][1].locatable for f in factors
-    )
-    cost += iters * len(term.factors) / (VECTOR_WIDTH if innermost_dense else 1.0)
-    cost += sum(f.transpose_cost for f in factors)
-    return cost, iters, factors
-
-
 def _orders(indices: Sequence[str], cost_of) -> list[tuple[str, ...]]:
     """Candidate orders: all permutations up to EXHAUSTIVE_LIMIT, else a greedy build."""
     if len(indices) <= EXHAUSTIVE_LIMIT:
@@ -309,7 +189,7 @@ def _tiles(
     term: Term,
     output: tuple[str, ...],
     order: Sequence[str],
-    factors: list[_Factor],
+    factors: list[Factor],
     infos: Sequence[OperandInfo],
     dims: dict[str, int],
     itemsize: int,
@@ -344,7 +224,7 @@ def _tiles(
 
 
 def _register_block(
-    output_order: tuple[str, ...], order: Sequence[str], factors: list[_Factor],
+    output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
     tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
 ) -> Tile | None:
     """A register block for the innermost loop (see the module doc), or None.
@@ -378,7 +258,7 @@ def _register_block(
 # ----------------------------------------------------------------------------- search
 
 
-def _transposes(t: int, factors: list[_Factor], term: Term) -> list:
+def _transposes(t: int, factors: list[Factor], term: Term) -> list:
     """((term, factor), mode order) for each factor read in other than its own order."""
     out = []
     for k, (f, access) in enumerate(zip(factors, term.factors)):
@@ -414,7 +294,7 @@ def schedule(
                    target=target)
 
 
-def _dense_decisions(nest: Nest, n: int, factors: list[_Factor], assignment: Assignment, target: Target) -> Nest:
+def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target) -> Nest:
     """``nest`` (the ``n``-th) of a dense output with its code decisions."""
     output = assignment.output
     order, f = nest.order, [x.nest_factor() for x in factors]
@@ -449,14 +329,14 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedu
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = _nest_cost(term, order, infos, dims, assignment.output)[0]
+            cost = nest_cost(term, order, infos, dims, assignment.output)[0]
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        _, leaves, factors = _nest_cost(term, best, infos, dims, assignment.output)
+        _, leaves, factors = nest_cost(term, best, infos, dims, assignment.output)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = best[0] in assignment.output
@@ -499,10 +379,10 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
         leaf_total = 0.0
         for t, term in enumerate(assignment.terms):
             local = [i for i in _nest_indices(term, assignment.output) if i not in shared]
-            candidates = _orders(local, lambda o, term=term: _nest_cost(term, shared + o, infos, dims)[0])
-            costs = {o: _nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
+            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims)[0])
+            costs = {o: nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
             order = min(candidates, key=lambda o: costs[o])
-            _, leaves, factors = _nest_cost(term, shared + order, infos, dims)
+            _, leaves, factors = nest_cost(term, shared + order, infos, dims)
             prefetch = decisions.prefetch_loops(order, [f.nest_factor() for f in factors], set(), None, 0)
             nests.append(Nest(t, order, (), p > 0, costs[order], prefetch=prefetch))
             transposes += _transposes(t, factors, term)
