@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import itertools
 import re
 
@@ -13,6 +14,9 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler.loops import ir
+from sparsenn.compiler.plan.decisions import PrefetchLoop, PrefetchPolicy
+from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import dispatch
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
@@ -286,10 +290,13 @@ def test_narrow_dense_loops_stay_vectorised(dtype):
     a = sp((37, 29), "csr", dtype=dtype)
     b = torch.randn(29, 45, dtype=dtype)
     check("ij,jk->ik", [a, b], atol=atol)
-    assert "#pragma omp simd\n" in kernel_body("ij,jk->ik", a, b)
+    assert any(isinstance(n, ir.For) and n.pragma == "simd" for n in walk(dispatch.plan("ij,jk->ik", a, b).kernel.loops))
     x, y = torch.randn(37, 20, dtype=dtype), torch.randn(29, 20, dtype=dtype)
     check("ij,ik,jk->ij", [a, x, y], atol=atol)
-    assert re.search(r"for \(; i\d+ \+ SN_W <= end\d+; i\d+ \+= SN_W\)", kernel_body("ij,ik,jk->ij", a, x, y))
+    single_vectors = ir.Assign(ir.Var("i2"), ir.Lanes(), "+=")
+    assert dispatch.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].vector_reduction.index == "k"
+    assert any(isinstance(n, ir.For) and n.step == single_vectors
+               for n in walk(dispatch.plan("ij,ik,jk->ij", a, x, y).kernel.loops))
     assert "#pragma omp simd\n" not in kernel_body("ij,kj->ik", a, a)
 
 
@@ -515,7 +522,7 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     x = torch.randn(64, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 1e-10
     check("ij,j->i", [a, x], atol=atol)
-    assert re.search(r"V sacc\d+\[4\]", kernel_body("ij,j->i", a, x))
+    assert dispatch.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == Target.host().sparse_accumulators
     # A dense-level operand located by the same loop, and a dense matrix factor.
     b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
     check("ij,ij->i", [a, b], atol=atol)
@@ -523,46 +530,49 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     # Not for a singleton level (COO) nor for an intersection of two sparse levels.
     coo = sparsenn.from_dense(a.to_dense(), "coo")
     check("ij,j->i", [coo, x], atol=atol)
-    assert "sacc" not in kernel_body("ij,j->i", coo, x)
+    assert dispatch.plan("ij,j->i", coo, x).schedule.nests[0].sparse_reduction is None
     other = sparsenn.from_dense(rows_of_lengths(LENGTHS[::-1], 64, dtype, seed=1), "csr")
     check("ij,ij->i", [a, other], atol=atol)
-    assert "sacc" not in kernel_body("ij,ij->i", a, other)
+    assert dispatch.plan("ij,ij->i", a, other).schedule.nests[0].sparse_reduction is None
 
 
 @pytest.fixture
 def always_prefetch(monkeypatch):
     """Kernels built while this is active prefetch every gather, whatever the operand's
     size and the pattern's locality (the test operands are far smaller than a cache)."""
-    from sparsenn.compiler.lower import nest as lower
-
-    monkeypatch.setattr(lower, "PREFETCH_MIN_FOOTPRINT", 0.0)
-    monkeypatch.setattr(lower, "PREFETCH_MIN_JUMP", 0)
-    monkeypatch.setattr(lower, "cache_sizes", lambda: (0, 0))
+    eager = dataclasses.replace(Target.host(), l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0)
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: eager))
     monkeypatch.setattr(dispatch, "_plans", {})
     monkeypatch.setattr(dispatch, "_calls", {})
 
 
 def test_prefetch_only_when_gathers_miss_the_caches():
-    # Each loop over a row decides once (see lower.PREFETCH_MIN_FOOTPRINT): never for
-    # operands that fit the L2; for large ones, when the coordinate D positions ahead is
-    # 8 or more away; in between, when the row's coordinates spread over half the range.
-    # It then runs the loop with prefetches, else the plain copy.
-    from sparsenn.compiler.lower import nest as lower
-    from sparsenn.compiler.plan import schedule
-
+    # The schedule names the loops that may prefetch and the policy of the run-time test
+    # (see plan.decisions): each such loop decides once per fiber, then runs its copy
+    # with prefetches or the plain one.
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
-    text = kernel_body("ij,jk->ik", a, torch.randn(70, 32))
-    l2, llc = schedule.cache_sizes()
-    assert re.search(
-        rf"const int64_t (pfsize\d+) = \(int64_t\)sizeof\(V\) \* N1 \* N2;\n\s*"
-        rf"const bool (pfon\d+) = q\d+ < h\d+ && \1 > \(int64_t\){l2} && "
-        rf"\(\1 >= \(int64_t\){int(llc * lower.PREFETCH_MIN_FOOTPRINT)} \? std::abs\(.*\) >= 8 : "
-        rf"2 \* \(\(int64_t\)s0_crd1\[h\d+ - 1\] - \(int64_t\)s0_crd1\[q\d+\]\) >= N1\);\n\s*if \(\2\)",
-        text,
-    )
-    flagged = re.findall(r"if \(pfon\d+\)", text)
-    assert len(flagged) >= 2 and text.count("sn_prefetch(d") == len(flagged)
-    assert len(re.findall(r"\}\n\s*else \{\n\s*for \(; q\d+ < h\d+; \+\+q\d+\)", text)) == len(flagged)
+    plan = dispatch.plan("ij,jk->ik", a, torch.randn(70, 32))
+    (nest,) = plan.schedule.nests
+    assert nest.prefetch == (PrefetchLoop("j", (1,)),)  # the loop over A's row gathers rows of B
+    assert plan.schedule.prefetch_policy == PrefetchPolicy.of(Target.host())
+    tests = [n for n in walk(plan.kernel.loops) if isinstance(n, ir.If) and isinstance(n.cond, ir.Var)
+             and any(isinstance(p, ir.Prefetch) for p in walk(n.then))]
+    assert len(tests) >= 2  # the register block and the remainder's loops
+    assert all(n.other is not None and not any(isinstance(p, ir.Prefetch) for p in walk(n.other)) for n in tests)
+    assert not dispatch.plan("ij,j->i", a, torch.randn(70)).schedule.nests[0].prefetch  # single elements
+
+
+def walk(node):
+    """Every IR node under ``node``."""
+    if isinstance(node, tuple):
+        for x in node:
+            yield from walk(x)
+        return
+    if not dataclasses.is_dataclass(node):
+        return
+    yield node
+    for f in dataclasses.fields(node):
+        yield from walk(getattr(node, f.name))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -577,11 +587,11 @@ def test_prefetched_gathers(dtype, index_dtype, k, always_prefetch):
     atol = 1e-4 if dtype == torch.float32 else 1e-10
     check("ij,jk->ik", [a, b], atol=atol)
     check("ij,ik,jk->ij", [a, x, b], atol=atol)
-    assert "sn_prefetch(d" in kernel_body("ij,jk->ik", a, b)
-    assert "sn_prefetch(d" in kernel_body("ij,ik,jk->ij", a, x, b)
+    assert dispatch.plan("ij,jk->ik", a, b).schedule.nests[0].prefetch
+    assert dispatch.plan("ij,ik,jk->ij", a, x, b).schedule.nests[0].prefetch
     # Transposed B (k before j) is read with a stride, and SpMV gathers single elements.
     check("ij,kj->ik", [a, b.T.contiguous()], atol=atol)
-    assert "sn_prefetch(d" not in kernel_body("ij,j->i", a, b[:, 0].contiguous())
+    assert not dispatch.plan("ij,j->i", a, b[:, 0].contiguous()).schedule.nests[0].prefetch
     # The last row is the longest, so the distance is clamped at the end of crd.
     check("ij,jk->ik", [sparsenn.from_dense(rows_of_lengths([0, 2, 70], 70, dtype), "csr"), b], atol=atol)
 
@@ -592,7 +602,11 @@ def test_prefetch_through_a_lower_level(always_prefetch):
     a = sp((9, 8, 30), "csf", density=0.4)
     b = torch.randn(30, 33, dtype=torch.float64)
     check("ijl,lk->ijk", [a, b], out_format="dense")
-    assert "s0_pos2[(int64_t)s0_pos1[(int64_t)s0_pos0[1]]] - 1" in kernel_body("ijl,lk->ijk", a, b, out_format="dense")
+    loops = dispatch.plan("ijl,lk->ijk", a, b, out_format="dense").kernel.loops
+    pos = [ir.Array("pos", 0, level) for level in range(3)]
+    crd_length = ir.Load(pos[2], ir.Load(pos[1], ir.Load(pos[0], ir.Const(1))))
+    last = [d.init for d in walk(loops) if isinstance(d, ir.Decl) and d.var.name.startswith("pflast")]
+    assert last and all(init == ir.sub(ir.Cast("index", crd_length), 1) for init in last)
 
 
 # ----------------------------------------------------------------------------- two-phase sparse outputs
@@ -692,16 +706,16 @@ def test_row_blocked_inner_reductions(dtype, index_dtype, k):
     for equation in ["ij,ik,jk->ij", "ij,ik,jk->i", "ij,ik,jk->j", "ij,ik,jk->"]:
         check(equation, [a, x, y], atol=atol)
     check("ij,ik,jk->ij", [a, x, y], out_format="dense", atol=atol)
-    assert "sn_hsums(" in kernel_body("ij,ik,jk->ij", a, x, y)
-    assert "sn_hsums(" in kernel_body("ij,ik,jk->i", a, x, y)
+    assert dispatch.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].row_block is not None
+    assert dispatch.plan("ij,ik,jk->i", a, x, y).schedule.nests[0].row_block is not None
     # A factor of the entry's own (Z[i, j]) and two shared ones (X, W): still blocked.
     z = torch.randn(len(lengths), 30, dtype=dtype)
     check("ij,ij,ik,ik,jk->ij", [a, z, x, x.flip(0).contiguous(), y], atol=atol)
-    assert "sn_hsums(" in kernel_body("ij,ij,ik,ik,jk->ij", a, z, x, x.flip(0).contiguous(), y)
+    assert dispatch.plan("ij,ij,ik,ik,jk->ij", a, z, x, x.flip(0).contiguous(), y).schedule.nests[0].row_block
     # No factor shared by the block's entries (every vector factor indexed by j): no block.
     w = torch.randn(len(lengths), 30, k, dtype=dtype)
     check("ij,ijk,jk->ij", [a, w, y], atol=atol)
-    assert "sn_hsums(" not in kernel_body("ij,ijk,jk->ij", a, w, y)
+    assert dispatch.plan("ij,ijk,jk->ij", a, w, y).schedule.nests[0].row_block is None
 
 
 HSUM_ROWS, HSUM_VECTORS = (1, 2, 4, 8, 16, 32), (1, 2, 3)

@@ -5,9 +5,19 @@ from __future__ import annotations
 import torch
 
 import sparsenn
-from sparsenn.compiler.runtime.dispatch import plan
-from sparsenn.compiler.plan import schedule as schedule_module
-from sparsenn.compiler.plan.schedule import cache_sizes
+from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.plan.schedule import schedule
+from sparsenn.compiler.plan.target import Target
+from sparsenn.compiler.runtime.dispatch import _info, plan
+
+# An AVX2 core with a 1 MiB L2: schedules below do not depend on the host.
+AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+
+
+def dense_schedule(equation, *operands, target=AVX2):
+    """The schedule of ``equation`` with a dense output on ``target``."""
+    itemsize = operands[0].dtype.itemsize if hasattr(operands[0], "dtype") else 4
+    return schedule(parse_einsum(equation, len(operands)), [_info(o) for o in operands], None, itemsize, target)
 
 
 def sparse(shape, fmt, density=0.01, seed=0):
@@ -71,30 +81,27 @@ def test_csc_spmm_is_column_wise_or_transposed():
 
 
 def test_tiles_only_dense_loops_not_parents_of_sparse():
-    p = plan("ij,jk->ik", sparse((N, 2_000), "csr", density=1e-3), torch.empty(2_000, 4096))
-    (nest,) = p.schedule.nests
+    s = dense_schedule("ij,jk->ik", sparse((N, 2_000), "csr", density=1e-3), torch.empty(2_000, 4096))
+    (nest,) = s.nests
     tiled = {t.index for t in nest.tiles}
     assert "j" not in tiled and "i" not in tiled
     assert tiled == {"k"}
     (tile,) = nest.tiles
-    l2, _ = cache_sizes()
     assert 32 <= tile.size < 4096
-    assert 2_000 * tile.size * 4 <= l2 // 2  # the reused tile of B fits in half of L2
+    assert 2_000 * tile.size * 4 <= AVX2.l2_bytes // 2  # the reused tile of B fits in half of L2
     assert nest.register_block is not None and tile.size % nest.register_block.size == 0
 
 
-def test_reduction_indices_are_not_tiled(monkeypatch):
+def test_reduction_indices_are_not_tiled():
     # SDDMM's k is dense and its rows of X and Y are reused, but tiling it would split
     # each dot product into partial sums added in separate passes over the pattern.
     # SpMM's k is an output index: tiled under the same cache size.
-    monkeypatch.setattr(schedule_module, "cache_sizes", lambda: (1 << 20, 32 << 20))
     n, k = 1_000, 256
     a = sparse((n, n), "csr", density=0.01)
-    sddmm = plan("ij,ik,jk->ij", a, torch.randn(n, k), torch.randn(n, k))
-    (nest,) = sddmm.schedule.nests
+    (nest,) = dense_schedule("ij,ik,jk->ij", a, torch.randn(n, k), torch.randn(n, k)).nests
     assert nest.order[-1] == "k" and nest.tiles == ()
-    spmm = plan("ij,jk->ik", a, torch.randn(n, k))
-    assert [t.index for t in spmm.schedule.nests[0].tiles] == ["k"]
+    spmm = dense_schedule("ij,jk->ik", a, torch.randn(n, k))
+    assert [t.index for t in spmm.nests[0].tiles] == ["k"]
 
 
 def test_small_dense_loops_are_not_tiled():
@@ -141,29 +148,33 @@ def test_sddmm_and_attention_stay_fused():
 
 
 def test_spmm_register_blocks_the_dense_output_row():
-    p = plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64))
-    (nest,) = p.schedule.nests
+    s = dense_schedule("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64))
+    (nest,) = s.nests
     assert nest.register_block is not None and nest.register_block.index == "k"
     assert nest.register_block.size == 64  # 8 AVX2 vectors of float32 tile k exactly
-    assert "VV vacc" in p.source
-    assert "register block of 64 over k (8 vectors: 8-vector blocks tile k exactly)" in "\n".join(p.schedule.reasons)
+    assert "register block of 64 over k (8 vectors: 8-vector blocks tile k exactly)" in "\n".join(s.reasons)
+    assert "register block: k by 64" in s.describe()
     # 8 vectors would leave a partial block (run by the plain loop): 4 vectors instead.
     for k in (32, 96):
-        assert plan("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, k)).schedule.nests[0].register_block.size == 32
+        assert dense_schedule("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, k)).nests[0].register_block.size == 32
     a64 = sparse((N, N), "csr").to(torch.float64)
-    assert plan("ij,jk->ik", a64, torch.randn(N, 64, dtype=torch.float64)).schedule.nests[0].register_block.size == 32
-    p48 = plan("ij,jk->ik", a64, torch.randn(N, 48, dtype=torch.float64))
-    assert p48.schedule.nests[0].register_block.size == 16
-    assert "do not tile k exactly" in "\n".join(p48.schedule.reasons)
+    b64 = torch.randn(N, 64, dtype=torch.float64)
+    assert dense_schedule("ij,jk->ik", a64, b64).nests[0].register_block.size == 32
+    s48 = dense_schedule("ij,jk->ik", a64, torch.randn(N, 48, dtype=torch.float64))
+    assert s48.nests[0].register_block.size == 16
+    assert "do not tile k exactly" in "\n".join(s48.reasons)
+    # 16-byte vectors (SSE, NEON): blocks of 8 vectors of 4 floats.
+    sse = Target(vector_bytes=16)
+    assert dense_schedule("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64), target=sse).nests[0].register_block.size == 32
 
 
 def test_no_register_block_without_a_reduction_or_for_narrow_rows():
     a = sparse((N, N), "csr")
-    assert plan("ij,jk->ik", a, torch.randn(N, 3)).schedule.nests[0].register_block is None  # k < one vector
+    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 3)).nests[0].register_block is None  # k < one vector
     # k between one vector and a full block: the whole vectors that fit (float32: 8 lanes).
-    assert plan("ij,jk->ik", a, torch.randn(N, 16)).schedule.nests[0].register_block.size == 16
-    assert plan("ij,jk->ik", a, torch.randn(N, 20)).schedule.nests[0].register_block.size == 16
-    assert plan("ij,ij->ij", a, torch.randn(N, N)).schedule.nests[0].register_block is None  # k sparse
+    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 16)).nests[0].register_block.size == 16
+    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 20)).nests[0].register_block.size == 16
+    assert dense_schedule("ij,ij->ij", a, torch.randn(N, N)).nests[0].register_block is None  # k sparse
 
 
 def test_three_operand_sampled_product_is_fused():

@@ -1,4 +1,5 @@
-"""Level kinds: how one storage level of a sparse tensor is laid out.
+"""Level kinds: how one storage level of a sparse tensor is laid out, and what the
+compiler may ask of it.
 
 A sparse tensor is stored as a tree of levels (TACO's format abstraction,
 Chou, Kjolstad and Amarasinghe, OOPSLA 2018). The root has one position, 0.
@@ -13,16 +14,50 @@ position:
   position, with coordinate ``crd[p]`` (the column array of COO).
 
 Code that iterates, locates or assembles levels asks these capabilities and
-never tests for a named format such as "CSR".
+never tests for a named format such as "CSR" or for a level's letter.
+
+**Capabilities.** Properties: ``locatable``, ``full`` (every coordinate present),
+``ordered``, ``unique`` (per instance), ``branchless`` (one child per parent),
+``has_pos``/``has_crd`` (its arrays) and ``assembly`` (how a kernel writes it: a
+located level is *inserted* at ``p * N + i``, others are *appended*). Methods build the
+index expressions of iteration and location. ``formats`` must not depend on the
+compiler, so they build through an :class:`IndexBuilder` the compiler passes in
+(dependency inversion): the builder knows which tensor and level it reads and makes
+the compiler's IR; a level only says how its positions relate:
+
+* :meth:`Level.locate` the child position of coordinate ``i`` under ``p`` (locatable
+  levels only);
+* :meth:`Level.position_bounds` the positions ``[lo, hi)`` under ``p`` (the others);
+  a singleton under a non-unique parent takes that parent's segment ``[p, end)``;
+* :meth:`Level.positions` the level's position count (its ``crd`` length);
+* :meth:`Level.estimate_positions` that count estimated for the scheduler.
+
+Segment ends of non-unique levels (runs of equal coordinates) are not a level's
+business: any non-unique level's segment is found the same way, by the compiler.
+A new level kind is one subclass answering these.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 from torch import Tensor
+
+
+class IndexBuilder(Protocol):
+    """Index expressions over one storage level of one tensor, as the compiler's IR:
+    ``pos(at)``/``crd(at)`` load this level's arrays, ``add``/``mul`` combine, and plain
+    ints are constants."""
+
+    def pos(self, at: Any) -> Any: ...
+
+    def crd(self, at: Any) -> Any: ...
+
+    def add(self, a: Any, b: Any) -> Any: ...
+
+    def mul(self, a: Any, b: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -41,11 +76,35 @@ class Level(ABC):
     has_pos: ClassVar[bool]
     has_crd: ClassVar[bool]
     full: ClassVar[bool]
+    branchless: ClassVar[bool] = False
+    assembly: ClassVar[str]  # "insert" (located) or "append"
     ordered: ClassVar[bool] = True
 
     @abstractmethod
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
         """Number of positions of this level given its parent's position count."""
+
+    def locate(self, b: IndexBuilder, parent: Any, coordinate: Any, size: Any) -> Any:
+        """The child position of ``coordinate`` under ``parent`` (locatable levels)."""
+        raise NotImplementedError(f"{type(self).__name__} levels cannot locate a coordinate")
+
+    def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
+        """Positions ``[lo, hi)`` under ``parent``, or under a non-unique parent's
+        segment ``[parent, segment_end)``; their coordinates are ``crd[q]``."""
+        raise NotImplementedError(f"{type(self).__name__} levels are located, not iterated")
+
+    @abstractmethod
+    def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:
+        """This level's position count given its parent's (``crd``'s length)."""
+
+    @abstractmethod
+    def estimate_positions(self, parent_positions: float, nnz: int, full: float, size: int) -> float:
+        """Expected position count: ``full`` is the product of the sizes of this and
+        the enclosing levels, ``nnz`` the tensor's stored entries."""
+
+    def index_entries(self, parent_positions: float, positions: float) -> float:
+        """Stored index entries (``pos`` and ``crd``) for these position counts."""
+        return (parent_positions + 1 if self.has_pos else 0.0) + (positions if self.has_crd else 0.0)
 
 
 @dataclass(frozen=True)
@@ -57,8 +116,18 @@ class Dense(Level):
     has_pos: ClassVar[bool] = False
     has_crd: ClassVar[bool] = False
     full: ClassVar[bool] = True
+    assembly: ClassVar[str] = "insert"
 
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
+        return parent_positions * size
+
+    def locate(self, b: IndexBuilder, parent: Any, coordinate: Any, size: Any) -> Any:
+        return b.add(b.mul(parent, size), coordinate)
+
+    def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:
+        return b.mul(parent_positions, size)
+
+    def estimate_positions(self, parent_positions: float, nnz: int, full: float, size: int) -> float:
         return parent_positions * size
 
 
@@ -71,10 +140,20 @@ class Compressed(Level):
     has_pos: ClassVar[bool] = True
     has_crd: ClassVar[bool] = True
     full: ClassVar[bool] = False
+    assembly: ClassVar[str] = "append"
 
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
         assert pos is not None
         return int(pos[-1])
+
+    def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
+        return b.pos(parent), b.pos(b.add(parent, 1))
+
+    def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:
+        return b.pos(parent_positions)
+
+    def estimate_positions(self, parent_positions: float, nnz: int, full: float, size: int) -> float:
+        return float(min(nnz, full))
 
 
 @dataclass(frozen=True)
@@ -86,8 +165,19 @@ class Singleton(Level):
     has_pos: ClassVar[bool] = False
     has_crd: ClassVar[bool] = True
     full: ClassVar[bool] = False
+    branchless: ClassVar[bool] = True
+    assembly: ClassVar[str] = "append"
 
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
+        return parent_positions
+
+    def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
+        return parent, (b.add(parent, 1) if segment_end is None else segment_end)
+
+    def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:
+        return parent_positions
+
+    def estimate_positions(self, parent_positions: float, nnz: int, full: float, size: int) -> float:
         return parent_positions
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..plan.schedule import VECTOR_BYTES
 from .abi import FINISH, RUN, array_name, slot_arrays
 
 if TYPE_CHECKING:
-    from ..lower.nest import LoweredKernel
+    from ..lower.kernel import LoweredKernel
 
 # slot_arrays is defined in abi; re-exported until the launcher imports it from there.
 __all__ = ["generate_source", "slot_arrays", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
@@ -24,12 +23,10 @@ ASSEMBLY_HEADER = "sparsenn_assembly.h"
 _CTYPES = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
 
 
-def generate_source(
-    kernel: LoweredKernel, value_dtype: str, index_dtype: str, vector_bytes: int = VECTOR_BYTES
-) -> str:
-    """The complete C++ translation unit for ``kernel``, with values of ``value_dtype``,
-    indices of ``index_dtype`` (``"float32"``, ``"int64"``, ...) and SIMD vectors of
-    ``vector_bytes`` (the register blocks' vectors and the horizontal sums' width)."""
+def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
+    """The complete C++ translation unit for ``kernel``, with values of ``value_dtype`` and
+    indices of ``index_dtype`` (``"float32"``, ``"int64"``, ...); its SIMD vectors are
+    ``kernel.vector_bytes`` wide (the Target's)."""
     headers = [KERNEL_HEADER] if kernel.dense_output else [KERNEL_HEADER, ASSEMBLY_HEADER]
     inputs, n = [], 0
     for s, slot in enumerate(kernel.slots):
@@ -44,7 +41,7 @@ def generate_source(
     return (
         f"#define SN_VALUE {_CTYPES[value_dtype]}\n"
         f"#define SN_INDEX {_CTYPES[index_dtype]}\n"
-        f"#define SN_VECTOR_BYTES {vector_bytes}\n"
+        f"#define SN_VECTOR_BYTES {kernel.vector_bytes}\n"
         + "".join(f'#include "{header}"\n' for header in headers)
         + f"\n{RUN.declaration} {{\n"
         + "  try {\n"

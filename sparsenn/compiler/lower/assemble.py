@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .nest import _chunk_prologue, _Lowerer, _State, balancing_pos, chunk_bounds
+from .sparse_text import State as _State, TextLowerer as _Lowerer, balancing_pos, chunk_bounds, chunk_prologue
 from ..notation import Term
 from ..plan.schedule import Nest, Schedule
 
@@ -213,18 +213,20 @@ class _Fill(_TwoPhase):
         lo.w.line("sn_q += ws.drain(sn_out_crd, sn_q, sn_out_val + sn_q);")
 
 
-def lower_sparse_output(lo: _Lowerer) -> str | None:
-    """Emit the sparse-output kernel into ``lo``; for a two-phase output, return the body
-    of its second phase (``sn_finish``'s fill), else None."""
+def lower_sparse_output(assignment, sched: Schedule, formats):
+    """The sparse-output kernel's body, slots, index variables and, for a two-phase
+    output, the body of its second phase (``sn_finish``'s fill), else None."""
+    lo = _Lowerer(assignment, sched, formats)
+    lo.declare_dims()
     if not two_phase(lo.s):
         _emit(lo, _Append(lo))
-        return None
+        return "\n".join(lo.w.lines), tuple(lo.slots), lo.indices, None
     _emit(lo, _Count(lo))
     fill = _Lowerer(lo.a, lo.s, lo.formats)
     fill.declare_dims()
     _emit(fill, _Fill(fill))
     assert fill.slots == lo.slots, "both phases read the operands through the same slots"
-    return "\n".join(fill.w.lines)
+    return "\n".join(lo.w.lines), tuple(lo.slots), lo.indices, "\n".join(fill.w.lines)
 
 
 def _emit(lo: _Lowerer, out: _Output) -> None:
@@ -232,7 +234,7 @@ def _emit(lo: _Lowerer, out: _Output) -> None:
     a, s, w = lo.a, lo.s, lo.w
     shared = s.shared
     out.start(lo)
-    _chunk_prologue(w, lo.dim(shared[0]) if shared else "1")
+    chunk_prologue(w, lo.dim(shared[0]) if shared else "1")
     w.line("const int64_t sn_chunks = std::max<int64_t>(sn_nchunks, 1);")
     out.chunks(lo)
     w.line("int sn_error = 0;")
@@ -305,7 +307,7 @@ def _shared_single(lo: _Lowerer, out: _Output, term_info, states, level) -> None
         out.store(lo, "sn_val")
         return
     index = s.shared[level]
-    if level < out.num_dense and any(st.next_index() == index and st.levels[st.depth][1] != "d" for st in states):
+    if level < out.num_dense and any(st.next_index() == index and not st.levels[st.depth][1].locatable for st in states):
         # A dense output level needs every coordinate (each gets a count), but the
         # term's stream visits only the stored ones: walk them all as a union does.
         _shared_union(lo, out, [term_info], {t: states}, {t: "true"}, level)
@@ -350,7 +352,7 @@ def _shared_union(lo: _Lowerer, out: _Output, terms, states, active, level) -> N
     for t, _, _ in terms:
         its = []
         for k, st in enumerate(states[t]):
-            if st.next_index() == index and st.levels[st.depth][1] != "d":
+            if st.next_index() == index and not st.levels[st.depth][1].locatable:
                 q, h, crd = lo.open_cursor(st, bounds, active[t])
                 its.append((k, q, h, crd))
         cursors[t] = its
@@ -397,7 +399,7 @@ def _shared_union(lo: _Lowerer, out: _Output, terms, states, active, level) -> N
         st_list = list(states[t])
         for k, q, h, crd in cursors[t]:
             st = st_list[k]
-            if st.levels[st.depth][2]:
+            if st.levels[st.depth][1].unique:
                 st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=None)
                 advances.append((flag, q, f"{q} + 1"))
             else:
@@ -407,7 +409,7 @@ def _shared_union(lo: _Lowerer, out: _Output, terms, states, active, level) -> N
                 st_list[k] = replace(st, depth=st.depth + 1, pos=q, seg_end=e)
                 advances.append((flag, q, e))
         for k, st in enumerate(st_list):
-            if st.next_index() == index and st.levels[st.depth][1] == "d":
+            if st.next_index() == index and st.levels[st.depth][1].locatable:
                 p = w.fresh("p")
                 w.line(f"const int64_t {p} = (int64_t){st.pos} * {n} + {var};")
                 st_list[k] = replace(st, depth=st.depth + 1, pos=p, seg_end=None)

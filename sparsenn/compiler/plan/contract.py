@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
 from ..notation import Access, Assignment, Term
-from .schedule import OperandInfo, _estimate_positions, schedule
+from .schedule import OperandInfo, estimate_positions, schedule
 
 __all__ = ["Step", "best_path"]
 
@@ -62,7 +62,7 @@ def _result_info(pair: Assignment, infos: Sequence[OperandInfo], dims: dict[str,
         return sched.cost + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
     nnz = int(min(math.prod(shape), max(sched.leaves, 1.0)))
     sizes = [shape[m] for m in fmt.mode_order]
-    positions = tuple(int(p) for p in _estimate_positions(fmt.letters, sizes, nnz))
+    positions = tuple(int(p) for p in estimate_positions(fmt.levels, sizes, nnz))
     return sched.cost, OperandInfo(fmt, shape, positions)
 
 

@@ -29,57 +29,41 @@ level. It returns a :class:`Schedule`:
   other tenants, so it is not a dependable target).
 * **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
   output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
-  ``k`` is strip-mined into blocks of :data:`WIDE_REGISTER_BLOCK_VECTORS` SIMD vectors
-  when they divide ``k`` (each block is one pass over ``R``), else of
-  :data:`REGISTER_BLOCK_VECTORS` (or of the whole vectors that fit, when ``k`` is
+  ``k`` is strip-mined into blocks of the target's ``wide_register_block_vectors`` SIMD
+  vectors when they divide ``k`` (each block is one pass over ``R``), else of
+  ``register_block_vectors`` (or of the whole vectors that fit, when ``k`` is
   narrower), and the block loop is hoisted above ``R``:
   ``out[i, kb:kb+B]`` then stays in registers while ``R`` (the sparse row) streams
   past, and is stored once per block instead of once per nonzero. Blocks that do not
   fill a whole register block run the plain loop.
+* **Code decisions** inside each nest (vector and sparse reductions, row blocks,
+  prefetching loops, store-once) and the thread policy: see :mod:`.decisions`. Every
+  machine parameter comes from the :class:`~.target.Target` passed in; the constants
+  below are cost-model weights, not machine facts.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 
 from sparsenn.formats import Format
 
 from ..notation import Assignment, Term
+from . import decisions
+from .cost import Factor, OperandInfo, estimate_positions, nest_cost
+from .decisions import PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from .target import Target
 
-__all__ = ["OperandInfo", "Nest", "Workspace", "Schedule", "schedule", "cache_sizes"]
+__all__ = ["OperandInfo", "Tile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
 
 EXHAUSTIVE_LIMIT = 6
-TRANSPOSE_COST = 4.0
 SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
-SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
-VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
-DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
-VECTOR_BYTES = 32  # AVX2; kernels are built with -march=native
-REGISTER_BLOCK_VECTORS = 4  # accumulators held in registers per register block
-# Wider blocks, when they tile the loop exactly: half the passes over the sparse rows
-# (SpMM k = 64..256: 10-30 % faster than 4 vectors; a partial block runs the plain loop).
-WIDE_REGISTER_BLOCK_VECTORS = 8
-
-
-@dataclass(frozen=True)
-class OperandInfo:
-    """What the scheduler knows about one operand."""
-
-    format: Format | None
-    shape: tuple[int, ...]
-    positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
-
-    @property
-    def nnz(self) -> int:
-        return self.positions[-1] if self.positions else math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -90,7 +74,8 @@ class Tile:
 
 @dataclass(frozen=True)
 class Nest:
-    """One term's loop nest, below the shared loops."""
+    """One term's loop nest, below the shared loops, with every code decision the
+    lowerer carries out (see :mod:`.decisions`)."""
 
     term: int
     order: tuple[str, ...]
@@ -98,6 +83,35 @@ class Nest:
     parallel: bool = False
     cost: float = 0.0
     register_block: Tile | None = None  # innermost output loop blocked into registers
+    vector_reduction: VectorReduction | None = None
+    sparse_reduction: SparseReduction | None = None
+    row_block: RowBlock | None = None
+    prefetch: tuple[PrefetchLoop, ...] = ()
+    stores_once: bool = False  # the first nest of a dense output stores with "="
+    stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
+
+    def describe(self, shared: tuple[str, ...] = ()) -> str:
+        parts = [f"term {self.term}: loop order {','.join(shared + self.order)}",
+                 "parallel" if self.parallel else "serial",
+                 "tiles: " + (", ".join(f"{t.index} by {t.size}" for t in self.tiles) or "none")]
+        if self.register_block:
+            parts.append(f"register block: {self.register_block.index} by {self.register_block.size}")
+        if self.vector_reduction:
+            v = self.vector_reduction
+            parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
+        if self.sparse_reduction:
+            r = self.sparse_reduction
+            parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators)")
+        if self.row_block:
+            b = self.row_block
+            parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")
+        for loop in self.prefetch:
+            parts.append(f"loop {loop.index} may prefetch factor(s) {list(loop.factors)}")
+        if self.stores_once:
+            parts.append("stores each output element once (=)")
+        if self.stores_once_anchors:
+            parts.append(f"stores each sampled value once if operand(s) {list(self.stores_once_anchors)} anchor the output")
+        return "; ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -121,140 +135,38 @@ class Schedule:
     cost: float
     reasons: tuple[str, ...] = field(default=(), compare=False)
     leaves: float = 0.0  # expected innermost iterations: an upper bound on output nonzeros
+    serial: bool = False  # too little work to wake a team of threads (target.parallel_min_work)
+    prefetch_policy: PrefetchPolicy | None = None
+    target: Target = field(default_factory=Target)
+
+    def describe(self) -> str:
+        """Every decision of the schedule, one per line."""
+        lines = [f"output: {'dense' if self.output_format is None else self.output_format}, "
+                 f"laid out as {','.join(self.output_order)}"]
+        if self.shared:
+            lines.append(f"shared output loops: {','.join(self.shared)}")
+        lines += [nest.describe(self.shared) for nest in self.nests]
+        if self.workspace is not None:
+            ws = self.workspace
+            lines.append(f"workspace: {ws.kind} over {','.join(ws.indices)} ({ws.size} entries)")
+        else:
+            lines.append("workspace: none")
+        lines += [f"transpose: term {t} factor {k} re-stored in mode order {order}" for (t, k), order in self.transposes]
+        threads = "one thread" if self.serial else "a team of threads"
+        lines.append(f"threads: {threads} (expected {self.leaves:.3g} innermost iterations, "
+                     f"team from {self.target.parallel_min_work})")
+        if self.prefetch_policy is not None and any(n.prefetch for n in self.nests):
+            p = self.prefetch_policy
+            lines.append(f"prefetch: {p.ahead_bytes} bytes ahead (at most {p.max_distance} positions, {p.max_bytes} "
+                         f"bytes per span) when gathered operands exceed {p.min_bytes} bytes; from {p.large_bytes} "
+                         f"bytes if the coordinate ahead is {p.min_jump}+ away, else for fibers over half the range")
+        return "\n".join(lines)
 
     def factor_mode_order(self, term: int, factor: int) -> tuple[int, ...] | None:
         for key, order in self.transposes:
             if key == (term, factor):
                 return order
         return None
-
-
-@lru_cache(maxsize=1)
-def cache_sizes() -> tuple[int, int]:
-    """(L2 per core, last-level cache) in bytes, read from sysfs."""
-    sizes = {}
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    try:
-        for entry in os.listdir(base):
-            try:
-                with open(f"{base}/{entry}/level") as f:
-                    level = int(f.read())
-                with open(f"{base}/{entry}/type") as f:
-                    kind = f.read().strip()
-                with open(f"{base}/{entry}/size") as f:
-                    text = f.read().strip()
-            except OSError:
-                continue
-            if kind == "Instruction":
-                continue
-            scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
-            sizes[level] = int(text.rstrip("KM")) * scale
-    except OSError:
-        pass
-    l2 = sizes.get(2, 1 << 20)
-    return l2, sizes.get(3, max(l2, 8 << 20))
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-@dataclass
-class _Factor:
-    """A factor's storage levels as (index, letter), in the order the nest reads them."""
-
-    operand: int
-    sparse: bool
-    levels: list[tuple[str, str]]
-    fibers: list[float]
-    natural: bool
-    nnz: int
-    storage: float = 0.0  # index entries of the (possibly re-stored) levels
-
-    @property
-    def transpose_cost(self) -> float:
-        if self.natural:
-            return 0.0
-        if not self.sparse:
-            return DENSE_COPY_COST * self.nnz
-        return TRANSPOSE_COST * (self.nnz + self.storage)
-
-
-def _estimate_positions(letters: str, sizes: Sequence[int], nnz: int) -> list[float]:
-    positions, parent, full = [], 1.0, 1.0
-    for letter, size in zip(letters, sizes):
-        full *= max(size, 1)
-        if letter == "d":
-            parent = parent * size
-        elif letter == "c":
-            parent = float(min(nnz, full))
-        positions.append(parent)
-    return positions
-
-
-def _factor(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> _Factor:
-    """A factor read in loop order. A dense operand is laid out in loop order too (a
-    copy when that differs from its own), so its innermost accesses are unit-stride."""
-    if info.format is None:
-        layout = sorted(access.indices, key=lambda i: loop_rank[i])
-        return _Factor(access.operand, False, [(i, "d") for i in layout], [], layout == list(access.indices), info.nnz)
-    fmt = info.format
-    natural = [access.indices[m] for m in fmt.mode_order]
-    wanted = sorted(natural, key=lambda i: loop_rank[i])
-    letters = fmt.letters
-    if wanted == natural:
-        positions = list(info.positions)
-    else:
-        sizes = [info.shape[access.indices.index(i)] for i in wanted]
-        positions = _estimate_positions(letters, sizes, info.nnz)
-    fibers, parent, storage = [], 1.0, 0.0
-    for letter, p in zip(letters, positions):
-        fibers.append(p / parent if parent > 0 else 0.0)
-        storage += (parent + 1 + p) if letter == "c" else p if letter == "s" else 0.0
-        parent = p
-    return _Factor(
-        access.operand, True, list(zip(wanted, letters)), fibers, wanted == natural, info.nnz, storage
-    )
-
-
-def _nest_cost(
-    term: Term,
-    order: Sequence[str],
-    infos: Sequence[OperandInfo],
-    dims: dict[str, int],
-    output: tuple[str, ...] = (),
-) -> tuple[float, float, list[_Factor]]:
-    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
-
-    ``output`` (dense outputs) counts toward the innermost loop's unit stride."""
-    rank = {i: n for n, i in enumerate(order)}
-    factors = [_factor(a, infos[a.operand], rank, term) for a in term.factors]
-    depth = [0] * len(factors)
-    cost, iters = 0.0, 1.0
-    if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
-        cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
-    for position, index in enumerate(order):
-        n = float(max(dims[index], 1))
-        fibers = []
-        for k, f in enumerate(factors):
-            if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
-                if f.levels[depth[k]][1] != "d":
-                    fibers.append(f.fibers[depth[k]])
-                depth[k] += 1
-        if fibers:
-            trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
-            work = SPARSE_ITERATION_COST * sum(fibers)
-        else:
-            trip = work = n
-            if position == len(order) - 1:
-                work = n / VECTOR_WIDTH
-        cost += iters * max(work, 1.0)
-        iters *= trip
-    innermost_dense = bool(order) and not any(
-        f.sparse and f.levels[-1][0] == order[-1] and f.levels[-1][1] != "d" for f in factors
-    )
-    cost += iters * len(term.factors) / (VECTOR_WIDTH if innermost_dense else 1.0)
-    cost += sum(f.transpose_cost for f in factors)
-    return cost, iters, factors
 
 
 def _orders(indices: Sequence[str], cost_of) -> list[tuple[str, ...]]:
@@ -277,22 +189,23 @@ def _tiles(
     term: Term,
     output: tuple[str, ...],
     order: Sequence[str],
-    factors: list[_Factor],
+    factors: list[Factor],
     infos: Sequence[OperandInfo],
     dims: dict[str, int],
     itemsize: int,
+    target: Target,
 ) -> tuple[Tile, ...]:
     """Algorithm 3: tile dense, reused loops that are not parents of a sparse loop."""
     all_indices = set(order)
     accesses = [set(a.indices) for a in term.factors] + [set(output)]
     working = set().union(*(s for s in accesses if s < all_indices))
-    sparse_indices = {i for f in factors for i, letter in f.levels if letter != "d"}
+    sparse_indices = {i for f in factors for i, level in f.levels if not level.locatable}
     working -= sparse_indices
     last_sparse = max((order.index(i) for i in sparse_indices if i in order), default=-1)
     # A tiled reduction index would split every sum into one partial sum per tile, each
     # added to the output in its own pass over the sparse operand: only output indices.
     working = {i for i in working if order.index(i) > last_sparse and i in output}
-    l2, _ = cache_sizes()
+    l2 = target.l2_bytes
     tiles = []
     for index in sorted(working, key=order.index):
         # Data reused across the other loops: each dense operand holding `index`.
@@ -311,8 +224,8 @@ def _tiles(
 
 
 def _register_block(
-    output_order: tuple[str, ...], order: Sequence[str], factors: list[_Factor],
-    tiles: Sequence[Tile], dims: dict[str, int], itemsize: int,
+    output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
+    tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
 ) -> Tile | None:
     """A register block for the innermost loop (see the module doc), or None.
 
@@ -330,22 +243,22 @@ def _register_block(
         return None
     spans = [dims[k], *(t.size for t in tiles if t.index == k)]  # the extent and its tile
     span = min(spans)
-    wide = WIDE_REGISTER_BLOCK_VECTORS * VECTOR_BYTES // itemsize
+    lanes = target.lanes(itemsize)
+    wide = target.wide_register_block_vectors * lanes
     if span >= wide and all(s % wide == 0 for s in spans):
         return Tile(k, wide)
-    lanes = VECTOR_BYTES // itemsize
     if span < lanes:
         return None
     # Narrower extents (k = 8 .. 31 floats) take as many whole vectors as fit: left to a
     # plain loop, their k loop would run scalar (the vectoriser's cost model skips loops
     # that need a remainder).
-    return Tile(k, min(REGISTER_BLOCK_VECTORS * lanes, span // lanes * lanes))
+    return Tile(k, min(target.register_block_vectors * lanes, span // lanes * lanes))
 
 
 # ----------------------------------------------------------------------------- search
 
 
-def _transposes(t: int, factors: list[_Factor], term: Term) -> list:
+def _transposes(t: int, factors: list[Factor], term: Term) -> list:
     """((term, factor), mode order) for each factor read in other than its own order."""
     out = []
     for k, (f, access) in enumerate(zip(factors, term.factors)):
@@ -363,19 +276,52 @@ def schedule(
     infos: Sequence[OperandInfo],
     output_format: Format | None,
     itemsize: int = 4,
+    target: Target | None = None,
 ) -> Schedule:
-    """Choose loop orders, workspace and tiles for ``assignment`` (see module doc)."""
+    """Choose loop orders, workspace, tiles and every code decision for ``assignment``
+    on ``target`` (the host by default; see module doc)."""
+    target = Target.host() if target is None else target
     dims: dict[str, int] = {}
     for term in assignment.terms:
         for access in term.factors:
             for m, index in enumerate(access.indices):
                 dims[index] = infos[access.operand].shape[m]
     if output_format is None:
-        return _schedule_dense(assignment, infos, dims, itemsize)
-    return _schedule_sparse(assignment, infos, dims, output_format)
+        sched = _schedule_dense(assignment, infos, dims, itemsize, target)
+    else:
+        sched = _schedule_sparse(assignment, infos, dims, output_format, target)
+    return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
+                   target=target)
 
 
-def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
+def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target) -> Nest:
+    """``nest`` (the ``n``-th) of a dense output with its code decisions."""
+    output = assignment.output
+    order, f = nest.order, [x.nest_factor() for x in factors]
+    block = nest.register_block
+    bounded = {t.index for t in nest.tiles if t.index != order[0]}
+    fields = {"prefetch": decisions.prefetch_loops(
+        order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1))}
+    if block is None:
+        fields |= {
+            "vector_reduction": decisions.vector_reduction(order, output, f, target),
+            "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
+            "row_block": decisions.row_block(order, output, f, target),
+        }
+    if n == 0:
+        tiles = [t.index for t in nest.tiles]
+        fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None, None)
+        term = assignment.terms[nest.term]
+        fields["stores_once_anchors"] = tuple(sorted({
+            a.operand for k, a in enumerate(term.factors)
+            if a.indices == output and f[k].sparse
+            and k == next(j for j, b in enumerate(term.factors) if b.operand == a.operand and b.indices == output)
+            and decisions.stores_once(order, output, f, tiles, block is not None, k)
+        }))
+    return replace(nest, **fields)
+
+
+def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
     nest_factors = []
     output_order, costliest = assignment.output, -1.0
@@ -383,16 +329,16 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = _nest_cost(term, order, infos, dims, assignment.output)[0]
+            cost = nest_cost(term, order, infos, dims, assignment.output)[0]
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        _, leaves, factors = _nest_cost(term, best, infos, dims, assignment.output)
+        _, leaves, factors = nest_cost(term, best, infos, dims, assignment.output)
         leaf_total += leaves
-        tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize)
+        tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best]))
         nest_factors.append(factors)
@@ -403,24 +349,26 @@ def _schedule_dense(assignment, infos, dims, itemsize) -> Schedule:
             output_order, costliest = tuple(sorted(assignment.output, key=best.index)), costs[best]
     # Register blocks need the output's layout, known once every nest is chosen.
     nests = [
-        replace(nest, register_block=_register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize))
-        for nest, factors in zip(nests, nest_factors)
+        _dense_decisions(replace(nest, register_block=_register_block(
+            output_order, nest.order, factors, nest.tiles, dims, itemsize, target)), n, factors, assignment, target)
+        for n, (nest, factors) in enumerate(zip(nests, nest_factors))
     ]
+    wide = target.wide_register_block_vectors
     for nest in nests:
         if nest.register_block is not None:
             block = nest.register_block
-            vectors = block.size * itemsize // VECTOR_BYTES
-            why = "tile" if vectors == WIDE_REGISTER_BLOCK_VECTORS else "do not tile"
+            vectors = block.size // target.lanes(itemsize)
+            why = "tile" if vectors == wide else "do not tile"
             reasons.append(
                 f"term {nest.term}: register block of {block.size} over {block.index} ({vectors} vectors: "
-                f"{WIDE_REGISTER_BLOCK_VECTORS}-vector blocks {why} {block.index} exactly)"
+                f"{wide}-vector blocks {why} {block.index} exactly)"
             )
     return Schedule(
         None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
 
 
-def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule:
+def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Target) -> Schedule:
     out_order = tuple(assignment.output[m] for m in output_format.mode_order)
     num_dense = output_format.dense_prefix
     best = None
@@ -431,11 +379,12 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format) -> Schedule
         leaf_total = 0.0
         for t, term in enumerate(assignment.terms):
             local = [i for i in _nest_indices(term, assignment.output) if i not in shared]
-            candidates = _orders(local, lambda o, term=term: _nest_cost(term, shared + o, infos, dims)[0])
-            costs = {o: _nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
+            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims)[0])
+            costs = {o: nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
             order = min(candidates, key=lambda o: costs[o])
-            _, leaves, factors = _nest_cost(term, shared + order, infos, dims)
-            nests.append(Nest(t, order, (), p > 0, costs[order]))
+            _, leaves, factors = nest_cost(term, shared + order, infos, dims)
+            prefetch = decisions.prefetch_loops(order, [f.nest_factor() for f in factors], set(), None, 0)
+            nests.append(Nest(t, order, (), p > 0, costs[order], prefetch=prefetch))
             transposes += _transposes(t, factors, term)
             reasons.append(_explain_choice(t, shared + order, {shared + o: c for o, c in costs.items()}, factors, p > 0))
             total += costs[order]
@@ -471,7 +420,7 @@ def _explain_choice(t, best, costs, factors, parallel) -> str:
     ranked = sorted(costs.items(), key=lambda kv: kv[1])
     runner = f"; next best {','.join(ranked[1][0])} (cost {ranked[1][1]:.3g})" if len(ranked) > 1 else ""
     filters = [
-        f"{i}: {sum(1 for f in factors if (i, 'c') in f.levels or (i, 's') in f.levels)} sparse level(s)"
+        f"{i}: {sum(1 for f in factors if f.nest_factor().filters(i))} sparse level(s)"
         for i in best
     ]
     moved = [f.operand for f in factors if f.sparse and not f.natural]

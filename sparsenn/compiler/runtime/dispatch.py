@@ -36,7 +36,7 @@ from ..backend.codegen import generate_source, slot_arrays
 from ..equation import broadcast_size_one, normalise
 from ..plan.contract import Step, best_path
 from ..plan.infer import infer_output_format, refine_by_fill
-from ..lower.nest import LoweredKernel, lower
+from ..lower.kernel import LoweredKernel, lower
 from ..notation import Access, Assignment, Term, parse_einsum, parse_expression
 from ..plan.schedule import OperandInfo, Schedule, schedule
 

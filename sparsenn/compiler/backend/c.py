@@ -1,0 +1,215 @@
+"""The C++ printer: loop IR (:mod:`..loops.ir`) to the statements of a kernel function.
+
+This is the only place that spells the kernel's array names (``s0_crd1``, ``d2``,
+``out``), the runtime helpers (``sn_load``, ``sn_hsum``, ``sn_prefetch``,
+``sn_balanced_bound``) and the pragmas; the prelude and
+entry points around the printed statements come from :mod:`.codegen`.
+"""
+
+from __future__ import annotations
+
+from ..loops import ir
+
+__all__ = ["print_block", "print_expr", "array_name"]
+
+_TYPES = {"int": "int", "index": "int64_t", "I": "I", "V": "V", "VV": "VV", "bool": "bool", "size": "size_t"}
+
+# Binary operators by precedence (higher binds tighter).
+_PRECEDENCE = {"*": 6, "/": 6, "%": 6, "+": 5, "-": 5, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 3, "!=": 3,
+               "&&": 2, "||": 1}
+_ATOM = 10
+
+_EFFECTS = {"hsums": "sn_hsums({0}, {1});"}
+
+_CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound"}
+
+
+def array_name(array: ir.Array) -> str:
+    """The C++ name of a kernel array."""
+    if array.kind in ("pos", "crd"):
+        return f"s{array.slot}_{array.kind}{array.level}"
+    if array.kind == "val":
+        return f"s{array.slot}_val"
+    if array.kind == "dense":
+        return f"d{array.slot}"
+    if array.kind == "out":
+        return "out"
+    if array.kind == "dims":
+        return "dims"
+    raise ValueError(f"unknown array kind {array.kind!r}")
+
+
+def _arg(arg: ir.Expr | ir.Array) -> str:
+    return array_name(arg) if isinstance(arg, ir.Array) else print_expr(arg)
+
+
+def _expr(e: ir.Expr) -> tuple[str, int]:
+    """(text, precedence) of ``e``."""
+    if isinstance(e, ir.Var):
+        return e.name, _ATOM
+    if isinstance(e, ir.Const):
+        if isinstance(e.value, float):
+            return f"V({e.value!r})", _ATOM
+        return str(e.value), _ATOM if e.value >= 0 else 7
+    if isinstance(e, ir.Lanes):
+        return "SN_W", _ATOM
+    if isinstance(e, ir.VectorZero):
+        return "VV{}", _ATOM
+    if isinstance(e, ir.Load):
+        return f"{array_name(e.array)}[{print_expr(e.index)}]", _ATOM
+    if isinstance(e, ir.Elem):
+        return e.base.name + "".join(f"[{print_expr(i)}]" for i in e.index), _ATOM
+    if isinstance(e, ir.Address):
+        return _binary("+", ir.Var(array_name(e.array)), e.offset)
+    if isinstance(e, ir.Bin):
+        return _binary(e.op, e.left, e.right)
+    if isinstance(e, ir.Select):
+        return f"{_wrap(e.cond, 1)} ? {print_expr(e.then)} : {print_expr(e.other)}", 0
+    if isinstance(e, ir.Cast):
+        return f"({_TYPES[e.type]}){_wrap(e.operand, _ATOM)}", 7
+    if isinstance(e, ir.VectorLoad):
+        return f"sn_load({_expr(ir.Address(e.array, e.offset))[0]})", _ATOM
+    if isinstance(e, ir.Call):
+        return _call(e), _ATOM
+    raise TypeError(f"not an expression: {e!r}")
+
+
+def _call(e: ir.Call) -> str:
+    args = [_arg(a) for a in e.args]
+    if e.name in ("min", "max"):
+        if len(args) == 2:
+            return f"std::{e.name}<int64_t>({args[0]}, {args[1]})"
+        return f"std::{e.name}<int64_t>({{{', '.join(args)}}})"
+    if e.name == "lower_bound":
+        crd, lo, hi, value = args
+        return f"std::lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
+    if e.name == "value_size":
+        return "(int64_t)sizeof(V)"
+    return f"{_CALLS[e.name]}({', '.join(args)})"
+
+
+def _wrap(e: ir.Expr, at_least: int) -> str:
+    text, prec = _expr(e)
+    return text if prec >= at_least else f"({text})"
+
+
+def _binary(op: str, left: ir.Expr, right: ir.Expr) -> tuple[str, int]:
+    prec = _PRECEDENCE[op]
+    # Left-associative: an equal-precedence right operand keeps its parentheses (so a
+    # floating-point product keeps its evaluation order).
+    return f"{_wrap(left, prec)} {op} {_wrap(right, prec + 1)}", prec
+
+
+def print_expr(e: ir.Expr) -> str:
+    return _expr(e)[0]
+
+
+def _decl(d: ir.Decl) -> str:
+    shape = "".join(f"[{n if isinstance(n, int) else print_expr(n)}]" for n in d.shape)
+    text = f"{'const ' if d.const else ''}{_TYPES[d.type]} {d.var.name}{shape}"
+    if d.init is None:
+        return text
+    if d.init == "zero":
+        return text + " = {}"
+    if isinstance(d.init, tuple):
+        return text + f" = {{{', '.join(print_expr(x) for x in d.init)}}}"
+    return text + f" = {print_expr(d.init)}"
+
+
+def _simple(s: ir.Stmt) -> str:
+    """A statement without its semicolon (for a for-loop's init and step)."""
+    if isinstance(s, ir.Decl):
+        return _decl(s)
+    if isinstance(s, ir.Assign):
+        return f"{print_expr(s.target)} {s.op} {print_expr(s.value)}"
+    if isinstance(s, ir.Incr):
+        return f"++{s.var.name}"
+    raise TypeError(f"not a simple statement: {s!r}")
+
+
+_PRAGMAS = {
+    "simd": "#pragma omp simd",
+    "unroll": "#pragma GCC unroll 16",
+    "omp_for": "#pragma omp for schedule(dynamic, 1)",
+}
+
+
+class _Printer:
+    def __init__(self, depth: int):
+        self.lines: list[str] = []
+        self.depth = depth
+
+    def line(self, text: str) -> None:
+        self.lines += ["  " * self.depth + part for part in text.split("\n")]
+
+    def open(self, text: str) -> None:
+        self.line(f"{text} {{" if text else "{")
+        self.depth += 1
+
+    def close(self, text: str = "}") -> None:
+        self.depth -= 1
+        self.line(text)
+
+    def body(self, block: ir.Block) -> None:
+        for s in block.stmts:
+            self.stmt(s)
+
+    def stmt(self, s: ir.Stmt) -> None:
+        if isinstance(s, (ir.Decl, ir.Assign, ir.Incr)):
+            self.line(_simple(s) + ";")
+        elif isinstance(s, ir.VectorStore):
+            self.line(f"sn_store({_expr(ir.Address(s.array, s.offset))[0]}, {print_expr(s.value)});")
+        elif isinstance(s, ir.Prefetch):
+            self.line(f"sn_prefetch({_expr(ir.Address(s.array, s.offset))[0]}, {print_expr(s.size)});")
+        elif isinstance(s, ir.Effect):
+            self.line(_EFFECTS[s.name].format(*(_arg(a) for a in s.args)))
+        elif isinstance(s, ir.Block):
+            if s.scoped:
+                self.open("")
+                self.body(s)
+                self.close()
+            else:
+                self.body(s)
+        elif isinstance(s, ir.If):
+            self.open(f"if ({print_expr(s.cond)})")
+            self.body(s.then)
+            if s.other is not None and s.other.stmts:
+                self.close("} else {")
+                self.depth += 1
+                self.body(s.other)
+            self.close()
+        elif isinstance(s, ir.For):
+            if s.pragma == "simd_reduction":
+                self.line(f"#pragma omp simd reduction(+:{s.reduction.name})")
+            elif s.pragma is not None:
+                self.line(_PRAGMAS[s.pragma])
+            init = "" if s.init is None else _simple(s.init)
+            self.open(f"for ({init}; {print_expr(s.cond)}; {_simple(s.step)})")
+            self.body(s.body)
+            self.close()
+        elif isinstance(s, ir.While):
+            self.open(f"while ({print_expr(s.cond)})")
+            self.body(s.body)
+            self.close()
+        elif isinstance(s, ir.Parallel):
+            self.parallel(s)
+        else:
+            raise TypeError(f"not a statement: {s!r}")
+
+    def parallel(self, s: ir.Parallel) -> None:
+        self.open("if (nthreads > 1)")
+        self.line("#pragma omp parallel num_threads(nthreads)")
+        self.open("")
+        self.body(s.body)
+        self.close()
+        self.close("} else {")
+        self.depth += 1
+        self.body(s.body)  # one thread: the same statements, no team
+        self.close()
+
+
+def print_block(block: ir.Block, depth: int = 2) -> str:
+    """The C++ statements of ``block`` (its own braces left out), indented ``depth``."""
+    printer = _Printer(depth)
+    printer.body(block)
+    return "\n".join(printer.lines)

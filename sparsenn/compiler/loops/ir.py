@@ -1,0 +1,276 @@
+"""The loop IR: frozen nodes for the C++ kernels the lowerer builds.
+
+Expressions are values (``Var``, ``Const``, ``Load`` of a typed array, ``Bin``,
+``Call``...); statements are declarations, assignments, stores, loops, conditionals and
+blocks. Arrays are named by *what* they are (``Array("crd", slot=0, level=1)``, the
+output, a workspace), never by their C++ spelling: :mod:`..backend.c` is the only place
+that spells them, and the helpers and pragmas. Local variables carry the names the
+lowerer chose (``i0``, ``q3``), unique within a kernel.
+
+Scalar types: ``"int"`` (a C ``int`` counter), ``"index"`` (``int64_t``), ``"I"`` (the
+kernel's stored index type), ``"V"`` (its value type), ``"VV"`` (a SIMD vector of V),
+``"bool"``, ``"size"`` (``size_t``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
+    "Call", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect", "If", "For",
+    "While", "Block", "Parallel", "add", "sub", "mul", "lt", "le", "eq",
+    "and_", "min_", "max_", "c",
+]
+
+
+class Expr:
+    """An expression node (frozen dataclasses below)."""
+
+
+class Stmt:
+    """A statement node (frozen dataclasses below)."""
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    name: str
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    """An integer or a floating-point constant (printed as ``V(x)``)."""
+
+    value: int | float
+
+
+@dataclass(frozen=True)
+class Lanes(Expr):
+    """The number of V lanes of a SIMD vector (a compile-time constant of the kernel)."""
+
+
+@dataclass(frozen=True)
+class VectorZero(Expr):
+    """A SIMD vector of zeros."""
+
+
+@dataclass(frozen=True)
+class Array:
+    """A kernel array: an operand slot's ``pos``/``crd`` of storage level ``level``,
+    its ``val``ues, a dense operand (``dense``), the dense output (``out``), or the
+    extents of the index variables (``dims``)."""
+
+    kind: str
+    slot: int = -1
+    level: int = -1
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    array: Array
+    index: Expr
+
+
+@dataclass(frozen=True)
+class Address(Expr):
+    """``array + offset``: a pointer into an array."""
+
+    array: Array
+    offset: Expr
+
+
+@dataclass(frozen=True)
+class Bin(Expr):
+    """``left op right`` for op in ``+ - * / % < <= > >= == != && ||``."""
+
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    """``cond ? then : other``."""
+
+    cond: Expr
+    then: Expr
+    other: Expr
+
+
+@dataclass(frozen=True)
+class Cast(Expr):
+    type: str
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    """A pure helper: ``min``/``max`` (any number of arguments, int64), ``abs``,
+    ``lower_bound(array, lo, hi, value)`` (the first position in ``[lo, hi)`` whose
+    coordinate is not below ``value``), ``hsum(vector)`` (sum of its lanes),
+    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V)."""
+
+    name: str
+    args: tuple[Expr | Array, ...]
+
+
+@dataclass(frozen=True)
+class VectorLoad(Expr):
+    """The SIMD vector of ``array`` starting at ``offset``."""
+
+    array: Array
+    offset: Expr
+
+
+@dataclass(frozen=True)
+class Elem(Expr):
+    """Element ``index`` of a local array variable (``index`` may be a tuple)."""
+
+    base: Var
+    index: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Decl(Stmt):
+    """``type var[shape] = init``: ``init`` an Expr, a tuple of them (an initialiser
+    list), ``"zero"`` (``{}``) or None (uninitialised)."""
+
+    var: Var
+    type: str
+    init: Expr | tuple[Expr, ...] | str | None = None
+    const: bool = False
+    shape: tuple[int | Expr, ...] = ()
+
+
+@dataclass(frozen=True)
+class Assign(Stmt):
+    """``target op value`` with op ``=`` or ``+=``; target a Var, Elem or Load."""
+
+    target: Expr
+    value: Expr
+    op: str = "="
+
+
+@dataclass(frozen=True)
+class Incr(Stmt):
+    """``++var``."""
+
+    var: Var
+
+
+@dataclass(frozen=True)
+class VectorStore(Stmt):
+    array: Array
+    offset: Expr
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Prefetch(Stmt):
+    """Bring ``size`` bytes from ``array + offset`` towards the core."""
+
+    array: Array
+    offset: Expr
+    size: Expr
+
+
+@dataclass(frozen=True)
+class Effect(Stmt):
+    """A runtime call for its effect: ``hsums(acc, out)`` (``out[r]`` = the lanes of
+    ``acc[r][:]`` summed, by a transpose-and-add)."""
+
+    name: str
+    args: tuple[Expr | Array, ...] = ()
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    cond: Expr
+    then: Block
+    other: Block | None = None
+
+
+@dataclass(frozen=True)
+class For(Stmt):
+    """``for (init; cond; step) body``. ``init`` None continues a declared variable.
+    ``pragma``: ``simd``, ``simd_reduction`` (of ``reduction``), ``unroll`` (GCC unroll
+    16), ``omp_for`` (a dynamic, one-iteration OpenMP work-sharing loop) or None."""
+
+    init: Stmt | None
+    cond: Expr
+    step: Stmt
+    body: Block
+    pragma: str | None = None
+    reduction: Var | None = None
+
+
+@dataclass(frozen=True)
+class While(Stmt):
+    cond: Expr
+    body: Block
+
+
+@dataclass(frozen=True)
+class Block(Stmt):
+    """Statements in order; ``scoped`` prints braces (a C++ scope)."""
+
+    stmts: tuple[Stmt, ...] = ()
+    scoped: bool = True
+
+
+@dataclass(frozen=True)
+class Parallel(Stmt):
+    """``body`` run by a team of ``nthreads`` OpenMP threads when ``nthreads > 1``;
+    one thread runs the same body without a team (its ``omp for`` then runs every
+    iteration): starting a one-thread team costs more than a small kernel."""
+
+    body: Block
+
+
+# -- builders: the lowerer writes arithmetic through these, with plain ints as constants
+
+
+def c(value: int | float | Expr) -> Expr:
+    return value if isinstance(value, Expr) else Const(value)
+
+
+def add(a, b) -> Expr:
+    return Bin("+", c(a), c(b))
+
+
+def sub(a, b) -> Expr:
+    return Bin("-", c(a), c(b))
+
+
+def mul(a, b) -> Expr:
+    return Bin("*", c(a), c(b))
+
+
+def lt(a, b) -> Expr:
+    return Bin("<", c(a), c(b))
+
+
+def le(a, b) -> Expr:
+    return Bin("<=", c(a), c(b))
+
+
+def eq(a, b) -> Expr:
+    return Bin("==", c(a), c(b))
+
+
+def and_(*terms: Expr) -> Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        out = Bin("&&", out, t)
+    return out
+
+
+
+
+def min_(*args) -> Expr:
+    return Call("min", tuple(c(a) for a in args))
+
+
+def max_(*args) -> Expr:
+    return Call("max", tuple(c(a) for a in args))
+

@@ -1,0 +1,114 @@
+"""Simplification of loop IR: constant folding and removal of unused declarations.
+
+* **Folding** (integers only; floating-point expressions keep their operations, so the
+  kernels round as written): ``a op b`` of two constants, ``x + 0``, ``0 + x``,
+  ``x - 0``, ``x * 1``, ``1 * x``, ``x * 0``, ``0 * x`` (every IR expression is pure),
+  so that locating a dense level under the root, ``0 * N + i``, is ``i``.
+* **Unused declarations**: a declaration whose variable no other node mentions is
+  dropped (its initialiser is pure), repeatedly, since dropping one can leave another
+  unused. Names are unique within a kernel, so one count over the kernel suffices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+from . import ir
+
+__all__ = ["simplify", "fold"]
+
+_INT_OPS = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
+
+
+def _int(e) -> int | None:
+    return e.value if isinstance(e, ir.Const) and isinstance(e.value, int) and not isinstance(e.value, bool) else None
+
+
+def _fold_bin(e: ir.Bin) -> ir.Expr:
+    a, b = _int(e.left), _int(e.right)
+    if a is not None and b is not None and e.op in _INT_OPS:
+        return ir.Const(_INT_OPS[e.op](a, b))
+    if e.op == "+":
+        if a == 0:
+            return e.right
+        if b == 0:
+            return e.left
+    elif e.op == "-" and b == 0:
+        return e.left
+    elif e.op == "*":
+        if a == 1:
+            return e.right
+        if b == 1:
+            return e.left
+        if a == 0 or b == 0:
+            return ir.Const(0)
+    return e
+
+
+def fold(node):
+    """``node`` with every integer constant sub-expression folded (see module doc)."""
+    if isinstance(node, tuple):
+        return tuple(fold(x) for x in node)
+    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+        return node
+    changes = {}
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        new = fold(value)
+        if new is not value:
+            changes[f.name] = new
+    if changes:
+        node = dataclasses.replace(node, **changes)
+    if isinstance(node, ir.Bin):
+        return _fold_bin(node)
+    if isinstance(node, ir.Cast) and isinstance(node.operand, ir.Const) and node.type in ("index", "I", "int"):
+        return node.operand
+    return node
+
+
+def _count_uses(node, counts: Counter) -> None:
+    if isinstance(node, tuple):
+        for x in node:
+            _count_uses(x, counts)
+        return
+    if isinstance(node, ir.Var):
+        counts[node.name] += 1
+        return
+    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+        return
+    for f in dataclasses.fields(node):
+        if isinstance(node, ir.Decl) and f.name == "var":
+            continue
+        _count_uses(getattr(node, f.name), counts)
+
+
+def _drop_unused(node, used: Counter):
+    if isinstance(node, ir.Block):
+        kept = tuple(
+            _drop_unused(s, used) for s in node.stmts if not (isinstance(s, ir.Decl) and not used[s.var.name])
+        )
+        return dataclasses.replace(node, stmts=kept)
+    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel)):
+        changes = {
+            f.name: _drop_unused(getattr(node, f.name), used)
+            for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
+        }
+        return dataclasses.replace(node, **changes)
+    return node
+
+
+def simplify(block: ir.Block) -> ir.Block:
+    """Fold constants, then drop unused declarations until none is left."""
+    block = fold(block)
+    while True:
+        used: Counter = Counter()
+        _count_uses(block, used)
+        pruned = _drop_unused(block, used)
+        if pruned == block:
+            return block
+        block = pruned

@@ -1,0 +1,123 @@
+"""The lowering context: names, operand slots, and the statement builder.
+
+:class:`Lowering` builds loop IR like a compiler's IR builder: ``emit`` appends a
+statement at the current point and ``block(fn)`` collects what ``fn`` emits into a
+nested :class:`~..loops.ir.Block`. It also owns the names (index variable ``i<n>`` and
+extent ``N<n>`` of the ``n``-th index, fresh locals) and the slots (each operand as the
+kernel reads it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from sparsenn.formats import Format
+
+from ..loops import ir
+from ..notation import Assignment
+from ..plan.schedule import Schedule
+
+__all__ = ["Slot", "Lowering"]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One operand as the kernel reads it: a sparse operand stored as is or re-stored
+    in another mode order (``fmt``), or a dense tensor (``fmt is None``), contiguous
+    with its modes permuted by ``layout`` when the schedule asked for it."""
+
+    operand: int
+    fmt: Format | None
+    layout: tuple[int, ...] | None = None
+
+
+class Lowering:
+    def __init__(self, assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]):
+        self.a = assignment
+        self.s = sched
+        self.formats = formats
+        self.indices = tuple(sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)))
+        self.slots: list[Slot] = []
+        self._counter = 0
+        self._stack: list[list[ir.Stmt]] = [[]]
+
+    # -- building -------------------------------------------------------------
+    def emit(self, *stmts: ir.Stmt) -> None:
+        self._stack[-1].extend(stmts)
+
+    def block(self, fill: Callable[[], None], scoped: bool = True) -> ir.Block:
+        """The statements ``fill`` emits, as a block."""
+        self._stack.append([])
+        fill()
+        return ir.Block(tuple(self._stack.pop()), scoped)
+
+    def fresh(self, prefix: str) -> ir.Var:
+        self._counter += 1
+        return ir.Var(f"{prefix}{self._counter}")
+
+    def take(self) -> ir.Block:
+        """Everything emitted at the top level."""
+        return ir.Block(tuple(self._stack[0]), scoped=False)
+
+    # -- names ---------------------------------------------------------------
+    def var(self, index: str) -> ir.Var:
+        return ir.Var(f"i{self.indices.index(index)}")
+
+    def dim(self, index: str) -> ir.Var:
+        """The extent of ``index`` (declared from ``dims``)."""
+        return ir.Var(f"N{self.indices.index(index)}")
+
+    def slot_of(self, slot: Slot) -> int:
+        if slot not in self.slots:
+            self.slots.append(slot)
+        return self.slots.index(slot)
+
+    def declare_dims(self) -> None:
+        for n, _ in enumerate(self.indices):
+            self.emit(ir.Decl(ir.Var(f"N{n}"), "index", ir.Load(ir.Array("dims"), ir.Const(n)), const=True))
+
+    # -- values ----------------------------------------------------------------
+    def offset(self, indices: Sequence[str], at: dict[str, ir.Expr] | None = None) -> ir.Expr:
+        """Row-major linear offset of ``indices`` (Horner form), at the index variables'
+        current values or at the expressions ``at`` gives."""
+        if not indices:
+            return ir.Const(0)
+        value = (at or {}).get
+        expr = value(indices[0], self.var(indices[0]))
+        for index in indices[1:]:
+            expr = ir.add(ir.mul(expr, self.dim(index)), value(index, self.var(index)))
+        return expr
+
+    def product(self, states, only: Sequence[int] | None = None, at: dict[str, ir.Expr] | None = None) -> ir.Expr:
+        """The product of the factors' values at their current positions (of those
+        numbered in ``only``, if given; dense operands at ``at``, see :meth:`offset`)."""
+        return product_of(self.values(states, only, at))
+
+    def values(self, states, only: Sequence[int] | None = None, at: dict[str, ir.Expr] | None = None) -> list:
+        """The factors' values that :meth:`product` multiplies, in order."""
+        parts = []
+        for k, st in enumerate(states):
+            if only is not None and k not in only:
+                continue
+            if st.sparse:
+                parts.append(ir.Load(ir.Array("val", st.slot), st.pos))
+            else:
+                parts.append(ir.Load(ir.Array("dense", st.slot), self.offset(st.dense_indices, at)))
+        return parts
+
+    def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None) -> ir.Expr:
+        """SIMD vector of a unit-stride dense factor ``lane`` elements past its current
+        position (or past ``at``)."""
+        lane = ir.mul(ir.Var("v"), ir.Lanes()) if lane is None else lane
+        return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.offset(st.dense_indices, at), lane))
+
+
+def product_of(parts: Sequence[ir.Expr]) -> ir.Expr:
+    """``parts[0] * parts[1] * ...`` evaluated left to right; 1 if empty."""
+    if not parts:
+        return ir.Const(1.0)
+    out = parts[0]
+    for p in parts[1:]:
+        out = ir.mul(out, p)
+    return out

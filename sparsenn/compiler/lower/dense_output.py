@@ -1,0 +1,185 @@
+"""Dense and sampled outputs: each term's nest adds into ``out``.
+
+The output is a dense array in the schedule's output order, or, for a *sampled*
+output, the values of an anchor operand's pattern (written at the anchor's
+positions). Trailing reduction loops sum into a scalar that is stored once after them,
+scaled by the factors constant across them. The first nest stores with ``=`` when the
+schedule says it stores each element once. A parallel nest's outermost loop runs in
+chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)`` runs::
+
+    for P: for kb in whole blocks of k: acc[0:B] = 0
+               for R: acc[:] += scalar factors * vector factors[kb : kb + B]
+               out[P, kb : kb + B] (+)= coef * acc
+           for R: for k in the last, partial block: out[P, k] += coef * product
+
+with ``acc`` ``B / lanes`` SIMD vectors kept in registers.
+"""
+
+from __future__ import annotations
+
+from ..loops import ir
+from ..plan.decisions import reductions_from
+from ..plan.schedule import Nest
+from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
+from .context import Lowering, product_of
+from .iterators import initial_states
+from .order import NestWalk, emit_order
+
+__all__ = ["lower_dense_output", "anchor_factor"]
+
+OUT = ir.Array("out")
+
+
+def anchor_factor(term, output: tuple[str, ...], anchor: int) -> int:
+    """The factor of ``term`` that reads operand ``anchor`` at exactly the output indices."""
+    return next(k for k, f in enumerate(term.factors) if f.operand == anchor and f.indices == output)
+
+
+def lower_dense_output(lo: Lowering, anchor: int | None) -> bool:
+    """Emit every term's nest; returns whether the first stores each element once (the
+    caller then need not zero the output)."""
+    overwrites = False
+    for n, nest in enumerate(lo.s.nests):
+        once = n == 0 and (nest.stores_once if anchor is None else anchor in nest.stores_once_anchors)
+        overwrites |= once
+        lo.emit(lo.block(lambda nest=nest, once=once: _nest(lo, nest, anchor, once)))
+    return overwrites
+
+
+def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
+    term = lo.a.terms[nest.term]
+    states = initial_states(lo, nest.term, term)
+    order, output = nest.order, lo.a.output
+    coef = ir.Const(float(term.coefficient))
+    store = "=" if once else "+="
+    if anchor is None:
+        dense = lo.offset(lo.s.output_order)
+
+        def offset(st):
+            return dense
+    else:
+        k_anchor = anchor_factor(term, output, anchor)
+
+        def offset(st):
+            return st[k_anchor].pos
+
+    split = reductions_from(order, output, len(order))
+    walk = NestWalk(nest, order, None, dense_output=True)
+    if split < len(order):
+        inner = set(order[split:])
+        outside = [k for k, f in enumerate(term.factors) if not inner & set(f.indices)]
+        inside = [k for k in range(len(term.factors)) if k not in outside]
+        acc = lo.fresh("acc")
+        walk.accumulator, walk.summed = acc, (ir.Const(1.0), inside)
+
+        def start(st):
+            lo.emit(ir.Decl(acc, "V", ir.Const(0)))
+
+        def finish(st):
+            lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st, outside), acc]), store))
+
+        walk.around[split] = (start, finish)
+        walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
+    else:
+        walk.leaf = lambda st: lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st)]), store))
+
+    tiles = [t for t in nest.tiles if t.index != order[0]]
+
+    def loops():
+        starts = {}
+        for tile in tiles:
+            tv = starts[tile.index] = ir.Var(f"T{lo.indices.index(tile.index)}")
+            walk.bounds[tile.index] = (tv, ir.min_(ir.add(tv, tile.size), lo.dim(tile.index)))
+        body = lo.block(lambda: _chunks(lo, nest, walk, states, term, offset, coef, once), scoped=False)
+        for tile in reversed(tiles):
+            tv, n = starts[tile.index], lo.dim(tile.index)
+            body = ir.Block((ir.For(ir.Decl(tv, "index", ir.Const(0)), ir.lt(tv, n), ir.Assign(tv, ir.Const(tile.size), "+="),
+                                    body),), scoped=False)
+        lo.emit(*body.stmts)
+
+    if nest.parallel:
+        lo.emit(ir.Parallel(lo.block(loops)))
+    else:
+        loops()
+
+
+def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
+    """The nest's loops, the outermost in chunks shared by the team if parallel."""
+    def run():
+        if nest.register_block is not None:
+            _register_blocked(lo, nest, walk, states, term, offset, coef, once)
+        else:
+            emit_order(lo, walk, states)
+
+    if not nest.parallel:
+        run()
+        return
+    chunk = ir.Var("sn_chunk")
+    chunk_prologue(lo, lo.dim(nest.order[0]))
+
+    def body():
+        chunk_bounds(lo, chunk, NCHUNKS, balancing_pos(states, nest.order[0]))
+        walk.bounds[nest.order[0]] = (LO, HI)
+        run()
+
+    lo.emit(ir.For(ir.Decl(chunk, "index", ir.Const(0)), ir.lt(chunk, NCHUNKS), ir.Incr(chunk), lo.block(body),
+                   "omp_for"))
+
+
+def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
+    order, output = nest.order, lo.a.output
+    size = nest.register_block.size
+    k = order[-1]
+    r = reductions_from(order, output, len(order) - 1)
+    with_k = [n for n, st in enumerate(states) if not st.sparse and k in st.dense_indices]
+    scalars = [n for n in range(len(term.factors)) if n not in with_k]
+    kb, acc, rest = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("krest")
+    var_k, v = lo.var(k), ir.Var("v")
+    k_lo, n_k = walk.bounds.get(k, (ir.Const(0), lo.dim(k)))
+    if k in walk.bounds:
+        end = lo.fresh("kend")
+        lo.emit(ir.Decl(end, "index", n_k, const=True))
+        n_k = end
+    vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+
+    def unrolled(stmt: ir.Stmt) -> ir.For:
+        return ir.For(ir.Decl(v, "int", ir.Const(0)), ir.lt(v, vectors), ir.Incr(v), ir.Block((stmt,)), "unroll")
+
+    def vector_leaf(st):
+        lo.emit(ir.Decl(var_k, "index", kb, const=True))
+        loads = [lo.vector_load(st[n]) for n in with_k]
+        lo.emit(unrolled(ir.Assign(ir.Elem(acc, (v,)), product_of([lo.product(st, scalars), *loads]), "+=")))
+
+    def blocks(st, inner):
+        """Loop ``r`` and those inside it, wrapped in whole blocks of k, then the rest."""
+        def body():
+            lo.emit(ir.Decl(acc, "VV", None, shape=(vectors,)))
+            lo.emit(unrolled(ir.Assign(ir.Elem(acc, (v,)), ir.VectorZero())))
+            inner()
+
+            def store():
+                lane = ir.mul(v, ir.Lanes())
+                scaled = ir.mul(coef, ir.Elem(acc, (v,)))
+                value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(st), lane)), scaled)
+                lo.emit(ir.Decl(var_k, "index", kb, const=True))
+                lo.emit(unrolled(ir.VectorStore(OUT, ir.add(offset(st), lane), value)))
+
+            lo.emit(lo.block(store))
+
+        lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
+                       lo.block(body)))
+        lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+
+        def remainder():
+            if once:
+                lo.emit(ir.For(ir.Decl(var_k, "index", rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
+                    ir.Assign(ir.Load(OUT, offset(st)), ir.Const(0)),))))
+            tail = NestWalk(nest, order, lambda inner: lo.emit(ir.Assign(
+                ir.Load(OUT, offset(inner)), product_of([coef, *lo.values(inner)]), "+=")),
+                {**walk.bounds, k: (rest, n_k)}, dense_output=True)
+            emit_order(lo, tail, st, r)
+
+        lo.emit(ir.If(ir.lt(rest, n_k), lo.block(remainder)))
+
+    emit_order(lo, NestWalk(nest, order[:-1], vector_leaf, walk.bounds, dense_output=True,
+                            block=(k, kb, ir.add(kb, size)), block_from=r, wrap={r: blocks}), states)

@@ -1,0 +1,62 @@
+"""Lowering entry point: a scheduled assignment to a kernel's loop IR.
+
+``lower`` builds the IR of the dense- or sampled-output nests (:mod:`.dense_output`)
+or of a sparse output's assembly (:mod:`.assemble`), simplifies it
+(:mod:`..loops.simplify`) and prints it once (:mod:`..backend.c`); the
+:class:`LoweredKernel` keeps both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparsenn.formats import Format
+
+from ..backend.c import print_block
+from ..loops import ir
+from ..loops.simplify import simplify
+from ..notation import Assignment
+from ..plan.schedule import Schedule
+from .context import Lowering, Slot
+from .dense_output import lower_dense_output
+
+__all__ = ["Slot", "LoweredKernel", "lower"]
+
+
+@dataclass(frozen=True)
+class LoweredKernel:
+    """A kernel: its statements as IR (``loops``) and printed (``body``, the
+    statements of ``sn_run``'s try-block), the slots and index variables it reads, and
+    the machine parameters its runtime helpers are built for."""
+
+    body: str
+    slots: tuple[Slot, ...]
+    indices: tuple[str, ...]  # index variables, in the order of the dims array
+    dense_output: bool
+    fill: str | None = None  # a two-phase sparse output's second phase (see assemble)
+    # The kernel stores every element of its dense output (or every anchor value) once,
+    # with ``=``: the caller may pass uninitialised memory.
+    overwrites_output: bool = False
+    loops: ir.Block | None = None
+    vector_bytes: int = 32  # the Target's SIMD width, which the runtime header is built for
+
+
+def lower(
+    assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None = None,
+) -> LoweredKernel:
+    """The kernel computing ``assignment`` per ``sched``.
+
+    With ``anchor``, the output has the pattern of that sparse operand (which every
+    term reads at the output's indices): the kernel writes values at the anchor's
+    positions into a dense values array, and no output assembly is needed."""
+    if sched.output_format is not None:
+        from .assemble import lower_sparse_output
+
+        body, slots, indices, fill = lower_sparse_output(assignment, sched, formats)
+        return LoweredKernel(body, slots, indices, False, fill, vector_bytes=sched.target.vector_bytes)
+    lo = Lowering(assignment, sched, formats)
+    lo.declare_dims()
+    overwrites = lower_dense_output(lo, anchor)
+    loops = simplify(lo.take())
+    return LoweredKernel(print_block(loops), tuple(lo.slots), lo.indices, True, None, overwrites, loops, sched.target.vector_bytes)

@@ -1,0 +1,95 @@
+"""A nest's loops in order, each emitted as its schedule decided.
+
+:func:`emit_order` walks ``order[position:]``: each loop is co-iterated
+(:mod:`.merge`), or, where the nest's decisions say so, emitted as a vector or sparse
+reduction or with a row block (:mod:`.reductions`) and prefetches (:mod:`.prefetch`);
+``around[j]`` wraps loop ``j`` (a reduction's accumulator and its store).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..loops import ir
+from ..plan.schedule import Nest
+from . import reductions
+from .context import Lowering
+from .iterators import filtering
+from .merge import co_iterate
+from .prefetch import prefetcher, spans
+from .reductions import Summed
+
+__all__ = ["NestWalk", "emit_order"]
+
+Hook = Callable[[list], None]
+
+
+@dataclass
+class NestWalk:
+    """What a walk over a nest's loops carries: the nest (its decisions), the leaf,
+    loop bounds (tiles, chunks), wrappers, the accumulator of trailing reductions and
+    its sum, whether loops write a dense output, an open register block
+    ``(k, start, end)`` from loop position ``block_from``, and ``wrap[j](states,
+    inner)``, which emits what encloses loop ``j`` and calls ``inner`` for the loops
+    from ``j`` on."""
+
+    nest: Nest
+    order: Sequence[str]
+    leaf: Hook
+    bounds: dict = field(default_factory=dict)
+    around: dict = field(default_factory=dict)
+    accumulator: ir.Var | None = None
+    summed: Summed | None = None
+    dense_output: bool = False
+    block: tuple | None = None
+    block_from: int = 0
+    wrap: dict = field(default_factory=dict)
+
+
+def _prefetched(nest: Nest, index: str) -> tuple[int, ...]:
+    return next((loop.factors for loop in nest.prefetch if loop.index == index), ())
+
+
+def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wrapped: bool = False) -> None:
+    order, nest = walk.order, walk.nest
+    if position in walk.wrap and not wrapped:
+        walk.wrap[position](states, lambda: emit_order(lo, walk, states, position, True))
+        return
+    if position == len(order):
+        walk.leaf(states)
+        return
+    before, after = walk.around.get(position, (None, None))
+    if before:
+        before(states)
+    index = order[position]
+    innermost = position == len(order) - 1
+    bounds = walk.bounds.get(index)
+    reduced = walk.summed is not None
+    if reduced and innermost and nest.vector_reduction and nest.vector_reduction.index == index:
+        reductions.vector_reduction(lo, index, states, walk.accumulator, walk.summed, nest.vector_reduction.vectors,
+                                    nest.vector_reduction.accumulators, bounds)
+    elif reduced and innermost and nest.sparse_reduction and nest.sparse_reduction.index == index:
+        (driver,) = filtering(index, states)
+        reductions.sparse_reduction(lo, index, states, driver, walk.accumulator, walk.summed,
+                                    nest.sparse_reduction.accumulators, bounds)
+    else:
+        blocked = None
+        if reduced and nest.row_block and nest.row_block.index == index and position == len(order) - 2:
+            (driver,) = filtering(index, states)
+            blocked = reductions.row_blocker(lo, nest.row_block, states, driver, walk.around.get(position + 1),
+                                             walk.accumulator, walk.summed, walk.bounds)
+        gathered = _prefetched(nest, index)
+        block = walk.block if walk.block is not None and position >= walk.block_from else None
+        declare = None
+        if gathered:
+            declare = prefetcher(lo, lo.s.prefetch_policy, states, spans(lo, gathered, index, states, walk.bounds,
+                                                                           block), index)
+        co_iterate(
+            lo, index, states, lambda st: emit_order(lo, walk, st, position + 1), bounds,
+            walk.accumulator if innermost else None, declare, blocked,
+            innermost and walk.accumulator is None and walk.dense_output and index in lo.a.output,
+        )
+    if after:
+        after(states)
+

@@ -1,0 +1,145 @@
+"""The scheduler's cost model: the expected work of a loop nest.
+
+The cost of an order is the work of the nest: at each loop, co-iterating the sparse
+levels indexed there (``SPARSE_ITERATION_COST * sum`` of fiber lengths, with an expected
+intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``N / VECTOR_WIDTH``
+innermost), times the iterations of the enclosing loops; plus the leaf's products, and
+re-storing any operand whose storage order disagrees with the loop order
+(``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
+of a dense operand). Only level capabilities are used, never format names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparsenn.formats import Format
+from sparsenn.formats.level import Dense, Level
+
+from ..notation import Term
+from .decisions import NestFactor
+
+__all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "nest_cost"]
+
+TRANSPOSE_COST = 4.0
+SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
+VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
+DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
+
+
+@dataclass(frozen=True)
+class OperandInfo:
+    """What the scheduler knows about one operand."""
+
+    format: Format | None
+    shape: tuple[int, ...]
+    positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
+
+    @property
+    def nnz(self) -> int:
+        return self.positions[-1] if self.positions else math.prod(self.shape)
+
+
+
+
+
+@dataclass
+class Factor:
+    """A factor's storage levels as (index, level), in the order the nest reads them
+    (a dense operand: its indices in layout order, each a dense level)."""
+
+    operand: int
+    sparse: bool
+    levels: list[tuple[str, Level]]
+    fibers: list[float]
+    natural: bool
+    nnz: int
+    storage: float = 0.0  # index entries of the (possibly re-stored) levels
+
+    @property
+    def transpose_cost(self) -> float:
+        if self.natural:
+            return 0.0
+        if not self.sparse:
+            return DENSE_COPY_COST * self.nnz
+        return TRANSPOSE_COST * (self.nnz + self.storage)
+
+    def nest_factor(self) -> NestFactor:
+        return NestFactor(self.operand, self.sparse, tuple(self.levels))
+
+
+def estimate_positions(levels: Sequence[Level], sizes: Sequence[int], nnz: int) -> list[float]:
+    """Expected positions of each storage level of a tensor with ``nnz`` entries."""
+    positions, parent, full = [], 1.0, 1.0
+    for level, size in zip(levels, sizes):
+        full *= max(size, 1)
+        parent = level.estimate_positions(parent, nnz, full, size)
+        positions.append(parent)
+    return positions
+
+
+def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> Factor:
+    """A factor read in loop order. A dense operand is laid out in loop order too (a
+    copy when that differs from its own), so its innermost accesses are unit-stride."""
+    if info.format is None:
+        layout = sorted(access.indices, key=lambda i: loop_rank[i])
+        return Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices), info.nnz)
+    fmt = info.format
+    natural = [access.indices[m] for m in fmt.mode_order]
+    wanted = sorted(natural, key=lambda i: loop_rank[i])
+    if wanted == natural:
+        positions = list(info.positions)
+    else:
+        sizes = [info.shape[access.indices.index(i)] for i in wanted]
+        positions = estimate_positions(fmt.levels, sizes, info.nnz)
+    fibers, parent, storage = [], 1.0, 0.0
+    for level, p in zip(fmt.levels, positions):
+        fibers.append(p / parent if parent > 0 else 0.0)
+        storage += level.index_entries(parent, p)
+        parent = p
+    return Factor(
+        access.operand, True, list(zip(wanted, fmt.levels)), fibers, wanted == natural, info.nnz, storage
+    )
+
+
+def nest_cost(
+    term: Term,
+    order: Sequence[str],
+    infos: Sequence[OperandInfo],
+    dims: dict[str, int],
+    output: tuple[str, ...] = (),
+) -> tuple[float, float, list[Factor]]:
+    """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
+
+    ``output`` (dense outputs) counts toward the innermost loop's unit stride."""
+    rank = {i: n for n, i in enumerate(order)}
+    factors = [read_in_order(a, infos[a.operand], rank, term) for a in term.factors]
+    depth = [0] * len(factors)
+    cost, iters = 0.0, 1.0
+    if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
+        cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
+    for position, index in enumerate(order):
+        n = float(max(dims[index], 1))
+        fibers = []
+        for k, f in enumerate(factors):
+            if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
+                if not f.levels[depth[k]][1].locatable:
+                    fibers.append(f.fibers[depth[k]])
+                depth[k] += 1
+        if fibers:
+            trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
+            work = SPARSE_ITERATION_COST * sum(fibers)
+        else:
+            trip = work = n
+            if position == len(order) - 1:
+                work = n / VECTOR_WIDTH
+        cost += iters * max(work, 1.0)
+        iters *= trip
+    innermost_dense = bool(order) and not any(
+        f.sparse and f.levels[-1][0] == order[-1] and not f.levels[-1][1].locatable for f in factors
+    )
+    cost += iters * len(term.factors) / (VECTOR_WIDTH if innermost_dense else 1.0)
+    cost += sum(f.transpose_cost for f in factors)
+    return cost, iters, factors

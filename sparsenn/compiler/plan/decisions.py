@@ -1,0 +1,222 @@
+"""Per-nest code decisions: what the lowerer does inside a chosen loop order.
+
+Given a nest's loop order and its factors read in that order (:class:`NestFactor`),
+these functions decide, from the :class:`~.target.Target` and level capabilities only:
+
+* **Vector reduction.** A nest's innermost reduction loop over an index that every
+  summed factor holding it reads with unit stride (dense operands laid out with it last)
+  runs ``register_block_vectors`` independent SIMD accumulators (one would wait on
+  each add's latency), then single vectors, then scalars.
+* **Sparse reduction.** An innermost reduction loop driven by one unique, branching
+  sparse level (a compressed fiber; the other factors indexed there locate dense
+  levels) sums into ``sparse_accumulators`` interleaved sums: position ``q`` feeds sum
+  ``q mod A``.
+* **Row block.** A loop over such a fiber whose body is an innermost vector reduction
+  with some factors not indexed by the fiber (SDDMM's ``X[i, :]`` for each ``Y[j, :]``)
+  takes ``row_block`` positions at a time: the common factors are loaded once per
+  block, each position sums into ``row_block_vectors`` SIMD accumulators and one
+  transpose-and-add gives the block's sums.
+* **Prefetch.** A loop driven by one sparse level may prefetch the spans of dense
+  operands ``d[P, j, T]`` its next positions will gather (``P`` bound by enclosing
+  loops, ``T`` swept by the loops inside: whole rows, a tile or the open register
+  block). Whether it does is decided per fiber at run time (see :class:`PrefetchPolicy`).
+* **Store once.** The first nest of a dense output stores each element exactly once
+  when the loops outside its trailing reductions are all of the output's indices (for
+  a register block: and the blocked index), each visits every coordinate (no factor
+  but a sampled output's anchor has a non-locatable level over an output index) and no
+  tile splits a reduction; it then stores with ``=`` and the output needs no zeroing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sparsenn.formats.level import Level
+
+from .target import Target
+
+__all__ = [
+    "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
+    "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
+    "prefetch_loops", "stores_once",
+]
+
+
+@dataclass(frozen=True)
+class NestFactor:
+    """A factor read in loop order: its storage levels as (index, level) for a sparse
+    operand, or its indices in layout order for a dense one (``sparse`` False)."""
+
+    operand: int
+    sparse: bool
+    levels: tuple[tuple[str, Level], ...]
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(i for i, _ in self.levels)
+
+    def level_at(self, index: str) -> Level | None:
+        return next((lvl for i, lvl in self.levels if i == index), None)
+
+    def filters(self, index: str) -> bool:
+        """Whether a stored (non-locatable) level of this factor is over ``index``."""
+        level = self.level_at(index)
+        return self.sparse and level is not None and not level.locatable
+
+
+@dataclass(frozen=True)
+class VectorReduction:
+    index: str
+    accumulators: int
+    vectors: tuple[int, ...]  # the factors loaded as SIMD vectors
+
+
+@dataclass(frozen=True)
+class SparseReduction:
+    index: str
+    accumulators: int
+
+
+@dataclass(frozen=True)
+class RowBlock:
+    index: str  # the loop over stored entries taken ``size`` at a time
+    inner: str  # the vector reduction inside
+    size: int
+    vectors: int  # SIMD accumulators per entry
+    loads: tuple[int, ...]  # the factors loaded as SIMD vectors in the inner loop
+
+
+@dataclass(frozen=True)
+class PrefetchLoop:
+    """Loop ``index`` may prefetch the rows of these factors (term-local numbers)."""
+
+    index: str
+    factors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """The run-time test of a prefetching loop: gathered operands larger than
+    ``min_bytes`` (the L2) are prefetched ``ahead_bytes`` ahead (at most
+    ``max_distance`` positions, ``max_bytes`` of each span); from ``large_bytes`` when
+    the coordinate ``D`` positions ahead is ``min_jump`` or more away (near ones are
+    streamed by the hardware), below it only for fibers spread over half the range."""
+
+    min_bytes: int
+    large_bytes: int
+    min_jump: int
+    ahead_bytes: int
+    max_distance: int
+    max_bytes: int
+
+    @staticmethod
+    def of(target: Target) -> PrefetchPolicy:
+        return PrefetchPolicy(
+            target.l2_bytes, int(target.llc_bytes * target.prefetch_min_footprint), target.prefetch_min_jump,
+            target.prefetch_ahead_bytes, target.prefetch_max_distance, target.prefetch_max_bytes,
+        )
+
+
+def reductions_from(order: Sequence[str], output: Sequence[str], end: int) -> int:
+    """Where the run of reduction (non-output) loops just before ``order[end]`` starts."""
+    while end > 0 and order[end - 1] not in output:
+        end -= 1
+    return end
+
+
+def driver(index: str, factors: Sequence[NestFactor]) -> int | None:
+    """The factor whose unique, branching sparse level alone drives loop ``index``."""
+    sparse = [k for k, f in enumerate(factors) if f.filters(index)]
+    if len(sparse) != 1:
+        return None
+    level = factors[sparse[0]].level_at(index)
+    return sparse[0] if level.unique and not level.branchless else None
+
+
+def unit_stride_factors(index: str, factors: Sequence[NestFactor], among: Sequence[int]) -> list[int]:
+    """The factors of ``among`` indexed by ``index`` if every one is a dense operand
+    with ``index`` last and no sparse factor has it; else []."""
+    if any(f.sparse and index in f.indices for f in factors):
+        return []
+    holding = [k for k in among if index in factors[k].indices]
+    if not holding or any(factors[k].indices[-1] != index for k in holding):
+        return []
+    return holding
+
+
+def summed_factors(order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor]) -> list[int]:
+    """The factors varying inside the trailing reduction loops (empty if there are none)."""
+    inner = set(order[reductions_from(order, output, len(order)):])
+    return [k for k, f in enumerate(factors) if inner & set(f.indices)] if inner else []
+
+
+def vector_reduction(order, output, factors, target: Target) -> VectorReduction | None:
+    summed = summed_factors(order, output, factors)
+    vectors = unit_stride_factors(order[-1], factors, summed) if summed else []
+    return VectorReduction(order[-1], target.register_block_vectors, tuple(vectors)) if vectors else None
+
+
+def sparse_reduction(order, output, factors, target: Target) -> SparseReduction | None:
+    if summed_factors(order, output, factors) and driver(order[-1], factors) is not None:
+        return SparseReduction(order[-1], target.sparse_accumulators)
+    return None
+
+
+def row_block(order, output, factors, target: Target) -> RowBlock | None:
+    summed = summed_factors(order, output, factors)
+    if len(order) < 2 or not summed or target.row_block < 2 or driver(order[-2], factors) is None:
+        return None
+    vectors = unit_stride_factors(order[-1], factors, summed)
+    common = [k for k in vectors if order[-2] not in factors[k].indices]
+    if not common or len(common) == len(vectors):
+        return None
+    return RowBlock(order[-2], order[-1], target.row_block, target.row_block_vectors, tuple(vectors))
+
+
+def prefetch_loops(
+    order: Sequence[str], factors: Sequence[NestFactor], bounded: set[str], block: str | None, block_from: int,
+) -> tuple[PrefetchLoop, ...]:
+    """Loops driven by one sparse level and the dense factors whose spans they gather
+    (see the module doc). ``bounded``: tiled indices; ``block``: the register-blocked
+    index, open in loops from position ``block_from``."""
+    loops = []
+    for position, index in enumerate(order):
+        if sum(f.filters(index) for f in factors) != 1:
+            continue
+        enclosing, inner = set(order[:position]), order[position + 1:]
+        gathered = []
+        for k, f in enumerate(factors):
+            if f.sparse or index not in f.indices:
+                continue
+            n = f.indices.index(index)
+            prefix, trailing = f.indices[:n], f.indices[n + 1:]
+            if not trailing or not set(prefix) <= enclosing:
+                continue
+            last = trailing[-1]
+            spans = (
+                len(trailing) == 1 and last in inner
+                and (last in bounded or (last == block and position >= block_from))
+            ) or (all(t in inner for t in trailing) and not set(trailing) & (bounded | {block}))
+            if spans:
+                gathered.append(k)
+        if gathered:
+            loops.append(PrefetchLoop(index, tuple(gathered)))
+    return tuple(loops)
+
+
+def stores_once(
+    order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor], tiles: Sequence[str],
+    blocked: bool, anchor_factor: int | None,
+) -> bool:
+    """Whether the nest stores every output element once (see the module doc), with
+    factor ``anchor_factor`` (if any) sampling the output."""
+    if blocked:
+        if anchor_factor is not None:
+            return False
+        loops = (*order[: reductions_from(order, output, len(order) - 1)], order[-1])
+    else:
+        loops = order[: reductions_from(order, output, len(order))]
+    if set(loops) != set(output) or any(t not in output for t in tiles):
+        return False
+    return not any(f.filters(i) for k, f in enumerate(factors) if k != anchor_factor for i in output)

@@ -1,0 +1,82 @@
+"""The loop IR, its simplifier and the C++ printer."""
+
+from __future__ import annotations
+
+from sparsenn.compiler.backend.c import print_block, print_expr
+from sparsenn.compiler.loops import ir
+from sparsenn.compiler.loops.simplify import fold, simplify
+
+I, Q, H, ACC = ir.Var("i0"), ir.Var("q1"), ir.Var("h1"), ir.Var("acc1")
+CRD, VAL = ir.Array("crd", 0, 1), ir.Array("val", 0)
+X = ir.Array("dense", 1)
+
+
+def test_arrays_are_spelled_by_the_printer():
+    assert print_expr(ir.Load(ir.Array("pos", 0, 1), ir.add(Q, 1))) == "s0_pos1[q1 + 1]"
+    assert print_expr(ir.Load(CRD, Q)) == "s0_crd1[q1]"
+    assert print_expr(ir.Load(VAL, Q)) == "s0_val[q1]"
+    assert print_expr(ir.Load(X, I)) == "d1[i0]"
+    assert print_expr(ir.Load(ir.Array("out"), I)) == "out[i0]"
+    assert print_expr(ir.VectorLoad(X, ir.mul(I, ir.Var("N2")))) == "sn_load(d1 + i0 * N2)"
+
+
+def test_precedence_keeps_the_evaluation_order():
+    a, b, d = ir.Var("a"), ir.Var("b"), ir.Var("d")
+    assert print_expr(ir.mul(ir.add(a, b), d)) == "(a + b) * d"
+    assert print_expr(ir.mul(a, ir.mul(b, d))) == "a * (b * d)"  # floating point: not reassociated
+    assert print_expr(ir.mul(ir.mul(a, b), d)) == "a * b * d"
+    assert print_expr(ir.sub(a, ir.sub(b, d))) == "a - (b - d)"
+    assert print_expr(ir.Cast("index", ir.Load(CRD, Q))) == "(int64_t)s0_crd1[q1]"
+    assert print_expr(ir.Cast("index", ir.add(a, 1))) == "(int64_t)(a + 1)"
+    assert print_expr(ir.min_(a, b)) == "std::min<int64_t>(a, b)"
+    assert print_expr(ir.Call("lower_bound", (CRD, a, b, d))) == "std::lower_bound(s0_crd1 + a, s0_crd1 + b, (I)(d)) - s0_crd1"
+    assert print_expr(ir.Const(2.0)) == "V(2.0)"
+
+
+def test_folding():
+    i, n = ir.Var("i"), ir.Var("N0")
+    assert fold(ir.add(ir.mul(0, n), i)) == i
+    assert fold(ir.mul(1, ir.add(i, 0))) == i
+    assert fold(ir.add(ir.Const(2), ir.Const(3))) == ir.Const(5)
+    assert fold(ir.mul(ir.Const(1.0), i)) == ir.mul(ir.Const(1.0), i)  # floating point kept
+
+
+def test_unused_declarations_are_dropped():
+    used, unused, chain = ir.Var("u"), ir.Var("x"), ir.Var("y")
+    block = ir.Block((
+        ir.Decl(unused, "index", ir.Var("N0"), const=True),
+        ir.Decl(chain, "index", ir.Var("N1"), const=True),
+        ir.Decl(ir.Var("z"), "index", chain, const=True),  # only user of y, itself unused
+        ir.Decl(used, "index", ir.Var("N2"), const=True),
+        ir.Assign(ir.Load(ir.Array("out"), ir.Const(0)), used),
+    ), scoped=False)
+    assert simplify(block).stmts == block.stmts[3:]
+
+
+def test_a_sparse_dot_product_prints_as_cpp():
+    body = ir.Block((
+        ir.Decl(ACC, "V", ir.Const(0)),
+        ir.For(None, ir.lt(Q, H), ir.Incr(Q), ir.Block((
+            ir.Assign(ACC, ir.mul(ir.Load(VAL, Q), ir.Load(X, ir.Load(CRD, Q))), "+="),
+        ))),
+    ), scoped=False)
+    assert print_block(body, depth=0) == (
+        "V acc1 = 0;\n"
+        "for (; q1 < h1; ++q1) {\n"
+        "  acc1 += s0_val[q1] * d1[s0_crd1[q1]];\n"
+        "}"
+    )
+
+
+def test_pragmas_and_the_one_thread_copy():
+    loop = ir.For(
+        ir.Decl(I, "index", ir.Const(0)), ir.lt(I, ir.Var("N0")), ir.Incr(I),
+        ir.Block((ir.Assign(ACC, ir.Load(X, I), "+="),)), "simd_reduction", ACC,
+    )
+    text = print_block(ir.Block((ir.Parallel(ir.Block((loop,), scoped=False)),)), depth=0)
+    assert text.count("#pragma omp simd reduction(+:acc1)") == 2
+    assert text.startswith("if (nthreads > 1) {\n#pragma omp parallel num_threads(nthreads)".replace("\n#", "\n  #"))
+    assert "} else {" in text
+    unrolled = ir.For(ir.Decl(ir.Var("v"), "int", ir.Const(0)), ir.lt(ir.Var("v"), 4), ir.Incr(ir.Var("v")),
+                      ir.Block(()), "unroll")
+    assert print_block(ir.Block((unrolled,)), depth=0).startswith("#pragma GCC unroll 16\nfor (int v = 0; v < 4; ++v) {")
