@@ -12,7 +12,9 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler.runtime import dispatch
+from sparsenn.compiler import clear_caches
+from sparsenn.compiler.plan.planner import PARALLEL_MIN_WORK, operand_info, plan_call
+from sparsenn.compiler.runtime import api
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 
@@ -163,15 +165,18 @@ def test_sparse_gram_matrix_is_stored_sparse(density):
     assert isinstance(sparsenn.einsum("ij,kj->ik", a, torch.randn(400, 300, dtype=torch.float64)), torch.Tensor)
 
 
-def test_transposed_product_with_dense_operand_fills_in_and_is_dense():
-    """Aᵀ·B with dense B: Algorithm 4 makes k compressed because it follows the sparse j,
-    yet every stored j gets all of k; when the estimated fill reaches 1/8 the result is
-    dense. A result with few stored j stays sparse."""
+def test_transposed_product_with_dense_operand_is_sparse_whatever_its_fill():
+    """Aᵀ·B with dense B: Algorithm 4 makes j sparse (A stores it compressed) and k
+    compressed because it follows j; the result is a SparseTensor however full it is.
+    ``out_format="auto"`` asks for the fill-based choice: dense once the estimated
+    fill reaches 1/8, sparse with few stored j."""
     a, b = sp((300, 200), "csr", density=0.05), torch.randn(300, 16, dtype=torch.float64)
-    result = check("ij,ik->jk", [a, b])
-    assert isinstance(result, torch.Tensor)
     few = sparsenn.from_coo(torch.tensor([[0, 5], [3, 150]]), torch.ones(2, dtype=torch.float64), (300, 200), format="csr")
-    result = check("ij,ik->jk", [few, b])
+    for operand in (a, few):
+        result = check("ij,ik->jk", [operand, b])
+        assert isinstance(result, SparseTensor) and str(result.format) == "dcsr"
+    assert isinstance(check("ij,ik->jk", [a, b], out_format="auto"), torch.Tensor)
+    result = check("ij,ik->jk", [few, b], out_format="auto")
     assert isinstance(result, SparseTensor) and result.nnz == 2 * 16
 
 
@@ -318,7 +323,7 @@ def test_outputs_stored_once_skip_zeroing():
         "ij->": [a],
     }
     for equation, operands in stored_once.items():
-        assert dispatch.plan(equation, *operands).kernel.overwrites_output, equation
+        assert api.plan(equation, *operands).kernel.overwrites_output, equation
         check(equation, operands)
     added = {
         "ij,j->i": [empty_rows, torch.randn(19, dtype=torch.float64)],  # rows without entries are never visited
@@ -326,7 +331,7 @@ def test_outputs_stored_once_skip_zeroing():
         "ij,j->ij": [a, torch.randn(19, dtype=torch.float64)],
     }
     for equation, operands in added.items():
-        assert not dispatch.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
+        assert not api.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
         check(equation, operands, out_format="dense")
     # A sum's first term stores, the second adds.
     x, b = torch.randn(19, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
@@ -334,49 +339,6 @@ def test_outputs_stored_once_skip_zeroing():
     stores = re.findall(r"out\[i\d+\] (\+?=) ", expression.explain(a, x, b))
     assert stores == ["=", "=", "+=", "+="]  # each nest twice: for a team and for one thread
     torch.testing.assert_close(expression(a, x, b), a.to_dense() @ x + b)
-
-
-def test_repeated_calls_take_the_direct_launch():
-    # After a cached call's first run, operands the kernel reads as given skip _run.
-    a = sp((23, 19), "csr")
-    b, x, y = (torch.randn(19, 6, dtype=torch.float64), torch.randn(23, 8, dtype=torch.float64),
-               torch.randn(19, 8, dtype=torch.float64))
-    cases = [("ij,jk->ik", [a, b]), ("ij,jk->ki", [a, b]), ("ij,ik,jk->ij", [a, x, y]), ("ij->", [a])]
-    for equation, operands in cases:
-        first = sparsenn.einsum(equation, *operands)
-        call = dispatch._calls[dispatch._call_signature(dispatch._parse_cached(equation, len(operands)), operands, None)]
-        assert callable(call.launch), equation
-        operands = [op.with_values(op.values * 2) if isinstance(op, SparseTensor) else op for op in operands]
-        again = sparsenn.einsum(equation, *operands)
-        if isinstance(first, SparseTensor):
-            first, again = first.to_dense(), again.to_dense()
-        torch.testing.assert_close(again, 2 * first)
-    # Index arrays narrower than the plan's are widened per call: the general path.
-    wide = sp((23, 19), "csr", index_dtype=torch.int64)
-    narrow = sp((19, 7), "csr", seed=1, index_dtype=torch.int32)
-    for _ in range(2):
-        check("ij,jk->ik", [wide, narrow], out_format="dense")
-    signature = dispatch._call_signature(dispatch._parse_cached("ij,jk->ik", 2), [wide, narrow], "dense")
-    assert dispatch._calls[signature].launch is False
-
-
-def test_strided_dense_operands_are_cached_and_copied_only_when_needed():
-    # A transposed operand (the output of `bi,oi->bo`, which the kernel writes as
-    # (o, b)) keys its own cached call; the forward reads it as (i, b), which its
-    # strides already are, so no copy is made.
-    w = sp((7, 9), "csr")
-    x = torch.randn(9, 5, dtype=torch.float64).t()  # shape (5, 9), strides (1, 5)
-    equation, assignment = "bi,oi->bo", dispatch._parse_cached("bi,oi->bo", 2)
-    plan = dispatch.plan(equation, x, w)
-    assert [slot.layout for slot in plan.kernel.slots if slot.fmt is None] == [(1, 0)]
-    for operand, copied in ((x, False), (x.contiguous(), True)):
-        for _ in range(2):
-            torch.testing.assert_close(sparsenn.einsum(equation, operand, w), operand @ w.to_dense().T)
-        assert dispatch._call_signature(assignment, [operand, w], None) in dispatch._calls
-        dense_slot = next(op for op in dispatch._slot_operands(plan, [operand, w]) if isinstance(op, torch.Tensor))
-        assert (dense_slot.data_ptr() != operand.data_ptr()) == copied
-    out = sparsenn.einsum("ij,jk->ik", w, torch.randn(9, 4, dtype=torch.float64)).t()  # non-contiguous
-    torch.testing.assert_close(sparsenn.einsum("ki,ij->kj", out, w, out_format="dense"), out @ w.to_dense())
 
 
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
@@ -473,9 +435,9 @@ def test_one_thread_and_a_team_run_the_same_nest(equation):
     dense = [torch.randn(300, 40, dtype=torch.float64)] if equation == "ij,jk->ik" else (
         [torch.randn(300, dtype=torch.float64)] if equation == "ij,j->i"
         else [torch.randn(400, 40, dtype=torch.float64), torch.randn(300, 40, dtype=torch.float64)])
-    source = dispatch.plan(equation, a, *dense).source
+    source = api.plan(equation, a, *dense).source
     assert "if (nthreads > 1)" in source and source.count("#pragma omp for") == 2
-    assert dispatch.plan(equation, a, *dense).schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    assert api.plan(equation, a, *dense).schedule.leaves >= PARALLEL_MIN_WORK
     threads = torch.get_num_threads()
     results = []
     try:
@@ -537,8 +499,9 @@ def always_prefetch(monkeypatch):
     monkeypatch.setattr(lower, "PREFETCH_MIN_FOOTPRINT", 0.0)
     monkeypatch.setattr(lower, "PREFETCH_MIN_JUMP", 0)
     monkeypatch.setattr(lower, "cache_sizes", lambda: (0, 0))
-    monkeypatch.setattr(dispatch, "_plans", {})
-    monkeypatch.setattr(dispatch, "_calls", {})
+    clear_caches()
+    yield
+    clear_caches()  # no later test runs these kernels
 
 
 def test_prefetch_only_when_gathers_miss_the_caches():
@@ -599,7 +562,7 @@ def test_prefetch_through_a_lower_level(always_prefetch):
 
 def two_phase_plan(equation, operands, out_format=None):
     """The plan, asserting its output is assembled in two phases (count, then fill)."""
-    plan = dispatch.plan(equation, *operands, out_format=out_format)
+    plan = api.plan(equation, *operands, out_format=out_format)
     assert plan.kernel.fill is not None, plan.output_format
     return plan
 
@@ -642,7 +605,7 @@ def test_two_phase_many_chunks_per_thread_short_and_long_rows():
     b = sps.random(9000, 9000, density=0.0005, format="csr", random_state=rng)
     x, y = sparsenn.from_scipy(a, format="csr"), sparsenn.from_scipy(b, format="csr")
     plan = two_phase_plan("ij,jk->ik", [x, y], out_format="csr")
-    assert plan.schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    assert plan.schedule.leaves >= PARALLEL_MIN_WORK
     expected = (a @ b).toarray()
     previous = torch.get_num_threads()
     for threads in (1, 2):
@@ -664,7 +627,7 @@ def test_two_phase_outputs_of_other_shapes():
     check("bij,bjk->bik", [x, y], out_format="ddc")
     a, b, c = sp((8, 9), "csr", 0.2, seed=3), sp((9, 7), "csr", 0.2, seed=4), sp((8, 7), "csr", 0.2, seed=5)
     f = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")
-    plan = dispatch._plan(f.assignment, [a, b, c], None, torch.float64, torch.int32)
+    plan = plan_call(f.assignment, tuple(operand_info(o) for o in (a, b, c)), None, torch.float64, torch.int32).plan
     assert plan.kernel.fill is not None
     torch.testing.assert_close(to_dense(f(a, b, c)), to_dense(a) @ to_dense(b) - to_dense(c))
     union = two_phase_plan("ij,ij->ij", [a, sp((8, 9), "csr", 0.2, seed=6)])
@@ -673,7 +636,7 @@ def test_two_phase_outputs_of_other_shapes():
 
 
 def test_deeper_sparse_outputs_keep_the_appended_assembly():
-    plan = dispatch.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
+    plan = api.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
     assert plan.kernel.fill is None
 
 

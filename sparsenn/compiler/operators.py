@@ -12,7 +12,7 @@ from numbers import Number
 
 import torch
 
-from .runtime.dispatch import CompiledExpression, compile_expression, einsum
+from .runtime.api import CompiledExpression, compile_expression, einsum
 
 __all__ = ["add", "subtract", "multiply", "matmul"]
 
