@@ -2,9 +2,14 @@
 
 Each :class:`LRUCache` registers itself by name; :func:`clear_caches` empties them all
 and :func:`cache_stats` reports each one's size, limit, hits, misses and evictions.
-Lookups take no lock (a dictionary read and a move to the end, atomic under the GIL;
-an entry evicted by another thread in between reads as a miss), insertions do; hit and
-miss counts are exact in one thread and approximate under concurrent calls.
+
+Entries are stored under their key's hash, with the key beside the value: a lookup
+hashes its key once (keys are tuples of shapes, formats and expressions, rehashed on
+every hash) and compares it with the stored key, usually by identity of its parts. Two
+keys with one hash share a slot, the later replacing the earlier. Lookups take no lock
+(a dictionary read and a move to the end, atomic under the GIL; an entry evicted by
+another thread in between reads as a miss), insertions do; hit and miss counts are
+exact in one thread and approximate under concurrent calls.
 """
 
 from __future__ import annotations
@@ -44,26 +49,30 @@ class LRUCache(Generic[V]):
         self.name = name
         self.maxsize = maxsize
         self.hits = self.misses = self.evictions = 0
-        self._data: OrderedDict[Hashable, V] = OrderedDict()
+        self._data: OrderedDict[int, tuple[Hashable, V]] = OrderedDict()  # hash -> (key, value)
         self._lock = threading.Lock()
         _registry[name] = self
 
     def get(self, key: Hashable) -> V | None:
         """The entry for ``key`` (now the most recently used), or None."""
+        slot = hash(key)
         try:
-            value = self._data[key]
-            self._data.move_to_end(key)
+            entry = self._data[slot]
+            self._data.move_to_end(slot)
         except KeyError:
+            entry = None
+        if entry is None or entry[0] != key:
             self.misses += 1
             return None
         self.hits += 1
-        return value
+        return entry[1]
 
     def put(self, key: Hashable, value: V) -> None:
         """Store ``value`` under ``key``, evicting the least recently used entries beyond ``maxsize``."""
+        slot = hash(key)
         with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
+            self._data[slot] = (key, value)
+            self._data.move_to_end(slot)
             while len(self._data) > self.maxsize:
                 self._data.popitem(last=False)
                 self.evictions += 1
@@ -81,7 +90,8 @@ class LRUCache(Generic[V]):
         return len(self._data)
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._data
+        stored = self._data.get(hash(key))
+        return stored is not None and stored[0] == key
 
     def __repr__(self) -> str:
         s = self.stats()

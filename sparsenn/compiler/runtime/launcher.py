@@ -29,7 +29,7 @@ from .restore import restored_as
 __all__ = ["Launch", "bind", "uninitialised"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
-Pointer = Callable[[Sequence, list], int]  # (operands, stages' results) -> an argument's data pointer
+Pointer = Callable[[Sequence, list | None], int]  # (operands, stages' results) -> an argument's data pointer
 
 
 def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
@@ -72,9 +72,11 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     anchor, permutation = plan.anchor, plan.output_permutation
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
-        made: list = []
-        for stage in stages:
-            made.append(stage(operands, made))
+        made: list | None = None
+        if stages:
+            made = []
+            for stage in stages:
+                made.append(stage(operands, made))
         arguments = [pointer(operands, made) for pointer in pointers]
         threads = torch.get_num_threads() if parallel else 1
         if assembles:

@@ -146,8 +146,8 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
     key = [assignment, out_format]
     for op in operands:
         if isinstance(op, SparseTensor):
-            values = op.values
-            if op.format.block is not None or op.format.is_dense or not (values.is_cpu and values.is_contiguous()):
+            values, fmt = op.values, op.format
+            if fmt.block is not None or fmt.is_dense or not (values.is_cpu and values.is_contiguous()):
                 return None
             try:
                 op.check_unmodified()
