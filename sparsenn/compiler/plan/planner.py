@@ -40,7 +40,7 @@ from .contract import Step, best_path
 from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
-__all__ = ["Argument", "EntryPoints", "Plan", "ShapePlan", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
+__all__ = ["Argument", "EntryPoints", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
            "PARALLEL_MIN_WORK", "operand_info", "plan_call", "build_kernel", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 

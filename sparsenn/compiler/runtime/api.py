@@ -16,7 +16,7 @@ from ..plan.planner import Plan, operand_info, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
 from .evaluate import evaluate
-from .validate import check_call, describe_operand
+from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "parse", "describe_schedule", "CompiledExpression"]
 
@@ -94,13 +94,15 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 def plan(equation: str, *operands, out_format=None) -> Plan:
     """The plan (schedule, generated source) ``einsum`` would run, with these operands'
     schedule; for tools and tests."""
-    return _plan(parse(equation, len(operands)), operands, out_format)
-
-
-def _plan(assignment: Assignment, operands: Sequence, out_format) -> Plan:
+    assignment = parse(equation, len(operands))
     checked = check_call(assignment, operands, out_format)
     if checked.all_dense:
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
+    return _plan(assignment, checked)
+
+
+def _plan(assignment: Assignment, checked: Checked) -> Plan:
+    """The plan of a checked call with sparse operands, carrying this call's schedule."""
     infos = tuple(operand_info(op) for op in checked.operands)
     shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
     return replace(shaped.plan, schedule=shaped.schedule)
@@ -123,7 +125,7 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     if checked.all_dense:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
-    shown = _plan(assignment, operands, out_format)
+    shown = _plan(assignment, checked)
     lines.append(f"output format: {'dense' if shown.output_format is None else shown.output_format}")
     if shown.anchor is not None:
         lines.append(

@@ -159,10 +159,10 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         op = operands[plan.kernel.slots[argument.slot].operand]
         if argument.kind == "val" and not staged and not op.values.is_contiguous():
             stages.append(_contiguous_values(i))
-            pointers.append(_pointer(True, len(stages) - 1, "dense", -1))
+            pointers.append(_stage_data(len(stages) - 1))
         elif argument.kind in ("pos", "crd") and op.index_dtype != index_dtype:
             stages.append(_widened(staged, i, argument.kind, argument.level, index_dtype))
-            pointers.append(_pointer(True, len(stages) - 1, "dense", -1))
+            pointers.append(_stage_data(len(stages) - 1))
         else:
             pointers.append(_pointer(staged, i, argument.kind, argument.level))
     entry = plan.load()
@@ -200,6 +200,11 @@ def _widened(staged: bool, i: int, kind: str, level: int, index_dtype: torch.dty
     if staged:
         return lambda ops, made: getattr(made[i], kind)[level].to(index_dtype)
     return lambda ops, made: getattr(ops[i], kind)[level].to(index_dtype)
+
+
+def _stage_data(k: int) -> Pointer:
+    """The data pointer of the tensor stage ``k`` made."""
+    return lambda ops, made: made[k].data_ptr()
 
 
 def _pointer(staged: bool, i: int, kind: str, level: int) -> Pointer:
