@@ -19,8 +19,12 @@ from sparsenn.formats import (
     from_torch,
     parse_format,
 )
+from sparsenn.formats.arithmetic import install_arithmetic
+from sparsenn.compiler.operators import ARITHMETIC
 from sparsenn.layers import SparseGCNConv, SparseLinear
 from sparsenn.convert import ConversionReport, convert
+
+install_arithmetic(ARITHMETIC)  # SparseTensor's + - * @ run through the compiler
 
 __version__ = "0.1.0"
 

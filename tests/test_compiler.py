@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 import re
 
@@ -666,24 +667,79 @@ def test_row_blocked_inner_reductions(dtype, index_dtype, k):
     assert "sn_hsums(" not in kernel_body("ij,ijk,jk->ij", a, w, y)
 
 
-def test_hsums_transpose_and_add():
-    # Lane l of every paired vector holds row l mod s; every row ends in its own lane.
-    from sparsenn.compiler.backend.codegen import _hsums_source
+HSUM_ROWS, HSUM_VECTORS = (1, 2, 4, 8, 16, 32), (1, 2, 3)
 
-    text = _hsums_source(8, 4, 2)
-    assert "SN_SHUFFLE(s0, s1, 0, 8, 2, 10, 4, 12, 6, 14) + SN_SHUFFLE(s0, s1, 1, 9, 3, 11, 5, 13, 7, 15)" in text
-    assert "SN_SHUFFLE(t1, t2, 0, 1, 8, 9, 4, 5, 12, 13) + SN_SHUFFLE(t1, t2, 2, 3, 10, 11, 6, 7, 14, 15)" in text
-    assert "std::memcpy(out + 0, &t4, 4 * sizeof(V))" in text
-    assert "const VV s0 = acc[0][0];" in _hsums_source(8, 4, 1)
-    # More rows than lanes: groups of one vector's width.
-    assert "std::memcpy(out + 2, &t2, 2 * sizeof(V))" in _hsums_source(2, 4, 1)
-    # One vector's sum: halves folded onto the low lanes, in the order of a lane loop's tree.
-    assert "const VV t1 = v + SN_SHUFFLE(v, v, 4, 5, 6, 7, 4, 5, 6, 7);" in text
-    assert "const VV t3 = t2 + SN_SHUFFLE(t2, t2, 1, 1, 2, 3, 4, 5, 6, 7);\n  return t3[0];" in text
+
+def hsum_reference(lanes: np.ndarray, group: int) -> np.ndarray:
+    """The runtime header's horizontal sums in its order: the vectors ``lanes`` paired
+    level by level (in a vector holding s rows lane l holds row l mod s; the pair's lanes
+    l and l + s of each block of 2s add up), then halves folded until ``group`` lanes
+    remain; returns those lanes, one per row."""
+    w = lanes.shape[1]
+    level, s = list(lanes), 1
+    while len(level) > 1:
+        # Lane l of the pair's low pick: lane l of a, or lane l - s of b, within its block.
+        low = [l - l % (2 * s) + (l % (2 * s) if l % (2 * s) < s else w + l % (2 * s) - s) for l in range(w)]
+        high = [i + s for i in low]
+        level = [np.concatenate([a, b])[low] + np.concatenate([a, b])[high] for a, b in zip(level[::2], level[1::2])]
+        s *= 2
+    v, live = level[0], w
+    while live > group:
+        live //= 2
+        v = v + v[[l + live if l < live else l for l in range(w)]]
+    return v[:group]
+
+
+@pytest.mark.parametrize("vector_bytes", [8, 16, 32, 64])
+@pytest.mark.parametrize("value", ["float", "double"])
+def test_hsums_transpose_and_add(value, vector_bytes):
+    """sn_hsum and sn_hsums of the kernel header, for every vector width and row count,
+    summed bit for bit in the documented order (vectors of any width compile on any host)."""
+    from sparsenn.compiler.backend import jit
+
+    dtype = np.float32 if value == "float" else np.float64
+    cases = "\n".join(f"  if (rows == {r} && vectors == {a}) return run<{r}, {a}>(in, out);"
+                       for r in HSUM_ROWS for a in HSUM_VECTORS)
+    lib = jit.load_library(f"""#define SN_VALUE {value}
+#define SN_INDEX int32_t
+#define SN_VECTOR_BYTES {vector_bytes}
+#include "sparsenn_kernel.h"
+template <int R, int A> static void run(const V* in, V* out) {{
+  VV acc[R][A];
+  std::memcpy(acc, in, sizeof acc);
+  sn_hsums(acc, out);
+}}
+extern "C" void hsums(int rows, int vectors, const V* in, V* out) {{
+{cases}
+}}
+extern "C" V hsum(const V* in) {{ return sn_hsum(sn_load(in)); }}
+""", "hsums")
+    ctype = ctypes.c_float if value == "float" else ctypes.c_double
+    lib.hsum.restype, lib.hsum.argtypes = ctype, [ctypes.c_void_p]
+    lib.hsums.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    w = vector_bytes // dtype().itemsize
+    rng = np.random.default_rng(vector_bytes)
+    for rows in HSUM_ROWS:
+        for vectors in HSUM_VECTORS:
+            acc = rng.standard_normal((rows, vectors, w)).astype(dtype)
+            out = np.full(rows, np.nan, dtype=dtype)
+            lib.hsums(rows, vectors, acc.ctypes.data, out.ctypes.data)
+            sums = acc[:, 0]
+            for v in range(1, vectors):
+                sums = sums + acc[:, v]
+            group = min(rows, w)
+            expected = np.concatenate([hsum_reference(sums[g : g + group], group) for g in range(0, rows, group)])
+            np.testing.assert_array_equal(out, expected, err_msg=f"rows={rows} vectors={vectors}")
+            np.testing.assert_allclose(out, acc.sum(axis=(1, 2)), rtol=1e-4, atol=1e-4)
+    v = rng.standard_normal(w).astype(dtype)
+    assert lib.hsum(v.ctypes.data) == hsum_reference(v[None], 1)[0]
 
 
 def test_prefetches_go_to_l2():
     # prefetcht1: prefetcht0's lines would wait for the L1's few miss buffers.
+    from sparsenn.compiler.backend import jit
+
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
-    text = sparsenn.explain("ij,jk->ik", a, torch.randn(70, 32))
-    assert "__builtin_prefetch((const char*)p + b, 0, 2)" in text
+    assert "sn_prefetch(d" in sparsenn.explain("ij,jk->ik", a, torch.randn(70, 32))
+    header = (jit.RUNTIME_HEADERS / "sparsenn_kernel.h").read_text()
+    assert "__builtin_prefetch((const char*)p + b, 0, 2)" in header

@@ -7,6 +7,7 @@ import hashlib
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -14,6 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
+import zipfile
 
 import pytest
 import torch
@@ -300,3 +302,59 @@ def test_gcc_only_flags_are_not_passed_to_clang() -> None:
     assert set(jit.GCC_FLAGS) <= set(jit.compiler_flags("g++ (Debian 12.2.0-14) 12.2.0"))
     assert not set(jit.GCC_FLAGS) & set(jit.compiler_flags("Ubuntu clang version 17.0.6"))
     assert set(jit.CXX_FLAGS) <= set(jit.compiler_flags("Apple clang version 15.0.0"))
+
+
+def header_source() -> str:
+    """A new kernel that includes a runtime header and returns ``ANSWER`` from it."""
+    return f'// {uuid.uuid4().hex}\n#include "answer.h"\nextern "C" int answer() {{ return ANSWER; }}\n'
+
+
+def test_runtime_headers_are_on_the_include_path_and_in_the_key(
+    cache: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    headers = tmp_path / "runtime"
+    headers.mkdir()
+    (headers / "answer.h").write_text("#define ANSWER 41\n")
+    monkeypatch.setattr(jit, "RUNTIME_HEADERS", headers)
+    source = header_source()
+    assert jit.load_library(source, "answer").answer() == 41
+    # Editing a header gives the same source a new cache entry, built with the new header.
+    (headers / "answer.h").write_text("#define ANSWER 42\n")
+    monkeypatch.setattr(jit, "_libraries", {})
+    assert jit.load_library(source, "answer").answer() == 42
+    assert len(list(cache.glob("answer_*.so"))) == 2
+    (headers / "answer.h").write_text("#define ANSWER 41\n")
+    monkeypatch.setattr(jit, "_libraries", {})
+    mtimes = {p: p.stat().st_mtime_ns for p in cache.glob("*.so")}
+    assert jit.load_library(source, "answer").answer() == 41  # served from the cache
+    assert {p: p.stat().st_mtime_ns for p in cache.glob("*.so")} == mtimes
+
+
+def test_kernels_build_against_the_shipped_headers(cache: pathlib.Path) -> None:
+    names = sorted(f.name for f in jit.RUNTIME_HEADERS.iterdir() if f.name.endswith(".h"))
+    assert names == ["sparsenn_assembly.h", "sparsenn_kernel.h"]
+    source = (
+        "#define SN_VALUE double\n#define SN_INDEX int64_t\n#define SN_VECTOR_BYTES 32\n"
+        '#include "sparsenn_kernel.h"\n#include "sparsenn_assembly.h"\n'
+        'extern "C" int lanes() { return SN_W; }\n'
+    )
+    assert jit.load_library(source, "headers").lanes() == 4
+
+
+def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
+    """A non-editable install has every header the JIT reads (package data)."""
+    pytest.importorskip("setuptools")
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    shutil.copytree(REPO_ROOT / "sparsenn", source / "sparsenn", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist")],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = (tmp_path / "dist").glob("sparsenn-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    headers = [f.name for f in jit.RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")]
+    assert headers and {f"sparsenn/compiler/backend/runtime/{name}" for name in headers} <= shipped

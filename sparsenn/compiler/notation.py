@@ -7,7 +7,10 @@ position; user-chosen names are kept only for display and never reach generated 
 
 Two front ends build it:
 
-* :func:`parse_einsum` — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit output);
+* :func:`parse_einsum` — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit output)
+  in their core form: one letter per dimension, none twice in an operand. Ellipses,
+  diagonals and size-1 broadcasting are rewritten into that form first
+  (:mod:`sparsenn.compiler.equation`);
 * :func:`parse_expression` — index notation for sums of products,
   ``"D[i,j] = A[i,k] * B[k,j] + C[i,j]"``, with ``+``, ``-``, ``*`` and parentheses
   (products are distributed over sums).
@@ -81,6 +84,9 @@ class Assignment:
         return tuple(i for i in term.indices if i not in self.output)
 
     def __str__(self) -> str:
+        """``Out[i] = A[i] - 0.5 * sum_{k} B[i,k] * C[k]``: a coefficient ``c`` prints as
+        its sign and, unless ``|c| = 1``, ``|c| *`` (so a ``0 * M`` term stays visible)."""
+
         def access(a: Access) -> str:
             return f"{self.operand_names[a.operand]}[{','.join(a.indices)}]"
 
@@ -91,9 +97,17 @@ class Assignment:
             red = self.reduction_indices(term)
             if red:
                 body = f"sum_{{{','.join(red)}}} {body}"
+            if abs(term.coefficient) != 1.0:
+                body = f"{_magnitude(term.coefficient)} * {body}"
             parts.append(body if n == 0 and sign == "+" else f"{sign} {body}")
         out = f"Out[{','.join(self.output)}]"
         return f"{out} = {' '.join(parts)}".replace("= - ", "= -")
+
+
+def _magnitude(coefficient: float) -> str:
+    """``|c|`` as the shortest text that reads back as it: ``0.5``, ``2``, ``0``, ``1e-08``."""
+    text = repr(abs(float(coefficient)))
+    return text.removesuffix(".0")
 
 
 def _check_access(indices: tuple[str, ...], where: str) -> None:
@@ -119,7 +133,8 @@ def parse_einsum(equation: str, num_operands: int) -> Assignment:
     if eq.count("->") > 1:
         raise NotationError(f"einsum equation {equation!r} has more than one '->'")
     if "..." in eq:
-        raise NotationError(f"einsum equation {equation!r}: ellipsis '...' is not supported")
+        raise NotationError(f"einsum equation {equation!r}: ellipsis '...' must be expanded first "
+                            "(sparsenn.compiler.equation.normalise)")
     lhs, arrow, rhs = eq.partition("->")
     bad = set(re.sub(r"[A-Za-z,]", "", lhs)) | set(re.sub(r"[A-Za-z]", "", rhs))
     if bad:

@@ -2,7 +2,9 @@
 
 Each operator is an index-notation expression (``C[a,b] = A[a,b] + B[a,b]``,
 ``einsum("ij,jk->ik")``), so its kernel, output format and schedule come from the
-same pipeline as every other expression.
+same pipeline as every other expression. ``SparseTensor``'s operators call them through
+:data:`ARITHMETIC`, which ``sparsenn`` installs into ``formats`` on import (storage
+never imports the compiler).
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from numbers import Number
 
 import torch
 
+from sparsenn.formats import SparseTensor
+from sparsenn.formats.arithmetic import Arithmetic
+
 from .runtime.api import CompiledExpression, compile_expression, einsum
 
-__all__ = ["add", "subtract", "multiply", "matmul"]
+__all__ = ["add", "subtract", "multiply", "matmul", "ARITHMETIC"]
 
 _LETTERS = "abcdefgh"
 
@@ -26,8 +31,6 @@ def _elementwise(rank: int, op: str) -> CompiledExpression:
 
 
 def _check_operand(x, name: str) -> None:
-    from sparsenn.formats import SparseTensor
-
     if not isinstance(x, (SparseTensor, torch.Tensor)):
         raise TypeError(f"{name} must be a SparseTensor or torch.Tensor, got {type(x).__name__}")
 
@@ -73,3 +76,6 @@ def matmul(a, b):
     if equation is None:
         raise ValueError(f"@ is not supported between shapes {tuple(a.shape)} and {tuple(b.shape)}")
     return einsum(equation, a, b)
+
+
+ARITHMETIC = Arithmetic(add=add, subtract=subtract, multiply=multiply, matmul=matmul)

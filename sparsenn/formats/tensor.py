@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from sparsenn.formats import export
+from sparsenn.formats.arithmetic import arithmetic
 from sparsenn.formats.construct import Constructors
 from sparsenn.formats.format import Format, parse_format
 from sparsenn.formats.pack import logical_coords, pack, unpack
@@ -170,26 +171,21 @@ class SparseTensor(Constructors):
                 f"dtype={self.dtype}, index_dtype={self.index_dtype})")
 
     # ------------------------------------------------------------ arithmetic
-    # Computed by the sparse einsum compiler (sparsenn.compiler.operators).
+    # Computed by the operations the compiler installs (see sparsenn.formats.arithmetic).
     def __add__(self, other):
-        from sparsenn.compiler import operators
-        return operators.add(self, other)
+        return arithmetic().add(self, other)
 
     def __radd__(self, other):
-        from sparsenn.compiler import operators
-        return operators.add(other, self)
+        return arithmetic().add(other, self)
 
     def __sub__(self, other):
-        from sparsenn.compiler import operators
-        return operators.subtract(self, other)
+        return arithmetic().subtract(self, other)
 
     def __rsub__(self, other):
-        from sparsenn.compiler import operators
-        return operators.subtract(other, self)
+        return arithmetic().subtract(other, self)
 
     def __mul__(self, other):
-        from sparsenn.compiler import operators
-        return operators.multiply(self, other)
+        return arithmetic().multiply(self, other)
 
     __rmul__ = __mul__
 
@@ -197,12 +193,10 @@ class SparseTensor(Constructors):
         return self.with_values(-self.values)
 
     def __matmul__(self, other):
-        from sparsenn.compiler import operators
-        return operators.matmul(self, other)
+        return arithmetic().matmul(self, other)
 
     def __rmatmul__(self, other):
-        from sparsenn.compiler import operators
-        return operators.matmul(other, self)
+        return arithmetic().matmul(other, self)
 
     # ------------------------------------------------------------ views of storage
     def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:

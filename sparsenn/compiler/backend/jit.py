@@ -1,7 +1,8 @@
 """Compile generated C++ kernels to shared libraries, cache them on disk and load them.
 
-Kernels are self-contained C++17 sources with ``extern "C"`` entry points. Each is
-built once per (source, flags, compiler, CPU) into a private cache directory, with a
+Kernels are C++17 sources with ``extern "C"`` entry points that may include the runtime
+headers shipped in ``runtime/`` (:data:`RUNTIME_HEADERS`). Each is built once per
+(source, runtime headers, flags, compiler, CPU) into a private cache directory, with a
 checksum beside it, and loaded with :class:`ctypes.CDLL` (which releases the GIL
 during calls).
 """
@@ -13,6 +14,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import importlib.resources
 import os
 import pathlib
 import platform
@@ -36,14 +38,15 @@ CXX_FLAGS = (
 )
 # GCC only (clang rejects the option): the generated code vectorises where the schedule
 # says so (vector register blocks, ``omp simd`` reductions, which GCC vectorises whatever
-# the cost model), and GCC's own loop vectoriser then only takes loops it can vectorise
-# without runtime checks or remainder loops. With its default model it turned loops
-# over stored entries into AVX-512 gathers and short dense loops (k = 7) into versioned
-# vector loops: SpMV 1.25-1.4x and SpMM k = 7 1.2x slower on this machine.
+# the cost model), so GCC's own loop vectoriser only takes loops it can vectorise
+# without runtime checks or remainder loops; its default model turns loops over stored
+# entries into gathers and short dense loops into versioned vector loops, both slower.
 GCC_FLAGS = ("-fvect-cost-model=very-cheap",)
 # Bump when the cache layout or build procedure changes, to invalidate old entries.
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 BUILD_TIMEOUT_S = 600
+# The runtime headers (``*.h``) kernels may include, e.g. ``#include "sparsenn_kernel.h"``.
+RUNTIME_HEADERS = importlib.resources.files(__package__) / "runtime"
 _MAX_NAME_LEN = 40
 _MAX_LOG_CHARS = 4000
 
@@ -205,11 +208,21 @@ def compiler_flags(version: str) -> tuple[str, ...]:
     return CXX_FLAGS if "clang" in version.lower() else CXX_FLAGS + GCC_FLAGS
 
 
-def _cache_key(source: str, compiler: tuple[str, ...]) -> str:
+def _runtime_headers() -> dict[str, bytes]:
+    """Name and contents of each runtime header, by name: what a build compiles against."""
+    files = sorted((f for f in RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")), key=lambda f: f.name)
+    return {f.name: f.read_bytes() for f in files}
+
+
+def _cache_key(source: str, compiler: tuple[str, ...], headers: dict[str, bytes]) -> str:
     digest = hashlib.sha256()
     compiler_id = _compiler_version(compiler)
-    for part in (FORMAT_VERSION, " ".join(compiler_flags(compiler_id)), compiler_id, _cpu_identity(), source):
-        digest.update(part.encode())
+    texts = [FORMAT_VERSION, " ".join(compiler_flags(compiler_id)), compiler_id, _cpu_identity(), source]
+    parts = [text.encode() for text in texts]
+    for name, contents in headers.items():
+        parts += [name.encode(), contents]
+    for part in parts:
+        digest.update(part)
         digest.update(b"\0")
     return digest.hexdigest()
 
@@ -224,14 +237,14 @@ def _sanitise(name: str) -> str:
 
 def _load_or_build(source: str, name: str) -> ctypes.CDLL:
     """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
-    compiler = _compiler()
-    key = _cache_key(source, compiler)
+    compiler, headers = _compiler(), _runtime_headers()
+    key = _cache_key(source, compiler, headers)
     root = cache_dir()
     so_path = root / f"{name}_{key[:24]}.so"
     with _file_lock(root / f"{key}.lock"):
         lib = _load_cached(so_path)
         if lib is None:
-            _build(source, so_path, compiler, key)
+            _build(source, headers, so_path, compiler, key)
             lib = ctypes.CDLL(str(so_path))
     return lib
 
@@ -275,13 +288,19 @@ def _checksum_path(so_path: pathlib.Path) -> pathlib.Path:
     return so_path.with_name(so_path.name + ".sha256")
 
 
-def _build(source: str, so_path: pathlib.Path, compiler: tuple[str, ...], key: str) -> None:
-    """Compile ``source`` in a private temp dir and atomically move the result to ``so_path``."""
+def _build(
+    source: str, headers: dict[str, bytes], so_path: pathlib.Path, compiler: tuple[str, ...], key: str
+) -> None:
+    """Compile ``source`` in a private temp dir, with a copy of the ``headers`` its key
+    covers on the include path, and atomically move the result to ``so_path``."""
     root = so_path.parent
     build_dir = pathlib.Path(tempfile.mkdtemp(prefix=".build-", dir=root))
     try:
         src, out = build_dir / "kernel.cpp", build_dir / "kernel.so"
         src.write_text(source)
+        (build_dir / "include").mkdir()
+        for name, text in headers.items():
+            (build_dir / "include" / name).write_bytes(text)
         ok, log = _compile(compiler, build_dir, src.name, out.name)
         if not ok:
             failed = root / "failed" / f"{key}.cpp"
@@ -303,7 +322,8 @@ def _compile(
     compiler: tuple[str, ...], build_dir: pathlib.Path, src: str, out: str
 ) -> tuple[bool, str]:
     """Compile ``build_dir/src`` to ``build_dir/out``; returns (success, compiler output)."""
-    ninja, flags = _ninja(), compiler_flags(_compiler_version(compiler))
+    ninja = _ninja()
+    flags = (*compiler_flags(_compiler_version(compiler)), "-I", str(build_dir / "include"))
     if ninja is None:
         command = [*compiler, *flags, src, "-o", out]
     else:

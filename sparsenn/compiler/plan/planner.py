@@ -22,7 +22,6 @@ of three or more factors may instead run as pairwise contractions
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,8 +30,8 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor, parse_format
 
-from ..backend import jit
-from ..backend.codegen import generate_source, slot_arrays
+from ..backend import abi, jit
+from ..backend.codegen import generate_source
 from ..lower.nest import LoweredKernel, lower
 from ..notation import Assignment
 from ..runtime.cache import LRUCache
@@ -40,7 +39,7 @@ from .contract import Step, best_path
 from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
-__all__ = ["Argument", "EntryPoints", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
+__all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
            "PARALLEL_MIN_WORK", "operand_info", "plan_call", "build_kernel", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 
@@ -65,23 +64,13 @@ class Argument:
 
 
 @dataclass(frozen=True)
-class EntryPoints:
-    """A loaded kernel's C entry points (``finish``, ``sizes``, ``free``: assembled sparse outputs only)."""
-
-    run: Callable  # int sn_run(void* const* arrays, const int64_t* dims, int nthreads, void** handle)
-    finish: Callable | None = None  # int sn_finish(void* handle, void* const* out, int wide, int nthreads)
-    sizes: Callable | None = None  # void sn_sizes(void* handle, int64_t* sizes)
-    free: Callable | None = None  # void sn_free(void* handle)
-
-
-@dataclass(frozen=True)
 class Generated:
     """What :func:`build_kernel` returns."""
 
     kernel: LoweredKernel
     source: str
     arguments: tuple[Argument, ...]
-    load: Callable[[], EntryPoints]
+    load: Callable[[], abi.EntryPoints]
 
 
 @dataclass(frozen=True)
@@ -107,7 +96,7 @@ class Plan:
     source: str
     arguments: tuple[Argument, ...]
     output_permutation: tuple[int, ...] | None
-    load: Callable[[], EntryPoints] = field(compare=False, repr=False)
+    load: Callable[[], abi.EntryPoints] = field(compare=False, repr=False)
 
     @property
     def assembles(self) -> bool:
@@ -258,27 +247,19 @@ def _build_plan(assignment: Assignment, formats: tuple[Format | None, ...], outp
 def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None,
                  dtype: torch.dtype, index_dtype: torch.dtype) -> Generated:
     """Everything the runtime asks of the back end: lower ``sched`` to a kernel, print
-    its C++, list its array arguments in order, and a loader that builds (or finds in
-    the kernel cache) the library and declares its entry points' C signatures."""
+    its C++, list its array arguments in the ABI's order (``backend/abi.py``), and a
+    loader that builds (or finds in the kernel cache) the library and binds its entry
+    points with their C signatures."""
     kernel = lower(assignment, sched, formats, anchor)
     source = generate_source(kernel, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
     arguments = tuple(
         Argument(n, "dense" if slot.fmt is None else kind, level)
         for n, slot in enumerate(kernel.slots)
-        for kind, level in slot_arrays(slot)
+        for kind, level in abi.slot_arrays(slot)
     )
 
-    def load() -> EntryPoints:
-        library = jit.load_library(source, "sparse_einsum")
-        run = library.sn_run
-        run.restype, run.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        if kernel.dense_output:
-            return EntryPoints(run)
-        finish, sizes, free = library.sn_finish, library.sn_sizes, library.sn_free
-        finish.restype, finish.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-        sizes.restype, sizes.argtypes = None, [ctypes.c_void_p, ctypes.c_void_p]
-        free.restype, free.argtypes = None, [ctypes.c_void_p]
-        return EntryPoints(run, finish, sizes, free)
+    def load() -> abi.EntryPoints:
+        return abi.bind(jit.load_library(source, "sparse_einsum"), assembles_sparse_output=not kernel.dense_output)
 
     return Generated(kernel, source, arguments, load)
 

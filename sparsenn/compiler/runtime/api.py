@@ -11,6 +11,7 @@ from dataclasses import replace
 from sparsenn.formats import SparseTensor
 
 from ..autograd import differentiable_evaluate
+from ..equation import broadcast_size_one, normalise
 from ..notation import Assignment, parse_einsum, parse_expression
 from ..plan.planner import Plan, operand_info, plan_call
 from ..plan.schedule import Schedule
@@ -43,7 +44,16 @@ def einsum(equation: str, *operands, out_format=None):
     sparse), ``"dense"`` asks for a tensor, a format name or :class:`Format` for that
     format, and ``"auto"`` infers, then returns a tensor when the inferred sparse result
     is estimated to be at least 1/8 full (a result type that depends on the data).
+    The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
     """
+    equation, operands = normalise(equation, operands)
+    try:
+        return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
+    except ValueError:
+        broadcast = broadcast_size_one(equation, operands)  # sizes 1 that torch broadcasts
+        if broadcast is None:
+            raise
+    equation, operands = broadcast
     return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
 
 
@@ -111,6 +121,7 @@ def _plan(assignment: Assignment, checked: Checked) -> Plan:
 def explain(equation: str, *operands, out_format=None) -> str:
     """The parsed notation, output format, loop orders with reasons, workspace, tiles
     and generated C++ for ``einsum(equation, *operands)``."""
+    equation, operands = normalise(equation, operands)
     return _explain(parse(equation, len(operands)), operands, out_format)
 
 

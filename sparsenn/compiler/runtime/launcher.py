@@ -23,7 +23,8 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
-from ..plan.planner import EntryPoints, Plan, ShapePlan, runs_parallel
+from ..backend.abi import EntryPoints, finish_arrays
+from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .restore import restored_as
 
 __all__ = ["Launch", "bind", "uninitialised"]
@@ -105,26 +106,24 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
         if handle.value:
             entry.free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
-    counts = (ctypes.c_int64 * (2 * rank + 1))()
-    entry.sizes(handle, counts)
+    sizes = entry.output_sizes(handle, rank)
     level_dims = [launch.out_shape[m] for m in fmt.mode_order]
-    wide = launch.index_dtype == torch.int64 or max([counts[2 * rank], *level_dims, 0]) >= 2**31 - 1
+    wide = launch.index_dtype == torch.int64 or max([sizes.values, *level_dims, 0]) >= 2**31 - 1
     idx = torch.int64 if wide else torch.int32
     pos: list = [None] * rank
     crd: list = [None] * rank
-    arrays = []
     parents = math.prod(level_dims[: fmt.dense_prefix])
     for level in range(fmt.dense_prefix, rank):
-        n_crd, n_cnt = counts[2 * level], counts[2 * level + 1]
-        if level > 0 and n_cnt != parents:
+        if level > 0 and sizes.counts[level] != parents:
             entry.free(handle)
-            raise RuntimeError(f"internal error: output level {level} has {n_cnt} counts, expected {parents}")
-        pos[level] = torch.empty(parents + 1, dtype=idx)  # the root has one position
-        crd[level] = torch.empty(n_crd, dtype=idx)
-        arrays += [pos[level], crd[level]]
-        parents = n_crd
-    values = torch.empty(counts[2 * rank], dtype=launch.dtype)
-    arrays.append(values)
+            raise RuntimeError(f"internal error: output level {level} has {sizes.counts[level]} counts, "
+                               f"expected {parents}")
+        pos[level] = torch.empty(sizes.positions(level), dtype=idx)
+        crd[level] = torch.empty(sizes.coordinates[level], dtype=idx)
+        parents = sizes.coordinates[level]
+    values = torch.empty(sizes.values, dtype=launch.dtype)
+    arrays = [values if kind == "val" else (pos if kind == "pos" else crd)[level]
+              for kind, level in finish_arrays(rank, fmt.dense_prefix)]
     if entry.finish(handle, (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays]), int(wide),
                     threads) != 0:
         raise MemoryError("sparsenn kernel ran out of memory while assembling its output")

@@ -1,0 +1,141 @@
+/* What every generated sparsenn kernel needs: its value and index types, SIMD vectors
+   with unaligned loads and stores, horizontal sums, prefetch and a balanced split of a
+   compressed level. Standard library only (no PyTorch headers: kernels build fast).
+
+   The including translation unit defines first:
+     SN_VALUE         the value type V (float or double)
+     SN_INDEX         the index type I (int32_t or int64_t)
+     SN_VECTOR_BYTES  the SIMD vector width in bytes (a power of two, 8 to 64) */
+#ifndef SPARSENN_KERNEL_H
+#define SPARSENN_KERNEL_H
+
+#if !defined(SN_VALUE) || !defined(SN_INDEX) || !defined(SN_VECTOR_BYTES)
+#error "define SN_VALUE, SN_INDEX and SN_VECTOR_BYTES before including sparsenn_kernel.h"
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <type_traits>
+#include <utility>
+
+typedef SN_VALUE V;
+typedef SN_INDEX I;
+
+/* SIMD vectors of V for register-blocked loops (GCC/Clang vector extensions). */
+typedef V VV __attribute__((vector_size(SN_VECTOR_BYTES)));
+constexpr int SN_W = (int)(sizeof(VV) / sizeof(V));
+static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
+              "SN_VECTOR_BYTES must be a power-of-two multiple of sizeof(V)");
+static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
+static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
+
+/* Lanes of a and b picked by constant indices (b's lanes numbered from SN_W). */
+typedef std::conditional<sizeof(V) == 8, int64_t, int32_t>::type sn_lane_index;
+typedef sn_lane_index VI __attribute__((vector_size(SN_VECTOR_BYTES)));
+#if defined(__clang__)
+#define SN_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SN_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (VI){__VA_ARGS__})
+#endif
+typedef std::make_integer_sequence<int, SN_W> sn_lanes;
+
+/* Horizontal sums as trees of shuffles and adds (log2(SN_W) dependent adds, no round
+   trip through memory), unrolled by parameter packs (L over lanes, P over vectors) so
+   that every lane index is a constant. sn_fold<h> adds lanes [h, 2h) onto lanes
+   [0, h); sn_pair<s> takes vectors a, b whose lanes hold s rows each (lane l holds row
+   l mod s) and adds lanes l and l + s of each block of 2s lanes, giving one vector
+   whose lanes hold the 2s rows. */
+constexpr int sn_fold_lane(int h, int l) { return l < h ? l + h : l; }
+constexpr int sn_pair_lane(int s, int l) {
+  return l / (2 * s) * 2 * s + (l % (2 * s) < s ? l % (2 * s) : SN_W + l % (2 * s) - s);
+}
+
+template <int H, int... L>
+static inline VV sn_fold(VV v, std::integer_sequence<int, L...>) {
+  return v + SN_SHUFFLE(v, v, sn_fold_lane(H, L)...);
+}
+
+template <int S, int... L>
+static inline VV sn_pair(VV a, VV b, std::integer_sequence<int, L...>) {
+  return SN_SHUFFLE(a, b, sn_pair_lane(S, L)...) + SN_SHUFFLE(a, b, (sn_pair_lane(S, L) + S)...);
+}
+
+/* v's first Live lanes halved by folds until Keep remain. */
+template <int Live, int Keep>
+static inline VV sn_fold_to(VV v) {
+  if constexpr (Live > Keep) {
+    return sn_fold_to<Live / 2, Keep>(sn_fold<Live / 2>(v, sn_lanes{}));
+  } else {
+    return v;
+  }
+}
+
+/* N vectors whose lanes hold S rows each, paired level by level into one. */
+template <int S, int N, int... P>
+static inline VV sn_transpose_add(const VV (&v)[N], std::integer_sequence<int, P...>) {
+  if constexpr (N == 1) {
+    return v[0];
+  } else {
+    const VV next[N / 2] = {sn_pair<S>(v[2 * P], v[2 * P + 1], sn_lanes{})...};
+    return sn_transpose_add<2 * S>(next, std::make_integer_sequence<int, N / 4>{});
+  }
+}
+
+/* The sum of v's lanes. */
+static inline V sn_hsum(VV v) { return sn_fold_to<SN_W, 1>(v)[0]; }
+
+/* acc[0] + ... + acc[A - 1]. */
+template <int A, int... P>
+static inline VV sn_sum(const VV (&acc)[A], std::integer_sequence<int, P...>) {
+  return (acc[0] + ... + acc[P + 1]);
+}
+
+/* Rows [First, First + G) of s: transposed and added, then folded to G lanes. */
+template <int G, int First, int R, int... P>
+static inline void sn_hsums_group(const VV (&s)[R], V* out, std::integer_sequence<int, P...>) {
+  const VV group[G] = {s[First + P]...};
+  const VV total = sn_fold_to<SN_W, G>(sn_transpose_add<1>(group, std::make_integer_sequence<int, G / 2>{}));
+  std::memcpy(out + First, &total, G * sizeof(V));
+}
+
+template <int G, int R, int... P>
+static inline void sn_hsums_groups(const VV (&s)[R], V* out, std::integer_sequence<int, P...>) {
+  (sn_hsums_group<G, P * G>(s, out, std::make_integer_sequence<int, G>{}), ...);
+}
+
+template <int R, int A, int... P>
+static inline void sn_hsums_rows(const VV (&acc)[R][A], V* out, std::integer_sequence<int, P...>) {
+  const VV s[R] = {sn_sum(acc[P], std::make_integer_sequence<int, A - 1>{})...};
+  constexpr int G = R < SN_W ? R : SN_W;
+  sn_hsums_groups<G>(s, out, std::make_integer_sequence<int, R / G>{});
+}
+
+/* out[r] = the sum of the lanes of acc[r][0] + ... + acc[r][A - 1], for r < R (a power
+   of two): rows transposed and added in groups of min(R, SN_W), then halves folded
+   until the group's rows remain. */
+template <int R, int A>
+static inline void sn_hsums(const VV (&acc)[R][A], V* out) {
+  sn_hsums_rows(acc, out, std::make_integer_sequence<int, R>{});
+}
+
+/* Prefetch n bytes from p, a cache line (64 bytes) at a time, into L2 (prefetcht1):
+   the L1's few miss buffers would cap the lines in flight. */
+static inline void sn_prefetch(const V* p, int64_t n) {
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char*)p + b, 0, 2);
+}
+
+/* First coordinate r in [0, n] with pos[r] + r >= target (pos is non-decreasing). */
+template <class J>
+static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if ((int64_t)pos[mid] + mid < target) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+#endif

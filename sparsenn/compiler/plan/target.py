@@ -1,0 +1,121 @@
+"""The machine model: what the scheduler and lowerer may assume about the CPU.
+
+A :class:`Target` is read once from the host (:meth:`Target.host`) and passed
+explicitly to the stages that depend on the machine; tests construct one (e.g.
+``Target(l2_bytes=512 << 10)``) so that a schedule never depends on where the suite runs.
+
+* **Vectors.** ``vector_bytes`` is the SIMD width the kernels are written for: 32 bytes
+  on x86-64 with AVX2 (also on AVX-512 hosts, where GCC's ``-march=native`` prefers
+  256-bit vectors too), 16 on SSE-only x86-64 and on aarch64 (NEON).
+* **Caches.** ``l2_bytes`` is one core's private L2, the budget for tiles (half of it)
+  and the size under which gathered operands are not prefetched; ``llc_bytes`` the
+  shared last-level cache.
+* **Register blocks.** An output row strip-mined into registers takes
+  ``wide_register_block_vectors`` SIMD vectors when they divide it, else
+  ``register_block_vectors``; independent accumulators of a vector reduction:
+  ``register_block_vectors``.
+* **Reductions over stored entries.** ``sparse_accumulators`` interleaved sums; a
+  row block of ``row_block`` stored entries shares the loads of the factors they have
+  in common, with ``row_block_vectors`` SIMD accumulators per entry.
+* **Prefetch.** A loop over a fiber whose gathered dense operands exceed the L2
+  prefetches ``prefetch_ahead_bytes`` ahead (at most ``prefetch_max_distance``
+  positions, ``prefetch_max_bytes`` of each span): always when the operands take
+  ``prefetch_min_footprint`` of the last-level cache and the coordinate ahead is at
+  least ``prefetch_min_jump`` away, else only for fibers spread over half the range.
+* **Threads.** Nests with fewer than ``parallel_min_work`` expected innermost
+  iterations run on one thread: waking an OpenMP team costs more than the work.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from functools import lru_cache
+
+__all__ = ["Target"]
+
+_SYSFS_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A CPU as the compiler models it (see the module docstring for each field)."""
+
+    vector_bytes: int = 32
+    l2_bytes: int = 1 << 20
+    llc_bytes: int = 8 << 20
+    register_block_vectors: int = 4
+    wide_register_block_vectors: int = 8
+    sparse_accumulators: int = 4
+    row_block: int = 4
+    row_block_vectors: int = 1
+    prefetch_ahead_bytes: int = 4096
+    prefetch_max_distance: int = 64
+    prefetch_max_bytes: int = 1024
+    prefetch_min_footprint: float = 0.25
+    prefetch_min_jump: int = 8
+    parallel_min_work: int = 1 << 15
+
+    def __post_init__(self) -> None:
+        for name in ("vector_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
+                     "wide_register_block_vectors", "sparse_accumulators", "row_block", "row_block_vectors"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"Target.{name} must be a positive int, got {value!r}")
+        if self.vector_bytes & (self.vector_bytes - 1):
+            raise ValueError(f"Target.vector_bytes must be a power of two, got {self.vector_bytes}")
+        if self.row_block & (self.row_block - 1):
+            raise ValueError(f"Target.row_block must be a power of two, got {self.row_block}")
+
+    def lanes(self, itemsize: int) -> int:
+        """Elements of ``itemsize`` bytes per SIMD vector."""
+        return max(self.vector_bytes // itemsize, 1)
+
+    @staticmethod
+    @lru_cache(maxsize=1)
+    def host() -> Target:
+        """The machine this process runs on: vector width from the architecture and
+        CPU flags, cache sizes from sysfs (defaults where they cannot be read)."""
+        l2, llc = _cache_sizes()
+        return Target(vector_bytes=_host_vector_bytes(), l2_bytes=l2, llc_bytes=llc)
+
+
+def _host_vector_bytes() -> int:
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "")
+        except OSError:
+            flags = ""
+        return 32 if " avx2" in flags else 16
+    return 16
+
+
+def _cache_sizes() -> tuple[int, int]:
+    """(L2 per core, last-level cache) in bytes, read from sysfs."""
+    sizes: dict[int, int] = {}
+    try:
+        entries = os.listdir(_SYSFS_CACHES)
+    except OSError:
+        entries = []
+    for entry in entries:
+        try:
+            with open(f"{_SYSFS_CACHES}/{entry}/level") as f:
+                level = int(f.read())
+            with open(f"{_SYSFS_CACHES}/{entry}/type") as f:
+                kind = f.read().strip()
+            with open(f"{_SYSFS_CACHES}/{entry}/size") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if kind == "Instruction" or not text:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20}.get(text[-1], 1)
+        try:
+            sizes[level] = int(text.rstrip("KM")) * scale
+        except ValueError:
+            continue
+    l2 = sizes.get(2, 1 << 20)
+    return l2, sizes.get(3, max(l2, 8 << 20))

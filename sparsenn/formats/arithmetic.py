@@ -1,0 +1,46 @@
+"""Which functions compute ``SparseTensor``'s operators (``+``, ``-``, ``*``, ``@``).
+
+Storage does not compute: the sparse einsum compiler (a layer above ``formats``)
+supplies the four operations when ``sparsenn`` is imported, through
+:func:`install_arithmetic`. ``formats`` never imports the compiler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ["Arithmetic", "install_arithmetic", "arithmetic"]
+
+Binary = Callable[[object, object], object]
+
+
+@dataclass(frozen=True)
+class Arithmetic:
+    """``add(a, b) = a + b``, ``subtract(a, b) = a - b``, ``multiply(a, b) = a * b``
+    (elementwise, or scaling by a number) and ``matmul(a, b) = a @ b``."""
+
+    add: Binary
+    subtract: Binary
+    multiply: Binary
+    matmul: Binary
+
+
+_installed: list[Arithmetic] = []
+
+
+def install_arithmetic(operations: Arithmetic) -> None:
+    """Make ``operations`` compute SparseTensor's operators (replacing any earlier ones)."""
+    if not isinstance(operations, Arithmetic):
+        raise TypeError(f"expected an Arithmetic, got {type(operations).__name__}")
+    _installed[:] = [operations]
+
+
+def arithmetic() -> Arithmetic:
+    """The installed operations; RuntimeError if none were installed."""
+    if not _installed:
+        raise RuntimeError(
+            "SparseTensor arithmetic (+, -, *, @) is computed by the sparse einsum compiler, which "
+            "installs it when sparsenn is imported; none is installed (import sparsenn first)"
+        )
+    return _installed[0]

@@ -1,0 +1,143 @@
+"""Layering: storage (``sparsenn.formats``) never imports the compiler or the layers, the
+compiler never imports the layers, and every third-party module ``sparsenn`` imports is
+a declared dependency. Checked on the source (``ast``), so lazy imports inside
+functions count too."""
+
+from __future__ import annotations
+
+import ast
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn.formats import arithmetic
+
+PACKAGE = Path(sparsenn.__file__).parent
+ROOT = PACKAGE.parent
+# The repository's reference models, loaded by the CLI with an error naming the folder
+# when sparsenn runs outside a checkout; not part of the distribution.
+REPOSITORY_PACKAGES = {"models"}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_of(path: Path) -> str:
+    """The package a relative import in ``path`` starts from."""
+    name = module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports_of(source: str, package: str) -> set[str]:
+    """Absolute names of every module ``source`` (a module of ``package``) imports,
+    relative imports resolved, imports inside functions included."""
+    parts = package.split(".")
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)  # `from pkg import submodule`
+    return names
+
+
+def imported_modules(path: Path) -> set[str]:
+    return imports_of(path.read_text(), package_of(path))
+
+
+def modules_under(folder: str) -> list[Path]:
+    return sorted((PACKAGE / folder).rglob("*.py"))
+
+
+def offending(paths: list[Path], forbidden: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {}
+    for path in paths:
+        names = imported_modules(path)
+        bad = sorted(n for n in names if n in forbidden or n.startswith(tuple(f + "." for f in forbidden)))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+def test_formats_imports_neither_compiler_nor_layers() -> None:
+    paths = modules_under("formats")
+    assert len(paths) >= 5
+    # ``sparsenn`` itself re-exports the compiler: importing it from storage is an import of the compiler.
+    forbidden = ("sparsenn.compiler", "sparsenn.layers", "sparsenn.convert", "sparsenn.cli")
+    assert offending(paths, forbidden) == {}
+    top_level = {str(p): n for p in paths for n in imported_modules(p) if n == "sparsenn"}
+    assert top_level == {}
+
+
+def test_compiler_never_imports_layers() -> None:
+    paths = modules_under("compiler")
+    assert len(paths) >= 10
+    assert offending(paths, ("sparsenn.layers", "sparsenn.convert", "sparsenn.cli")) == {}
+
+
+def test_the_checker_resolves_relative_and_lazy_imports() -> None:
+    source = "def f():\n    from ..compiler import operators\n    import sparsenn.layers.linear\n"
+    names = imports_of(source, "sparsenn.formats")
+    assert {"sparsenn.compiler", "sparsenn.compiler.operators", "sparsenn.layers.linear"} <= names
+    assert package_of(PACKAGE / "formats" / "tensor.py") == "sparsenn.formats"
+    assert package_of(PACKAGE / "formats" / "__init__.py") == "sparsenn.formats"
+
+
+def test_operators_without_the_compiler_raise_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = sparsenn.from_dense(torch.eye(2), "csr")
+    monkeypatch.setattr(arithmetic, "_installed", [])
+    with pytest.raises(RuntimeError, match=r"arithmetic \(\+, -, \*, @\) is computed by the sparse einsum compiler"):
+        a + a
+    with pytest.raises(RuntimeError, match="import sparsenn first"):
+        a @ torch.ones(2)
+
+
+def test_install_rejects_other_objects() -> None:
+    with pytest.raises(TypeError, match="expected an Arithmetic, got dict"):
+        arithmetic.install_arithmetic({})
+
+
+def test_operators_are_installed_on_import() -> None:
+    a = sparsenn.from_dense(torch.eye(2, dtype=torch.float64), "csr")
+    assert torch.equal((a + a - a).to_dense(), torch.eye(2, dtype=torch.float64))
+    assert torch.equal(a @ torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+
+
+def normalised(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def declared_dependencies() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = set()
+    for requirement in project["dependencies"]:
+        name = requirement
+        for stop in "<>=!~[; ":
+            name = name.split(stop)[0]
+        names.add(normalised(name))
+    return names
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    """``import yaml`` in the CLI needs ``pyyaml`` in pyproject's dependencies."""
+    top_level = {n.split(".")[0] for p in sorted(PACKAGE.rglob("*.py")) for n in imported_modules(p)}
+    third_party = sorted(top_level - set(sys.stdlib_module_names) - {"sparsenn", "__future__"} - REPOSITORY_PACKAGES)
+    assert "yaml" in third_party and "torch" in third_party
+    distributions = packages_distributions()
+    declared = declared_dependencies()
+    undeclared = {
+        module: distributions.get(module, [module])
+        for module in third_party
+        if not any(normalised(d) in declared for d in distributions.get(module, [module]))
+    }
+    assert undeclared == {}
