@@ -129,7 +129,10 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     checked = check_call(assignment, operands, out_format)
     lines = [f"expression: {assignment}"]
     for n, (op, given) in enumerate(zip(checked.operands, operands)):
-        desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense {tuple(op.shape)}"
+        if isinstance(op, SparseTensor):
+            desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}"
+        else:
+            desc = f"dense {tuple(op.shape)}"
         if isinstance(given, SparseTensor) and given.format.block is not None:
             desc += f" (given as {given.format}: kernels iterate blocked operands as their unblocked levels)"
         lines.append(f"  {describe_operand(assignment, n)}: {desc}")

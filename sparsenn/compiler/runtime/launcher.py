@@ -27,10 +27,10 @@ from ..backend.abi import EntryPoints, finish_arrays
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .restore import restored_as
 
-__all__ = ["Launch", "bind", "uninitialised"]
+__all__ = ["Launch", "Assembly", "bind", "uninitialised"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
-Pointer = Callable[[Sequence, list | None], int]  # (operands, stages' results) -> an argument's data pointer
+Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
 
 
 def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
@@ -38,6 +38,18 @@ def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
     memory for a kernel that stores every element of its output (the test suite fills
     it with NaN, so an element a kernel skips shows)."""
     return torch.empty(*size, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """The layout of an assembled sparse output, fixed by its format and shape: its
+    extents in storage order, how many leading levels are dense, and the order of the
+    arrays ``sn_finish`` fills (``abi.finish_arrays``)."""
+
+    fmt: Format
+    level_dims: tuple[int, ...]
+    dense_prefix: int
+    finish_order: tuple[tuple[str, int], ...]
 
 
 @dataclass(frozen=True)
@@ -50,9 +62,10 @@ class Launch:
     dims: ctypes.Array
     parallel: bool
     stages: tuple[Stage, ...]
-    pointers: tuple[Pointer, ...]
+    pointers: Pointers
     array_type: type  # ctypes array of the kernel's array arguments (and a dense output)
     allocation: tuple  # torch.empty arguments of the dense output (or the anchor's values)
+    assembly: Assembly | None  # a sparse output the kernel assembles
     out_shape: tuple[int, ...]
     dtype: torch.dtype
     index_dtype: torch.dtype
@@ -78,7 +91,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
             made = []
             for stage in stages:
                 made.append(stage(operands, made))
-        arguments = [pointer(operands, made) for pointer in pointers]
+        arguments = pointers(operands, made)
         threads = torch.get_num_threads() if parallel else 1
         if assembles:
             result = _assembled(launch, arguments, threads)
@@ -99,7 +112,7 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
     two-phase output's ``sn_finish`` reads the argument array and the operands again:
     ``arguments`` lives until it returns, the caller keeps the operands (and the
     stages' tensors) alive."""
-    entry, fmt, rank = launch.entry, launch.plan.output_format, len(launch.out_shape)
+    entry, layout, rank = launch.entry, launch.assembly, len(launch.out_shape)
     handle = ctypes.c_void_p()
     arguments = launch.array_type(*pointers)
     if entry.run(arguments, launch.dims, threads, ctypes.byref(handle)) != 0:
@@ -107,13 +120,12 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
             entry.free(handle)
         raise MemoryError("sparsenn kernel ran out of memory")
     sizes = entry.output_sizes(handle, rank)
-    level_dims = [launch.out_shape[m] for m in fmt.mode_order]
-    wide = launch.index_dtype == torch.int64 or max([sizes.values, *level_dims, 0]) >= 2**31 - 1
+    wide = launch.index_dtype == torch.int64 or max([sizes.values, *layout.level_dims, 0]) >= 2**31 - 1
     idx = torch.int64 if wide else torch.int32
     pos: list = [None] * rank
     crd: list = [None] * rank
-    parents = math.prod(level_dims[: fmt.dense_prefix])
-    for level in range(fmt.dense_prefix, rank):
+    parents = math.prod(layout.level_dims[: layout.dense_prefix])
+    for level in range(layout.dense_prefix, rank):
         if level > 0 and sizes.counts[level] != parents:
             entry.free(handle)
             raise RuntimeError(f"internal error: output level {level} has {sizes.counts[level]} counts, "
@@ -123,11 +135,11 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
         parents = sizes.coordinates[level]
     values = torch.empty(sizes.values, dtype=launch.dtype)
     arrays = [values if kind == "val" else (pos if kind == "pos" else crd)[level]
-              for kind, level in finish_arrays(rank, fmt.dense_prefix)]
+              for kind, level in layout.finish_order]
     if entry.finish(handle, (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays]), int(wide),
                     threads) != 0:
         raise MemoryError("sparsenn kernel ran out of memory while assembling its output")
-    return SparseTensor(launch.out_shape, fmt, tuple(pos), tuple(crd), values, check=False)
+    return SparseTensor(launch.out_shape, layout.fmt, tuple(pos), tuple(crd), values, check=False)
 
 
 def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: torch.dtype,
@@ -152,29 +164,42 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
             sources.append((True, len(stages) - 1))
         else:
             sources.append((False, n))
-    pointers = []
+    terms = []  # per argument, the expression of its data pointer
     for argument in plan.arguments:
         staged, i = sources[argument.slot]
         op = operands[plan.kernel.slots[argument.slot].operand]
         if argument.kind == "val" and not staged and not op.values.is_contiguous():
             stages.append(_contiguous_values(i))
-            pointers.append(_stage_data(len(stages) - 1))
+            staged, i, kind = True, len(stages) - 1, "data"
         elif argument.kind in ("pos", "crd") and op.index_dtype != index_dtype:
             stages.append(_widened(staged, i, argument.kind, argument.level, index_dtype))
-            pointers.append(_stage_data(len(stages) - 1))
+            staged, i, kind = True, len(stages) - 1, "data"
         else:
-            pointers.append(_pointer(staged, i, argument.kind, argument.level))
+            kind = argument.kind
+        source = f"made[{i}]" if staged else f"ops[{i}]"
+        if kind in ("dense", "data"):
+            terms.append(f"{source}.data_ptr()")
+        elif kind == "val":
+            terms.append(f"{source}.values.data_ptr()")
+        else:
+            terms.append(f"{source}.{kind}[{argument.level}].data_ptr()")
     entry = plan.load()
     kernel = plan.kernel
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
-    if plan.anchor is not None:
+    assembly = None
+    if plan.assembles:
+        fmt = plan.output_format
+        allocation = ()
+        assembly = Assembly(fmt, tuple(out_shape[m] for m in fmt.mode_order), fmt.dense_prefix,
+                            tuple(finish_arrays(len(out_shape), fmt.dense_prefix)))
+    elif plan.anchor is not None:
         allocation = (operands[plan.anchor].values.shape[0],)
     else:
         allocation = tuple(sizes[i] for i in plan.schedule.output_order) or ((),)
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
-        runs_parallel(shaped.schedule), tuple(stages), tuple(pointers),
-        ctypes.c_void_p * (len(plan.arguments) + int(kernel.dense_output)), allocation, out_shape, dtype,
+        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
+        ctypes.c_void_p * (len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
         index_dtype, shaped.final_format,
     )
 
@@ -201,25 +226,10 @@ def _widened(staged: bool, i: int, kind: str, level: int, index_dtype: torch.dty
     return lambda ops, made: getattr(ops[i], kind)[level].to(index_dtype)
 
 
-def _stage_data(k: int) -> Pointer:
-    """The data pointer of the tensor stage ``k`` made."""
-    return lambda ops, made: made[k].data_ptr()
-
-
-def _pointer(staged: bool, i: int, kind: str, level: int) -> Pointer:
-    """The data pointer of argument ``kind`` (at ``level``) of operand or stage ``i``."""
-    if staged:
-        if kind == "dense":
-            return lambda ops, made: made[i].data_ptr()
-        if kind == "val":
-            return lambda ops, made: made[i].values.data_ptr()
-        if kind == "pos":
-            return lambda ops, made: made[i].pos[level].data_ptr()
-        return lambda ops, made: made[i].crd[level].data_ptr()
-    if kind == "dense":
-        return lambda ops, made: ops[i].data_ptr()
-    if kind == "val":
-        return lambda ops, made: ops[i].values.data_ptr()
-    if kind == "pos":
-        return lambda ops, made: ops[i].pos[level].data_ptr()
-    return lambda ops, made: ops[i].crd[level].data_ptr()
+def _pointers(terms: list[str]) -> Pointers:
+    """One function computing every argument's data pointer, written out for this
+    argument layout (as ``dataclasses`` writes ``__init__``): one Python call per launch
+    instead of one per argument. ``terms`` are expressions over ``ops`` (the operands)
+    and ``made`` (the stages' tensors) built by :func:`bind` from integers and fixed
+    attribute names only."""
+    return eval(f"lambda ops, made: [{', '.join(terms)}]", {})
