@@ -4,9 +4,10 @@
 One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order:
 
 1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``.
-2. ``runtime/api.py``: :func:`einsum` parses the equation (``notation.py``, cached) and
-   hands it to ``autograd.py``, which records the call when gradients are needed
-   (backward passes are einsums too) and calls ``runtime/evaluate.py``.
+2. ``runtime/api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated
+   letters) into the core notation (``equation.py``), parses it (``notation.py``,
+   cached) and hands it to ``autograd.py``, which records the call when gradients are
+   needed (backward passes are einsums too) and calls ``runtime/evaluate.py``.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
@@ -18,8 +19,9 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    batch size with the same decisions shares one kernel. A new plan is built by
    ``planner.build_kernel``, the one function that calls the back end: ``lower/nest.py``
    (and ``lower/assemble.py`` for sparse outputs) writes the loop nests,
-   ``backend/codegen.py`` the C++ translation unit, ``backend/jit.py`` compiles and
-   loads it (cached on disk).
+   ``backend/codegen.py`` the C++ translation unit around the runtime headers,
+   ``backend/jit.py`` compiles and loads it (cached on disk) and ``backend/abi.py``
+   gives its argument order and C signatures.
 5. ``runtime/launcher.py``: the plan bound to the call's shapes and layouts runs
    ``sn_run`` through ctypes with the GIL released and returns the dense result, or
    the sparse one the kernel assembled.
@@ -29,7 +31,7 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,
 contraction paths, re-stored patterns) are bounded LRU caches (``runtime/cache.py``):
 :func:`cache_stats` reports their sizes and hit counts, :func:`clear_caches` empties
-them (compiled kernels stay on disk).
+them (compiled kernels stay loaded and on disk).
 """
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError
