@@ -70,6 +70,7 @@ class Generated:
     kernel: LoweredKernel
     source: str
     arguments: tuple[Argument, ...]
+    finish_order: tuple[tuple[str, int], ...]
     load: Callable[[], abi.EntryPoints]
 
 
@@ -84,8 +85,9 @@ class Plan:
     order (then the output array, for dense-writing kernels); ``kernel.indices`` the
     order of its extents (``dims``); the dense output is laid out in
     ``schedule.output_order`` and ``output_permutation`` (None: identity) permutes it
-    back to the expression's index order. ``load()`` returns the entry points (built or
-    loaded through the kernel cache)."""
+    back to the expression's index order; an assembled output's arrays are filled by
+    ``sn_finish`` in ``finish_order`` (("pos"|"crd"|"val", level), empty otherwise).
+    ``load()`` returns the entry points (built or loaded through the kernel cache)."""
 
     assignment: Assignment
     operand_formats: tuple[Format | None, ...]
@@ -96,6 +98,7 @@ class Plan:
     source: str
     arguments: tuple[Argument, ...]
     output_permutation: tuple[int, ...] | None
+    finish_order: tuple[tuple[str, int], ...]
     load: Callable[[], abi.EntryPoints] = field(compare=False, repr=False)
 
     @property
@@ -241,15 +244,15 @@ def _build_plan(assignment: Assignment, formats: tuple[Format | None, ...], outp
     permutation = tuple(sched.output_order.index(i) for i in assignment.output)
     identity = permutation == tuple(range(len(permutation)))
     return Plan(assignment, formats, output, anchor, sched, generated.kernel, generated.source, generated.arguments,
-                None if identity else permutation, generated.load)
+                None if identity else permutation, generated.finish_order, generated.load)
 
 
 def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None,
                  dtype: torch.dtype, index_dtype: torch.dtype) -> Generated:
     """Everything the runtime asks of the back end: lower ``sched`` to a kernel, print
-    its C++, list its array arguments in the ABI's order (``backend/abi.py``), and a
-    loader that builds (or finds in the kernel cache) the library and binds its entry
-    points with their C signatures."""
+    its C++, list its array arguments and (for an assembled output) ``sn_finish``'s
+    arrays in the ABI's order (``backend/abi.py``), and a loader that builds (or finds in
+    the kernel cache) the library and binds its entry points with their C signatures."""
     kernel = lower(assignment, sched, formats, anchor)
     source = generate_source(kernel, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
     arguments = tuple(
@@ -258,10 +261,15 @@ def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Form
         for kind, level in abi.slot_arrays(slot)
     )
 
+    finish_order = ()
+    if not kernel.dense_output:
+        fmt = sched.output_format
+        finish_order = tuple(abi.finish_arrays(fmt.rank, fmt.dense_prefix))
+
     def load() -> abi.EntryPoints:
         return abi.bind(jit.load_library(source, "sparse_einsum"), assembles_sparse_output=not kernel.dense_output)
 
-    return Generated(kernel, source, arguments, load)
+    return Generated(kernel, source, arguments, finish_order, load)
 
 
 # ----------------------------------------------------------------------------- contraction paths

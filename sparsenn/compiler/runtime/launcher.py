@@ -23,7 +23,7 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
-from ..backend.abi import EntryPoints, finish_arrays
+from ..backend.abi import EntryPoints
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .restore import restored_as
 
@@ -44,7 +44,7 @@ def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
 class Assembly:
     """The layout of an assembled sparse output, fixed by its format and shape: its
     extents in storage order, how many leading levels are dense, and the order of the
-    arrays ``sn_finish`` fills (``abi.finish_arrays``)."""
+    arrays ``sn_finish`` fills (``Plan.finish_order``)."""
 
     fmt: Format
     level_dims: tuple[int, ...]
@@ -190,8 +190,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
     if plan.assembles:
         fmt = plan.output_format
         allocation = ()
-        assembly = Assembly(fmt, tuple(out_shape[m] for m in fmt.mode_order), fmt.dense_prefix,
-                            tuple(finish_arrays(len(out_shape), fmt.dense_prefix)))
+        assembly = Assembly(fmt, tuple(out_shape[m] for m in fmt.mode_order), fmt.dense_prefix, plan.finish_order)
     elif plan.anchor is not None:
         allocation = (operands[plan.anchor].values.shape[0],)
     else:
