@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from sparsenn.compiler.runtime import dispatch
+from sparsenn.compiler.runtime import launcher
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -24,5 +24,5 @@ def _poisoned_outputs():
     """Kernels that overwrite their dense output get NaN-filled memory instead of
     whatever torch.empty returns (often zeros), so a skipped element fails the test."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dispatch, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
+        patch.setattr(launcher, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
         yield

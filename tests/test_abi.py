@@ -14,7 +14,7 @@ import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.backend import abi, jit
 from sparsenn.compiler.backend.codegen import ASSEMBLY_HEADER, KERNEL_HEADER, generate_source
-from sparsenn.compiler.runtime import dispatch
+from sparsenn.compiler.runtime import api
 
 SIZES = {"i": 30, "j": 20, "k": 25}
 
@@ -27,12 +27,12 @@ def matrix(rows: int, cols: int, seed: int, fmt: str = "csr") -> SparseTensor:
 
 def spgemm_plan():
     """A kernel that assembles a sparse (csr) output."""
-    return dispatch.plan("ij,jk->ik", matrix(30, 20, 0), matrix(20, 25, 1))
+    return api.plan("ij,jk->ik", matrix(30, 20, 0), matrix(20, 25, 1))
 
 
 def spmm_plan():
     """A kernel that writes a dense output."""
-    return dispatch.plan("ij,jk->ik", matrix(30, 20, 0), torch.randn(20, 25, dtype=torch.float64))
+    return api.plan("ij,jk->ik", matrix(30, 20, 0), torch.randn(20, 25, dtype=torch.float64))
 
 
 def header(name: str) -> str:
@@ -123,7 +123,7 @@ def pointers(arrays: list[torch.Tensor]) -> ctypes.Array:
 
 def test_a_sparse_output_assembled_by_hand_through_the_abi():
     a, b = matrix(30, 20, 0), matrix(20, 25, 1)
-    plan = dispatch.plan("ij,jk->ik", a, b)
+    plan = api.plan("ij,jk->ik", a, b)
     entry = abi.bind(jit.load_library(plan.source, "abi"), assembles_sparse_output=True)
     arrays, dims = kernel_arrays(plan, [a, b])
     handle = ctypes.c_void_p()
@@ -144,7 +144,7 @@ def test_a_sparse_output_assembled_by_hand_through_the_abi():
 
 def test_a_dense_output_written_by_hand_through_the_abi():
     a, x = matrix(30, 20, 0), torch.randn(20, 25, dtype=torch.float64)
-    plan = dispatch.plan("ij,jk->ik", a, x)
+    plan = api.plan("ij,jk->ik", a, x)
     entry = abi.bind(jit.load_library(plan.source, "abi"), assembles_sparse_output=False)
     arrays, dims = kernel_arrays(plan, [a, x])
     assert plan.schedule.output_order == ("i", "k")

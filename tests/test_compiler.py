@@ -14,10 +14,12 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler import clear_caches
 from sparsenn.compiler.loops import ir
 from sparsenn.compiler.plan.decisions import PrefetchLoop, PrefetchPolicy
+from sparsenn.compiler.plan.planner import operand_info, plan_call
 from sparsenn.compiler.plan.target import Target
-from sparsenn.compiler.runtime import dispatch
+from sparsenn.compiler.runtime import api
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 
@@ -168,15 +170,18 @@ def test_sparse_gram_matrix_is_stored_sparse(density):
     assert isinstance(sparsenn.einsum("ij,kj->ik", a, torch.randn(400, 300, dtype=torch.float64)), torch.Tensor)
 
 
-def test_transposed_product_with_dense_operand_fills_in_and_is_dense():
-    """Aᵀ·B with dense B: Algorithm 4 makes k compressed because it follows the sparse j,
-    yet every stored j gets all of k; when the estimated fill reaches 1/8 the result is
-    dense. A result with few stored j stays sparse."""
+def test_transposed_product_with_dense_operand_is_sparse_whatever_its_fill():
+    """Aᵀ·B with dense B: Algorithm 4 makes j sparse (A stores it compressed) and k
+    compressed because it follows j; the result is a SparseTensor however full it is.
+    ``out_format="auto"`` asks for the fill-based choice: dense once the estimated
+    fill reaches 1/8, sparse with few stored j."""
     a, b = sp((300, 200), "csr", density=0.05), torch.randn(300, 16, dtype=torch.float64)
-    result = check("ij,ik->jk", [a, b])
-    assert isinstance(result, torch.Tensor)
     few = sparsenn.from_coo(torch.tensor([[0, 5], [3, 150]]), torch.ones(2, dtype=torch.float64), (300, 200), format="csr")
-    result = check("ij,ik->jk", [few, b])
+    for operand in (a, few):
+        result = check("ij,ik->jk", [operand, b])
+        assert isinstance(result, SparseTensor) and str(result.format) == "dcsr"
+    assert isinstance(check("ij,ik->jk", [a, b], out_format="auto"), torch.Tensor)
+    result = check("ij,ik->jk", [few, b], out_format="auto")
     assert isinstance(result, SparseTensor) and result.nnz == 2 * 16
 
 
@@ -290,13 +295,13 @@ def test_narrow_dense_loops_stay_vectorised(dtype):
     a = sp((37, 29), "csr", dtype=dtype)
     b = torch.randn(29, 45, dtype=dtype)
     check("ij,jk->ik", [a, b], atol=atol)
-    assert any(isinstance(n, ir.For) and n.pragma == "simd" for n in walk(dispatch.plan("ij,jk->ik", a, b).kernel.loops))
+    assert any(isinstance(n, ir.For) and n.pragma == "simd" for n in walk(api.plan("ij,jk->ik", a, b).kernel.loops))
     x, y = torch.randn(37, 20, dtype=dtype), torch.randn(29, 20, dtype=dtype)
     check("ij,ik,jk->ij", [a, x, y], atol=atol)
     single_vectors = ir.Assign(ir.Var("i2"), ir.Lanes(), "+=")
-    assert dispatch.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].vector_reduction.index == "k"
+    assert api.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].vector_reduction.index == "k"
     assert any(isinstance(n, ir.For) and n.step == single_vectors
-               for n in walk(dispatch.plan("ij,ik,jk->ij", a, x, y).kernel.loops))
+               for n in walk(api.plan("ij,ik,jk->ij", a, x, y).kernel.loops))
     assert "#pragma omp simd\n" not in kernel_body("ij,kj->ik", a, a)
 
 
@@ -326,7 +331,7 @@ def test_outputs_stored_once_skip_zeroing():
         "ij->": [a],
     }
     for equation, operands in stored_once.items():
-        assert dispatch.plan(equation, *operands).kernel.overwrites_output, equation
+        assert api.plan(equation, *operands).kernel.overwrites_output, equation
         check(equation, operands)
     added = {
         "ij,j->i": [empty_rows, torch.randn(19, dtype=torch.float64)],  # rows without entries are never visited
@@ -334,7 +339,7 @@ def test_outputs_stored_once_skip_zeroing():
         "ij,j->ij": [a, torch.randn(19, dtype=torch.float64)],
     }
     for equation, operands in added.items():
-        assert not dispatch.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
+        assert not api.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
         check(equation, operands, out_format="dense")
     # A sum's first term stores, the second adds.
     x, b = torch.randn(19, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
@@ -342,49 +347,6 @@ def test_outputs_stored_once_skip_zeroing():
     stores = re.findall(r"out\[i\d+\] (\+?=) ", expression.explain(a, x, b))
     assert stores == ["=", "=", "+=", "+="]  # each nest twice: for a team and for one thread
     torch.testing.assert_close(expression(a, x, b), a.to_dense() @ x + b)
-
-
-def test_repeated_calls_take_the_direct_launch():
-    # After a cached call's first run, operands the kernel reads as given skip _run.
-    a = sp((23, 19), "csr")
-    b, x, y = (torch.randn(19, 6, dtype=torch.float64), torch.randn(23, 8, dtype=torch.float64),
-               torch.randn(19, 8, dtype=torch.float64))
-    cases = [("ij,jk->ik", [a, b]), ("ij,jk->ki", [a, b]), ("ij,ik,jk->ij", [a, x, y]), ("ij->", [a])]
-    for equation, operands in cases:
-        first = sparsenn.einsum(equation, *operands)
-        call = dispatch._calls[dispatch._call_signature(dispatch._parse_cached(equation, len(operands)), operands, None)]
-        assert callable(call.launch), equation
-        operands = [op.with_values(op.values * 2) if isinstance(op, SparseTensor) else op for op in operands]
-        again = sparsenn.einsum(equation, *operands)
-        if isinstance(first, SparseTensor):
-            first, again = first.to_dense(), again.to_dense()
-        torch.testing.assert_close(again, 2 * first)
-    # Index arrays narrower than the plan's are widened per call: the general path.
-    wide = sp((23, 19), "csr", index_dtype=torch.int64)
-    narrow = sp((19, 7), "csr", seed=1, index_dtype=torch.int32)
-    for _ in range(2):
-        check("ij,jk->ik", [wide, narrow], out_format="dense")
-    signature = dispatch._call_signature(dispatch._parse_cached("ij,jk->ik", 2), [wide, narrow], "dense")
-    assert dispatch._calls[signature].launch is False
-
-
-def test_strided_dense_operands_are_cached_and_copied_only_when_needed():
-    # A transposed operand (the output of `bi,oi->bo`, which the kernel writes as
-    # (o, b)) keys its own cached call; the forward reads it as (i, b), which its
-    # strides already are, so no copy is made.
-    w = sp((7, 9), "csr")
-    x = torch.randn(9, 5, dtype=torch.float64).t()  # shape (5, 9), strides (1, 5)
-    equation, assignment = "bi,oi->bo", dispatch._parse_cached("bi,oi->bo", 2)
-    plan = dispatch.plan(equation, x, w)
-    assert [slot.layout for slot in plan.kernel.slots if slot.fmt is None] == [(1, 0)]
-    for operand, copied in ((x, False), (x.contiguous(), True)):
-        for _ in range(2):
-            torch.testing.assert_close(sparsenn.einsum(equation, operand, w), operand @ w.to_dense().T)
-        assert dispatch._call_signature(assignment, [operand, w], None) in dispatch._calls
-        dense_slot = next(op for op in dispatch._slot_operands(plan, [operand, w]) if isinstance(op, torch.Tensor))
-        assert (dense_slot.data_ptr() != operand.data_ptr()) == copied
-    out = sparsenn.einsum("ij,jk->ik", w, torch.randn(9, 4, dtype=torch.float64)).t()  # non-contiguous
-    torch.testing.assert_close(sparsenn.einsum("ki,ij->kj", out, w, out_format="dense"), out @ w.to_dense())
 
 
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])
@@ -481,9 +443,9 @@ def test_one_thread_and_a_team_run_the_same_nest(equation):
     dense = [torch.randn(300, 40, dtype=torch.float64)] if equation == "ij,jk->ik" else (
         [torch.randn(300, dtype=torch.float64)] if equation == "ij,j->i"
         else [torch.randn(400, 40, dtype=torch.float64), torch.randn(300, 40, dtype=torch.float64)])
-    source = dispatch.plan(equation, a, *dense).source
+    source = api.plan(equation, a, *dense).source
     assert "if (nthreads > 1)" in source and source.count("#pragma omp for") == 2
-    assert dispatch.plan(equation, a, *dense).schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    assert api.plan(equation, a, *dense).schedule.serial is False
     threads = torch.get_num_threads()
     results = []
     try:
@@ -522,7 +484,7 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     x = torch.randn(64, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 1e-10
     check("ij,j->i", [a, x], atol=atol)
-    assert dispatch.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == Target.host().sparse_accumulators
+    assert api.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == Target.host().sparse_accumulators
     # A dense-level operand located by the same loop, and a dense matrix factor.
     b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
     check("ij,ij->i", [a, b], atol=atol)
@@ -530,10 +492,10 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
     # Not for a singleton level (COO) nor for an intersection of two sparse levels.
     coo = sparsenn.from_dense(a.to_dense(), "coo")
     check("ij,j->i", [coo, x], atol=atol)
-    assert dispatch.plan("ij,j->i", coo, x).schedule.nests[0].sparse_reduction is None
+    assert api.plan("ij,j->i", coo, x).schedule.nests[0].sparse_reduction is None
     other = sparsenn.from_dense(rows_of_lengths(LENGTHS[::-1], 64, dtype, seed=1), "csr")
     check("ij,ij->i", [a, other], atol=atol)
-    assert dispatch.plan("ij,ij->i", a, other).schedule.nests[0].sparse_reduction is None
+    assert api.plan("ij,ij->i", a, other).schedule.nests[0].sparse_reduction is None
 
 
 @pytest.fixture
@@ -542,8 +504,9 @@ def always_prefetch(monkeypatch):
     size and the pattern's locality (the test operands are far smaller than a cache)."""
     eager = dataclasses.replace(Target.host(), l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0)
     monkeypatch.setattr(Target, "host", staticmethod(lambda: eager))
-    monkeypatch.setattr(dispatch, "_plans", {})
-    monkeypatch.setattr(dispatch, "_calls", {})
+    clear_caches()
+    yield
+    clear_caches()  # no later test runs these kernels
 
 
 def test_prefetch_only_when_gathers_miss_the_caches():
@@ -551,7 +514,7 @@ def test_prefetch_only_when_gathers_miss_the_caches():
     # (see plan.decisions): each such loop decides once per fiber, then runs its copy
     # with prefetches or the plain one.
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 70, torch.float32), "csr")
-    plan = dispatch.plan("ij,jk->ik", a, torch.randn(70, 32))
+    plan = api.plan("ij,jk->ik", a, torch.randn(70, 32))
     (nest,) = plan.schedule.nests
     assert nest.prefetch == (PrefetchLoop("j", (1,)),)  # the loop over A's row gathers rows of B
     assert plan.schedule.prefetch_policy == PrefetchPolicy.of(Target.host())
@@ -559,7 +522,7 @@ def test_prefetch_only_when_gathers_miss_the_caches():
              and any(isinstance(p, ir.Prefetch) for p in walk(n.then))]
     assert len(tests) >= 2  # the register block and the remainder's loops
     assert all(n.other is not None and not any(isinstance(p, ir.Prefetch) for p in walk(n.other)) for n in tests)
-    assert not dispatch.plan("ij,j->i", a, torch.randn(70)).schedule.nests[0].prefetch  # single elements
+    assert not api.plan("ij,j->i", a, torch.randn(70)).schedule.nests[0].prefetch  # single elements
 
 
 def walk(node):
@@ -587,11 +550,11 @@ def test_prefetched_gathers(dtype, index_dtype, k, always_prefetch):
     atol = 1e-4 if dtype == torch.float32 else 1e-10
     check("ij,jk->ik", [a, b], atol=atol)
     check("ij,ik,jk->ij", [a, x, b], atol=atol)
-    assert dispatch.plan("ij,jk->ik", a, b).schedule.nests[0].prefetch
-    assert dispatch.plan("ij,ik,jk->ij", a, x, b).schedule.nests[0].prefetch
+    assert api.plan("ij,jk->ik", a, b).schedule.nests[0].prefetch
+    assert api.plan("ij,ik,jk->ij", a, x, b).schedule.nests[0].prefetch
     # Transposed B (k before j) is read with a stride, and SpMV gathers single elements.
     check("ij,kj->ik", [a, b.T.contiguous()], atol=atol)
-    assert not dispatch.plan("ij,j->i", a, b[:, 0].contiguous()).schedule.nests[0].prefetch
+    assert not api.plan("ij,j->i", a, b[:, 0].contiguous()).schedule.nests[0].prefetch
     # The last row is the longest, so the distance is clamped at the end of crd.
     check("ij,jk->ik", [sparsenn.from_dense(rows_of_lengths([0, 2, 70], 70, dtype), "csr"), b], atol=atol)
 
@@ -602,7 +565,7 @@ def test_prefetch_through_a_lower_level(always_prefetch):
     a = sp((9, 8, 30), "csf", density=0.4)
     b = torch.randn(30, 33, dtype=torch.float64)
     check("ijl,lk->ijk", [a, b], out_format="dense")
-    loops = dispatch.plan("ijl,lk->ijk", a, b, out_format="dense").kernel.loops
+    loops = api.plan("ijl,lk->ijk", a, b, out_format="dense").kernel.loops
     pos = [ir.Array("pos", 0, level) for level in range(3)]
     crd_length = ir.Load(pos[2], ir.Load(pos[1], ir.Load(pos[0], ir.Const(1))))
     last = [d.init for d in walk(loops) if isinstance(d, ir.Decl) and d.var.name.startswith("pflast")]
@@ -614,7 +577,7 @@ def test_prefetch_through_a_lower_level(always_prefetch):
 
 def two_phase_plan(equation, operands, out_format=None):
     """The plan, asserting its output is assembled in two phases (count, then fill)."""
-    plan = dispatch.plan(equation, *operands, out_format=out_format)
+    plan = api.plan(equation, *operands, out_format=out_format)
     assert plan.kernel.fill is not None, plan.output_format
     return plan
 
@@ -657,7 +620,7 @@ def test_two_phase_many_chunks_per_thread_short_and_long_rows():
     b = sps.random(9000, 9000, density=0.0005, format="csr", random_state=rng)
     x, y = sparsenn.from_scipy(a, format="csr"), sparsenn.from_scipy(b, format="csr")
     plan = two_phase_plan("ij,jk->ik", [x, y], out_format="csr")
-    assert plan.schedule.leaves >= dispatch.PARALLEL_MIN_WORK
+    assert plan.schedule.serial is False
     expected = (a @ b).toarray()
     previous = torch.get_num_threads()
     for threads in (1, 2):
@@ -679,7 +642,7 @@ def test_two_phase_outputs_of_other_shapes():
     check("bij,bjk->bik", [x, y], out_format="ddc")
     a, b, c = sp((8, 9), "csr", 0.2, seed=3), sp((9, 7), "csr", 0.2, seed=4), sp((8, 7), "csr", 0.2, seed=5)
     f = sparsenn.compile("D[i,k] = A[i,j] * B[j,k] - C[i,k]")
-    plan = dispatch._plan(f.assignment, [a, b, c], None, torch.float64, torch.int32)
+    plan = plan_call(f.assignment, tuple(operand_info(o) for o in (a, b, c)), None, torch.float64, torch.int32).plan
     assert plan.kernel.fill is not None
     torch.testing.assert_close(to_dense(f(a, b, c)), to_dense(a) @ to_dense(b) - to_dense(c))
     union = two_phase_plan("ij,ij->ij", [a, sp((8, 9), "csr", 0.2, seed=6)])
@@ -688,7 +651,7 @@ def test_two_phase_outputs_of_other_shapes():
 
 
 def test_deeper_sparse_outputs_keep_the_appended_assembly():
-    plan = dispatch.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
+    plan = api.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
     assert plan.kernel.fill is None
 
 
@@ -706,16 +669,16 @@ def test_row_blocked_inner_reductions(dtype, index_dtype, k):
     for equation in ["ij,ik,jk->ij", "ij,ik,jk->i", "ij,ik,jk->j", "ij,ik,jk->"]:
         check(equation, [a, x, y], atol=atol)
     check("ij,ik,jk->ij", [a, x, y], out_format="dense", atol=atol)
-    assert dispatch.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].row_block is not None
-    assert dispatch.plan("ij,ik,jk->i", a, x, y).schedule.nests[0].row_block is not None
+    assert api.plan("ij,ik,jk->ij", a, x, y).schedule.nests[0].row_block is not None
+    assert api.plan("ij,ik,jk->i", a, x, y).schedule.nests[0].row_block is not None
     # A factor of the entry's own (Z[i, j]) and two shared ones (X, W): still blocked.
     z = torch.randn(len(lengths), 30, dtype=dtype)
     check("ij,ij,ik,ik,jk->ij", [a, z, x, x.flip(0).contiguous(), y], atol=atol)
-    assert dispatch.plan("ij,ij,ik,ik,jk->ij", a, z, x, x.flip(0).contiguous(), y).schedule.nests[0].row_block
+    assert api.plan("ij,ij,ik,ik,jk->ij", a, z, x, x.flip(0).contiguous(), y).schedule.nests[0].row_block
     # No factor shared by the block's entries (every vector factor indexed by j): no block.
     w = torch.randn(len(lengths), 30, k, dtype=dtype)
     check("ij,ijk,jk->ij", [a, w, y], atol=atol)
-    assert dispatch.plan("ij,ijk,jk->ij", a, w, y).schedule.nests[0].row_block is None
+    assert api.plan("ij,ijk,jk->ij", a, w, y).schedule.nests[0].row_block is None
 
 
 HSUM_ROWS, HSUM_VECTORS = (1, 2, 4, 8, 16, 32), (1, 2, 3)

@@ -8,7 +8,8 @@ import sparsenn
 from sparsenn.compiler.notation import parse_einsum
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target
-from sparsenn.compiler.runtime.dispatch import _info, plan
+from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.runtime.api import plan
 
 # An AVX2 core with a 1 MiB L2: schedules below do not depend on the host.
 AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
@@ -17,7 +18,7 @@ AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
 def dense_schedule(equation, *operands, target=AVX2):
     """The schedule of ``equation`` with a dense output on ``target``."""
     itemsize = operands[0].dtype.itemsize if hasattr(operands[0], "dtype") else 4
-    return schedule(parse_einsum(equation, len(operands)), [_info(o) for o in operands], None, itemsize, target)
+    return schedule(parse_einsum(equation, len(operands)), [operand_info(o) for o in operands], None, itemsize, target)
 
 
 def sparse(shape, fmt, density=0.01, seed=0):
@@ -120,7 +121,7 @@ def test_three_operand_fusion_touches_only_nonzero_pairs():
 
 def test_chain_with_dense_tail_uses_a_contraction_path():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.runtime.dispatch import _info
+    from sparsenn.compiler.plan.planner import operand_info as _info
     from sparsenn.compiler.notation import parse_einsum
 
     a = sparse((N, N), "csr", density=0.01)
@@ -136,7 +137,7 @@ def test_chain_with_dense_tail_uses_a_contraction_path():
 
 def test_sddmm_and_attention_stay_fused():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.runtime.dispatch import _info
+    from sparsenn.compiler.plan.planner import operand_info as _info
     from sparsenn.compiler.notation import parse_einsum
 
     a = sparse((N, N), "csr")
@@ -180,7 +181,8 @@ def test_no_register_block_without_a_reduction_or_for_narrow_rows():
 def test_three_operand_sampled_product_is_fused():
     # bo,bi,oi->oi samples g^T x on M's pattern: fused, values written in place; the
     # dense 2048 x 2048 product must not be formed.
-    from sparsenn.compiler.runtime.dispatch import _contraction_path, _info, _parse_cached
+    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path, operand_info as _info
+    from sparsenn.compiler.runtime.api import parse as _parse_cached
 
     m = sparse((2048, 2048), "csr", density=0.1)
     g, x = torch.randn(64, 2048), torch.randn(64, 2048)
@@ -191,7 +193,8 @@ def test_three_operand_sampled_product_is_fused():
 def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
     # to,ts,si->oi with 16 output channels and 1433 input features: G^T A (nnz * 16) as
     # a dense intermediate, then a dense product; not A X (nnz * 1433).
-    from sparsenn.compiler.runtime.dispatch import _contraction_path, _info, _parse_cached
+    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path, operand_info as _info
+    from sparsenn.compiler.runtime.api import parse as _parse_cached
 
     a = sparse((2708, 2708), "csr", density=0.002)
     g, x = torch.randn(2708, 16), torch.randn(2708, 1433)

@@ -1,9 +1,43 @@
-"""The sparse einsum compiler: notation -> format inference -> schedule -> lower ->
-C++ -> JIT, behind :func:`einsum`, :func:`compile_expression` and :func:`explain`."""
+"""The sparse einsum compiler, behind :func:`einsum`, :func:`compile_expression` and
+:func:`explain`.
 
-from .runtime.dispatch import CompiledExpression, compile_expression, einsum, explain
+One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order:
+
+1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``.
+2. ``runtime/api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated
+   letters) into the core notation (``equation.py``), parses it (``notation.py``,
+   cached) and hands it to ``autograd.py``, which records the call when gradients are
+   needed (backward passes are einsums too) and calls ``runtime/evaluate.py``.
+3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
+   shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
+   its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
+   and the call resolves to ``torch.einsum`` (all dense), pairwise contractions
+   (``plan/contract.py``) or one kernel.
+4. ``plan/planner.py``: the result's format from the operands' formats and
+   ``out_format`` (``plan/infer.py``), the loop orders, workspace, tiles and register
+   blocks (``plan/schedule.py``); the plan is looked up by those decisions, so every
+   batch size with the same decisions shares one kernel. A new plan is built by
+   ``planner.build_kernel``, the one function that calls the back end: ``lower/nest.py``
+   (and ``lower/assemble.py`` for sparse outputs) writes the loop nests,
+   ``backend/codegen.py`` the C++ translation unit around the runtime headers,
+   ``backend/jit.py`` compiles and loads it (cached on disk) and ``backend/abi.py``
+   gives its argument order and C signatures.
+5. ``runtime/launcher.py``: the plan bound to the call's shapes and layouts runs
+   ``sn_run`` through ctypes with the GIL released and returns the dense result, or
+   the sparse one the kernel assembled.
+
+``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included.
+
+The compiler's caches (parsed equations, calls, plans per shape and per decisions,
+contraction paths, re-stored patterns) are bounded LRU caches (``runtime/cache.py``):
+:func:`cache_stats` reports their sizes and hit counts, :func:`clear_caches` empties
+them (compiled kernels stay loaded and on disk).
+"""
+
 from .backend.jit import CompilerNotFoundError, KernelBuildError
 from .notation import NotationError
+from .runtime.api import CompiledExpression, compile_expression, einsum, explain
+from .runtime.cache import cache_stats, clear_caches
 
 __all__ = [
     "einsum",
@@ -13,4 +47,6 @@ __all__ = [
     "NotationError",
     "KernelBuildError",
     "CompilerNotFoundError",
+    "clear_caches",
+    "cache_stats",
 ]

@@ -141,6 +141,7 @@ class SparseGCNConv(nn.Module):
             raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
         adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
         if isinstance(x, SparseTensor):
+            # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
             out = einsum("ts,so->to", adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
         elif self.out_channels <= self.in_channels:
             out = einsum("ts,so->to", adjacency, F.linear(x, self.weight))

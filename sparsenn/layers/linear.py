@@ -238,13 +238,20 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ compute
     def forward(self, x: Tensor | SparseTensor) -> Tensor:
-        """``x W^T + b`` for dense ``(..., in)`` or sparse ``(batch, in)`` input; returns a dense tensor."""
+        """``x W^T + b`` for dense ``(..., in)`` or sparse ``(batch, in)`` input; returns a dense tensor.
+
+        The schedule usually vectorises over the batch (``sparsenn.explain`` shows it):
+        the kernel then reads ``x`` feature-major and writes its result that way (strides
+        ``(1, batch)``), so a batch-major input is transposed once per call while the
+        output of another SparseLinear (or of elementwise ops on it, which keep its
+        strides) is read as it is."""
         dtype = self.weight_values.dtype
         if isinstance(x, SparseTensor):
             if x.ndim != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"sparse input must have shape (batch, {self.in_features}), got {x.shape}")
             if x.dtype != dtype:
                 raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
+            # Dense whatever the formats: a product of two sparse operands is sparse.
             out = einsum("bi,oi->bo", x, self.weight, out_format="dense")
         elif isinstance(x, Tensor):
             if x.dim() == 0 or x.shape[-1] != self.in_features:
@@ -252,6 +259,8 @@ class SparseLinear(nn.Module):
             if x.dtype != dtype:
                 raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
             flat = x.reshape(-1, self.in_features)
+            # Dense whatever the weight's format: one that stores o in a compressed level
+            # (csc, coo, dcsr, dcsc) makes the product sparse in o.
             out = einsum("bi,oi->bo", flat, self.weight, out_format="dense").reshape(*x.shape[:-1], self.out_features)
         else:
             raise TypeError(f"input must be a torch.Tensor or a SparseTensor, got {type(x).__name__}")

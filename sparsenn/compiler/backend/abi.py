@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..lower.nest import Slot
+    from ..lower.kernel import Slot
 
 __all__ = [
     "EntryPoint", "EntryPoints", "OutputSizes", "RUN", "SIZES", "FINISH", "FREE",

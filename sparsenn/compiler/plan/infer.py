@@ -1,4 +1,4 @@
-"""Output format inference (Scorch, Algorithm 4).
+"""Output format inference (Scorch, Algorithm 4), from the operands' formats alone.
 
 Each output mode is inferred independently from the level kinds that store its index
 variable in the operands:
@@ -12,9 +12,12 @@ variable in the operands:
 
 Generated kernels assemble sparse outputs as a dense prefix followed by compressed
 levels, so a dense level that would follow a sparse one is stored compressed too
-(again the conservative choice). :func:`refine_by_fill` corrects the two cases where
-the per-mode view is asymptotically wrong (A·Aᵀ of CSR operands is sparse; Aᵀ·B with
-dense B fills in).
+(again the conservative choice). :func:`result_format` adds one structural rule where
+the per-mode view is asymptotically wrong (A·Aᵀ of CSR operands is sparse), so whether
+``einsum`` returns a tensor or a SparseTensor depends on the operands' formats and
+``out_format`` only, never on their values or number of nonzeros.
+:func:`densify_by_fill` is the one data-dependent rule, applied only when
+``out_format="auto"`` asks for it.
 """
 
 from __future__ import annotations
@@ -25,8 +28,11 @@ from sparsenn.formats import Format, parse_format
 
 from ..notation import Assignment, Term
 
-__all__ = ["infer_output_format", "mode_is_sparse", "refine_by_fill", "SPARSE_OUTPUT_DENSITY"]
+__all__ = ["infer_output_format", "result_format", "densify_by_fill", "mode_is_sparse",
+           "SPARSE_OUTPUT_DENSITY"]
 
+# Estimated fill (stored entries / size) from which a sparse result is dense enough to
+# be stored dense: for out_format="auto", and for intermediates of contraction paths.
 SPARSE_OUTPUT_DENSITY = 1 / 8
 
 
@@ -83,33 +89,35 @@ def _carried_by_sparse_only(assignment: Assignment, formats: Sequence[Format | N
     )
 
 
-def refine_by_fill(
+def result_format(assignment: Assignment, formats: Sequence[Format | None]) -> Format | None:
+    """The result's format when no ``out_format`` is given: Algorithm 4
+    (:func:`infer_output_format`), except that a dense result of rank 2 or more whose
+    every output index is carried by sparse operands only (no dense operand can fill an
+    output fiber) is stored with a dense first level and compressed rest:
+    ``A[i,j] A[k,j] -> [i,k]`` (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense
+    levels, but the result only has the pairs that share a ``j``, and a dense n² result
+    costs asymptotically more than a full sparse one."""
+    inferred = infer_output_format(assignment, formats)
+    output = assignment.output
+    if inferred is None and len(output) >= 2 and _carried_by_sparse_only(assignment, formats):
+        return parse_format("d" + "c" * (len(output) - 1), len(output))
+    return inferred
+
+
+def densify_by_fill(
     assignment: Assignment, formats: Sequence[Format | None], inferred: Format | None,
     estimated_nnz: Callable[[], float], numel: int,
 ) -> Format | None:
-    """Correct Algorithm 4 where its per-mode view is asymptotically wrong.
-
-    * Dense, yet every output index is carried by sparse operands only: ``A[i,j] A[k,j]``
-      (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense levels, but the result
-      only has the pairs that share a ``j``. It is stored with a dense first level and
-      compressed rest, whatever its estimated fill: the estimate (products, an upper
-      bound) can exceed the true count many times over, and a dense n² result costs
-      asymptotically more than a full sparse one.
-    * Sparse, with an index after the first sparse one that no sparse operand carries
-      (its level was made compressed only to follow a sparse one, see the module
-      docstring), and an estimated fill (``estimated_nnz()``, an upper bound on the
-      result's nonzeros for ``inferred``, only called in this case) reaching
-      ``SPARSE_OUTPUT_DENSITY`` of ``numel``: ``A[i,j] B[i,k] -> [j,k]`` (Aᵀ·B, dense B)
-      fills every ``k`` of each stored ``j``, so it is stored dense."""
-    output = assignment.output
-    if numel == 0 or len(output) < 2:
+    """``out_format="auto"``: ``inferred`` (from :func:`result_format`), or None (dense)
+    when it has an index after the first sparse one that no sparse operand carries (its
+    level is compressed only to follow a sparse one, see the module doc) and the
+    estimated fill (``estimated_nnz()``, an upper bound on the result's stored entries,
+    only called in this case) reaches ``SPARSE_OUTPUT_DENSITY`` of ``numel``:
+    ``A[i,j] B[i,k] -> [j,k]`` (Aᵀ·B, dense B) fills every ``k`` of each stored ``j``."""
+    if inferred is None or numel == 0:
         return inferred
-    if inferred is None:
-        if not _carried_by_sparse_only(assignment, formats):
-            return None
-        return parse_format("d" + "c" * (len(output) - 1), len(output))
     filled = any(
         _level_letter(inferred, m) != "d" and not _carried_by_sparse(assignment, i, formats)
-        for m, i in enumerate(output)
+        for m, i in enumerate(assignment.output)
     )
     return None if filled and estimated_nnz() >= SPARSE_OUTPUT_DENSITY * numel else inferred

@@ -1,0 +1,302 @@
+"""The planner: from checked operands to a frozen :class:`Plan` the launcher runs.
+
+For a call it
+
+1. describes each operand to the scheduler (:func:`operand_info`: format, shape, stored
+   positions per level rounded to powers of two);
+2. decides the result's format from the operands' formats and ``out_format`` alone
+   (:func:`plan.infer.result_format`; fill only on ``out_format="auto"``), finds an
+   operand whose pattern the result has (an *anchor*: SDDMM writes values in place) and
+   schedules the expression;
+3. looks the plan up by the schedule's *decisions* (:func:`decisions`: orders, tiles,
+   register blocks, workspace, transposes, output format and order; not the cost
+   estimates), so every shape with the same decisions shares one plan and one kernel
+   (kernels read extents at run time), else builds it through :func:`build_kernel`,
+   the one function that calls the back end.
+
+:func:`plan_call` returns a :class:`ShapePlan`: the shared plan and this shape's
+schedule (which also decides the thread count, :func:`runs_parallel`). Expressions
+of three or more factors may instead run as pairwise contractions
+(:func:`contraction_path`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor, parse_format
+
+from ..backend import abi, jit
+from ..backend.codegen import generate_source
+from ..lower.kernel import LoweredKernel, lower
+from ..notation import Assignment
+from ..runtime.cache import LRUCache
+from .contract import Step, best_path
+from .infer import densify_by_fill, result_format
+from .schedule import OperandInfo, Schedule, schedule
+
+__all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
+           "operand_info", "plan_call", "build_kernel", "runs_parallel", "decisions",
+           "contraction_path", "path_request"]
+
+DENSE = "dense"  # out_format: a dense torch.Tensor
+AUTO = "auto"  # out_format: the inferred format, dense when its estimated fill is high
+MAX_OUTPUT_RANK = 8
+# Below this many innermost iterations (the schedule's estimate) a kernel runs on one
+# thread: waking an OpenMP team costs more than the work.
+
+Request = Format | str | None  # None (inferred), DENSE, AUTO or a requested format
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One array argument of a kernel: slot ``slot``'s ``kind`` array ("pos", "crd" or
+    "val" of storage level ``level``, or "dense" for a dense slot)."""
+
+    slot: int
+    kind: str
+    level: int
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What :func:`build_kernel` returns."""
+
+    kernel: LoweredKernel
+    source: str
+    arguments: tuple[Argument, ...]
+    finish_order: tuple[tuple[str, int], ...]
+    load: Callable[[], abi.EntryPoints]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled expression for every shape whose schedule makes the same decisions.
+
+    ``schedule`` holds those decisions (its estimates are zero, see :func:`decisions`).
+    ``output_format`` is the format the kernel produces: None for a dense array, the
+    anchor's format when values are written at operand ``anchor``'s positions, else the
+    sparse format it assembles. ``arguments`` lists the kernel's array arguments in
+    order (then the output array, for dense-writing kernels); ``kernel.indices`` the
+    order of its extents (``dims``); the dense output is laid out in
+    ``schedule.output_order`` and ``output_permutation`` (None: identity) permutes it
+    back to the expression's index order; an assembled output's arrays are filled by
+    ``sn_finish`` in ``finish_order`` (("pos"|"crd"|"val", level), empty otherwise).
+    ``load()`` returns the entry points (built or loaded through the kernel cache)."""
+
+    assignment: Assignment
+    operand_formats: tuple[Format | None, ...]
+    output_format: Format | None
+    anchor: int | None
+    schedule: Schedule
+    kernel: LoweredKernel
+    source: str
+    arguments: tuple[Argument, ...]
+    output_permutation: tuple[int, ...] | None
+    finish_order: tuple[tuple[str, int], ...]
+    load: Callable[[], abi.EntryPoints] = field(compare=False, repr=False)
+
+    @property
+    def assembles(self) -> bool:
+        """The kernel assembles a sparse output (else it fills a dense array)."""
+        return self.output_format is not None and self.anchor is None
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    """A call's plan for its shapes: the shared :class:`Plan`, this shape's schedule
+    (with its estimates) and the format the result is converted to (a requested format
+    the kernel does not produce natively), if any."""
+
+    plan: Plan
+    schedule: Schedule
+    final_format: Format | None
+
+
+_shape_plans: LRUCache[ShapePlan] = LRUCache("shape plans", 512)
+_plans: LRUCache[Plan] = LRUCache("plans", 256)
+_paths: LRUCache[tuple] = LRUCache("contraction paths", 256)
+
+
+def operand_info(op: torch.Tensor | SparseTensor) -> OperandInfo:
+    """What the scheduler knows about an operand: its format (None: dense), shape and,
+    if sparse, the stored positions per level rounded to a power of two (so plans are
+    shared by operands of similar fill)."""
+    if isinstance(op, SparseTensor):
+        _, shape, positions, _ = op.signature
+        return OperandInfo(op.format, shape, tuple(0 if p <= 0 else 1 << round(math.log2(p)) for p in positions))
+    return OperandInfo(None, tuple(op.shape))
+
+
+def runs_parallel(sched: Schedule) -> bool:
+    """Whether the kernel runs on a team of threads (the schedule's ``serial`` decision:
+    fewer expected innermost iterations than the Target's ``parallel_min_work``)."""
+    return not sched.serial
+
+
+def decisions(sched: Schedule) -> Schedule:
+    """``sched`` without its estimates (costs, leaves, reasons): what the generated
+    source depends on, besides the expression, formats, anchor and dtypes."""
+    return replace(sched, cost=0.0, leaves=0.0, reasons=(), nests=tuple(replace(n, cost=0.0) for n in sched.nests))
+
+
+def _native_output(requested: Format) -> Format:
+    """The kernel-assembled format closest to ``requested``: its dense prefix, then
+    compressed levels, in the same mode order."""
+    dense = min(requested.dense_prefix, requested.rank)
+    native = parse_format("d" * dense + "c" * (requested.rank - dense), requested.rank)
+    return Format(native.levels, requested.mode_order, None)
+
+
+def _find_anchor(assignment: Assignment, formats: Sequence[Format | None], requested: Format | None,
+                 output: Format | None) -> int | None:
+    """A sparse operand whose pattern is exactly the output's, if any.
+
+    That holds when every term reads the operand at the output's indices and no other
+    factor is sparse at an output index (so nothing narrows the pattern further): SDDMM,
+    sampled gradients. Values are then written in place and nothing is assembled. Only
+    for a sparse ``output``, and when a format is ``requested``, an operand of that format."""
+    if output is None:
+        return None
+    out = assignment.output
+
+    def narrows(factor, anchor: int) -> bool:
+        fmt = formats[factor.operand]
+        if factor.operand == anchor or fmt is None:
+            return False
+        return any(fmt.letters[fmt.mode_order.index(m)] != "d" for m, i in enumerate(factor.indices) if i in out)
+
+    for n, fmt in enumerate(formats):
+        if fmt is None or fmt.block is not None or (requested is not None and requested != fmt):
+            continue
+        if all(
+            any(f.operand == n and f.indices == out for f in t.factors) and not any(narrows(f, n) for f in t.factors)
+            for t in assignment.terms
+        ):
+            return n
+    return None
+
+
+def _requested(assignment: Assignment, formats: Sequence[Format | None],
+               request: Request) -> tuple[Format | None, Format | None]:
+    """(the output format before anchoring and fill, the requested sparse format or None)."""
+    if request == DENSE:
+        return None, None
+    if isinstance(request, Format):
+        return _native_output(request), request
+    return result_format(assignment, formats), None
+
+
+def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request: Request, dtype: torch.dtype,
+                index_dtype: torch.dtype) -> ShapePlan:
+    formats = tuple(i.format for i in infos)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    schedules: dict[Format | None, Schedule] = {}
+
+    def scheduled(fmt: Format | None) -> Schedule:  # each output format scheduled once
+        if fmt not in schedules:
+            schedules[fmt] = schedule(assignment, infos, fmt, itemsize)
+        return schedules[fmt]
+
+    output, requested = _requested(assignment, formats, request)
+    if request == AUTO:
+        sizes = {i: infos[a.operand].shape[m] for t in assignment.terms for a in t.factors
+                 for m, i in enumerate(a.indices)}
+        inferred = output
+        output = densify_by_fill(assignment, formats, inferred, lambda: scheduled(inferred).leaves,
+                                 math.prod(sizes[i] for i in assignment.output))
+    anchor = _find_anchor(assignment, formats, requested, output)
+    sched = scheduled(None if anchor is not None else output)
+    if anchor is not None and any(assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes):
+        anchor, sched = None, scheduled(output)  # the anchor would be re-stored: its positions are not the output's
+    if anchor is not None:
+        output = formats[anchor]
+    key = (assignment, formats, output, anchor, dtype, index_dtype, decisions(sched))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _build_plan(assignment, formats, output, anchor, decisions(sched), dtype, index_dtype)
+        _plans.put(key, plan)
+    final = requested if output is not None and requested is not None and requested != output else None
+    return ShapePlan(plan, sched, final)
+
+
+def plan_call(assignment: Assignment, infos: tuple[OperandInfo, ...], request: Request, dtype: torch.dtype,
+              index_dtype: torch.dtype) -> ShapePlan:
+    """The plan for operands described by ``infos`` (see the module doc)."""
+    key = (assignment, infos, request, dtype, index_dtype)
+    shaped = _shape_plans.get(key)
+    if shaped is None:
+        if len(assignment.output) > MAX_OUTPUT_RANK:
+            raise ValueError(f"output rank {len(assignment.output)} exceeds the supported maximum {MAX_OUTPUT_RANK}")
+        shaped = _shape_plan(assignment, infos, request, dtype, index_dtype)
+        _shape_plans.put(key, shaped)
+    return shaped
+
+
+def _build_plan(assignment: Assignment, formats: tuple[Format | None, ...], output: Format | None,
+                anchor: int | None, sched: Schedule, dtype: torch.dtype, index_dtype: torch.dtype) -> Plan:
+    generated = build_kernel(assignment, sched, formats, anchor, dtype, index_dtype)
+    permutation = tuple(sched.output_order.index(i) for i in assignment.output)
+    identity = permutation == tuple(range(len(permutation)))
+    return Plan(assignment, formats, output, anchor, sched, generated.kernel, generated.source, generated.arguments,
+                None if identity else permutation, generated.finish_order, generated.load)
+
+
+def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None,
+                 dtype: torch.dtype, index_dtype: torch.dtype) -> Generated:
+    """Everything the runtime asks of the back end: lower ``sched`` to a kernel, print
+    its C++, list its array arguments and (for an assembled output) ``sn_finish``'s
+    arrays in the ABI's order (``backend/abi.py``), and a loader that builds (or finds in
+    the kernel cache) the library and binds its entry points with their C signatures."""
+    kernel = lower(assignment, sched, formats, anchor)
+    source = generate_source(kernel, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
+    arguments = tuple(
+        Argument(n, "dense" if slot.fmt is None else kind, level)
+        for n, slot in enumerate(kernel.slots)
+        for kind, level in abi.slot_arrays(slot)
+    )
+
+    finish_order = ()
+    if not kernel.dense_output:
+        fmt = sched.output_format
+        finish_order = tuple(abi.finish_arrays(fmt.rank, fmt.dense_prefix))
+
+    def load() -> abi.EntryPoints:
+        return abi.bind(jit.load_library(source, "sparse_einsum"), assembles_sparse_output=not kernel.dense_output)
+
+    return Generated(kernel, source, arguments, finish_order, load)
+
+
+# ----------------------------------------------------------------------------- contraction paths
+
+
+def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dtype: torch.dtype,
+                     request: Request) -> list[Step] | None:
+    """Pairwise contractions cheaper than one fused kernel, for single-term products of
+    three or more factors (see :mod:`plan.contract`), or None to fuse."""
+    if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3:
+        return None
+    key = (assignment, infos, dtype, request)
+    hit = _paths.get(key)
+    if hit is None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        formats = tuple(i.format for i in infos)
+        output, requested = _requested(assignment, formats, request)
+        anchored = _find_anchor(assignment, formats, requested, output) is not None
+        hit = (best_path(assignment, infos, itemsize, anchored),)
+        _paths.put(key, hit)
+    return hit[0]
+
+
+def path_request(assignment: Assignment, formats: Sequence[Format | None], request: Request) -> Request:
+    """``out_format`` for a path's last contraction: the whole expression's result
+    format, so that the intermediates' formats (chosen by estimated fill) do not decide
+    whether the result is dense."""
+    if request is not None:
+        return request
+    output = result_format(assignment, formats)
+    return DENSE if output is None else output

@@ -1,0 +1,127 @@
+"""Evaluate a call: find what its signature resolves to (cached), then run it.
+
+A call resolves to one of three runnable objects:
+
+* a :class:`launcher.Launch` (a planned kernel bound to the call's shapes and layouts);
+* a :class:`PathCall`, a sequence of pairwise contractions (``plan.contract``), each
+  itself evaluated here;
+* a :class:`DenseCall` when every operand is dense: ``torch.einsum`` per term.
+
+Calls whose operands kernels read as given are cached by :func:`validate.call_key`, so
+a repeated call costs the key, one lookup and the launch; other calls are checked,
+converted and resolved each time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor
+
+from ..notation import Access, Assignment, Term
+from ..plan.contract import Step
+from ..plan.planner import Request, contraction_path, operand_info, path_request, plan_call
+from .cache import LRUCache
+from .launcher import Launch, bind
+from .validate import Checked, call_key, check_call
+
+__all__ = ["evaluate", "resolve", "PathCall", "DenseCall"]
+
+Run = Callable[[Sequence], torch.Tensor | SparseTensor]
+
+_calls: LRUCache[Run] = LRUCache("calls", 1024)  # call key -> the run function of what it resolved to
+
+
+def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Tensor | SparseTensor:
+    """``assignment`` over ``operands``: a dense tensor, or a SparseTensor when the
+    result's format (from the operands' formats and ``out_format``) is sparse."""
+    key = call_key(assignment, operands, out_format)
+    if key is not None:
+        run = _calls.get(key)
+        if run is not None:
+            return run(operands)
+    checked = check_call(assignment, operands, out_format)
+    run = resolve(assignment, checked).run
+    if key is not None:
+        _calls.put(key, run)
+    return run(checked.operands)
+
+
+def resolve(assignment: Assignment, checked: Checked) -> Launch | PathCall | DenseCall:
+    """What a checked call runs (its ``run(operands)``)."""
+    if checked.all_dense:
+        return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
+    infos = tuple(operand_info(op) for op in checked.operands)
+    path = contraction_path(assignment, infos, checked.dtype, checked.request)
+    if path is not None:
+        last = path_request(assignment, [i.format for i in infos], checked.request)
+        return PathCall(assignment, tuple(path), last)
+    shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
+    return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+
+
+@dataclass(frozen=True)
+class PathCall:
+    """A single-term product evaluated as pairwise contractions; the last one produces
+    the result in ``last`` (the whole expression's output request)."""
+
+    assignment: Assignment
+    steps: tuple[Step, ...]
+    last: Request
+
+    def run(self, operands: Sequence) -> torch.Tensor | SparseTensor:
+        (term,) = self.assignment.terms
+        items = [(a.indices, operands[a.operand]) for a in term.factors]
+        for n, step in enumerate(self.steps):
+            (left, x), (right, y) = items[step.left], items[step.right]
+            pair = Assignment(step.indices, (Term(1.0, (Access(0, left), Access(1, right))),), ("left", "right"))
+            request = self.last if n == len(self.steps) - 1 else "dense" if step.dense else None
+            result = evaluate(pair, [x, y], request)
+            items = [items[k] for k in range(len(items)) if k not in (step.left, step.right)]
+            items.append((step.indices, result))
+        ((_, result),) = items
+        if term.coefficient != 1.0:
+            if isinstance(result, torch.Tensor):
+                return result * term.coefficient
+            return result.with_values(result.values * term.coefficient)
+        return result
+
+
+@dataclass(frozen=True)
+class DenseCall:
+    """Every operand dense: torch computes each term (broadcast over output indices the
+    term lacks); a sparse ``request`` stores the result with every entry."""
+
+    assignment: Assignment
+    out_shape: tuple[int, ...]
+    request: Request
+
+    def run(self, operands: Sequence) -> torch.Tensor | SparseTensor:
+        assignment = self.assignment
+        letters: dict[str, str] = {}
+        for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
+            letters[i] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(letters)]
+        out = None
+        for term in assignment.terms:
+            present = [i for i in assignment.output if i in term.indices]
+            lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
+            value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
+                                 *[operands[a.operand] for a in term.factors])
+            if term.coefficient != 1.0:
+                value = term.coefficient * value
+            if len(present) != len(assignment.output):
+                view = [size if i in term.indices else 1 for i, size in zip(assignment.output, self.out_shape)]
+                value = value.reshape(view).expand(self.out_shape).clone()
+            out = value if out is None else out + value
+        return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
+
+
+def _stored_densely(result: torch.Tensor, fmt: Format) -> SparseTensor:
+    """A dense result in the sparse ``fmt`` with every entry stored, zeros too: its
+    pattern is structural (what the expression can produce), not the values that
+    happen to vanish, so gradients reach every entry."""
+    indices = torch.ones(result.shape, dtype=torch.bool).nonzero().T
+    return SparseTensor.from_coo(indices, result.reshape(-1), result.shape, format=fmt)

@@ -1,0 +1,234 @@
+"""The launcher: a plan bound to one call's shapes and operand layouts, run per call.
+
+:func:`bind` does once, for a call signature, everything that does not change between
+calls with that signature: the extents array (``dims``), the output's allocation, the
+thread policy, and for every kernel argument how to find its array. Most operands are
+read as given; the others go through a *stage* each call: a dense operand whose strides
+are not the loop order's is copied in that order, a sparse one the schedule reads in
+another mode order is re-stored (:func:`restore.restored_as`), index arrays narrower
+than the kernel's are widened. ``Launch.run`` then runs the stages (usually
+none), collects the data pointers, calls ``sn_run`` with the GIL released, and returns
+the dense result (a view in the expression's index order), the anchor's pattern with
+the computed values, or the sparse result the kernel assembled.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor
+
+from ..backend.abi import EntryPoints
+from ..plan.planner import Plan, ShapePlan, runs_parallel
+from .restore import restored_as
+
+__all__ = ["Launch", "Assembly", "bind", "uninitialised"]
+
+Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
+Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
+
+
+def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(*size)`` (sizes as arguments: parsed faster than a shape tuple):
+    memory for a kernel that stores every element of its output (the test suite fills
+    it with NaN, so an element a kernel skips shows)."""
+    return torch.empty(*size, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """The layout of an assembled sparse output, fixed by its format and shape: its
+    extents in storage order, how many leading levels are dense, and the order of the
+    arrays ``sn_finish`` fills (``Plan.finish_order``)."""
+
+    fmt: Format
+    level_dims: tuple[int, ...]
+    dense_prefix: int
+    finish_order: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A :class:`Plan` bound to a call signature (see the module doc); ``run(operands)``
+    launches it."""
+
+    plan: Plan
+    entry: EntryPoints
+    dims: ctypes.Array
+    parallel: bool
+    stages: tuple[Stage, ...]
+    pointers: Pointers
+    array_type: type  # ctypes array of the kernel's array arguments (and a dense output)
+    allocation: tuple  # torch.empty arguments of the dense output (or the anchor's values)
+    assembly: Assembly | None  # a sparse output the kernel assembles
+    out_shape: tuple[int, ...]
+    dtype: torch.dtype
+    index_dtype: torch.dtype
+    final_format: Format | None
+    run: Callable[[Sequence], torch.Tensor | SparseTensor] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run", _runner(self))
+
+
+def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]:
+    """The per-call work of ``launch``, a closure over its constants (read faster than
+    attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
+    stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
+    kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
+    plan, final = launch.plan, launch.final_format
+    assembles, overwrites = plan.assembles, plan.kernel.overwrites_output
+    anchor, permutation = plan.anchor, plan.output_permutation
+
+    def run(operands: Sequence) -> torch.Tensor | SparseTensor:
+        made: list | None = None
+        if stages:
+            made = []
+            for stage in stages:
+                made.append(stage(operands, made))
+        arguments = pointers(operands, made)
+        threads = torch.get_num_threads() if parallel else 1
+        if assembles:
+            result = _assembled(launch, arguments, threads)
+        else:
+            out = (uninitialised if overwrites else torch.zeros)(*allocation, dtype=dtype)
+            if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
+                raise MemoryError("sparsenn kernel ran out of memory")
+            if anchor is None:
+                return out if permutation is None else out.permute(permutation)
+            result = operands[anchor].with_values(out)
+        return result if final is None else result.asformat(final)
+
+    return run
+
+
+def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTensor:
+    """Run a kernel that assembles a sparse output, then copy it into tensors. A
+    two-phase output's ``sn_finish`` reads the argument array and the operands again:
+    ``arguments`` lives until it returns, the caller keeps the operands (and the
+    stages' tensors) alive."""
+    entry, layout, rank = launch.entry, launch.assembly, len(launch.out_shape)
+    handle = ctypes.c_void_p()
+    arguments = launch.array_type(*pointers)
+    if entry.run(arguments, launch.dims, threads, ctypes.byref(handle)) != 0:
+        if handle.value:
+            entry.free(handle)
+        raise MemoryError("sparsenn kernel ran out of memory")
+    sizes = entry.output_sizes(handle, rank)
+    wide = launch.index_dtype == torch.int64 or max([sizes.values, *layout.level_dims, 0]) >= 2**31 - 1
+    idx = torch.int64 if wide else torch.int32
+    pos: list = [None] * rank
+    crd: list = [None] * rank
+    parents = math.prod(layout.level_dims[: layout.dense_prefix])
+    for level in range(layout.dense_prefix, rank):
+        if level > 0 and sizes.counts[level] != parents:
+            entry.free(handle)
+            raise RuntimeError(f"internal error: output level {level} has {sizes.counts[level]} counts, "
+                               f"expected {parents}")
+        pos[level] = torch.empty(sizes.positions(level), dtype=idx)
+        crd[level] = torch.empty(sizes.coordinates[level], dtype=idx)
+        parents = sizes.coordinates[level]
+    values = torch.empty(sizes.values, dtype=launch.dtype)
+    arrays = [values if kind == "val" else (pos if kind == "pos" else crd)[level]
+              for kind, level in layout.finish_order]
+    if entry.finish(handle, (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays]), int(wide),
+                    threads) != 0:
+        raise MemoryError("sparsenn kernel ran out of memory while assembling its output")
+    return SparseTensor(launch.out_shape, layout.fmt, tuple(pos), tuple(crd), values, check=False)
+
+
+def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: torch.dtype,
+         index_dtype: torch.dtype) -> Launch:
+    """``shaped``'s plan bound to ``operands``' shapes and layouts. Valid for every call
+    whose :func:`validate.call_key` is theirs (the key fixes shapes, strides, formats,
+    stored positions and index widths), or for this call only."""
+    plan = shaped.plan
+    stages: list[Stage] = []
+    sources: list[tuple[bool, int]] = []  # per slot: (read from a stage, operand or stage number)
+    for slot in plan.kernel.slots:
+        n, op = slot.operand, operands[slot.operand]
+        if slot.fmt is None:
+            view = op if slot.layout is None else op.permute(slot.layout)
+            if view.is_contiguous():
+                sources.append((False, n))
+            else:
+                stages.append(_relaid(n, slot.layout))
+                sources.append((True, len(stages) - 1))
+        elif op.format != slot.fmt:
+            stages.append(_restored(n, slot.fmt))
+            sources.append((True, len(stages) - 1))
+        else:
+            sources.append((False, n))
+    terms = []  # per argument, the expression of its data pointer
+    for argument in plan.arguments:
+        staged, i = sources[argument.slot]
+        op = operands[plan.kernel.slots[argument.slot].operand]
+        if argument.kind == "val" and not staged and not op.values.is_contiguous():
+            stages.append(_contiguous_values(i))
+            staged, i, kind = True, len(stages) - 1, "data"
+        elif argument.kind in ("pos", "crd") and op.index_dtype != index_dtype:
+            stages.append(_widened(staged, i, argument.kind, argument.level, index_dtype))
+            staged, i, kind = True, len(stages) - 1, "data"
+        else:
+            kind = argument.kind
+        source = f"made[{i}]" if staged else f"ops[{i}]"
+        if kind in ("dense", "data"):
+            terms.append(f"{source}.data_ptr()")
+        elif kind == "val":
+            terms.append(f"{source}.values.data_ptr()")
+        else:
+            terms.append(f"{source}.{kind}[{argument.level}].data_ptr()")
+    entry = plan.load()
+    kernel = plan.kernel
+    out_shape = tuple(sizes[i] for i in plan.assignment.output)
+    assembly = None
+    if plan.assembles:
+        fmt = plan.output_format
+        allocation = ()
+        assembly = Assembly(fmt, tuple(out_shape[m] for m in fmt.mode_order), fmt.dense_prefix, plan.finish_order)
+    elif plan.anchor is not None:
+        allocation = (operands[plan.anchor].values.shape[0],)
+    else:
+        allocation = tuple(sizes[i] for i in plan.schedule.output_order) or ((),)
+    return Launch(
+        plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
+        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
+        ctypes.c_void_p * (len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
+        index_dtype, shaped.final_format,
+    )
+
+
+def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
+    """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order."""
+    if layout is None:
+        return lambda ops, made: ops[n].contiguous()
+    return lambda ops, made: ops[n].permute(layout).contiguous()
+
+
+def _restored(n: int, fmt: Format) -> Stage:
+    return lambda ops, made: restored_as(ops[n], fmt)
+
+
+def _contiguous_values(n: int) -> Stage:
+    return lambda ops, made: ops[n].values.contiguous()
+
+
+def _widened(staged: bool, i: int, kind: str, level: int, index_dtype: torch.dtype) -> Stage:
+    """An index array converted to the kernel's index width."""
+    if staged:
+        return lambda ops, made: getattr(made[i], kind)[level].to(index_dtype)
+    return lambda ops, made: getattr(ops[i], kind)[level].to(index_dtype)
+
+
+def _pointers(terms: list[str]) -> Pointers:
+    """One function computing every argument's data pointer, written out for this
+    argument layout (as ``dataclasses`` writes ``__init__``): one Python call per launch
+    instead of one per argument. ``terms`` are expressions over ``ops`` (the operands)
+    and ``made`` (the stages' tensors) built by :func:`bind` from integers and fixed
+    attribute names only."""
+    return eval(f"lambda ops, made: [{', '.join(terms)}]", {})

@@ -1,0 +1,163 @@
+"""Operand validation: every check a call needs before planning, with errors naming the
+operand and what is wrong, and the key under which a checked call is cached.
+
+:func:`check_call` checks types, dtypes, devices, ranks, index sizes, that sparse
+operands' index arrays are unedited, and ``out_format``; it returns the operands as the
+kernels read them (a blocked SparseTensor as its unblocked levels, a dense-format one as
+a tensor). :func:`call_key` is the cache key of a call whose operands need no such
+conversion: everything :func:`check_call` checks follows from the key, except what it
+checks itself on every call (CPU, strided, contiguous sparse values, unedited index
+arrays).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor, parse_format
+
+from ..notation import Assignment
+from ..plan.planner import AUTO, DENSE, Request
+
+__all__ = ["Checked", "FLOAT_DTYPES", "describe_operand", "output_request", "check_call", "call_key"]
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A validated call: its operands as kernels read them, their dtype, the size of
+    every index, the index width of the kernel's index arrays and the output request."""
+
+    operands: tuple
+    dtype: torch.dtype
+    sizes: dict[str, int]
+    index_dtype: torch.dtype
+    request: Request
+
+    @property
+    def all_dense(self) -> bool:
+        return all(isinstance(op, torch.Tensor) for op in self.operands)
+
+
+def describe_operand(assignment: Assignment, n: int) -> str:
+    """``operand 1`` or, for a named operand, ``operand 1 (B)``."""
+    name = assignment.operand_names[n]
+    return f"operand {n}" if name == f"operand{n}" else f"operand {n} ({name})"
+
+
+def output_request(out_format, out_shape: tuple[int, ...]) -> Request:
+    """``out_format`` checked against the result's shape: None, :data:`DENSE`,
+    :data:`AUTO`, or a :class:`Format` of the result's rank whose blocks divide it."""
+    if out_format is None:
+        return None
+    if isinstance(out_format, str) and out_format.strip().lower() in (DENSE, AUTO):
+        return out_format.strip().lower()
+    if not isinstance(out_format, (str, Format)):
+        raise TypeError("out_format must be None, 'dense', a format name or a Format (or 'auto'), "
+                        f"got {type(out_format).__name__}")
+    rank = len(out_shape)
+    if rank == 0:
+        raise ValueError(f"out_format={out_format!r} requested for a scalar (rank-0) result; use None or 'dense'")
+    try:
+        fmt = parse_format(out_format, rank)
+        fmt.storage_levels(out_shape)
+    except ValueError as error:
+        raise ValueError(f"out_format={str(out_format)!r} does not fit the rank-{rank} result of shape "
+                         f"{out_shape}: {error}") from None
+    return fmt
+
+
+def _checked_operand(assignment: Assignment, n: int, op, dtype: torch.dtype | None):
+    """Operand ``n`` checked (``dtype``: the earlier operands'), as kernels read it."""
+    if isinstance(op, SparseTensor):
+        values = op.values
+        try:
+            op.check_unmodified()
+        except ValueError as error:
+            raise ValueError(f"{describe_operand(assignment, n)}: {error}") from None
+    elif isinstance(op, torch.Tensor):
+        values = op
+        if op.layout != torch.strided:
+            raise TypeError(f"{describe_operand(assignment, n)} is a torch sparse tensor ({op.layout}); wrap it "
+                            "with sparsenn.SparseTensor.from_torch(...)")
+    else:
+        raise TypeError(f"{describe_operand(assignment, n)} must be a torch.Tensor or SparseTensor, "
+                        f"got {type(op).__name__}")
+    if values.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype}; sparsenn supports float32 "
+                        "and float64")
+    if values.device.type != "cpu":
+        raise ValueError(f"{describe_operand(assignment, n)} is on device {values.device}; sparsenn kernels run "
+                         "on the CPU")
+    if dtype is not None and values.dtype != dtype:
+        raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype} but earlier operands have "
+                        f"{dtype}; convert them to one dtype first")
+    if isinstance(op, SparseTensor):
+        if op.format.block is not None:
+            return op.asformat(Format(op.format.levels[: op.ndim], op.format.mode_order, None))
+        if op.format.is_dense:
+            return op.to_dense()
+    return op
+
+
+def check_call(assignment: Assignment, operands: Sequence, out_format) -> Checked:
+    """Validate a call (see the module doc)."""
+    if len(operands) != assignment.num_operands:
+        raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
+    prepared, dtype = [], None
+    for n, op in enumerate(operands):
+        op = _checked_operand(assignment, n, op, dtype)
+        dtype = op.values.dtype if isinstance(op, SparseTensor) else op.dtype
+        prepared.append(op)
+    sizes: dict[str, tuple[int, int]] = {}
+    for term in assignment.terms:
+        for access in term.factors:
+            shape = tuple(prepared[access.operand].shape)
+            if len(shape) != len(access.indices):
+                raise ValueError(
+                    f"{describe_operand(assignment, access.operand)} has {len(shape)} dimension(s) but the "
+                    f"expression indexes it with {len(access.indices)} ({''.join(access.indices)})"
+                )
+            for index, size in zip(access.indices, shape):
+                if index in sizes and sizes[index][0] != size:
+                    other = describe_operand(assignment, sizes[index][1])
+                    raise ValueError(f"index '{index}' has size {size} in "
+                                     f"{describe_operand(assignment, access.operand)} but size {sizes[index][0]} "
+                                     f"in {other}")
+                sizes.setdefault(index, (size, access.operand))
+    request = output_request(out_format, tuple(sizes[i][0] for i in assignment.output))
+    widths = {op.index_dtype for op in prepared if isinstance(op, SparseTensor)}
+    index_dtype = torch.int64 if torch.int64 in widths else torch.int32
+    return Checked(tuple(prepared), dtype, {index: size for index, (size, _) in sizes.items()}, index_dtype, request)
+
+
+def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | None:
+    """The cache key of a call whose operands kernels read as they are: the expression,
+    ``out_format`` and per operand its dtype, shape and strides (dense) or
+    :attr:`SparseTensor.signature`. None when the call must be checked in full: an
+    operand needs a conversion (blocked, dense-format, non-contiguous values) or fails a
+    per-call check."""
+    if out_format is not None and not isinstance(out_format, (str, Format)):
+        return None
+    key = [assignment, out_format]
+    for op in operands:
+        if isinstance(op, SparseTensor):
+            values, fmt = op.values, op.format
+            if fmt.block is not None or fmt.is_dense or not (values.is_cpu and values.is_contiguous()):
+                return None
+            try:
+                op.check_unmodified()
+            except ValueError:
+                return None
+            key += (op.signature, values.dtype)
+        elif isinstance(op, torch.Tensor):
+            if op.layout != torch.strided or not op.is_cpu:
+                return None
+            key += (op.shape, op.dtype, op.stride())
+        else:
+            return None
+    return tuple(key)
