@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats import Format, SparseTensor
+from sparsenn.formats.level import Compressed, Dense, Level
 from sparsenn.formats.pack import pack
 
 __all__ = ["Groups", "view", "view_format"]
@@ -43,26 +44,28 @@ def view_format(fmt: Format, groups: Groups) -> Format | None:
     """The format of a sparse view: the levels of the kept modes in their storage order.
 
     A group sits at the storage level of its first-stored mode; it is dense when all its
-    modes' levels are, else that level's kind (compressed if it was dense). A singleton
-    left without a compressed or singleton level above it becomes compressed. None when
-    every level is dense (the view is stored as a dense tensor)."""
-    rank = len(fmt.mode_order)
-    letters = fmt.letters[:rank]  # a blocked format's outer levels
+    modes' levels are full, else that level's kind (compressed if it was full). A
+    branchless level (a singleton) left without a coordinate-carrying level above it
+    becomes compressed. None when every level is full (the view is stored densely)."""
     level_of = {mode: level for level, mode in enumerate(fmt.mode_order)}
     placed = []
     for k, group in enumerate(groups):
         levels = sorted(level_of[m] for m in group)
-        kinds = {letters[level] for level in levels}
-        first = letters[levels[0]]
-        placed.append((levels[0], "d" if kinds == {"d"} else ("c" if first == "d" else first), k))
-    placed.sort()
-    kept = ""
-    for _, letter, _ in placed:
-        kept += "c" if letter == "s" and (not kept or kept[-1] == "d") else letter
-    if set(kept) <= {"d"}:
+        first = fmt.levels[levels[0]]
+        if all(fmt.levels[level].full for level in levels):
+            kind: Level = Dense()
+        else:
+            kind = Compressed() if first.full else type(first)()
+        placed.append((levels[0], kind, k))
+    placed.sort(key=lambda entry: entry[0])
+    kept: list[Level] = []
+    for _, level, _ in placed:
+        if level.branchless and not (kept and kept[-1].has_crd):
+            level = Compressed()
+        kept.append(level)
+    if all(level.full for level in kept):
         return None
-    order = ",".join(str(k) for _, _, k in placed)
-    return parse_format(f"{kept}[{order}]", len(groups))
+    return Format(tuple(kept), tuple(k for _, _, k in placed), None)
 
 
 def _sparse_view(op: SparseTensor, groups: Groups) -> Tensor | SparseTensor:

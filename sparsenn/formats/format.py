@@ -102,6 +102,10 @@ class Format:
         """True when every level is dense and there is no block."""
         return self.block is None and all(level.locatable for level in self.levels)
 
+    def mode_level(self, mode: int) -> Level:
+        """The storage level that stores mode ``mode`` (its block coordinate, if blocked)."""
+        return self.levels[self.mode_order.index(mode)]
+
     @property
     def letters(self) -> str:
         """Level letters of every storage level, e.g. ``"dc"`` (``"dcdd"`` for BSR)."""

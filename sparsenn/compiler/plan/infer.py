@@ -36,16 +36,12 @@ __all__ = ["infer_output_format", "result_format", "densify_by_fill", "mode_is_s
 SPARSE_OUTPUT_DENSITY = 1 / 8
 
 
-def _level_letter(fmt: Format, mode: int) -> str:
-    return fmt.letters[fmt.mode_order.index(mode)]
-
-
 def _term_is_sparse(term: Term, index: str, formats: Sequence[Format | None]) -> bool:
     """Multiplication rule: sparse iff some factor stores ``index`` in a sparse level."""
     for access in term.factors:
         fmt = formats[access.operand]
         if fmt is not None and index in access.indices:
-            if _level_letter(fmt, access.indices.index(index)) != "d":
+            if not fmt.mode_level(access.indices.index(index)).full:
                 return True
     return False
 
@@ -117,7 +113,7 @@ def densify_by_fill(
     if inferred is None or numel == 0:
         return inferred
     filled = any(
-        _level_letter(inferred, m) != "d" and not _carried_by_sparse(assignment, i, formats)
+        not inferred.mode_level(m).full and not _carried_by_sparse(assignment, i, formats)
         for m, i in enumerate(assignment.output)
     )
     return None if filled and estimated_nnz() >= SPARSE_OUTPUT_DENSITY * numel else inferred

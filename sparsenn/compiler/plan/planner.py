@@ -168,7 +168,7 @@ def _find_anchor(assignment: Assignment, formats: Sequence[Format | None], reque
         fmt = formats[factor.operand]
         if factor.operand == anchor or fmt is None:
             return False
-        return any(fmt.letters[fmt.mode_order.index(m)] != "d" for m, i in enumerate(factor.indices) if i in out)
+        return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
 
     for n, fmt in enumerate(formats):
         if fmt is None or fmt.block is not None or (requested is not None and requested != fmt):
