@@ -26,14 +26,11 @@ Exclude = Iterable[str] | Callable[[str, nn.Module], bool] | None
 
 # Break-even model for skip_slower: time = overhead + ns_per_mac * work, where work is the
 # multiply-adds of one forward+backward step at batch B (dense: 3 * B * out * in; sparse:
-# 3 * B * nnz). Fitted (non-negative least squares on relative error) by
-# ``python benchmarks/layers.py`` to 25 layers (64x64 .. 2048x2048, sparsity 0.5 .. 0.99,
-# batch 64, 1 thread; benchmarks/results/layers.md, commit f86a841) on the 2-vCPU AMD EPYC
-# machine of BENCHMARKS.md "Layers": dense 113.4 us + 0.0262 ns/MAC, sparse 370.4 us +
-# 0.1032 ns/MAC. So a large layer is faster sparse below ~25 % density, and the sparse
-# layer's fixed cost (three einsum calls per step) keeps small layers dense: at 90 %
-# sparsity a 256x256 layer stays dense, a 784x256 one is ~1.5x faster sparse and a
-# 1024x1024 one ~2.2x (measured 0.88x, 1.30x and 2.38x).
+# 3 * B * nnz). The constants are fitted by ``python benchmarks/layers.py`` (non-negative
+# least squares on relative error over 25 layers at batch 64, one thread; the fit and its
+# machine are in BENCHMARKS.md, "Layers"). A large layer is then faster sparse below about
+# 25 % density, and the sparse layer's fixed cost (three einsum calls per step) keeps small
+# layers dense.
 DENSE_OVERHEAD_US = 113.4
 DENSE_NS_PER_MAC = 0.0262
 SPARSE_OVERHEAD_US = 370.4
