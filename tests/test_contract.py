@@ -158,6 +158,7 @@ def test_path_steps_compute_the_product(equation):
     if steps is None:
         return
     assert len(steps) == n - 1
+    assert all(step.left < step.right for step in steps)
     dims = _dims(equation, SMALL)
     g = torch.Generator().manual_seed(1)
     tensors = [torch.randn([dims[i] for i in spec], generator=g, dtype=torch.float64) for spec in _lhs(equation)]
