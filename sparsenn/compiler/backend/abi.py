@@ -49,9 +49,12 @@ if TYPE_CHECKING:
     from ..lower.kernel import Slot
 
 __all__ = [
-    "EntryPoint", "EntryPoints", "OutputSizes", "RUN", "SIZES", "FINISH", "FREE",
+    "MAX_OUTPUT_RANK", "EntryPoint", "EntryPoints", "OutputSizes", "RUN", "SIZES", "FINISH", "FREE",
     "entry_points", "bind", "slot_arrays", "array_name", "finish_arrays",
 ]
+
+# The highest output rank a kernel produces (the assembly's coordinate buffers hold 16).
+MAX_OUTPUT_RANK = 8
 
 # C parameter and return types used by the entry points, as ctypes passes them.
 _CTYPES: dict[str, Any] = {

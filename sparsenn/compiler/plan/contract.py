@@ -6,23 +6,44 @@ dense ``(A B) C`` costs far less. Fusion wins when it avoids a large intermediat
 SDDMM ``A[i,j] X[i,k] Y[j,k]`` (the dense ``X Yᵀ`` never exists) or ``bn,bd,ndh->bh``
 with sparse ``bn`` (only the nonzero ``(b, n)`` pairs are visited).
 
-:func:`best_path` compares the fused schedule's cost with every sequence of pairwise
+:func:`best_path` compares the fused schedule's cost with the cheapest tree of pairwise
 contractions (each pair itself scheduled, or left to BLAS when both are dense) and
 returns ``None`` when fusing everything is cheapest. Intermediates are internal, so
 their format is free: one whose estimated fill reaches ``SPARSE_OUTPUT_DENSITY`` is
 kept dense (``X·Wᵀ``-like products of a dense and a sparse operand fill in), instead of
 being assembled as a sparse tensor that is then nearly full.
+
+**Search.** An intermediate is named by the set ``S`` of operands it holds; it keeps
+the indices of ``S`` that the output or an operand outside ``S`` still needs. A greedy
+search first contracts, at each step, the cheapest pair that shares an index (any
+pair, when none does). Then, for up to :data:`EXACT_OPERANDS` operands and at most
+:data:`EXACT_SPLITS` candidate splits, dynamic programming over these sets (opt_einsum's
+``dp``) computes each set's cheapest tree once, after those of its parts::
+
+    cost({k}) = 0,   cost(S) = min over splits S = L ⊔ R of cost(L) + cost(R) + pair(L, R)
+
+A split is skipped when ``cost(L) + cost(R)`` already exceeds the best tree found for
+``S``, the greedy tree or the fused cost (a pair's cost is never negative). Up to
+:data:`ALL_SPLITS_OPERANDS` operands every split is a candidate (for three: every pair
+order, as an exhaustive search); beyond, only splits of a connected set into two
+connected sets that share an index (no outer products), and then every split of the
+product's connected components. Each pair (two operands or intermediates and the
+indices kept) is costed once per planning: ``schedule`` calls are the expensive part.
+No intermediate of more than :data:`~..backend.abi.MAX_OUTPUT_RANK` indices is formed.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
 from ..notation import Access, Assignment, Term
-from .schedule import OperandInfo, estimate_positions, schedule
+from ..backend.abi import MAX_OUTPUT_RANK
+from .cost import estimate_positions
+from .schedule import OperandInfo, Schedule, schedule
 
 __all__ = ["Step", "best_path"]
 
@@ -30,6 +51,9 @@ __all__ = ["Step", "best_path"]
 # measured 8.4 ms for a fused SDDMM costed 1.9e7 against >= 10 ms for a 2.7e8-MAC sgemm.
 DENSE_GEMM_SPEEDUP = 8.0
 INTERMEDIATE_COST = 2.0  # per element of a dense intermediate: written, then read back
+ALL_SPLITS_OPERANDS = 5  # up to this many operands, outer-product splits are searched too
+EXACT_OPERANDS = 10  # beyond, greedy only (listing the splits alone takes 3^n steps)
+EXACT_SPLITS = 500  # more candidate splits than this: greedy only
 
 
 @dataclass(frozen=True)
@@ -43,27 +67,205 @@ class Step:
     dense: bool = False
 
 
-def _pair_assignment(a: Access, b: Access, keep: tuple[str, ...]) -> Assignment:
-    term = Term(1.0, (Access(0, a.indices), Access(1, b.indices)))
-    return Assignment(keep, (term,), ("left", "right"))
+@dataclass(frozen=True)
+class _Tree:
+    """The operands in ``mask`` (bit ``k`` for operand ``k``) contracted into one with
+    ``indices``, at total ``cost``; ``parts`` are the (left, right) subtrees, none for an
+    operand."""
+
+    mask: int
+    indices: tuple[str, ...]
+    info: OperandInfo
+    cost: float = 0.0
+    parts: tuple[_Tree, ...] = ()
 
 
-def _result_info(pair: Assignment, infos: Sequence[OperandInfo], dims: dict[str, int], itemsize: int):
-    """(cost, info) of contracting a pair."""
-    shape = tuple(dims[i] for i in pair.output)
-    if all(i.format is None for i in infos):
-        flops = math.prod(dims[i] for i in pair.terms[0].indices)
-        return flops / DENSE_GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
-    fmt = infer_output_format(pair, [i.format for i in infos])
-    if fmt is not None and schedule(pair, infos, None, itemsize).leaves >= SPARSE_OUTPUT_DENSITY * math.prod(shape):
-        fmt = None  # fills in: keep the intermediate dense
-    sched = schedule(pair, infos, fmt, itemsize)
-    if fmt is None:
-        return sched.cost + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
-    nnz = int(min(math.prod(shape), max(sched.leaves, 1.0)))
-    sizes = [shape[m] for m in fmt.mode_order]
-    positions = tuple(int(p) for p in estimate_positions(fmt.levels, sizes, nnz))
-    return sched.cost, OperandInfo(fmt, shape, positions)
+def _lowest(mask: int) -> int:
+    return mask & -mask
+
+
+class _Pairs:
+    """Pairwise contractions within one product term, each costed once."""
+
+    def __init__(self, term: Term, output: tuple[str, ...], infos: Sequence[OperandInfo], itemsize: int):
+        self.output = output
+        self.itemsize = itemsize
+        self.dims = {i: infos[a.operand].shape[m] for a in term.factors for m, i in enumerate(a.indices)}
+        self.operand_indices = [set(a.indices) for a in term.factors]
+        self._costs: dict[tuple, tuple[float, OperandInfo]] = {}
+        self._schedules: dict[tuple, Schedule] = {}
+
+    def join(self, a: _Tree, b: _Tree) -> tuple[float, _Tree]:
+        """(cost of the pair, the tree contracting ``a`` and ``b``). The left factor is
+        the one that comes first in the list :func:`_steps` keeps: operands in their
+        order, then intermediates in the order they are made (lowest operand first)."""
+        left, right = sorted((a, b), key=lambda t: (bool(t.parts), _lowest(t.mask)))
+        mask = left.mask | right.mask
+        needed = set(self.output).union(
+            *(s for k, s in enumerate(self.operand_indices) if not mask >> k & 1)
+        )
+        seen = dict.fromkeys(left.indices + right.indices)
+        keep = tuple(i for i in self.output if i in seen) + tuple(
+            i for i in seen if i in needed and i not in self.output
+        )
+        term = Term(1.0, (Access(0, left.indices), Access(1, right.indices)))
+        pair = Assignment(keep, (term,), ("left", "right"))
+        key = (pair, left.info, right.info)
+        if key not in self._costs:
+            self._costs[key] = self._result(pair, (left.info, right.info))
+        cost, info = self._costs[key]
+        return cost, _Tree(mask, keep, info, left.cost + right.cost + cost, (left, right))
+
+    def _schedule(self, pair: Assignment, infos: tuple[OperandInfo, ...], fmt) -> Schedule:
+        key = (pair, infos, fmt)
+        if key not in self._schedules:
+            self._schedules[key] = schedule(pair, infos, fmt, self.itemsize)
+        return self._schedules[key]
+
+    def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo]:
+        """(cost, info) of contracting a pair: a BLAS call when both are dense
+        (``flops / DENSE_GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
+        ``INTERMEDIATE_COST`` per element; infinite beyond :data:`~..backend.abi.MAX_OUTPUT_RANK` indices."""
+        shape = tuple(self.dims[i] for i in pair.output)
+        if len(shape) > MAX_OUTPUT_RANK:
+            return math.inf, OperandInfo(None, shape)
+        if all(i.format is None for i in infos):
+            flops = math.prod(self.dims[i] for i in pair.terms[0].indices)
+            return flops / DENSE_GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
+        fmt = infer_output_format(pair, [i.format for i in infos])
+        if fmt is not None and self._schedule(pair, infos, None).leaves >= SPARSE_OUTPUT_DENSITY * math.prod(shape):
+            fmt = None  # fills in: keep the intermediate dense
+        sched = self._schedule(pair, infos, fmt)
+        if fmt is None:
+            return sched.cost + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
+        nnz = int(min(math.prod(shape), max(sched.leaves, 1.0)))
+        sizes = [shape[m] for m in fmt.mode_order]
+        positions = tuple(int(p) for p in estimate_positions(fmt.levels, sizes, nnz))
+        return sched.cost, OperandInfo(fmt, shape, positions)
+
+
+# ----------------------------------------------------------------------------- candidate splits
+
+_Splits = dict[int, list[tuple[int, int]]]  # set of operands -> its (part, part) splits
+
+
+def _halves(mask: int) -> list[tuple[int, int]]:
+    """Each split of ``mask`` into two non-empty sets once, as (larger mask, smaller), by
+    increasing larger mask (for three operands: ``{0,1}`` contracted first, then
+    ``{0,2}``, then ``{1,2}``)."""
+    found = []
+    part = (mask - 1) & mask
+    while part:
+        if part > mask ^ part:
+            found.append((part, mask ^ part))
+        part = (part - 1) & mask
+    return found[::-1]
+
+
+def _splits(operand_indices: Sequence[set[str]]) -> _Splits | None:
+    """The sets of operands the exact search visits, each with its candidate splits, in
+    increasing mask order (every part before the sets it splits); ``None`` beyond
+    :data:`EXACT_OPERANDS` operands or :data:`EXACT_SPLITS` splits."""
+    n = len(operand_indices)
+    if n > EXACT_OPERANDS:
+        return None
+    full = (1 << n) - 1
+    if n <= ALL_SPLITS_OPERANDS:
+        return {m: _halves(m) for m in range(1, full + 1) if m & (m - 1)}
+    indices = {1 << k: s for k, s in enumerate(operand_indices)}
+    connected = set(indices)
+    splits: _Splits = {}
+    count = 0
+    for mask in range(1, full + 1):
+        if not mask & (mask - 1):
+            continue
+        low = _lowest(mask)
+        indices[mask] = indices[low] | indices[mask ^ low]
+        found = [(a, b) for a, b in _halves(mask) if a in connected and b in connected and indices[a] & indices[b]]
+        count += len(found)
+        if count > EXACT_SPLITS:
+            return None
+        if found:
+            connected.add(mask)
+            splits[mask] = found
+    components: list[int] = []
+    for k in range(n):
+        touching = [c for c in components if indices[c] & operand_indices[k]]
+        components = [c for c in components if c not in touching] + [(1 << k) + sum(touching)]
+    if len(components) > 1:  # joined by outer products, every split of them tried
+        components.sort()
+
+        def union(chosen: int) -> int:
+            return sum(c for k, c in enumerate(components) if chosen >> k & 1)
+
+        for chosen in range(1, 1 << len(components)):
+            if chosen & (chosen - 1):
+                found = [(union(a), union(b)) for a, b in _halves(chosen)]
+                count += len(found)
+                if count > EXACT_SPLITS:
+                    return None
+                splits[union(chosen)] = found
+        splits = dict(sorted(splits.items()))
+    return splits
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def _greedy(leaves: Sequence[_Tree], pairs: _Pairs) -> _Tree:
+    """Contract the cheapest pair sharing an index (any pair, when none does) until one
+    tree remains."""
+    trees = list(leaves)
+    while len(trees) > 1:
+        candidates = list(itertools.combinations(trees, 2))
+        candidates = [(a, b) for a, b in candidates if set(a.indices) & set(b.indices)] or candidates
+        _, tree = min((pairs.join(a, b) for a, b in candidates), key=lambda joined: joined[0])
+        trees = [t for t in trees if not t.mask & tree.mask] + [tree]
+    return trees[0]
+
+
+def _exact(leaves: Sequence[_Tree], splits: _Splits, pairs: _Pairs, bound: float) -> _Tree | None:
+    """The cheapest tree over all candidate splits (the first split on ties), by dynamic
+    programming over sets; splits whose parts already cost more than ``bound`` are
+    skipped. ``None`` if every split of some set needed was skipped."""
+    best = {leaf.mask: leaf for leaf in leaves}
+    for mask, candidates in splits.items():
+        chosen = None
+        for a, b in candidates:
+            left, right = best.get(a), best.get(b)
+            if left is None or right is None:
+                continue
+            lower = left.cost + right.cost
+            if lower > bound or (chosen is not None and lower > chosen.cost):
+                continue
+            _, tree = pairs.join(left, right)
+            if chosen is None or tree.cost < chosen.cost:
+                chosen = tree
+        if chosen is not None:
+            best[mask] = chosen
+    return best.get((1 << len(leaves)) - 1)
+
+
+def _steps(tree: _Tree, n: int) -> list[Step]:
+    """The tree as list steps, each subtree's left part first."""
+    current = [1 << k for k in range(n)]
+    full = (1 << n) - 1
+    steps: list[Step] = []
+
+    def emit(t: _Tree) -> None:
+        if not t.parts:
+            return
+        left, right = t.parts
+        emit(left)
+        emit(right)
+        dense = t.mask != full and t.info.format is None
+        steps.append(Step(current.index(left.mask), current.index(right.mask), t.indices, dense))
+        current.remove(left.mask)
+        current.remove(right.mask)
+        current.append(t.mask)
+
+    emit(tree)
+    return steps
 
 
 def best_path(
@@ -74,36 +276,17 @@ def best_path(
     ``anchored``: the fused result would take a sampling operand's pattern (SDDMM), so
     it is costed as the dense-output nest that writes values in place, with no assembly."""
     (term,) = assignment.terms
-    if len(term.factors) < 3:
+    n = len(term.factors)
+    if n < 3:
         return None
-    dims = {i: infos[a.operand].shape[m] for a in term.factors for m, i in enumerate(a.indices)}
-    output = assignment.output
     fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
     fused = schedule(assignment, infos, fmt, itemsize).cost
-
-    def search(items: tuple[tuple[Access, OperandInfo], ...]) -> tuple[float, list[Step]]:
-        if len(items) == 1:
-            return 0.0, []
-        best: tuple[float, list[Step]] = (math.inf, [])
-        for x in range(len(items)):
-            for y in range(x + 1, len(items)):
-                (a, ia), (b, ib) = items[x], items[y]
-                rest = [items[k] for k in range(len(items)) if k not in (x, y)]
-                needed = set(output) | {i for acc, _ in rest for i in acc.indices}
-                seen = list(dict.fromkeys(a.indices + b.indices))
-                keep = tuple(i for i in output if i in seen) + tuple(
-                    i for i in seen if i in needed and i not in output
-                )
-                if not rest:
-                    keep = output
-                pair = _pair_assignment(a, b, keep)
-                cost, info = _result_info(pair, (ia, ib), dims, itemsize)
-                sub_cost, sub_steps = search(tuple(rest) + ((Access(-1, keep), info),))
-                if cost + sub_cost < best[0]:
-                    dense = bool(rest) and info.format is None
-                    best = (cost + sub_cost, [Step(x, y, keep, dense)] + sub_steps)
-        return best
-
-    items = tuple((a, infos[a.operand]) for a in term.factors)
-    cost, steps = search(items)
-    return steps if cost < fused else None
+    pairs = _Pairs(term, assignment.output, infos, itemsize)
+    leaves = [_Tree(1 << k, a.indices, infos[a.operand]) for k, a in enumerate(term.factors)]
+    tree = _greedy(leaves, pairs)
+    splits = _splits(pairs.operand_indices)
+    if splits is not None:
+        exact = _exact(leaves, splits, pairs, min(fused, tree.cost))
+        if exact is not None and exact.cost <= tree.cost:
+            tree = exact
+    return _steps(tree, n) if tree.cost < fused else None

@@ -39,15 +39,12 @@ from .contract import Step, best_path
 from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
-__all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO", "MAX_OUTPUT_RANK",
+__all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO",
            "operand_info", "plan_call", "build_kernel", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 
 DENSE = "dense"  # out_format: a dense torch.Tensor
 AUTO = "auto"  # out_format: the inferred format, dense when its estimated fill is high
-MAX_OUTPUT_RANK = 8
-# Below this many innermost iterations (the schedule's estimate) a kernel runs on one
-# thread: waking an OpenMP team costs more than the work.
 
 Request = Format | str | None  # None (inferred), DENSE, AUTO or a requested format
 
@@ -230,8 +227,8 @@ def plan_call(assignment: Assignment, infos: tuple[OperandInfo, ...], request: R
     key = (assignment, infos, request, dtype, index_dtype)
     shaped = _shape_plans.get(key)
     if shaped is None:
-        if len(assignment.output) > MAX_OUTPUT_RANK:
-            raise ValueError(f"output rank {len(assignment.output)} exceeds the supported maximum {MAX_OUTPUT_RANK}")
+        if len(assignment.output) > abi.MAX_OUTPUT_RANK:
+            raise ValueError(f"output rank {len(assignment.output)} exceeds the supported maximum {abi.MAX_OUTPUT_RANK}")
         shaped = _shape_plan(assignment, infos, request, dtype, index_dtype)
         _shape_plans.put(key, shaped)
     return shaped
