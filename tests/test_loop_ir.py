@@ -80,3 +80,64 @@ def test_pragmas_and_the_one_thread_copy():
     unrolled = ir.For(ir.Decl(ir.Var("v"), "int", ir.Const(0)), ir.lt(ir.Var("v"), 4), ir.Incr(ir.Var("v")),
                       ir.Block(()), "unroll")
     assert print_block(ir.Block((unrolled,)), depth=0).startswith("#pragma GCC unroll 16\nfor (int v = 0; v < 4; ++v) {")
+
+
+def test_assembly_operations_are_spelled_by_the_printer():
+    error, at = ir.Var("sn_error"), ir.Var("at3")
+    body = ir.Block((
+        ir.Team(ir.Block((
+            ir.Effect("declare_workspace", ("fill",)),
+            ir.Guarded(ir.Block((ir.Effect("init_workspace", (ir.Var("N2"),)),)), error),
+            ir.If(error, ir.Block((ir.Continue(),))),
+            ir.Effect("ws_add", (I, ir.Load(VAL, Q))),
+            ir.Assign(ir.Load(ir.Array("out_crd"), at), I),
+            ir.Assign(ir.Load(ir.Array("out_val"), at), ir.Load(VAL, Q)),
+            ir.Assign(at, ir.RuntimeCall("ws_drain_row", (at,)), "+="),
+        )), ir.Var("nthreads")),
+        ir.If(error, ir.Block((ir.Return(error),))),
+    ), scoped=False)
+    assert print_block(body, depth=0) == (
+        "#pragma omp parallel num_threads(nthreads)\n"
+        "{\n"
+        "  FillWS ws;\n"
+        "  try {\n"
+        "    ws.init(N2);\n"
+        "  } catch (const std::bad_alloc&) {\n"
+        "    sn_fail(sn_error);\n"
+        "  }\n"
+        "  if (sn_error) {\n"
+        "    continue;\n"
+        "  }\n"
+        "  ws.add(i0, s0_val[q1]);\n"
+        "  sn_out_crd.put(at3, i0);\n"
+        "  sn_out_val[at3] = s0_val[q1];\n"
+        "  at3 += ws.drain(sn_out_crd, at3, sn_out_val + at3);\n"
+        "}\n"
+        "if (sn_error) {\n"
+        "  return sn_error;\n"
+        "}"
+    )
+    mark = ir.Var("m4")
+    count = ir.RuntimeCall("crd_count", (ir.Const(1),))
+    close = ir.If(ir.eq(count, mark), ir.Block((ir.Effect("drop_crd", (ir.Const(0),)),)),
+                  ir.Block((ir.Effect("append_count", (ir.Const(1), ir.sub(count, mark))),)))
+    assert print_block(ir.Block((close,)), depth=0) == (
+        "if (C.crd[1].size() == m4) {\n"
+        "  C.crd[0].pop_back();\n"
+        "} else {\n"
+        "  C.cnt[1].push_back((int64_t)(C.crd[1].size() - m4));\n"
+        "}"
+    )
+    assert print_expr(ir.Const((1 << 63) - 1)) == "INT64_MAX"
+
+
+def test_runtime_operations_are_checked_and_never_dropped():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown effect"):
+        ir.Effect("ws_insert", (I,))
+    with pytest.raises(ValueError, match="unknown runtime call"):
+        ir.RuntimeCall("count")
+    counted = ir.Decl(ir.Var("n1"), "index", ir.RuntimeCall("ws_count"))  # unused, but it starts the next row
+    block = ir.Block((counted, ir.Decl(ir.Var("x"), "index", ir.Var("N0"))), scoped=False)
+    assert simplify(block).stmts == (counted,)

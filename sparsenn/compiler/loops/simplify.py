@@ -5,8 +5,9 @@
   ``x - 0``, ``x * 1``, ``1 * x``, ``x * 0``, ``0 * x`` (every IR expression is pure),
   so that locating a dense level under the root, ``0 * N + i``, is ``i``.
 * **Unused declarations**: a declaration whose variable no other node mentions is
-  dropped (its initialiser is pure), repeatedly, since dropping one can leave another
-  unused. Names are unique within a kernel, so one count over the kernel suffices.
+  dropped, unless its initialiser calls the assembly runtime (every other expression
+  is pure), repeatedly, since dropping one can leave another unused. Names are unique
+  within a kernel, so one count over the kernel suffices.
 """
 
 from __future__ import annotations
@@ -87,13 +88,25 @@ def _count_uses(node, counts: Counter) -> None:
         _count_uses(getattr(node, f.name), counts)
 
 
+def _calls_runtime(node) -> bool:
+    if isinstance(node, ir.RuntimeCall):
+        return True
+    if isinstance(node, tuple):
+        return any(_calls_runtime(x) for x in node)
+    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+        return False
+    return any(_calls_runtime(getattr(node, f.name)) for f in dataclasses.fields(node))
+
+
+def _unused(s: ir.Stmt, used: Counter) -> bool:
+    return isinstance(s, ir.Decl) and not used[s.var.name] and not _calls_runtime(s.init)
+
+
 def _drop_unused(node, used: Counter):
     if isinstance(node, ir.Block):
-        kept = tuple(
-            _drop_unused(s, used) for s in node.stmts if not (isinstance(s, ir.Decl) and not used[s.var.name])
-        )
+        kept = tuple(_drop_unused(s, used) for s in node.stmts if not _unused(s, used))
         return dataclasses.replace(node, stmts=kept)
-    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel)):
+    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
         changes = {
             f.name: _drop_unused(getattr(node, f.name), used)
             for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
