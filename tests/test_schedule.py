@@ -200,3 +200,30 @@ def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
     assert {first.left, first.right} == {0, 1} and first.dense
     result = sparsenn.einsum("to,ts,si->oi", g, a, x)
     torch.testing.assert_close(result, g.T @ a.to_dense() @ x, rtol=1e-4, atol=1e-3)
+
+
+def sparse_schedule(equation, *operands, out_format, target=AVX2):
+    """The schedule of ``equation`` with the sparse output ``out_format`` on ``target``."""
+    from sparsenn.formats import parse_format
+
+    assignment = parse_einsum(equation, len(operands))
+    fmt = parse_format(out_format, len(assignment.output))
+    return schedule(assignment, [_info(o) for o in operands], fmt, 4, target)
+
+
+def test_output_assembly_is_in_the_schedule():
+    a, b = sparse((N, N), "csr"), sparse((N, N), "csr", seed=1)
+    csr = sparse_schedule("ij,jk->ik", a, b, out_format="csr")
+    assert csr.assembly.two_phase and csr.assembly.inserted == 1
+    assert "output assembly: two phases" in csr.describe()
+    dcsr = sparse_schedule("ij,jk->ik", a, b, out_format="dcsr")
+    assert not dcsr.assembly.two_phase and dcsr.assembly.inserted == 0
+    assert "output assembly: appended per chunk" in dcsr.describe()
+    # A sparse workspace (its rows too long for a dense one) appends, whatever the format.
+    wide = sparse((64, 1 << 23), "csr", density=1e-6)
+    spa = sparse_schedule("ij,jk->ik", sparse((64, 64), "csr", density=0.1), wide, out_format="csr")
+    assert spa.workspace.kind == "sparse" and not spa.assembly.two_phase
+    assert "workspace: sparse over k" in spa.describe()
+    assert not sparse_schedule("ijk,ijk->ijk", *[sparse((20, 20, 20), "csf", seed=s) for s in (0, 1)],
+                               out_format="dcc").assembly.two_phase
+    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 4)).assembly is None

@@ -25,6 +25,15 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   a register block: and the blocked index), each visits every coordinate (no factor
   but a sampled output's anchor has a non-locatable level over an output index) and no
   tile splits a reduction; it then stores with ``=`` and the output needs no zeroing.
+* **Output assembly** (sparse outputs). The output's leading levels that are inserted
+  (located: every coordinate present, no arrays) come first, the rest are appended.
+  With one or more inserted levels then one appended level (CSR and its analogues of
+  any rank, each row of which one chunk of work writes) and no sparse workspace, the
+  output is written in **two phases**: the loops run once for the pattern, counting
+  each row's entries (their prefix sums are the row offsets and the exact output
+  size), then again with values, writing each row straight into the caller's arrays.
+  Otherwise each chunk **appends** its coordinates, per-parent counts and values into
+  its own buffers, which are copied out in parallel afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparsenn.formats import Format
 from sparsenn.formats.level import Level
 
 from .target import Target
@@ -39,7 +49,7 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
-    "prefetch_loops", "stores_once",
+    "prefetch_loops", "stores_once", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
 
@@ -220,3 +230,34 @@ def stores_once(
     if set(loops) != set(output) or any(t not in output for t in tiles):
         return False
     return not any(f.filters(i) for k, f in enumerate(factors) if k != anchor_factor for i in output)
+
+
+@dataclass(frozen=True)
+class OutputAssembly:
+    """How a sparse output is written (see the module doc): ``inserted`` leading levels,
+    then appended ones, in two phases or by appending chunks."""
+
+    inserted: int
+    two_phase: bool
+
+    def describe(self) -> str:
+        if self.two_phase:
+            return (f"output assembly: two phases (count each row's entries, then write rows in place), "
+                    f"{self.inserted} inserted level(s)")
+        return f"output assembly: appended per chunk, copied out after; {self.inserted} inserted level(s)"
+
+
+def inserted_levels(output_format: Format) -> int:
+    """The number of leading levels of ``output_format`` written by insertion."""
+    levels = output_format.levels
+    return next((n for n, level in enumerate(levels) if level.assembly != "insert"), len(levels))
+
+
+def output_assembly(output_format: Format, workspace_kind: str | None) -> OutputAssembly:
+    """The assembly of ``output_format`` with a workspace of ``workspace_kind`` (or none)."""
+    inserted = inserted_levels(output_format)
+    appended = output_format.levels[inserted:]
+    if not all(level.assembly == "append" and level.has_pos for level in appended):
+        raise NotImplementedError(f"kernels assemble inserted levels then compressed ones, not {output_format}")
+    two_phase = inserted >= 1 and len(appended) == 1 and workspace_kind in (None, "dense")
+    return OutputAssembly(inserted, two_phase)

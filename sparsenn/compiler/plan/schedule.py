@@ -54,7 +54,7 @@ from sparsenn.formats import Format
 from ..notation import Assignment, Term
 from . import decisions
 from .cost import Factor, OperandInfo, estimate_positions, nest_cost
-from .decisions import PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
 __all__ = ["OperandInfo", "Tile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
@@ -138,6 +138,8 @@ class Schedule:
     serial: bool = False  # too little work to wake a team of threads (target.parallel_min_work)
     prefetch_policy: PrefetchPolicy | None = None
     target: Target = field(default_factory=Target)
+    assembly: OutputAssembly | None = None  # how a sparse output is written
+
 
     def describe(self) -> str:
         """Every decision of the schedule, one per line."""
@@ -151,6 +153,8 @@ class Schedule:
             lines.append(f"workspace: {ws.kind} over {','.join(ws.indices)} ({ws.size} entries)")
         else:
             lines.append("workspace: none")
+        if self.assembly is not None:
+            lines.append(self.assembly.describe())
         lines += [f"transpose: term {t} factor {k} re-stored in mode order {order}" for (t, k), order in self.transposes]
         threads = "one thread" if self.serial else "a team of threads"
         lines.append(f"threads: {threads} (expected {self.leaves:.3g} innermost iterations, "
@@ -370,9 +374,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedu
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Target) -> Schedule:
     out_order = tuple(assignment.output[m] for m in output_format.mode_order)
-    num_dense = output_format.dense_prefix
     best = None
-    for p in range(num_dense, len(out_order) + 1):
+    for p in range(decisions.inserted_levels(output_format), len(out_order) + 1):
         shared = out_order[:p]
         rest = out_order[p:]
         nests, transposes, reasons, total = [], [], [], 0.0
@@ -407,9 +410,10 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
             + (f", {workspace.kind} workspace over {list(rest)}" if workspace else ", no workspace")
             + f": cost {total:.3g}"
         )
+        assembly = decisions.output_assembly(output_format, None if workspace is None else workspace.kind)
         candidate = Schedule(
             output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total,
-            tuple(reasons), leaf_total,
+            tuple(reasons), leaf_total, assembly=assembly,
         )
         if best is None or candidate.cost < best.cost:
             best = candidate
