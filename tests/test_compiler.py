@@ -689,7 +689,56 @@ def test_two_phase_outputs_of_other_shapes():
 
 def test_deeper_sparse_outputs_keep_the_appended_assembly():
     plan = dispatch.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
-    assert plan.kernel.fill is None
+    assert plan.kernel.fill is None and not plan.schedule.assembly.two_phase
+    effects = {e.name for e in walk(plan.kernel.loops) if isinstance(e, ir.Effect)}
+    assert {"new_result", "open_chunk", "append_crd", "ws_add", "ws_drain"} <= effects
+
+
+def test_two_phase_second_phase_is_loop_ir():
+    plan = two_phase_plan("ij,jk->ik", [sp((6, 7), "csr"), sp((7, 5), "csr", seed=1)])
+    assert plan.schedule.assembly.two_phase
+    first = {e.name for e in walk(plan.kernel.loops) if isinstance(e, ir.Effect)}
+    second = {e.name for e in walk(plan.kernel.fill_loops) if isinstance(e, ir.Effect)}
+    assert {"count_rows", "ws_mark"} <= first and not {"ws_add", "read_rows"} & first
+    assert {"read_rows", "ws_add"} <= second and not {"ws_mark", "count_rows"} & second
+    assert not any(isinstance(c, ir.Load) and c.array.kind == "val" for c in walk(plan.kernel.loops))  # pattern only
+
+
+def merge_loops(loops):
+    """The merge loops of a kernel: its while-loops over two or more cursors (their
+    condition and'ed or or'ed tests ``q < h``)."""
+    def live_tests(e):
+        if isinstance(e, ir.Bin) and e.op in ("&&", "||"):
+            return live_tests(e.left) + live_tests(e.right)
+        return [e.op == "<" and all(isinstance(x, ir.Var) for x in (e.left, e.right))]
+
+    return [w for w in walk(loops) if isinstance(w, ir.While) and w.cond.op in ("&&", "||")
+            and all(live_tests(w.cond))]
+
+
+@pytest.mark.parametrize("fa, fb, merges", [("coo", "coo", 2), ("dcsr", "coo", 2), ("csr", "dcsr", 1)])
+def test_sums_and_products_share_one_merge(fa, fb, merges):
+    # A + B: the union of the terms' streams, one merge loop per shared level where
+    # both are stored (the cursors' liveness or'ed); A * B: their intersection (and'ed).
+    a, b = sp((9, 8), fa, seed=1), sp((9, 8), fb, seed=2)
+    union = sparsenn.compile("C[i,j] = A[i,j] + B[i,j]")
+    plan = dispatch._plan(union.assignment, [a, b], None, torch.float64, torch.int32)
+    torch.testing.assert_close(to_dense(union(a, b)), to_dense(a) + to_dense(b))
+    merged = merge_loops(plan.kernel.loops)
+    assert len(merged) == merges and all(w.cond.op == "||" for w in merged)
+    product = dispatch.plan("ij,ij->ij", a, b)
+    check("ij,ij->ij", [a, b])
+    assert all(w.cond.op == "&&" for w in merge_loops(product.kernel.loops))
+
+
+def test_a_dense_term_in_a_sum_walks_every_coordinate():
+    # A dense term is present everywhere: the sum's loops visit every coordinate and
+    # advance the sparse cursors sitting on it, with no merge loop.
+    a, b, x = sp((9, 8), "coo", seed=1), sp((9, 8), "dcsr", seed=2), random_dense((9, 8), 1.0, seed=3)
+    f = sparsenn.compile("C[i,j] = A[i,j] + B[i,j] - X[i,j]", out_format="csr")
+    plan = dispatch._plan(f.assignment, [a, b, x], "csr", torch.float64, torch.int32)
+    assert not merge_loops(plan.kernel.loops) and plan.schedule.assembly.two_phase
+    torch.testing.assert_close(to_dense(f(a, b, x)), to_dense(a) + to_dense(b) - x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
