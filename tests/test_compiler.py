@@ -395,6 +395,12 @@ def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     b = sparsenn.from_dense(torch.tensor([1.0, 0.0], dtype=torch.float64), "coo")
     check("a,b->ab", [a, b], out_format=out_format)
     check("ab,c->abc", [sp((3, 4), "csr"), b], out_format="dcs[0,2,1]")
+    # Below a row of a that stores nothing, the dense level over b still records each
+    # (a, b) row, appended or counted.
+    c = sparsenn.from_dense(torch.tensor([0.0, 1.0, 0.0, 5.0], dtype=torch.float64), "coo")
+    dense_b = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    check("a,b,c,d->abcd", [a, dense_b, c, b], out_format="ddcc")
+    check("a,b,c->abc", [a, dense_b, c], out_format="ddc")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

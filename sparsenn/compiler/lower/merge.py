@@ -150,7 +150,7 @@ def merge(
                 ats.append(at)
             present.append(ir.and_(*ats) if ats else active[t])
         if sums:
-            present = [p if p is None else _flag(lo, p) for p in present]
+            present = [p if p is None or isinstance(p, ir.Var) else _flag(lo, p) for p in present]
 
         def visit():
             located = [list(n) for n in new]

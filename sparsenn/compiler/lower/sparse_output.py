@@ -78,13 +78,14 @@ def _shared(lo: Lowering, out: Assembler, states: dict, active: dict, level: int
         _shared(lo, out, new, present, level + 1)
         out.close(lo, level, mark)
 
-    if len(terms) == 1 and not (every and filtering(index, states[terms[0]])):
+    if len(terms) == 1:
         (t,) = terms
-        if active[t] is None:
-            co_iterate(lo, index, states[t], lambda new: visit({t: new}, {t: None}), bounds)
-        else:  # the term is absent or present throughout
+        if active[t] is not None and not every:  # the term is absent, or present throughout
             lo.emit(ir.If(active[t], lo.block(lambda: _shared(lo, out, states, {t: None}, level))))
-        return
+            return
+        if active[t] is None and not (every and filtering(index, states[t])):
+            co_iterate(lo, index, states[t], lambda new: visit({t: new}, {t: None}), bounds)
+            return
     cursors = [[open_cursor(lo, k, states[t][k], bounds, active[t]) for k in filtering(index, states[t])]
                for t in terms]
     merge(lo, index, [states[t] for t in terms], cursors,
