@@ -227,3 +227,15 @@ def test_output_assembly_is_in_the_schedule():
     assert not sparse_schedule("ijk,ijk->ijk", *[sparse((20, 20, 20), "csf", seed=s) for s in (0, 1)],
                                out_format="dcc").assembly.two_phase
     assert dense_schedule("ij,jk->ik", a, torch.randn(N, 4)).assembly is None
+
+
+def test_independent_innermost_loops_are_marked_simd():
+    # SpMM's k writes a different output element per iteration; SDDMM's innermost k is
+    # a reduction, and a sparse output's loops append: neither is marked.
+    a = sparse((N, N), "csr")
+    spmm = dense_schedule("ij,jk->ik", a, torch.randn(N, 45))
+    assert spmm.nests[0].simd == "k" and "loop k: omp simd" in spmm.describe()
+    assert dense_schedule("ij,ik,jk->ij", a, torch.randn(N, 64), torch.randn(N, 64)).nests[0].simd is None
+    assert dense_schedule("ij,ij->ij", a, torch.randn(N, N)).nests[0].simd is None  # j filtered by A
+    spgemm = sparse_schedule("ij,jk->ik", a, sparse((N, N), "csr", seed=1), out_format="csr")
+    assert all(nest.simd is None for nest in spgemm.nests)

@@ -25,6 +25,9 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   a register block: and the blocked index), each visits every coordinate (no factor
   but a sampled output's anchor has a non-locatable level over an output index) and no
   tile splits a reduction; it then stores with ``=`` and the output needs no zeroing.
+* **Independent iterations.** A dense output's innermost loop over an output index
+  that no stored level filters writes a different output element per iteration: its
+  dense loop carries ``omp simd`` (the compiler vectorises only what the code asks for).
 * **Output assembly** (sparse outputs). The output's leading levels that are inserted
   (located: every coordinate present, no arrays) come first, the rest are appended.
   With one or more inserted levels then one appended level (CSR and its analogues of
@@ -49,7 +52,7 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
-    "prefetch_loops", "stores_once", "OutputAssembly", "inserted_levels", "output_assembly",
+    "prefetch_loops", "stores_once", "simd_loop", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
 
@@ -213,6 +216,15 @@ def prefetch_loops(
         if gathered:
             loops.append(PrefetchLoop(index, tuple(gathered)))
     return tuple(loops)
+
+
+def simd_loop(order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor]) -> str | None:
+    """The innermost loop of a dense output's nest if its iterations are independent
+    (see the module doc), else None."""
+    index = order[-1] if order else None
+    if index is None or index not in output or any(f.filters(index) for f in factors):
+        return None
+    return index
 
 
 def stores_once(

@@ -87,6 +87,7 @@ class Nest:
     sparse_reduction: SparseReduction | None = None
     row_block: RowBlock | None = None
     prefetch: tuple[PrefetchLoop, ...] = ()
+    simd: str | None = None  # the innermost loop, when its iterations write different output elements
     stores_once: bool = False  # the first nest of a dense output stores with "="
     stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
 
@@ -107,6 +108,8 @@ class Nest:
             parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")
         for loop in self.prefetch:
             parts.append(f"loop {loop.index} may prefetch factor(s) {list(loop.factors)}")
+        if self.simd:
+            parts.append(f"loop {self.simd}: omp simd (independent iterations)")
         if self.stores_once:
             parts.append("stores each output element once (=)")
         if self.stores_once_anchors:
@@ -305,7 +308,8 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     block = nest.register_block
     bounded = {t.index for t in nest.tiles if t.index != order[0]}
     fields = {"prefetch": decisions.prefetch_loops(
-        order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1))}
+        order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
+        "simd": decisions.simd_loop(order, output, f)}
     if block is None:
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
