@@ -141,3 +141,22 @@ def test_runtime_operations_are_checked_and_never_dropped():
     counted = ir.Decl(ir.Var("n1"), "index", ir.RuntimeCall("ws_count"))  # unused, but it starts the next row
     block = ir.Block((counted, ir.Decl(ir.Var("x"), "index", ir.Var("N0"))), scoped=False)
     assert simplify(block).stmts == (counted,)
+
+
+def test_invariants_leave_their_loops():
+    from sparsenn.compiler.loops.simplify import hoist
+
+    n, x, y, z, w = ir.Var("N0"), ir.Var("x"), ir.Var("y"), ir.Var("z"), ir.Var("w")
+    invariant = ir.Decl(x, "index", ir.min_(ir.add(n, 1), ir.mul(I, 2)), const=True)
+    varying = ir.Decl(y, "index", ir.add(Q, 1), const=True)  # q changes in the loop
+    load = ir.Decl(z, "index", ir.Load(CRD, ir.Const(0)), const=True)  # may not be readable if no iteration
+    quotient = ir.Decl(w, "index", ir.Bin("/", n, I), const=True)  # may divide by zero
+    use = ir.Assign(ACC, ir.Cast("V", ir.add(ir.add(x, y), ir.add(z, w))), "+=")
+    inner = ir.For(None, ir.lt(Q, H), ir.Incr(Q), ir.Block((invariant, varying, load, quotient, use)))
+    outer = ir.For(ir.Decl(I, "index", ir.Const(0)), ir.lt(I, n), ir.Incr(I), ir.Block((inner,)))
+    (loop,) = hoist(ir.Block((outer,))).stmts  # x depends on i: out of the inner loop only
+    assert loop.body.stmts[0] == invariant
+    assert loop.body.stmts[1].body.stmts == (varying, load, quotient, use)
+    # A name the enclosing block declares again elsewhere stays put.
+    again = ir.Block((ir.Decl(x, "index", n, const=True), inner), scoped=True)
+    assert hoist(again) == again
