@@ -64,12 +64,17 @@ def lower(
 
 
 def _sparse_output(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None]) -> LoweredKernel:
-    lo = Lowering(assignment, sched, formats)
-    lower_sparse_output(lo)
+    """The kernel assembling a sparse output, with its second phase if it has one."""
+    def phase(second: bool) -> Lowering:
+        lo = Lowering(assignment, sched, formats)
+        lo.declare_dims()
+        lower_sparse_output(lo, second)
+        return lo
+
+    lo = phase(False)
     loops, fill = simplify(lo.take()), None
     if sched.assembly.two_phase:
-        second = Lowering(assignment, sched, formats)
-        lower_sparse_output(second, second_phase=True)
+        second = phase(True)
         assert second.slots == lo.slots, "both phases read the operands through the same slots"
         fill = simplify(second.take())
     return LoweredKernel(print_block(loops), tuple(lo.slots), lo.indices, False, fill and print_block(fill),

@@ -30,7 +30,6 @@ CHUNKS = ir.Var("sn_chunks")
 def lower_sparse_output(lo: Lowering, second_phase: bool = False) -> None:
     """Emit the kernel writing the schedule's sparse output into ``lo`` (or, with
     ``second_phase``, a two-phase output's second phase)."""
-    lo.declare_dims()
     out = assembler(lo, second_phase)
     shared = lo.s.shared
     out.start(lo)
