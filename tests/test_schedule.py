@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import scipy.sparse
 import torch
 
 import sparsenn
@@ -220,7 +221,7 @@ def test_output_assembly_is_in_the_schedule():
     assert not dcsr.assembly.two_phase and dcsr.assembly.inserted == 0
     assert "output assembly: appended per chunk" in dcsr.describe()
     # A sparse workspace (its rows too long for a dense one) appends, whatever the format.
-    wide = sparse((64, 1 << 23), "csr", density=1e-6)
+    wide = sparsenn.from_scipy(scipy.sparse.random(64, 1 << 23, density=1e-6, format="csr", random_state=0))
     spa = sparse_schedule("ij,jk->ik", sparse((64, 64), "csr", density=0.1), wide, out_format="csr")
     assert spa.workspace.kind == "sparse" and not spa.assembly.two_phase
     assert "workspace: sparse over k" in spa.describe()

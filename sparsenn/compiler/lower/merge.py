@@ -11,18 +11,21 @@ For one term (a product) at loop ``i``, the factors whose next level is over ``i
 * several: a merge of their cursors visiting the intersection (a product is zero
   elsewhere).
 
-:func:`merge` co-iterates the cursors of one or more terms, parametrised by the merge
-lattice: a term is *present* at ``i`` when all its cursors sit at ``i`` (a term with
-no iterated level here, whenever it is active), and the body runs where some term is
-present: with one term that is the intersection, with several the union. Each step
-takes ``i = min`` of the live cursors' coordinates, or every ``i`` of the range when
-some term has no cursor or the caller needs every coordinate (a dense output level);
-then every cursor at ``i`` advances past its segment. The loop runs while some term may
-still be present (all its cursors live).
+:func:`merge` co-iterates the cursors of one or more terms along their **merge
+lattice**: a term is *present* at ``i`` when all its cursors sit at ``i``; the body runs
+where some term is present (one term: the intersection; several: the union). Each
+point of the lattice is a set of terms whose cursors are all live, and its loop takes
+``i = min`` of their coordinates, visits, then advances every cursor at ``i`` past its
+segment; the points run largest first, so a point's loop starts once every term
+outside it is exhausted (the loop of one term with one cursor is a plain fiber loop).
+A union of one term has the single point: the intersection. When some term has no
+cursor (it is present wherever it is active) or the caller needs every coordinate (a
+dense output level), one loop walks every coordinate instead, testing each cursor.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 from ..loops import ir
@@ -32,7 +35,9 @@ from .iterators import Cursor, enter_position, filtering, locate, open_cursor
 __all__ = ["co_iterate", "merge", "Body", "Merged"]
 
 Body = Callable[[list], None]
-Merged = Callable[[list[list], list], None]  # body(states per term, presence per term)
+# body({term: (its states at i, whether it is present: a flag, or None for always)}),
+# terms absent at the lattice point left out
+Merged = Callable[[dict[int, tuple[list, ir.Expr | None]]], None]
 
 
 def co_iterate(
@@ -53,7 +58,7 @@ def co_iterate(
         return
     cursors = [open_cursor(lo, k, states[k], bounds) for k in sparse]
     if len(cursors) > 1:
-        merge(lo, index, [states], [cursors], lambda new, present: body(new[0]))
+        merge(lo, index, [states], [cursors], lambda present: body(present[0][0]))
         return
     (cursor,) = cursors
     st = states[cursor.k]
@@ -62,23 +67,7 @@ def co_iterate(
         def fill():
             if blocked is not None and st.level.unique:
                 blocked(cursor, prefetch)
-
-            def step():
-                lo.emit(ir.Decl(lo.var(index), "index", ir.Load(cursor.crd, cursor.q), const=True))
-                if prefetch:
-                    prefetch(cursor.q)
-                entered, after = enter_position(lo, cursor, st)
-                new[cursor.k] = entered
-                locate(lo, index, states, new)
-                body(list(new))
-                if not st.level.unique:
-                    lo.emit(ir.Assign(cursor.q, after))
-
-            loop_body = lo.block(step)
-            if st.level.unique:
-                lo.emit(ir.For(None, ir.lt(cursor.q, cursor.h), ir.Incr(cursor.q), loop_body))
-            else:
-                lo.emit(ir.While(ir.lt(cursor.q, cursor.h), loop_body))
+            _fiber(lo, index, states, cursor, body, prefetch)
 
         return lo.block(fill)
 
@@ -87,6 +76,29 @@ def co_iterate(
         return
     flag, prefetch = prefetcher(cursor, st)
     lo.emit(ir.If(flag, fiber(prefetch), fiber(None)))
+
+
+def _fiber(lo: Lowering, index: str, states: list, cursor: Cursor, body: Body, prefetch=None) -> None:
+    """The loop over the positions of one cursor's level: ``i = crd[q]``."""
+    st = states[cursor.k]
+
+    def step():
+        lo.emit(ir.Decl(lo.var(index), "index", ir.Load(cursor.crd, cursor.q), const=True))
+        if prefetch:
+            prefetch(cursor.q)
+        new = list(states)
+        new[cursor.k], after = enter_position(lo, cursor, st)
+        located = list(new)
+        locate(lo, index, states, located)
+        body(located)
+        if not st.level.unique:
+            lo.emit(ir.Assign(cursor.q, after))
+
+    loop_body = lo.block(step)
+    if st.level.unique:
+        lo.emit(ir.For(None, ir.lt(cursor.q, cursor.h), ir.Incr(cursor.q), loop_body))
+    else:
+        lo.emit(ir.While(ir.lt(cursor.q, cursor.h), loop_body))
 
 
 def _dense_loop(lo, index, states, new, body, bounds, reduction, independent) -> None:
@@ -116,30 +128,64 @@ def merge(
     lo: Lowering, index: str, states: Sequence[list], cursors: Sequence[Sequence[Cursor]], body: Merged,
     bounds=None, active: Sequence[ir.Expr | None] | None = None, every: bool = False,
 ) -> None:
-    """The merge loop of the terms' ``cursors`` (``cursors[t]`` over ``states[t]``; see
-    the module doc). ``active[t]``: whether term ``t`` is active at all (None: it is);
-    ``every``: visit every coordinate. ``body(states, present)`` gets each term's
-    states at ``i`` and whether it is present there (None: always)."""
-    var = lo.var(index)
+    """The merge of the terms' ``cursors`` (``cursors[t]`` over ``states[t]``; see the
+    module doc). ``active[t]``: whether term ``t`` is active at all (None: it is);
+    ``every``: visit every coordinate (of ``bounds``, if given)."""
     active = active or [None] * len(states)
-    walk = every or not all(cursors)
-    sums = len(states) > 1 or every  # presences are flags the body tests
-    exhaustible = walk or len(states) > 1  # a cursor may be exhausted while the loop runs
-    # Terms of one cursor each: one sits at the minimum, so a term is present.
-    certain = not walk and len(states) > 1 and all(len(group) == 1 for group in cursors)
+    if every or not all(cursors):
+        _walk(lo, index, states, cursors, body, bounds, active, every)
+        return
+    for point in lattice(len(states)):
+        _point(lo, index, states, cursors, point, body)
+
+
+def lattice(terms: int) -> list[tuple[int, ...]]:
+    """The points of a union of ``terms`` terms: every non-empty set of them, largest
+    first (for one term, its intersection)."""
+    return [point for size in range(terms, 0, -1) for point in itertools.combinations(range(terms), size)]
+
+
+def _point(lo: Lowering, index: str, states, cursors, point: tuple[int, ...], body: Merged) -> None:
+    """The loop of one lattice point: while all its terms' cursors are live."""
+    group = [(t, cursor) for t in point for cursor in cursors[t]]
+    if len(group) == 1:
+        ((t, cursor),) = group
+        _fiber(lo, index, states[t], cursor, lambda new: body({t: (new, None)}))
+        return
+    var = lo.var(index)
+
+    def step():
+        coords = []
+        for _, cursor in group:
+            coords.append(lo.fresh("c"))
+            lo.emit(ir.Decl(coords[-1], "index", ir.Load(cursor.crd, cursor.q), const=True))
+        lo.emit(ir.Decl(var, "index", ir.min_(*coords) if len(point) == 1 else _least(coords), const=True))
+        new, present, advances = {t: list(states[t]) for t in point}, {}, []
+        for (t, cursor), coord in zip(group, coords):
+            at = ir.eq(coord, var)
+            new[t][cursor.k], after = enter_position(lo, cursor, states[t][cursor.k], at)
+            advances.append(ir.If(at, ir.Block((ir.Assign(cursor.q, after),), scoped=False)))
+            present[t] = at if t not in present else ir.and_(present[t], at)
+        if len(point) > 1:
+            present = {t: _flag(lo, p) for t, p in present.items()}
+        _visit(lo, index, new, present, body, False)
+        lo.emit(*advances)
+
+    lo.emit(ir.While(ir.and_(*(ir.lt(c.q, c.h) for _, c in group)), lo.block(step)))
+
+
+def _walk(lo: Lowering, index: str, states, cursors, body: Merged, bounds, active, every: bool) -> None:
+    """One loop over every coordinate; a cursor is at ``i`` if live and on it."""
+    var = lo.var(index)
 
     def step():
         coords = []
         for group in cursors:
             for cursor in group:
-                coord, value = lo.fresh("c"), ir.Load(cursor.crd, cursor.q)
-                if exhaustible:
-                    value = ir.Select(ir.lt(cursor.q, cursor.h), ir.Cast("index", value), END)
-                lo.emit(ir.Decl(coord, "index", value, const=True))
-                coords.append(coord)
-        if not walk:
-            lo.emit(ir.Decl(var, "index", ir.min_(*coords), const=True))
-        new, present, advances = [list(s) for s in states], [], []
+                coords.append(lo.fresh("c"))
+                lo.emit(ir.Decl(coords[-1], "index", ir.Select(
+                    ir.lt(cursor.q, cursor.h), ir.Cast("index", ir.Load(cursor.crd, cursor.q)), END), const=True))
+        new, present, advances = {t: list(s) for t, s in enumerate(states)}, {}, []
         at_coords = iter(coords)
         for t, group in enumerate(cursors):
             ats = []
@@ -148,27 +194,37 @@ def merge(
                 new[t][cursor.k], after = enter_position(lo, cursor, states[t][cursor.k], at)
                 advances.append(ir.If(at, ir.Block((ir.Assign(cursor.q, after),), scoped=False)))
                 ats.append(at)
-            present.append(ir.and_(*ats) if ats else active[t])
-        if sums:
-            present = [p if p is None or isinstance(p, ir.Var) else _flag(lo, p) for p in present]
-
-        def visit():
-            located = [list(n) for n in new]
-            for t, n in enumerate(new):
-                locate(lo, index, n, located[t])
-            body(located, present)
-
-        if every or certain or any(p is None for p in present):
-            lo.emit(lo.block(visit))
-        else:
-            lo.emit(ir.If(ir.or_(*present), lo.block(visit)))
+            present[t] = ir.and_(*ats) if ats else active[t]
+        present = {t: p if p is None or isinstance(p, ir.Var) else _flag(lo, p) for t, p in present.items()}
+        _visit(lo, index, new, present, body, every)
         lo.emit(*advances)
 
-    if walk:
-        _coordinates(lo, index, bounds, step)
+    _coordinates(lo, index, bounds, step)
+
+
+def _visit(lo: Lowering, index: str, new: dict, present: dict, body: Merged, always: bool) -> None:
+    """Locate the terms' levels at ``i`` and run the body where some term is present
+    (everywhere if ``always`` or a term is always present)."""
+    def visit():
+        located = {}
+        for t, st in new.items():
+            located[t] = list(st)
+            locate(lo, index, st, located[t])
+        body({t: (located[t], present[t]) for t in new})
+
+    if always or any(p is None for p in present.values()):
+        lo.emit(lo.block(visit))
     else:
-        lo.emit(ir.While(ir.or_(*(ir.and_(*(ir.lt(c.q, c.h) for c in group)) for group in cursors)),
-                         lo.block(step)))
+        lo.emit(ir.If(ir.or_(*present.values()), lo.block(visit)))
+
+
+def _least(coords: Sequence[ir.Expr]) -> ir.Expr:
+    """The least of ``coords`` as selections (``a < b ? a : b``), which compilers make
+    conditional moves: a union's coordinates interleave unpredictably."""
+    least = coords[0]
+    for coord in coords[1:]:
+        least = ir.Select(ir.lt(coord, least), coord, least)
+    return least
 
 
 def _flag(lo: Lowering, value: ir.Expr) -> ir.Var:

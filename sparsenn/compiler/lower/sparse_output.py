@@ -88,7 +88,8 @@ def _shared(lo: Lowering, out: Assembler, states: dict, active: dict, level: int
     cursors = [[open_cursor(lo, k, states[t][k], bounds, active[t]) for k in filtering(index, states[t])]
                for t in terms]
     merge(lo, index, [states[t] for t in terms], cursors,
-          lambda new, present: visit(dict(zip(terms, new)), dict(zip(terms, present))),
+          lambda present: visit({terms[n]: st for n, (st, _) in present.items()},
+                                {terms[n]: p for n, (_, p) in present.items()}),
           bounds, [active[t] for t in terms], every)
 
 
