@@ -15,6 +15,7 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.loops import ir
+from sparsenn.compiler.lower.merge import lattice
 from sparsenn.compiler.plan.decisions import PrefetchLoop, PrefetchPolicy
 from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import dispatch
@@ -736,9 +737,24 @@ def test_sums_and_products_share_one_merge(fa, fb, merges):
     torch.testing.assert_close(to_dense(union(a, b)), to_dense(a) + to_dense(b))
     merged = merge_loops(plan.kernel.loops)
     assert len(merged) == merges and all(len(presence_flags(w)) == 2 for w in merged)
+    assert lattice(2) == [(0, 1), (0,), (1,)] and lattice(1) == [(0,)]
     product = dispatch.plan("ij,ij->ij", a, b)
     check("ij,ij->ij", [a, b])
     assert merge_loops(product.kernel.loops) and not any(presence_flags(w) for w in merge_loops(product.kernel.loops))
+
+
+@pytest.mark.parametrize("formats", [("csr", "csr", "csr"), ("coo", "dcsr", "coo"), ("csr", "coo", "dcsr")])
+def test_sums_of_three_collapse_the_lattice_into_one_loop(formats):
+    # Seven lattice points per shared level would multiply the body: one loop runs until
+    # every cursor is exhausted (an exhausted cursor's coordinate is past all others).
+    a, b, e = (sp((9, 8), fmt, seed=n) for n, fmt in enumerate(formats))
+    f = sparsenn.compile("D[i,j] = A[i,j] + B[i,j] - E[i,j]")
+    plan = dispatch._plan(f.assignment, [a, b, e], None, torch.float64, torch.int32)
+    assert not plan.schedule.union_by_points and "one merge loop" in plan.schedule.describe()
+    collapsed = [w for w in walk(plan.kernel.loops) if isinstance(w, ir.While) and w.cond == ir.Const(1)]
+    assert collapsed and all(any(isinstance(x, ir.Break) for x in walk(w.body)) for w in collapsed)
+    assert all(len(presence_flags(w)) == 3 for w in collapsed)
+    torch.testing.assert_close(to_dense(f(a, b, e)), to_dense(a) + to_dense(b) - to_dense(e))
 
 
 def test_a_dense_term_in_a_sum_walks_every_coordinate():

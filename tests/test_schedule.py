@@ -6,7 +6,9 @@ import scipy.sparse
 import torch
 
 import sparsenn
-from sparsenn.compiler.notation import parse_einsum
+from sparsenn.formats import parse_format
+from sparsenn.compiler.notation import parse_einsum, parse_expression
+from sparsenn.compiler.plan.cost import OperandInfo
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime.dispatch import _info, plan
@@ -205,8 +207,6 @@ def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
 
 def sparse_schedule(equation, *operands, out_format, target=AVX2):
     """The schedule of ``equation`` with the sparse output ``out_format`` on ``target``."""
-    from sparsenn.formats import parse_format
-
     assignment = parse_einsum(equation, len(operands))
     fmt = parse_format(out_format, len(assignment.output))
     return schedule(assignment, [_info(o) for o in operands], fmt, 4, target)
@@ -228,6 +228,14 @@ def test_output_assembly_is_in_the_schedule():
     assert not sparse_schedule("ijk,ijk->ijk", *[sparse((20, 20, 20), "csf", seed=s) for s in (0, 1)],
                                out_format="dcc").assembly.two_phase
     assert dense_schedule("ij,jk->ik", a, torch.randn(N, 4)).assembly is None
+
+
+def test_unions_loop_per_lattice_point_up_to_two_terms():
+    csr = OperandInfo(parse_format("csr", 2), (N, N), (N, 20 * N))
+    for terms, by_points, line in ((2, True, "one loop per lattice point (3)"), (3, False, "one merge loop")):
+        text = "D[i,j] = " + " + ".join(f"X{n}[i,j]" for n in range(terms))
+        s = schedule(parse_expression(text), [csr] * terms, parse_format("csr", 2), 4, AVX2)
+        assert s.union_by_points == by_points and f"union of {terms} terms at each shared loop: {line}" in s.describe()
 
 
 def test_independent_innermost_loops_are_marked_simd():

@@ -250,6 +250,8 @@ class _Printer:
             self.close()
         elif isinstance(s, ir.Continue):
             self.line("continue;")
+        elif isinstance(s, ir.Break):
+            self.line("break;")
         elif isinstance(s, ir.Return):
             self.line(f"return {print_expr(s.value)};")
         else:

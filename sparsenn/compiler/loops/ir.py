@@ -24,7 +24,7 @@ from dataclasses import dataclass
 __all__ = [
     "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
     "Call", "RuntimeCall", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
-    "If", "For", "While", "Block", "Parallel", "Team", "Guarded", "Continue", "Return", "EFFECTS",
+    "If", "For", "While", "Block", "Parallel", "Team", "Guarded", "Continue", "Break", "Return", "EFFECTS",
     "RUNTIME_CALLS", "WORKSPACES", "add", "sub", "mul", "lt", "le", "eq", "and_", "or_", "min_", "max_",
     "c",
 ]
@@ -302,6 +302,11 @@ class Guarded(Stmt):
 @dataclass(frozen=True)
 class Continue(Stmt):
     """Next iteration of the innermost loop."""
+
+
+@dataclass(frozen=True)
+class Break(Stmt):
+    """Leave the innermost loop."""
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,16 @@ For one term (a product) at loop ``i``, the factors whose next level is over ``i
 
 :func:`merge` co-iterates the cursors of one or more terms along their **merge
 lattice**: a term is *present* at ``i`` when all its cursors sit at ``i``; the body runs
-where some term is present (one term: the intersection; several: the union). Each
-point of the lattice is a set of terms whose cursors are all live, and its loop takes
-``i = min`` of their coordinates, visits, then advances every cursor at ``i`` past its
-segment; the points run largest first, so a point's loop starts once every term
-outside it is exhausted (the loop of one term with one cursor is a plain fiber loop).
-A union of one term has the single point: the intersection. When some term has no
-cursor (it is present wherever it is active) or the caller needs every coordinate (a
-dense output level), one loop walks every coordinate instead, testing each cursor.
+where some term is present (one term: the intersection; several: the union). Each step
+takes ``i = min`` of the cursors' coordinates, visits, then advances every cursor at
+``i`` past its segment. Either each point of the lattice (a set of terms whose cursors
+are all live) has its own loop, the points largest first, so a point's loop starts once
+every term outside it is exhausted (one term with one cursor: a plain fiber loop; one
+term: the single point, the intersection); or the points are collapsed into one loop
+in which an exhausted cursor's coordinate is past every other (``END``), ending when
+all are. When some term has no cursor (it is present wherever it is active) or the
+caller needs every coordinate (a dense output level), one loop walks every coordinate,
+testing each cursor the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..loops import ir
 from .context import Lowering
 from .iterators import Cursor, enter_position, filtering, locate, open_cursor
 
-__all__ = ["co_iterate", "merge", "Body", "Merged"]
+__all__ = ["co_iterate", "merge", "lattice", "Body", "Merged"]
 
 Body = Callable[[list], None]
 # body({term: (its states at i, whether it is present: a flag, or None for always)}),
@@ -126,17 +128,20 @@ END = ir.Const((1 << 63) - 1)  # the coordinate of an exhausted cursor
 
 def merge(
     lo: Lowering, index: str, states: Sequence[list], cursors: Sequence[Sequence[Cursor]], body: Merged,
-    bounds=None, active: Sequence[ir.Expr | None] | None = None, every: bool = False,
+    bounds=None, active: Sequence[ir.Expr | None] | None = None, every: bool = False, by_points: bool = True,
 ) -> None:
     """The merge of the terms' ``cursors`` (``cursors[t]`` over ``states[t]``; see the
     module doc). ``active[t]``: whether term ``t`` is active at all (None: it is);
-    ``every``: visit every coordinate (of ``bounds``, if given)."""
+    ``every``: visit every coordinate (of ``bounds``, if given); ``by_points``: a loop
+    per lattice point, else one loop."""
     active = active or [None] * len(states)
     if every or not all(cursors):
-        _walk(lo, index, states, cursors, body, bounds, active, every)
-        return
-    for point in lattice(len(states)):
-        _point(lo, index, states, cursors, point, body)
+        _one_loop(lo, index, states, cursors, body, active, walk=True, every=every, bounds=bounds)
+    elif by_points or len(states) == 1:
+        for point in lattice(len(states)):
+            _point(lo, index, states, cursors, point, body)
+    else:
+        _one_loop(lo, index, states, cursors, body, active, walk=False)
 
 
 def lattice(terms: int) -> list[tuple[int, ...]]:
@@ -174,8 +179,11 @@ def _point(lo: Lowering, index: str, states, cursors, point: tuple[int, ...], bo
     lo.emit(ir.While(ir.and_(*(ir.lt(c.q, c.h) for _, c in group)), lo.block(step)))
 
 
-def _walk(lo: Lowering, index: str, states, cursors, body: Merged, bounds, active, every: bool) -> None:
-    """One loop over every coordinate; a cursor is at ``i`` if live and on it."""
+def _one_loop(
+    lo: Lowering, index: str, states, cursors, body: Merged, active, walk: bool, every: bool = False, bounds=None,
+) -> None:
+    """One loop over every coordinate of ``bounds`` (``walk``; visiting each if
+    ``every``), or over the cursors' coordinates until all are exhausted."""
     var = lo.var(index)
 
     def step():
@@ -185,6 +193,9 @@ def _walk(lo: Lowering, index: str, states, cursors, body: Merged, bounds, activ
                 coords.append(lo.fresh("c"))
                 lo.emit(ir.Decl(coords[-1], "index", ir.Select(
                     ir.lt(cursor.q, cursor.h), ir.Cast("index", ir.Load(cursor.crd, cursor.q)), END), const=True))
+        if not walk:
+            lo.emit(ir.Decl(var, "index", _least(coords), const=True),
+                    ir.If(ir.eq(var, END), ir.Block((ir.Break(),))))
         new, present, advances = {t: list(s) for t, s in enumerate(states)}, {}, []
         at_coords = iter(coords)
         for t, group in enumerate(cursors):
@@ -199,7 +210,10 @@ def _walk(lo: Lowering, index: str, states, cursors, body: Merged, bounds, activ
         _visit(lo, index, new, present, body, every)
         lo.emit(*advances)
 
-    _coordinates(lo, index, bounds, step)
+    if walk:
+        _coordinates(lo, index, bounds, step)
+    else:
+        lo.emit(ir.While(ir.Const(1), lo.block(step)))
 
 
 def _visit(lo: Lowering, index: str, new: dict, present: dict, body: Merged, always: bool) -> None:

@@ -90,7 +90,7 @@ def _shared(lo: Lowering, out: Assembler, states: dict, active: dict, level: int
     merge(lo, index, [states[t] for t in terms], cursors,
           lambda present: visit({terms[n]: st for n, (st, _) in present.items()},
                                 {terms[n]: p for n, (_, p) in present.items()}),
-          bounds, [active[t] for t in terms], every)
+          bounds, [active[t] for t in terms], every, s.union_by_points)
 
 
 def _leaf(lo: Lowering, out: Assembler, states: dict, active: dict, level: int) -> None:

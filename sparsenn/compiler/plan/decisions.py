@@ -28,6 +28,11 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
 * **Independent iterations.** A dense output's innermost loop over an output index
   that no stored level filters writes a different output element per iteration: its
   dense loop carries ``omp simd`` (the compiler vectorises only what the code asks for).
+* **Union loops** (sparse outputs of several terms). The shared loops co-iterate the
+  terms' union along its merge lattice, one loop per point (per set of terms still
+  live: ``2^k - 1`` loops of ``k`` terms, each testing only its own cursors) up to
+  :data:`MAX_LATTICE_TERMS` terms; beyond, the points are collapsed into one loop that
+  tests every cursor for exhaustion (fewer, shorter loops than multiplying the body).
 * **Output assembly** (sparse outputs). The output's leading levels that are inserted
   (located: every coordinate present, no arrays) come first, the rest are appended.
   With one or more inserted levels then one appended level (CSR and its analogues of
@@ -52,7 +57,7 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
-    "prefetch_loops", "stores_once", "simd_loop", "OutputAssembly", "inserted_levels", "output_assembly",
+    "prefetch_loops", "stores_once", "simd_loop", "union_by_points", "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
 
@@ -242,6 +247,14 @@ def stores_once(
     if set(loops) != set(output) or any(t not in output for t in tiles):
         return False
     return not any(f.filters(i) for k, f in enumerate(factors) if k != anchor_factor for i in output)
+
+
+MAX_LATTICE_TERMS = 2
+
+
+def union_by_points(terms: int) -> bool:
+    """Whether a union of ``terms`` terms loops per lattice point (see the module doc)."""
+    return terms <= MAX_LATTICE_TERMS
 
 
 @dataclass(frozen=True)

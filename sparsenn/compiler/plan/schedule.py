@@ -142,6 +142,7 @@ class Schedule:
     prefetch_policy: PrefetchPolicy | None = None
     target: Target = field(default_factory=Target)
     assembly: OutputAssembly | None = None  # how a sparse output is written
+    union_by_points: bool = True  # a sum's shared loops: one per lattice point, or one loop
 
 
     def describe(self) -> str:
@@ -158,6 +159,10 @@ class Schedule:
             lines.append("workspace: none")
         if self.assembly is not None:
             lines.append(self.assembly.describe())
+            if len(self.nests) > 1:
+                k = len(self.nests)
+                how = f"one loop per lattice point ({2 ** k - 1})" if self.union_by_points else "one merge loop"
+                lines.append(f"union of {k} terms at each shared loop: {how}")
         lines += [f"transpose: term {t} factor {k} re-stored in mode order {order}" for (t, k), order in self.transposes]
         threads = "one thread" if self.serial else "a team of threads"
         lines.append(f"threads: {threads} (expected {self.leaves:.3g} innermost iterations, "
@@ -418,6 +423,7 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
         candidate = Schedule(
             output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total,
             tuple(reasons), leaf_total, assembly=assembly,
+            union_by_points=decisions.union_by_points(len(assignment.terms)),
         )
         if best is None or candidate.cost < best.cost:
             best = candidate
