@@ -16,6 +16,7 @@ import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler import clear_caches
 from sparsenn.compiler.loops import ir
+from sparsenn.compiler.lower.merge import lattice
 from sparsenn.compiler.plan.decisions import PrefetchLoop, PrefetchPolicy
 from sparsenn.compiler.plan.planner import operand_info, plan_call
 from sparsenn.compiler.plan.target import Target
@@ -357,6 +358,12 @@ def test_dense_output_level_over_a_sparse_loop_counts_every_row(out_format):
     b = sparsenn.from_dense(torch.tensor([1.0, 0.0], dtype=torch.float64), "coo")
     check("a,b->ab", [a, b], out_format=out_format)
     check("ab,c->abc", [sp((3, 4), "csr"), b], out_format="dcs[0,2,1]")
+    # Below a row of a that stores nothing, the dense level over b still records each
+    # (a, b) row, appended or counted.
+    c = sparsenn.from_dense(torch.tensor([0.0, 1.0, 0.0, 5.0], dtype=torch.float64), "coo")
+    dense_b = torch.tensor([1.0, 3.0], dtype=torch.float64)
+    check("a,b,c,d->abcd", [a, dense_b, c, b], out_format="ddcc")
+    check("a,b,c->abc", [a, dense_b, c], out_format="ddc")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -652,7 +659,75 @@ def test_two_phase_outputs_of_other_shapes():
 
 def test_deeper_sparse_outputs_keep_the_appended_assembly():
     plan = api.plan("ij,jk->ik", sp((6, 7), "csr"), sp((7, 5), "csr", seed=1), out_format="dcsr")
-    assert plan.kernel.fill is None
+    assert plan.kernel.fill is None and not plan.schedule.assembly.two_phase
+    effects = {e.name for e in walk(plan.kernel.loops) if isinstance(e, ir.Effect)}
+    assert {"new_result", "open_chunk", "append_crd", "ws_add", "ws_drain"} <= effects
+
+
+def test_two_phase_second_phase_is_loop_ir():
+    plan = two_phase_plan("ij,jk->ik", [sp((6, 7), "csr"), sp((7, 5), "csr", seed=1)])
+    assert plan.schedule.assembly.two_phase
+    first = {e.name for e in walk(plan.kernel.loops) if isinstance(e, ir.Effect)}
+    second = {e.name for e in walk(plan.kernel.fill_loops) if isinstance(e, ir.Effect)}
+    assert {"count_rows", "ws_mark"} <= first and not {"ws_add", "read_rows"} & first
+    assert {"read_rows", "ws_add"} <= second and not {"ws_mark", "count_rows"} & second
+    assert not any(isinstance(c, ir.Load) and c.array.kind == "val" for c in walk(plan.kernel.loops))  # pattern only
+
+
+def merge_loops(loops):
+    """The merge loops of a kernel: its while-loops over two or more cursors (their
+    condition and'ed tests ``q < h``)."""
+    def live_tests(e):
+        if isinstance(e, ir.Bin) and e.op == "&&":
+            return live_tests(e.left) + live_tests(e.right)
+        return [e.op == "<" and all(isinstance(x, ir.Var) for x in (e.left, e.right))]
+
+    return [w for w in walk(loops) if isinstance(w, ir.While) and w.cond.op == "&&" and all(live_tests(w.cond))]
+
+
+def presence_flags(loop):
+    return [d for d in loop.body.stmts if isinstance(d, ir.Decl) and d.type == "bool"]
+
+
+@pytest.mark.parametrize("fa, fb, merges", [("coo", "coo", 2), ("dcsr", "coo", 2), ("csr", "dcsr", 1)])
+def test_sums_and_products_share_one_merge(fa, fb, merges):
+    # A + B: the union's lattice at each shared level where both are stored: one merge
+    # loop while both are live (each term's presence a flag), then each term's own
+    # fiber loop; A * B: the intersection, one merge loop.
+    a, b = sp((9, 8), fa, seed=1), sp((9, 8), fb, seed=2)
+    union = sparsenn.compile("C[i,j] = A[i,j] + B[i,j]")
+    plan = plan_call(union.assignment, tuple(operand_info(o) for o in (a, b,)), None, torch.float64, torch.int32).plan
+    torch.testing.assert_close(to_dense(union(a, b)), to_dense(a) + to_dense(b))
+    merged = merge_loops(plan.kernel.loops)
+    assert len(merged) == merges and all(len(presence_flags(w)) == 2 for w in merged)
+    assert lattice(2) == [(0, 1), (0,), (1,)] and lattice(1) == [(0,)]
+    product = api.plan("ij,ij->ij", a, b)
+    check("ij,ij->ij", [a, b])
+    assert merge_loops(product.kernel.loops) and not any(presence_flags(w) for w in merge_loops(product.kernel.loops))
+
+
+@pytest.mark.parametrize("formats", [("csr", "csr", "csr"), ("coo", "dcsr", "coo"), ("csr", "coo", "dcsr")])
+def test_sums_of_three_collapse_the_lattice_into_one_loop(formats):
+    # Seven lattice points per shared level would multiply the body: one loop runs until
+    # every cursor is exhausted (an exhausted cursor's coordinate is past all others).
+    a, b, e = (sp((9, 8), fmt, seed=n) for n, fmt in enumerate(formats))
+    f = sparsenn.compile("D[i,j] = A[i,j] + B[i,j] - E[i,j]")
+    plan = plan_call(f.assignment, tuple(operand_info(o) for o in (a, b, e,)), None, torch.float64, torch.int32).plan
+    assert not plan.schedule.union_by_points and "one merge loop" in plan.schedule.describe()
+    collapsed = [w for w in walk(plan.kernel.loops) if isinstance(w, ir.While) and w.cond == ir.Const(1)]
+    assert collapsed and all(any(isinstance(x, ir.Break) for x in walk(w.body)) for w in collapsed)
+    assert all(len(presence_flags(w)) == 3 for w in collapsed)
+    torch.testing.assert_close(to_dense(f(a, b, e)), to_dense(a) + to_dense(b) - to_dense(e))
+
+
+def test_a_dense_term_in_a_sum_walks_every_coordinate():
+    # A dense term is present everywhere: the sum's loops visit every coordinate and
+    # advance the sparse cursors sitting on it, with no merge loop.
+    a, b, x = sp((9, 8), "coo", seed=1), sp((9, 8), "dcsr", seed=2), random_dense((9, 8), 1.0, seed=3)
+    f = sparsenn.compile("C[i,j] = A[i,j] + B[i,j] - X[i,j]", out_format="csr")
+    plan = plan_call(f.assignment, tuple(operand_info(o) for o in (a, b, x,)), sparsenn.parse_format("csr", 2), torch.float64, torch.int32).plan
+    assert not merge_loops(plan.kernel.loops) and plan.schedule.assembly.two_phase
+    torch.testing.assert_close(to_dense(f(a, b, x)), to_dense(a) + to_dense(b) - x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -80,3 +80,83 @@ def test_pragmas_and_the_one_thread_copy():
     unrolled = ir.For(ir.Decl(ir.Var("v"), "int", ir.Const(0)), ir.lt(ir.Var("v"), 4), ir.Incr(ir.Var("v")),
                       ir.Block(()), "unroll")
     assert print_block(ir.Block((unrolled,)), depth=0).startswith("#pragma GCC unroll 16\nfor (int v = 0; v < 4; ++v) {")
+
+
+def test_assembly_operations_are_spelled_by_the_printer():
+    error, at = ir.Var("sn_error"), ir.Var("at3")
+    body = ir.Block((
+        ir.Team(ir.Block((
+            ir.Effect("declare_workspace", ("fill",)),
+            ir.Guarded(ir.Block((ir.Effect("init_workspace", (ir.Var("N2"),)),)), error),
+            ir.If(error, ir.Block((ir.Continue(),))),
+            ir.Effect("ws_add", (I, ir.Load(VAL, Q))),
+            ir.Assign(ir.Load(ir.Array("out_crd"), at), I),
+            ir.Assign(ir.Load(ir.Array("out_val"), at), ir.Load(VAL, Q)),
+            ir.Assign(at, ir.RuntimeCall("ws_drain_row", (at,)), "+="),
+        )), ir.Var("nthreads")),
+        ir.If(error, ir.Block((ir.Return(error),))),
+    ), scoped=False)
+    assert print_block(body, depth=0) == (
+        "#pragma omp parallel num_threads(nthreads)\n"
+        "{\n"
+        "  FillWS ws;\n"
+        "  try {\n"
+        "    ws.init(N2);\n"
+        "  } catch (const std::bad_alloc&) {\n"
+        "    sn_fail(sn_error);\n"
+        "  }\n"
+        "  if (sn_error) {\n"
+        "    continue;\n"
+        "  }\n"
+        "  ws.add(i0, s0_val[q1]);\n"
+        "  sn_out_crd.put(at3, i0);\n"
+        "  sn_out_val[at3] = s0_val[q1];\n"
+        "  at3 += ws.drain(sn_out_crd, at3, sn_out_val + at3);\n"
+        "}\n"
+        "if (sn_error) {\n"
+        "  return sn_error;\n"
+        "}"
+    )
+    mark = ir.Var("m4")
+    count = ir.RuntimeCall("crd_count", (ir.Const(1),))
+    close = ir.If(ir.eq(count, mark), ir.Block((ir.Effect("drop_crd", (ir.Const(0),)),)),
+                  ir.Block((ir.Effect("append_count", (ir.Const(1), ir.sub(count, mark))),)))
+    assert print_block(ir.Block((close,)), depth=0) == (
+        "if (C.crd[1].size() == m4) {\n"
+        "  C.crd[0].pop_back();\n"
+        "} else {\n"
+        "  C.cnt[1].push_back((int64_t)(C.crd[1].size() - m4));\n"
+        "}"
+    )
+    assert print_expr(ir.Const((1 << 63) - 1)) == "INT64_MAX"
+
+
+def test_runtime_operations_are_checked_and_never_dropped():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown effect"):
+        ir.Effect("ws_insert", (I,))
+    with pytest.raises(ValueError, match="unknown runtime call"):
+        ir.RuntimeCall("count")
+    counted = ir.Decl(ir.Var("n1"), "index", ir.RuntimeCall("ws_count"))  # unused, but it starts the next row
+    block = ir.Block((counted, ir.Decl(ir.Var("x"), "index", ir.Var("N0"))), scoped=False)
+    assert simplify(block).stmts == (counted,)
+
+
+def test_invariants_leave_their_loops():
+    from sparsenn.compiler.loops.simplify import hoist
+
+    n, x, y, z, w = ir.Var("N0"), ir.Var("x"), ir.Var("y"), ir.Var("z"), ir.Var("w")
+    invariant = ir.Decl(x, "index", ir.min_(ir.add(n, 1), ir.mul(I, 2)), const=True)
+    varying = ir.Decl(y, "index", ir.add(Q, 1), const=True)  # q changes in the loop
+    load = ir.Decl(z, "index", ir.Load(CRD, ir.Const(0)), const=True)  # may not be readable if no iteration
+    quotient = ir.Decl(w, "index", ir.Bin("/", n, I), const=True)  # may divide by zero
+    use = ir.Assign(ACC, ir.Cast("V", ir.add(ir.add(x, y), ir.add(z, w))), "+=")
+    inner = ir.For(None, ir.lt(Q, H), ir.Incr(Q), ir.Block((invariant, varying, load, quotient, use)))
+    outer = ir.For(ir.Decl(I, "index", ir.Const(0)), ir.lt(I, n), ir.Incr(I), ir.Block((inner,)))
+    (loop,) = hoist(ir.Block((outer,))).stmts  # x depends on i: out of the inner loop only
+    assert loop.body.stmts[0] == invariant
+    assert loop.body.stmts[1].body.stmts == (varying, load, quotient, use)
+    # A name the enclosing block declares again elsewhere stays put.
+    again = ir.Block((ir.Decl(x, "index", n, const=True), inner), scoped=True)
+    assert hoist(again) == again

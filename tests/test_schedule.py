@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import scipy.sparse
 import torch
 
 import sparsenn
-from sparsenn.compiler.notation import parse_einsum
+from sparsenn.formats import parse_format
+from sparsenn.compiler.notation import parse_einsum, parse_expression
+from sparsenn.compiler.plan.cost import OperandInfo
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.plan.planner import operand_info
@@ -121,13 +124,12 @@ def test_three_operand_fusion_touches_only_nonzero_pairs():
 
 def test_chain_with_dense_tail_uses_a_contraction_path():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.plan.planner import operand_info as _info
     from sparsenn.compiler.notation import parse_einsum
 
     a = sparse((N, N), "csr", density=0.01)
     b, c = torch.randn(N, 64), torch.randn(64, 64)
     assignment = parse_einsum("ij,jk,kl->il", 3)
-    path = best_path(assignment, [_info(a), _info(b), _info(c)], 4)
+    path = best_path(assignment, [operand_info(a), operand_info(b), operand_info(c)], 4)
     assert path is not None  # fusing would iterate nnz(A) * 64 * 64 points
     first = path[0]
     assert {first.left, first.right} == {0, 1}  # A @ B first, then the dense product
@@ -137,14 +139,13 @@ def test_chain_with_dense_tail_uses_a_contraction_path():
 
 def test_sddmm_and_attention_stay_fused():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.plan.planner import operand_info as _info
     from sparsenn.compiler.notation import parse_einsum
 
     a = sparse((N, N), "csr")
     x, y = torch.randn(N, 64), torch.randn(N, 64)
-    assert best_path(parse_einsum("ij,ik,jk->ij", 3), [_info(a), _info(x), _info(y)], 4) is None
+    assert best_path(parse_einsum("ij,ik,jk->ij", 3), [operand_info(a), operand_info(x), operand_info(y)], 4) is None
     bn = sparse((64, 500), "csr", density=0.02)
-    infos = [_info(bn), _info(torch.randn(64, 16)), _info(torch.randn(500, 16, 8))]
+    infos = [operand_info(bn), operand_info(torch.randn(64, 16)), operand_info(torch.randn(500, 16, 8))]
     assert best_path(parse_einsum("bn,bd,ndh->bh", 3), infos, 4) is None
 
 
@@ -181,25 +182,70 @@ def test_no_register_block_without_a_reduction_or_for_narrow_rows():
 def test_three_operand_sampled_product_is_fused():
     # bo,bi,oi->oi samples g^T x on M's pattern: fused, values written in place; the
     # dense 2048 x 2048 product must not be formed.
-    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path, operand_info as _info
+    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path
     from sparsenn.compiler.runtime.api import parse as _parse_cached
 
     m = sparse((2048, 2048), "csr", density=0.1)
     g, x = torch.randn(64, 2048), torch.randn(64, 2048)
-    infos = tuple(_info(o) for o in (g, x, m))
+    infos = tuple(operand_info(o) for o in (g, x, m))
     assert _contraction_path(_parse_cached("bo,bi,oi->oi", 3), infos, torch.float32, None) is None
 
 
 def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
     # to,ts,si->oi with 16 output channels and 1433 input features: G^T A (nnz * 16) as
     # a dense intermediate, then a dense product; not A X (nnz * 1433).
-    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path, operand_info as _info
+    from sparsenn.compiler.plan.planner import contraction_path as _contraction_path
     from sparsenn.compiler.runtime.api import parse as _parse_cached
 
     a = sparse((2708, 2708), "csr", density=0.002)
     g, x = torch.randn(2708, 16), torch.randn(2708, 1433)
-    path = _contraction_path(_parse_cached("to,ts,si->oi", 3), tuple(_info(o) for o in (g, a, x)), torch.float32, None)
+    path = _contraction_path(_parse_cached("to,ts,si->oi", 3), tuple(operand_info(o) for o in (g, a, x)), torch.float32, None)
     first = path[0]
     assert {first.left, first.right} == {0, 1} and first.dense
     result = sparsenn.einsum("to,ts,si->oi", g, a, x)
     torch.testing.assert_close(result, g.T @ a.to_dense() @ x, rtol=1e-4, atol=1e-3)
+
+
+def sparse_schedule(equation, *operands, out_format, target=AVX2):
+    """The schedule of ``equation`` with the sparse output ``out_format`` on ``target``."""
+    assignment = parse_einsum(equation, len(operands))
+    fmt = parse_format(out_format, len(assignment.output))
+    return schedule(assignment, [operand_info(o) for o in operands], fmt, 4, target)
+
+
+def test_output_assembly_is_in_the_schedule():
+    a, b = sparse((N, N), "csr"), sparse((N, N), "csr", seed=1)
+    csr = sparse_schedule("ij,jk->ik", a, b, out_format="csr")
+    assert csr.assembly.two_phase and csr.assembly.inserted == 1
+    assert "output assembly: two phases" in csr.describe()
+    dcsr = sparse_schedule("ij,jk->ik", a, b, out_format="dcsr")
+    assert not dcsr.assembly.two_phase and dcsr.assembly.inserted == 0
+    assert "output assembly: appended per chunk" in dcsr.describe()
+    # A sparse workspace (its rows too long for a dense one) appends, whatever the format.
+    wide = sparsenn.from_scipy(scipy.sparse.random(64, 1 << 23, density=1e-6, format="csr", random_state=0))
+    spa = sparse_schedule("ij,jk->ik", sparse((64, 64), "csr", density=0.1), wide, out_format="csr")
+    assert spa.workspace.kind == "sparse" and not spa.assembly.two_phase
+    assert "workspace: sparse over k" in spa.describe()
+    assert not sparse_schedule("ijk,ijk->ijk", *[sparse((20, 20, 20), "csf", seed=s) for s in (0, 1)],
+                               out_format="dcc").assembly.two_phase
+    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 4)).assembly is None
+
+
+def test_unions_loop_per_lattice_point_up_to_two_terms():
+    csr = OperandInfo(parse_format("csr", 2), (N, N), (N, 20 * N))
+    for terms, by_points, line in ((2, True, "one loop per lattice point (3)"), (3, False, "one merge loop")):
+        text = "D[i,j] = " + " + ".join(f"X{n}[i,j]" for n in range(terms))
+        s = schedule(parse_expression(text), [csr] * terms, parse_format("csr", 2), 4, AVX2)
+        assert s.union_by_points == by_points and f"union of {terms} terms at each shared loop: {line}" in s.describe()
+
+
+def test_independent_innermost_loops_are_marked_simd():
+    # SpMM's k writes a different output element per iteration; SDDMM's innermost k is
+    # a reduction, and a sparse output's loops append: neither is marked.
+    a = sparse((N, N), "csr")
+    spmm = dense_schedule("ij,jk->ik", a, torch.randn(N, 45))
+    assert spmm.nests[0].simd == "k" and "loop k: omp simd" in spmm.describe()
+    assert dense_schedule("ij,ik,jk->ij", a, torch.randn(N, 64), torch.randn(N, 64)).nests[0].simd is None
+    assert dense_schedule("ij,ij->ij", a, torch.randn(N, N)).nests[0].simd is None  # j filtered by A
+    spgemm = sparse_schedule("ij,jk->ik", a, sparse((N, N), "csr", seed=1), out_format="csr")
+    assert all(nest.simd is None for nest in spgemm.nests)

@@ -2,8 +2,10 @@
 
 This is the only place that spells the kernel's array names (``s0_crd1``, ``d2``,
 ``out``), the runtime helpers (``sn_load``, ``sn_hsum``, ``sn_prefetch``,
-``sn_balanced_bound``) and the pragmas; the prelude and
-entry points around the printed statements come from :mod:`.codegen`.
+``sn_balanced_bound``), the assembly runtime's objects and methods (``Result``,
+``Chunk``, the workspaces, ``IndexOut``: see ``runtime/sparsenn_assembly.h``) and the
+pragmas; the prelude and entry points around the printed statements come from
+:mod:`.codegen`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,35 @@ _TYPES = {"int": "int", "index": "int64_t", "I": "I", "V": "V", "VV": "VV", "boo
 _PRECEDENCE = {"*": 6, "/": 6, "%": 6, "+": 5, "-": 5, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 3, "!=": 3,
                "&&": 2, "||": 1}
 _ATOM = 10
+_INT64_MAX = (1 << 63) - 1
 
-_EFFECTS = {"hsums": "sn_hsums({0}, {1});"}
+_EFFECTS = {
+    "hsums": "sn_hsums({0}, {1});",
+    "new_result": "Result* res = new Result({0}, {1});\n*handle = res;",
+    "keep_arguments": "res->arrays = arrays;\nres->dims = dims;",
+    "count_rows": "res->pos.assign({0} + 1, 0);\nint64_t* __restrict__ sn_pos = res->pos.data();",
+    "read_rows": "const int64_t* __restrict__ sn_pos = res->pos.data();\nconst IndexOut sn_out_pos{{out[0], wide}};\n"
+                 "const IndexOut sn_out_crd{{out[1], wide}};\nV* __restrict__ sn_out_val = (V*)out[2];",
+    "chunks": "res->chunks.resize({0});",
+    "open_chunk": "Chunk& C = res->chunks[{0}];\nC.init(res->rank);",
+    "append_crd": "C.crd[{0}].push_back({1});",
+    "drop_crd": "C.crd[{0}].pop_back();",
+    "append_count": "C.cnt[{0}].push_back((int64_t)({1}));",
+    "append_val": "C.val.push_back({0});",
+    "declare_workspace": "{0} ws;",
+    "init_workspace": "ws.init({0});",
+    "ws_add": "ws.add({0}, {1});",
+    "ws_mark": "ws.mark({0});",
+    "ws_drain": "ws.drain(C, {0}, {1}, {2});",
+}
+_RUNTIME_CALLS = {
+    "crd_count": "C.crd[{0}].size()",
+    "ws_count": "ws.count()",
+    "ws_drain_row": "ws.drain(sn_out_crd, {0}, sn_out_val + {0})",
+}
+_WORKSPACES = {"dense": "DenseWS", "sparse": "SparseWS", "count": "CountWS", "fill": "FillWS"}
+# Arrays of run-time index width (int32 or int64, as the caller allocated them).
+_INDEX_OUTPUTS = ("out_pos", "out_crd")
 
 _CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound"}
 
@@ -34,12 +63,18 @@ def array_name(array: ir.Array) -> str:
         return f"d{array.slot}"
     if array.kind == "out":
         return "out"
-    if array.kind == "dims":
-        return "dims"
+    if array.kind in ("dims", "out_val"):
+        return "dims" if array.kind == "dims" else "sn_out_val"
+    if array.kind == "row_pos":
+        return "sn_pos"
+    if array.kind in _INDEX_OUTPUTS:
+        return f"sn_{array.kind}"
     raise ValueError(f"unknown array kind {array.kind!r}")
 
 
-def _arg(arg: ir.Expr | ir.Array) -> str:
+def _arg(arg: ir.Expr | ir.Array | str) -> str:
+    if isinstance(arg, str):
+        return _WORKSPACES[arg]
     return array_name(arg) if isinstance(arg, ir.Array) else print_expr(arg)
 
 
@@ -50,6 +85,8 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
     if isinstance(e, ir.Const):
         if isinstance(e.value, float):
             return f"V({e.value!r})", _ATOM
+        if e.value == _INT64_MAX:
+            return "INT64_MAX", _ATOM
         return str(e.value), _ATOM if e.value >= 0 else 7
     if isinstance(e, ir.Lanes):
         return "SN_W", _ATOM
@@ -71,6 +108,8 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
         return f"sn_load({_expr(ir.Address(e.array, e.offset))[0]})", _ATOM
     if isinstance(e, ir.Call):
         return _call(e), _ATOM
+    if isinstance(e, ir.RuntimeCall):
+        return _RUNTIME_CALLS[e.op].format(*(_arg(a) for a in e.args)), _ATOM
     raise TypeError(f"not an expression: {e!r}")
 
 
@@ -121,7 +160,10 @@ def _simple(s: ir.Stmt) -> str:
     if isinstance(s, ir.Decl):
         return _decl(s)
     if isinstance(s, ir.Assign):
-        return f"{print_expr(s.target)} {s.op} {print_expr(s.value)}"
+        target = s.target
+        if isinstance(target, ir.Load) and target.array.kind in _INDEX_OUTPUTS and s.op == "=":
+            return f"{array_name(target.array)}.put({print_expr(target.index)}, {print_expr(s.value)})"
+        return f"{print_expr(target)} {s.op} {print_expr(s.value)}"
     if isinstance(s, ir.Incr):
         return f"++{s.var.name}"
     raise TypeError(f"not a simple statement: {s!r}")
@@ -131,6 +173,7 @@ _PRAGMAS = {
     "simd": "#pragma omp simd",
     "unroll": "#pragma GCC unroll 16",
     "omp_for": "#pragma omp for schedule(dynamic, 1)",
+    "omp_parallel_for": "#pragma omp parallel for num_threads(nthreads)",
 }
 
 
@@ -193,6 +236,24 @@ class _Printer:
             self.close()
         elif isinstance(s, ir.Parallel):
             self.parallel(s)
+        elif isinstance(s, ir.Team):
+            self.line(f"#pragma omp parallel num_threads({print_expr(s.threads)})")
+            self.open("")
+            self.body(s.body)
+            self.close()
+        elif isinstance(s, ir.Guarded):
+            self.open("try")
+            self.body(s.body)
+            self.close("} catch (const std::bad_alloc&) {")
+            self.depth += 1
+            self.line(f"sn_fail({s.error.name});")
+            self.close()
+        elif isinstance(s, ir.Continue):
+            self.line("continue;")
+        elif isinstance(s, ir.Break):
+            self.line("break;")
+        elif isinstance(s, ir.Return):
+            self.line(f"return {print_expr(s.value)};")
         else:
             raise TypeError(f"not a statement: {s!r}")
 

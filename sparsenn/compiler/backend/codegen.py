@@ -61,8 +61,8 @@ def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
     if kernel.fill is not None:
         call = "sn_fill_phase(r, out, wide, nthreads)"
         source = (
-            "\nstatic int sn_fill_phase(Result* r, void* const* out, int wide, int nthreads) {\n"
-            "    void* const* arrays = r->arrays;\n    const int64_t* dims = r->dims;\n"
+            "\nstatic int sn_fill_phase(Result* res, void* const* out, int wide, int nthreads) {\n"
+            "    void* const* arrays = res->arrays;\n    const int64_t* dims = res->dims;\n"
             + "\n".join(inputs) + "\n" + kernel.fill + "\n    return 0;\n}\n"
         )
     return source + (

@@ -10,6 +10,11 @@ lowerer chose (``i0``, ``q3``), unique within a kernel.
 Scalar types: ``"int"`` (a C ``int`` counter), ``"index"`` (``int64_t``), ``"I"`` (the
 kernel's stored index type), ``"V"`` (its value type), ``"VV"`` (a SIMD vector of V),
 ``"bool"``, ``"size"`` (``size_t``).
+
+A sparse output is assembled through the runtime of ``sparsenn_assembly.h``: the
+kernel's result, the current chunk's level buffers and the thread's workspace are
+reached through :class:`Effect` statements and :class:`RuntimeCall` expressions whose
+operations are listed in :data:`EFFECTS` and :data:`RUNTIME_CALLS`.
 """
 
 from __future__ import annotations
@@ -18,10 +23,42 @@ from dataclasses import dataclass
 
 __all__ = [
     "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
-    "Call", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect", "If", "For",
-    "While", "Block", "Parallel", "add", "sub", "mul", "lt", "le", "eq",
-    "and_", "min_", "max_", "c",
+    "Call", "RuntimeCall", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
+    "If", "For", "While", "Block", "Parallel", "Team", "Guarded", "Continue", "Break", "Return", "EFFECTS",
+    "RUNTIME_CALLS", "WORKSPACES", "add", "sub", "mul", "lt", "le", "eq", "and_", "or_", "min_", "max_",
+    "c",
 ]
+
+# Operations of :class:`Effect` (statements), with their arguments.
+EFFECTS = {
+    "hsums": "(acc, out): out[r] = the lanes of acc[r][:] summed, by a transpose-and-add",
+    "new_result": "(rank, inserted): the kernel's result under assembly, handed back through handle",
+    "keep_arguments": "(): a two-phase result keeps the kernel's arrays and dims for its second phase",
+    "count_rows": "(rows): a two-phase result's row_pos gets rows + 1 zeros (row r counts into r + 1)",
+    "read_rows": "(): the second phase reads row_pos and writes out_pos, out_crd, out_val",
+    "chunks": "(n): the result gets n chunks of level buffers",
+    "open_chunk": "(c): chunk c (emptied) takes what the following statements append",
+    "append_crd": "(level, x): coordinate x appended to the chunk's level",
+    "drop_crd": "(level): the chunk's last coordinate of level dropped (it got no children)",
+    "append_count": "(level, n): n children of the last parent appended to the chunk's level",
+    "append_val": "(v): value v appended to the chunk",
+    "declare_workspace": "(kind): the thread's workspace, a WORKSPACES kind, over no keys yet",
+    "init_workspace": "(size): the workspace over keys [0, size)",
+    "ws_add": "(key, v): v added at key",
+    "ws_mark": "(key): key marked present in the current row (pattern only)",
+    "ws_drain": "(level, rank, dims): the workspace's entries, in key order, appended to the chunk as output "
+                "levels level.. rank - 1 (keys linear over dims); the workspace is left empty",
+}
+# Operations of :class:`RuntimeCall` (expressions that read or change the runtime's state).
+RUNTIME_CALLS = {
+    "crd_count": "(level): number of coordinates in the chunk's level",
+    "ws_count": "(): number of keys marked in the current row; starts the next row",
+    "ws_drain_row": "(at): the row's keys in order into out_crd, their sums into out_val, from position at; "
+                    "returns their number and starts the next row",
+}
+# Workspace kinds: "dense" and "sparse" accumulate a row's (key, value) pairs for
+# appended chunks; "count" and "fill" count, then write, a two-phase output's rows.
+WORKSPACES = ("dense", "sparse", "count", "fill")
 
 
 class Expr:
@@ -57,8 +94,10 @@ class VectorZero(Expr):
 @dataclass(frozen=True)
 class Array:
     """A kernel array: an operand slot's ``pos``/``crd`` of storage level ``level``,
-    its ``val``ues, a dense operand (``dense``), the dense output (``out``), or the
-    extents of the index variables (``dims``)."""
+    its ``val``ues, a dense operand (``dense``), the dense output (``out``), the
+    extents of the index variables (``dims``); for a two-phase sparse output, each
+    row's first position (``row_pos``, int64, counted by the first phase) and the
+    caller's ``out_pos``, ``out_crd`` (of run-time index width) and ``out_val``."""
 
     kind: str
     slot: int = -1
@@ -112,6 +151,19 @@ class Call(Expr):
 
     name: str
     args: tuple[Expr | Array, ...]
+
+
+@dataclass(frozen=True)
+class RuntimeCall(Expr):
+    """A call into the assembly runtime that returns a value (see :data:`RUNTIME_CALLS`):
+    it reads or changes the runtime's state, so it is never folded, dropped or moved."""
+
+    op: str
+    args: tuple[Expr, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.op not in RUNTIME_CALLS:
+            raise ValueError(f"unknown runtime call {self.op!r}")
 
 
 @dataclass(frozen=True)
@@ -176,11 +228,14 @@ class Prefetch(Stmt):
 
 @dataclass(frozen=True)
 class Effect(Stmt):
-    """A runtime call for its effect: ``hsums(acc, out)`` (``out[r]`` = the lanes of
-    ``acc[r][:]`` summed, by a transpose-and-add)."""
+    """A runtime call for its effect (see :data:`EFFECTS`)."""
 
     name: str
-    args: tuple[Expr | Array, ...] = ()
+    args: tuple[Expr | Array | str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in EFFECTS:
+            raise ValueError(f"unknown effect {self.name!r}")
 
 
 @dataclass(frozen=True)
@@ -227,6 +282,40 @@ class Parallel(Stmt):
     body: Block
 
 
+@dataclass(frozen=True)
+class Team(Stmt):
+    """``body`` run by every thread of an OpenMP team of ``threads`` threads."""
+
+    body: Block
+    threads: Expr
+
+
+@dataclass(frozen=True)
+class Guarded(Stmt):
+    """``body``, where running out of memory sets the flag ``error`` (atomically) and
+    leaves the rest of ``body``: no exception crosses a thread team."""
+
+    body: Block
+    error: Var
+
+
+@dataclass(frozen=True)
+class Continue(Stmt):
+    """Next iteration of the innermost loop."""
+
+
+@dataclass(frozen=True)
+class Break(Stmt):
+    """Leave the innermost loop."""
+
+
+@dataclass(frozen=True)
+class Return(Stmt):
+    """Leave the kernel function with ``value``."""
+
+    value: Expr
+
+
 # -- builders: the lowerer writes arithmetic through these, with plain ints as constants
 
 
@@ -265,6 +354,11 @@ def and_(*terms: Expr) -> Expr:
     return out
 
 
+def or_(*terms: Expr) -> Expr:
+    out = terms[0]
+    for t in terms[1:]:
+        out = Bin("||", out, t)
+    return out
 
 
 def min_(*args) -> Expr:

@@ -1,12 +1,20 @@
-"""Simplification of loop IR: constant folding and removal of unused declarations.
+"""Simplification of loop IR: constant folding, hoisting of loop invariants and
+removal of unused declarations.
 
 * **Folding** (integers only; floating-point expressions keep their operations, so the
   kernels round as written): ``a op b`` of two constants, ``x + 0``, ``0 + x``,
-  ``x - 0``, ``x * 1``, ``1 * x``, ``x * 0``, ``0 * x`` (every IR expression is pure),
+  ``x - 0``, ``x * 1``, ``1 * x``, ``x * 0``, ``0 * x`` (``x`` not calling the runtime),
   so that locating a dense level under the root, ``0 * N + i``, is ``i``.
+* **Hoisting**: a constant declaration in a loop's body whose initialiser is integer
+  arithmetic (``+ - *``, comparisons, ``min``/``max``, casts, selections; no load, no
+  division, so it cannot fault even where the loop runs no iteration) of variables the
+  loop neither declares nor changes moves before the loop, and on out of enclosing
+  loops while it stays invariant; not where the enclosing block mentions its name
+  elsewhere (index variables are declared again in sibling scopes).
 * **Unused declarations**: a declaration whose variable no other node mentions is
-  dropped (its initialiser is pure), repeatedly, since dropping one can leave another
-  unused. Names are unique within a kernel, so one count over the kernel suffices.
+  dropped, unless its initialiser calls the assembly runtime (every other expression
+  is pure), repeatedly, since dropping one can leave another unused. Names are unique
+  within a kernel, so one count over the kernel suffices.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from collections import Counter
 
 from . import ir
 
-__all__ = ["simplify", "fold"]
+__all__ = ["simplify", "fold", "hoist"]
 
 _INT_OPS = {
     "+": lambda a, b: a + b,
@@ -45,7 +53,7 @@ def _fold_bin(e: ir.Bin) -> ir.Expr:
             return e.right
         if b == 1:
             return e.left
-        if a == 0 or b == 0:
+        if (a == 0 or b == 0) and not _calls_runtime(e):
             return ir.Const(0)
     return e
 
@@ -87,13 +95,25 @@ def _count_uses(node, counts: Counter) -> None:
         _count_uses(getattr(node, f.name), counts)
 
 
+def _calls_runtime(node) -> bool:
+    if isinstance(node, ir.RuntimeCall):
+        return True
+    if isinstance(node, tuple):
+        return any(_calls_runtime(x) for x in node)
+    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+        return False
+    return any(_calls_runtime(getattr(node, f.name)) for f in dataclasses.fields(node))
+
+
+def _unused(s: ir.Stmt, used: Counter) -> bool:
+    return isinstance(s, ir.Decl) and not used[s.var.name] and not _calls_runtime(s.init)
+
+
 def _drop_unused(node, used: Counter):
     if isinstance(node, ir.Block):
-        kept = tuple(
-            _drop_unused(s, used) for s in node.stmts if not (isinstance(s, ir.Decl) and not used[s.var.name])
-        )
+        kept = tuple(_drop_unused(s, used) for s in node.stmts if not _unused(s, used))
         return dataclasses.replace(node, stmts=kept)
-    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel)):
+    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
         changes = {
             f.name: _drop_unused(getattr(node, f.name), used)
             for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
@@ -102,9 +122,91 @@ def _drop_unused(node, used: Counter):
     return node
 
 
+_ARITHMETIC = {"+", "-", "*", "<", "<=", ">", ">=", "==", "!=", "&&", "||"}
+
+
+def _arithmetic(e) -> bool:
+    """Whether ``e`` is integer arithmetic that cannot fault (see the module doc)."""
+    if isinstance(e, (ir.Var, ir.Const)):
+        return not isinstance(e, ir.Const) or isinstance(e.value, int)
+    if isinstance(e, ir.Bin):
+        return e.op in _ARITHMETIC and _arithmetic(e.left) and _arithmetic(e.right)
+    if isinstance(e, ir.Cast):
+        return e.type in ("index", "int", "I") and _arithmetic(e.operand)
+    if isinstance(e, ir.Select):
+        return all(_arithmetic(x) for x in (e.cond, e.then, e.other))
+    if isinstance(e, ir.Call):
+        return e.name in ("min", "max") and all(_arithmetic(x) for x in e.args)
+    return False
+
+
+def _changed(node, names: set[str]) -> None:
+    """Into ``names``: the variables ``node`` declares or changes."""
+    if isinstance(node, tuple):
+        for x in node:
+            _changed(x, names)
+        return
+    if isinstance(node, ir.Decl):
+        names.add(node.var.name)
+    elif isinstance(node, ir.Incr):
+        names.add(node.var.name)
+    elif isinstance(node, ir.Assign) and isinstance(node.target, (ir.Var, ir.Elem)):
+        target = node.target
+        names.add(target.name if isinstance(target, ir.Var) else target.base.name)
+    if dataclasses.is_dataclass(node) and isinstance(node, ir.Stmt):
+        for f in dataclasses.fields(node):
+            _changed(getattr(node, f.name), names)
+
+
+def _names(node) -> set[str]:
+    """The variables ``node`` mentions or declares."""
+    counts: Counter = Counter()
+    _count_uses(node, counts)
+    declared: set[str] = set()
+    _changed(node, declared)
+    return set(counts) | declared
+
+
+def _hoist_loop(loop, taken: set[str]) -> tuple[list[ir.Stmt], ir.Stmt]:
+    """The invariant declarations of ``loop``'s body whose names ``taken`` (the rest of
+    the enclosing block) does not hold, and the loop without them."""
+    changed: set[str] = set()
+    _changed(loop, changed)
+    moved, kept = [], []
+    for s in loop.body.stmts:
+        if (isinstance(s, ir.Decl) and s.const and not s.shape and s.var.name not in taken
+                and _arithmetic(s.init) and not _names(s.init) & changed):
+            moved.append(s)
+            taken.add(s.var.name)
+        else:
+            kept.append(s)
+    return moved, dataclasses.replace(loop, body=dataclasses.replace(loop.body, stmts=tuple(kept)))
+
+
+def hoist(node):
+    """``node`` with loop invariants moved out of their loops (see the module doc)."""
+    if isinstance(node, ir.Block):
+        stmts = [hoist(s) for s in node.stmts]
+        out = []
+        for n, s in enumerate(stmts):
+            if isinstance(s, (ir.For, ir.While)):
+                moved, s = _hoist_loop(s, _names(tuple(out) + tuple(stmts[n + 1:])))
+                out += moved
+            out.append(s)
+        return dataclasses.replace(node, stmts=tuple(out))
+    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
+        changes = {
+            f.name: hoist(getattr(node, f.name))
+            for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
+        }
+        return dataclasses.replace(node, **changes)
+    return node
+
+
 def simplify(block: ir.Block) -> ir.Block:
-    """Fold constants, then drop unused declarations until none is left."""
-    block = fold(block)
+    """Fold constants and hoist invariants, then drop unused declarations until none is
+    left."""
+    block = hoist(fold(block))
     while True:
         used: Counter = Counter()
         _count_uses(block, used)

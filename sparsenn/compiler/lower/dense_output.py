@@ -64,7 +64,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
             return st[k_anchor].pos
 
     split = reductions_from(order, output, len(order))
-    walk = NestWalk(nest, order, None, dense_output=True)
+    walk = NestWalk(nest, order, None)
     if split < len(order):
         inner = set(order[split:])
         outside = [k for k, f in enumerate(term.factors) if not inner & set(f.indices)]
@@ -176,10 +176,10 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
                     ir.Assign(ir.Load(OUT, offset(st)), ir.Const(0)),))))
             tail = NestWalk(nest, order, lambda inner: lo.emit(ir.Assign(
                 ir.Load(OUT, offset(inner)), product_of([coef, *lo.values(inner)]), "+=")),
-                {**walk.bounds, k: (rest, n_k)}, dense_output=True)
+                {**walk.bounds, k: (rest, n_k)})
             emit_order(lo, tail, st, r)
 
         lo.emit(ir.If(ir.lt(rest, n_k), lo.block(remainder)))
 
-    emit_order(lo, NestWalk(nest, order[:-1], vector_leaf, walk.bounds, dense_output=True,
+    emit_order(lo, NestWalk(nest, order[:-1], vector_leaf, walk.bounds,
                             block=(k, kb, ir.add(kb, size)), block_from=r, wrap={r: blocks}), states)

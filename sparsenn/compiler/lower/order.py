@@ -29,7 +29,7 @@ Hook = Callable[[list], None]
 class NestWalk:
     """What a walk over a nest's loops carries: the nest (its decisions), the leaf,
     loop bounds (tiles, chunks), wrappers, the accumulator of trailing reductions and
-    its sum, whether loops write a dense output, an open register block
+    its sum, an open register block
     ``(k, start, end)`` from loop position ``block_from``, and ``wrap[j](states,
     inner)``, which emits what encloses loop ``j`` and calls ``inner`` for the loops
     from ``j`` on."""
@@ -41,7 +41,6 @@ class NestWalk:
     around: dict = field(default_factory=dict)
     accumulator: ir.Var | None = None
     summed: Summed | None = None
-    dense_output: bool = False
     block: tuple | None = None
     block_from: int = 0
     wrap: dict = field(default_factory=dict)
@@ -88,7 +87,7 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
         co_iterate(
             lo, index, states, lambda st: emit_order(lo, walk, st, position + 1), bounds,
             walk.accumulator if innermost else None, declare, blocked,
-            innermost and walk.accumulator is None and walk.dense_output and index in lo.a.output,
+            innermost and nest.simd == index,
         )
     if after:
         after(states)

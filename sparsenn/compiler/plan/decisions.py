@@ -25,6 +25,23 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   a register block: and the blocked index), each visits every coordinate (no factor
   but a sampled output's anchor has a non-locatable level over an output index) and no
   tile splits a reduction; it then stores with ``=`` and the output needs no zeroing.
+* **Independent iterations.** A dense output's innermost loop over an output index
+  that no stored level filters writes a different output element per iteration: its
+  dense loop carries ``omp simd`` (the compiler vectorises only what the code asks for).
+* **Union loops** (sparse outputs of several terms). The shared loops co-iterate the
+  terms' union along its merge lattice, one loop per point (per set of terms still
+  live: ``2^k - 1`` loops of ``k`` terms, each testing only its own cursors) up to
+  :data:`MAX_LATTICE_TERMS` terms; beyond, the points are collapsed into one loop that
+  tests every cursor for exhaustion (fewer, shorter loops than multiplying the body).
+* **Output assembly** (sparse outputs). The output's leading levels that are inserted
+  (located: every coordinate present, no arrays) come first, the rest are appended.
+  With one or more inserted levels then one appended level (CSR and its analogues of
+  any rank, each row of which one chunk of work writes) and no sparse workspace, the
+  output is written in **two phases**: the loops run once for the pattern, counting
+  each row's entries (their prefix sums are the row offsets and the exact output
+  size), then again with values, writing each row straight into the caller's arrays.
+  Otherwise each chunk **appends** its coordinates, per-parent counts and values into
+  its own buffers, which are copied out in parallel afterwards.
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sparsenn.formats import Format
 from sparsenn.formats.level import Level
 
 from .target import Target
@@ -39,7 +57,7 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
-    "prefetch_loops", "stores_once",
+    "prefetch_loops", "stores_once", "simd_loop", "union_by_points", "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
 
@@ -205,6 +223,15 @@ def prefetch_loops(
     return tuple(loops)
 
 
+def simd_loop(order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor]) -> str | None:
+    """The innermost loop of a dense output's nest if its iterations are independent
+    (see the module doc), else None."""
+    index = order[-1] if order else None
+    if index is None or index not in output or any(f.filters(index) for f in factors):
+        return None
+    return index
+
+
 def stores_once(
     order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor], tiles: Sequence[str],
     blocked: bool, anchor_factor: int | None,
@@ -220,3 +247,42 @@ def stores_once(
     if set(loops) != set(output) or any(t not in output for t in tiles):
         return False
     return not any(f.filters(i) for k, f in enumerate(factors) if k != anchor_factor for i in output)
+
+
+MAX_LATTICE_TERMS = 2
+
+
+def union_by_points(terms: int) -> bool:
+    """Whether a union of ``terms`` terms loops per lattice point (see the module doc)."""
+    return terms <= MAX_LATTICE_TERMS
+
+
+@dataclass(frozen=True)
+class OutputAssembly:
+    """How a sparse output is written (see the module doc): ``inserted`` leading levels,
+    then appended ones, in two phases or by appending chunks."""
+
+    inserted: int
+    two_phase: bool
+
+    def describe(self) -> str:
+        if self.two_phase:
+            return (f"output assembly: two phases (count each row's entries, then write rows in place), "
+                    f"{self.inserted} inserted level(s)")
+        return f"output assembly: appended per chunk, copied out after; {self.inserted} inserted level(s)"
+
+
+def inserted_levels(output_format: Format) -> int:
+    """The number of leading levels of ``output_format`` written by insertion."""
+    levels = output_format.levels
+    return next((n for n, level in enumerate(levels) if level.assembly != "insert"), len(levels))
+
+
+def output_assembly(output_format: Format, workspace_kind: str | None) -> OutputAssembly:
+    """The assembly of ``output_format`` with a workspace of ``workspace_kind`` (or none)."""
+    inserted = inserted_levels(output_format)
+    appended = output_format.levels[inserted:]
+    if not all(level.assembly == "append" and level.has_pos for level in appended):
+        raise NotImplementedError(f"kernels assemble inserted levels then compressed ones, not {output_format}")
+    two_phase = inserted >= 1 and len(appended) == 1 and workspace_kind in (None, "dense")
+    return OutputAssembly(inserted, two_phase)

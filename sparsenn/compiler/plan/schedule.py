@@ -54,7 +54,7 @@ from sparsenn.formats import Format
 from ..notation import Assignment, Term
 from . import decisions
 from .cost import Factor, OperandInfo, estimate_positions, nest_cost
-from .decisions import PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
 __all__ = ["OperandInfo", "Tile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
@@ -87,6 +87,7 @@ class Nest:
     sparse_reduction: SparseReduction | None = None
     row_block: RowBlock | None = None
     prefetch: tuple[PrefetchLoop, ...] = ()
+    simd: str | None = None  # the innermost loop, when its iterations write different output elements
     stores_once: bool = False  # the first nest of a dense output stores with "="
     stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
 
@@ -107,6 +108,8 @@ class Nest:
             parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")
         for loop in self.prefetch:
             parts.append(f"loop {loop.index} may prefetch factor(s) {list(loop.factors)}")
+        if self.simd:
+            parts.append(f"loop {self.simd}: omp simd (independent iterations)")
         if self.stores_once:
             parts.append("stores each output element once (=)")
         if self.stores_once_anchors:
@@ -138,6 +141,9 @@ class Schedule:
     serial: bool = False  # too little work to wake a team of threads (target.parallel_min_work)
     prefetch_policy: PrefetchPolicy | None = None
     target: Target = field(default_factory=Target)
+    assembly: OutputAssembly | None = None  # how a sparse output is written
+    union_by_points: bool = True  # a sum's shared loops: one per lattice point, or one loop
+
 
     def describe(self) -> str:
         """Every decision of the schedule, one per line."""
@@ -151,6 +157,12 @@ class Schedule:
             lines.append(f"workspace: {ws.kind} over {','.join(ws.indices)} ({ws.size} entries)")
         else:
             lines.append("workspace: none")
+        if self.assembly is not None:
+            lines.append(self.assembly.describe())
+            if len(self.nests) > 1:
+                k = len(self.nests)
+                how = f"one loop per lattice point ({2 ** k - 1})" if self.union_by_points else "one merge loop"
+                lines.append(f"union of {k} terms at each shared loop: {how}")
         lines += [f"transpose: term {t} factor {k} re-stored in mode order {order}" for (t, k), order in self.transposes]
         threads = "one thread" if self.serial else "a team of threads"
         lines.append(f"threads: {threads} (expected {self.leaves:.3g} innermost iterations, "
@@ -301,7 +313,8 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     block = nest.register_block
     bounded = {t.index for t in nest.tiles if t.index != order[0]}
     fields = {"prefetch": decisions.prefetch_loops(
-        order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1))}
+        order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
+        "simd": decisions.simd_loop(order, output, f)}
     if block is None:
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
@@ -370,9 +383,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedu
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Target) -> Schedule:
     out_order = tuple(assignment.output[m] for m in output_format.mode_order)
-    num_dense = output_format.dense_prefix
     best = None
-    for p in range(num_dense, len(out_order) + 1):
+    for p in range(decisions.inserted_levels(output_format), len(out_order) + 1):
         shared = out_order[:p]
         rest = out_order[p:]
         nests, transposes, reasons, total = [], [], [], 0.0
@@ -407,9 +419,11 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
             + (f", {workspace.kind} workspace over {list(rest)}" if workspace else ", no workspace")
             + f": cost {total:.3g}"
         )
+        assembly = decisions.output_assembly(output_format, None if workspace is None else workspace.kind)
         candidate = Schedule(
             output_format, out_order, shared, tuple(nests), workspace, tuple(transposes), total,
-            tuple(reasons), leaf_total,
+            tuple(reasons), leaf_total, assembly=assembly,
+            union_by_points=decisions.union_by_points(len(assignment.terms)),
         )
         if best is None or candidate.cost < best.cost:
             best = candidate
