@@ -233,8 +233,9 @@ def _visit(lo: Lowering, index: str, new: dict, present: dict, body: Merged, alw
 
 
 def _least(coords: Sequence[ir.Expr]) -> ir.Expr:
-    """The least of ``coords`` as selections (``a < b ? a : b``), which compilers make
-    conditional moves: a union's coordinates interleave unpredictably."""
+    """The least of ``coords`` as nested selections (``c < least ? c : least``, the
+    partial minimum repeated rather than declared: compilers then thread the selections'
+    branches into the presence tests that follow)."""
     least = coords[0]
     for coord in coords[1:]:
         least = ir.Select(ir.lt(coord, least), coord, least)
