@@ -14,14 +14,22 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    and the call resolves to ``torch.einsum`` (all dense), pairwise contractions
    (``plan/contract.py``) or one kernel.
 4. ``plan/planner.py``: the result's format from the operands' formats and
-   ``out_format`` (``plan/infer.py``), the loop orders, workspace, tiles and register
-   blocks (``plan/schedule.py``); the plan is looked up by those decisions, so every
-   batch size with the same decisions shares one kernel. A new plan is built by
-   ``planner.build_kernel``, the one function that calls the back end: ``lower/nest.py``
-   (and ``lower/assemble.py`` for sparse outputs) writes the loop nests,
-   ``backend/codegen.py`` the C++ translation unit around the runtime headers,
-   ``backend/jit.py`` compiles and loads it (cached on disk) and ``backend/abi.py``
-   gives its argument order and C signatures.
+   ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
+   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles and
+   register blocks, and records every code decision of ``plan/decisions.py``: vector
+   and sparse reductions, row blocks, prefetching loops, store-once, ``omp simd``, the
+   output's assembly, threads), all for an explicit machine model (``plan/target.py``,
+   read once from the host). The plan is looked up by those decisions, so every batch
+   size with the same decisions shares one kernel. A new plan is built by
+   ``planner.build_kernel``, the one function that calls the back end:
+   ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
+   (``lower/dense_output.py``, or ``lower/sparse_output.py`` with ``lower/assembly.py``
+   for a sparse result), iterating each storage level through its capabilities
+   (``formats/level.py`` via ``lower/iterators.py``) and co-iterating levels in one
+   routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;
+   ``backend/c.py`` prints the C++ and ``backend/codegen.py`` wraps it into a
+   translation unit around the runtime headers (``backend/runtime/*.h``) with the entry
+   points of ``backend/abi.py``; ``backend/jit.py`` compiles and loads it (cached on disk).
 5. ``runtime/launcher.py``: the plan bound to the call's shapes and layouts runs
    ``sn_run`` through ctypes with the GIL released and returns the dense result, or
    the sparse one the kernel assembled.
