@@ -13,7 +13,9 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.backend import abi, jit
+from sparsenn.compiler.backend.c import array_name
 from sparsenn.compiler.backend.codegen import ASSEMBLY_HEADER, KERNEL_HEADER, generate_source
+from sparsenn.compiler.loops import ir
 from sparsenn.compiler.runtime import api
 
 SIZES = {"i": 30, "j": 20, "k": 25}
@@ -94,8 +96,8 @@ def test_arrays_and_names():
     csr, dense = spgemm_plan().kernel.slots[0], spmm_plan().kernel.slots[1]
     assert abi.slot_arrays(csr) == [("pos", 1), ("crd", 1), ("val", -1)]
     assert abi.slot_arrays(dense) == [("dense", -1)]
-    assert [abi.array_name(2, kind, level) for kind, level in [("pos", 1), ("crd", 1), ("val", -1), ("dense", -1)]] == [
-        "s2_pos1", "s2_crd1", "s2_val", "d2"]
+    names = [array_name(ir.Array(kind, 2, level)) for kind, level in [("pos", 1), ("crd", 1), ("val", -1), ("dense", -1)]]
+    assert names == ["s2_pos1", "s2_crd1", "s2_val", "d2"]
     assert abi.finish_arrays(3, 1) == [("pos", 1), ("crd", 1), ("pos", 2), ("crd", 2), ("val", -1)]
     sizes = abi.OutputSizes.decode([0, 0, 7, 30, 7], 2)
     assert sizes == abi.OutputSizes(coordinates=(0, 7), counts=(0, 30), values=7)

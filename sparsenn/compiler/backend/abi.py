@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_OUTPUT_RANK", "EntryPoint", "EntryPoints", "OutputSizes", "RUN", "SIZES", "FINISH", "FREE",
-    "entry_points", "bind", "slot_arrays", "array_name", "finish_arrays",
+    "entry_points", "bind", "slot_arrays", "finish_arrays",
 ]
 
 # The highest output rank a kernel produces (the assembly's coordinate buffers hold 16).
@@ -162,16 +162,6 @@ def slot_arrays(slot: Slot) -> list[tuple[str, int]]:
         if lvl.has_crd:
             arrays.append(("crd", level))
     return arrays + [("val", -1)]
-
-
-def array_name(slot: int, kind: str, level: int) -> str:
-    """The C++ name of slot ``slot``'s array ``(kind, level)`` inside ``sn_run``:
-    ``d0``, ``s1_pos1``, ``s1_crd1``, ``s1_val``."""
-    if kind == "dense":
-        return f"d{slot}"
-    if kind == "val":
-        return f"s{slot}_val"
-    return f"s{slot}_{kind}{level}"
 
 
 def finish_arrays(rank: int, num_dense: int) -> list[tuple[str, int]]:

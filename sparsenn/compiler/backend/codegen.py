@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .abi import FINISH, RUN, array_name, slot_arrays
+from ..loops import ir
+from .abi import FINISH, RUN, slot_arrays
+from .c import array_name
 
 if TYPE_CHECKING:
     from ..lower.kernel import LoweredKernel
 
-# slot_arrays is defined in abi; re-exported until the launcher imports it from there.
-__all__ = ["generate_source", "slot_arrays", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
+__all__ = ["generate_source", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
 
 KERNEL_HEADER = "sparsenn_kernel.h"
 ASSEMBLY_HEADER = "sparsenn_assembly.h"
@@ -32,7 +33,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):
             ctype = "I" if kind in ("pos", "crd") else "V"
-            inputs.append(f"    const {ctype}* __restrict__ {array_name(s, kind, level)} = (const {ctype}*)arrays[{n}];")
+            inputs.append(f"    const {ctype}* __restrict__ {array_name(ir.Array(kind, s, level))} = (const {ctype}*)arrays[{n}];")
             n += 1
     unpack = list(inputs)
     if kernel.dense_output:
