@@ -20,11 +20,22 @@ removal of unused declarations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 
 from . import ir
 
 __all__ = ["simplify", "fold", "hoist"]
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[str, ...]:
+    """The field names of an IR node class (none for anything else)."""
+    return tuple(f.name for f in dataclasses.fields(cls)) if dataclasses.is_dataclass(cls) else ()
+
+
+def _children(node) -> tuple:
+    return tuple(getattr(node, name) for name in _fields(type(node)))
 
 _INT_OPS = {
     "+": lambda a, b: a + b,
@@ -62,14 +73,14 @@ def fold(node):
     """``node`` with every integer constant sub-expression folded (see module doc)."""
     if isinstance(node, tuple):
         return tuple(fold(x) for x in node)
-    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+    if not _fields(type(node)) or isinstance(node, ir.Array):
         return node
     changes = {}
-    for f in dataclasses.fields(node):
-        value = getattr(node, f.name)
+    for name in _fields(type(node)):
+        value = getattr(node, name)
         new = fold(value)
         if new is not value:
-            changes[f.name] = new
+            changes[name] = new
     if changes:
         node = dataclasses.replace(node, **changes)
     if isinstance(node, ir.Bin):
@@ -87,12 +98,12 @@ def _count_uses(node, counts: Counter) -> None:
     if isinstance(node, ir.Var):
         counts[node.name] += 1
         return
-    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+    if not _fields(type(node)) or isinstance(node, ir.Array):
         return
-    for f in dataclasses.fields(node):
-        if isinstance(node, ir.Decl) and f.name == "var":
+    for name in _fields(type(node)):
+        if isinstance(node, ir.Decl) and name == "var":
             continue
-        _count_uses(getattr(node, f.name), counts)
+        _count_uses(getattr(node, name), counts)
 
 
 def _calls_runtime(node) -> bool:
@@ -100,9 +111,9 @@ def _calls_runtime(node) -> bool:
         return True
     if isinstance(node, tuple):
         return any(_calls_runtime(x) for x in node)
-    if not dataclasses.is_dataclass(node) or isinstance(node, ir.Array):
+    if not _fields(type(node)) or isinstance(node, ir.Array):
         return False
-    return any(_calls_runtime(getattr(node, f.name)) for f in dataclasses.fields(node))
+    return any(_calls_runtime(child) for child in _children(node))
 
 
 def _unused(s: ir.Stmt, used: Counter) -> bool:
@@ -115,8 +126,8 @@ def _drop_unused(node, used: Counter):
         return dataclasses.replace(node, stmts=kept)
     if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
         changes = {
-            f.name: _drop_unused(getattr(node, f.name), used)
-            for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
+            name: _drop_unused(getattr(node, name), used)
+            for name in _fields(type(node)) if isinstance(getattr(node, name), ir.Block)
         }
         return dataclasses.replace(node, **changes)
     return node
@@ -140,42 +151,53 @@ def _arithmetic(e) -> bool:
     return False
 
 
-def _changed(node, names: set[str]) -> None:
-    """Into ``names``: the variables ``node`` declares or changes."""
-    if isinstance(node, tuple):
-        for x in node:
-            _changed(x, names)
-        return
-    if isinstance(node, ir.Decl):
-        names.add(node.var.name)
-    elif isinstance(node, ir.Incr):
-        names.add(node.var.name)
-    elif isinstance(node, ir.Assign) and isinstance(node.target, (ir.Var, ir.Elem)):
-        target = node.target
-        names.add(target.name if isinstance(target, ir.Var) else target.base.name)
-    if dataclasses.is_dataclass(node) and isinstance(node, ir.Stmt):
-        for f in dataclasses.fields(node):
-            _changed(getattr(node, f.name), names)
+class _Names:
+    """The variables each node mentions and those it declares or changes, computed once
+    per node: nodes are keyed by identity (and kept alive) for one hoisting pass."""
+
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[object, frozenset[str], frozenset[str]]] = {}
+
+    def of(self, node) -> tuple[frozenset[str], frozenset[str]]:
+        """(every variable ``node`` mentions, those it declares or changes)."""
+        hit = self._memo.get(id(node))
+        if hit is not None and hit[0] is node:
+            return hit[1], hit[2]
+        mentioned: set[str] = set()
+        changed: set[str] = set()
+        if isinstance(node, ir.Var):
+            mentioned.add(node.name)
+        elif isinstance(node, ir.Decl):
+            changed.add(node.var.name)
+        elif isinstance(node, ir.Incr):
+            changed.add(node.var.name)
+        elif isinstance(node, ir.Assign) and isinstance(node.target, (ir.Var, ir.Elem)):
+            target = node.target
+            changed.add(target.name if isinstance(target, ir.Var) else target.base.name)
+        children = node if isinstance(node, tuple) else () if isinstance(node, ir.Array) else _children(node)
+        for child in children:
+            child_mentioned, child_changed = self.of(child)
+            mentioned |= child_mentioned
+            changed |= child_changed
+        result = frozenset(mentioned | changed), frozenset(changed)
+        self._memo[id(node)] = (node, *result)
+        return result
+
+    def all(self, node) -> frozenset[str]:
+        return self.of(node)[0]
+
+    def changed(self, node) -> frozenset[str]:
+        return self.of(node)[1]
 
 
-def _names(node) -> set[str]:
-    """The variables ``node`` mentions or declares."""
-    counts: Counter = Counter()
-    _count_uses(node, counts)
-    declared: set[str] = set()
-    _changed(node, declared)
-    return set(counts) | declared
-
-
-def _hoist_loop(loop, taken: set[str]) -> tuple[list[ir.Stmt], ir.Stmt]:
+def _hoist_loop(loop, taken: set[str], names: _Names) -> tuple[list[ir.Stmt], ir.Stmt]:
     """The invariant declarations of ``loop``'s body whose names ``taken`` (the rest of
     the enclosing block) does not hold, and the loop without them."""
-    changed: set[str] = set()
-    _changed(loop, changed)
+    changed = names.changed(loop)
     moved, kept = [], []
     for s in loop.body.stmts:
         if (isinstance(s, ir.Decl) and s.const and not s.shape and s.var.name not in taken
-                and _arithmetic(s.init) and not _names(s.init) & changed):
+                and _arithmetic(s.init) and not names.all(s.init) & changed):
             moved.append(s)
             taken.add(s.var.name)
         else:
@@ -183,21 +205,23 @@ def _hoist_loop(loop, taken: set[str]) -> tuple[list[ir.Stmt], ir.Stmt]:
     return moved, dataclasses.replace(loop, body=dataclasses.replace(loop.body, stmts=tuple(kept)))
 
 
-def hoist(node):
+def hoist(node, names: _Names | None = None):
     """``node`` with loop invariants moved out of their loops (see the module doc)."""
+    names = _Names() if names is None else names
     if isinstance(node, ir.Block):
-        stmts = [hoist(s) for s in node.stmts]
+        stmts = [hoist(s, names) for s in node.stmts]
+        held = [names.all(s) for s in stmts]  # hoisting moves declarations, never renames
         out = []
         for n, s in enumerate(stmts):
             if isinstance(s, (ir.For, ir.While)):
-                moved, s = _hoist_loop(s, _names(tuple(out) + tuple(stmts[n + 1:])))
+                moved, s = _hoist_loop(s, set().union(*held[:n], *held[n + 1:]), names)
                 out += moved
             out.append(s)
         return dataclasses.replace(node, stmts=tuple(out))
     if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
         changes = {
-            f.name: hoist(getattr(node, f.name))
-            for f in dataclasses.fields(node) if isinstance(getattr(node, f.name), ir.Block)
+            name: hoist(getattr(node, name), names)
+            for name in _fields(type(node)) if isinstance(getattr(node, name), ir.Block)
         }
         return dataclasses.replace(node, **changes)
     return node
