@@ -24,6 +24,19 @@ from sparsenn.compiler.runtime import api
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 
+# The machine model of tests that read schedule decisions: an AVX2 core with a 1 MiB L2,
+# whatever the host is.
+AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+
+
+@pytest.fixture
+def avx2_host(monkeypatch):
+    """Plans made while this is active are scheduled for :data:`AVX2`."""
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
+    clear_caches()
+    yield
+    clear_caches()
+
 
 def random_dense(shape, density, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -287,7 +300,7 @@ def test_register_blocked_spmm_with_partial_blocks(dtype, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_narrow_dense_loops_stay_vectorised(dtype):
+def test_narrow_dense_loops_stay_vectorised(dtype, avx2_host):
     # GCC vectorises only what the code asks for (jit.GCC_FLAGS): the k remainder of a
     # register-blocked SpMM writes a different output element per iteration (omp simd),
     # and a dot product steps single vectors before its scalar tail. Sparse outputs,
@@ -485,13 +498,13 @@ LENGTHS = [0, 1, 3, 4, 5, 0, 8, 13, 40, 2, 0, 64]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
+def test_sparse_reduction_into_several_accumulators(dtype, index_dtype, avx2_host):
     # SpMV's row dot product runs as 4 interleaved sums plus a scalar tail.
     a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 64, dtype), "csr", index_dtype=index_dtype)
     x = torch.randn(64, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 1e-10
     check("ij,j->i", [a, x], atol=atol)
-    assert api.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == Target.host().sparse_accumulators
+    assert api.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == AVX2.sparse_accumulators
     # A dense-level operand located by the same loop, and a dense matrix factor.
     b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
     check("ij,ij->i", [a, b], atol=atol)
@@ -509,14 +522,14 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype):
 def always_prefetch(monkeypatch):
     """Kernels built while this is active prefetch every gather, whatever the operand's
     size and the pattern's locality (the test operands are far smaller than a cache)."""
-    eager = dataclasses.replace(Target.host(), l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0)
+    eager = dataclasses.replace(AVX2, l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0)
     monkeypatch.setattr(Target, "host", staticmethod(lambda: eager))
     clear_caches()
     yield
     clear_caches()  # no later test runs these kernels
 
 
-def test_prefetch_only_when_gathers_miss_the_caches():
+def test_prefetch_only_when_gathers_miss_the_caches(avx2_host):
     # The schedule names the loops that may prefetch and the policy of the run-time test
     # (see plan.decisions): each such loop decides once per fiber, then runs its copy
     # with prefetches or the plain one.
@@ -524,7 +537,7 @@ def test_prefetch_only_when_gathers_miss_the_caches():
     plan = api.plan("ij,jk->ik", a, torch.randn(70, 32))
     (nest,) = plan.schedule.nests
     assert nest.prefetch == (PrefetchLoop("j", (1,)),)  # the loop over A's row gathers rows of B
-    assert plan.schedule.prefetch_policy == PrefetchPolicy.of(Target.host())
+    assert plan.schedule.prefetch_policy == PrefetchPolicy.of(AVX2)
     tests = [n for n in walk(plan.kernel.loops) if isinstance(n, ir.If) and isinstance(n.cond, ir.Var)
              and any(isinstance(p, ir.Prefetch) for p in walk(n.then))]
     assert len(tests) >= 2  # the register block and the remainder's loops
@@ -733,7 +746,7 @@ def test_a_dense_term_in_a_sum_walks_every_coordinate():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("k", [1, 7, 16, 45, 64])
-def test_row_blocked_inner_reductions(dtype, index_dtype, k):
+def test_row_blocked_inner_reductions(dtype, index_dtype, k, avx2_host):
     # Rows of 0..9 stored entries: whole blocks of 4 share X[i, :] loads and one
     # transpose-and-add of their sums; the rest take the one-entry path.
     lengths = [*range(10), 0, 17]

@@ -86,12 +86,12 @@ class Level(ABC):
 
     def locate(self, b: IndexBuilder, parent: Any, coordinate: Any, size: Any) -> Any:
         """The child position of ``coordinate`` under ``parent`` (locatable levels)."""
-        raise NotImplementedError(f"{type(self).__name__} levels cannot locate a coordinate")
+        raise TypeError(f"{type(self).__name__} levels are not locatable (check Level.locatable first)")
 
     def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
         """Positions ``[lo, hi)`` under ``parent``, or under a non-unique parent's
         segment ``[parent, segment_end)``; their coordinates are ``crd[q]``."""
-        raise NotImplementedError(f"{type(self).__name__} levels are located, not iterated")
+        raise TypeError(f"{type(self).__name__} levels are located, not iterated (check Level.locatable first)")
 
     @abstractmethod
     def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:

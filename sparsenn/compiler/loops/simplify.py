@@ -37,6 +37,16 @@ def _fields(cls: type) -> tuple[str, ...]:
 def _children(node) -> tuple:
     return tuple(getattr(node, name) for name in _fields(type(node)))
 
+
+def _map_blocks(node, transform):
+    """``node`` with ``transform`` applied to each block it holds (loop bodies, branches,
+    parallel regions); other nodes unchanged."""
+    if not isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
+        return node
+    changes = {name: transform(getattr(node, name))
+               for name in _fields(type(node)) if isinstance(getattr(node, name), ir.Block)}
+    return dataclasses.replace(node, **changes)
+
 _INT_OPS = {
     "+": lambda a, b: a + b,
     "-": lambda a, b: a - b,
@@ -124,13 +134,7 @@ def _drop_unused(node, used: Counter):
     if isinstance(node, ir.Block):
         kept = tuple(_drop_unused(s, used) for s in node.stmts if not _unused(s, used))
         return dataclasses.replace(node, stmts=kept)
-    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
-        changes = {
-            name: _drop_unused(getattr(node, name), used)
-            for name in _fields(type(node)) if isinstance(getattr(node, name), ir.Block)
-        }
-        return dataclasses.replace(node, **changes)
-    return node
+    return _map_blocks(node, lambda block: _drop_unused(block, used))
 
 
 _ARITHMETIC = {"+", "-", "*", "<", "<=", ">", ">=", "==", "!=", "&&", "||"}
@@ -218,13 +222,7 @@ def hoist(node, names: _Names | None = None):
                 out += moved
             out.append(s)
         return dataclasses.replace(node, stmts=tuple(out))
-    if isinstance(node, (ir.If, ir.For, ir.While, ir.Parallel, ir.Team, ir.Guarded)):
-        changes = {
-            name: hoist(getattr(node, name), names)
-            for name in _fields(type(node)) if isinstance(getattr(node, name), ir.Block)
-        }
-        return dataclasses.replace(node, **changes)
-    return node
+    return _map_blocks(node, lambda block: hoist(block, names))
 
 
 def simplify(block: ir.Block) -> ir.Block:

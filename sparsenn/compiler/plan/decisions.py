@@ -283,6 +283,7 @@ def output_assembly(output_format: Format, workspace_kind: str | None) -> Output
     inserted = inserted_levels(output_format)
     appended = output_format.levels[inserted:]
     if not all(level.assembly == "append" and level.has_pos for level in appended):
-        raise NotImplementedError(f"kernels assemble inserted levels then compressed ones, not {output_format}")
+        raise ValueError(f"kernels assemble inserted levels then compressed ones, not {output_format}: "
+                         "the planner asks for the closest such format and converts the result")
     two_phase = inserted >= 1 and len(appended) == 1 and workspace_kind in (None, "dense")
     return OutputAssembly(inserted, two_phase)
