@@ -1,8 +1,9 @@
 """convert(): replace the ``nn.Linear`` layers of a model by :class:`SparseLinear`.
 
 Each converted layer keeps ``round((1 - sparsity) * out * in)`` of its weights (largest
-magnitude, or random) and its bias, so the converted model computes what the *masked*
-dense model computes, and trains through compiled sparse einsums.
+magnitude, or random; whole blocks for ``bsr``/``bsc``, n of every m inputs for
+``nm(n,m)``) and its bias, so the converted model computes what the *masked* dense model
+computes, and trains through compiled sparse einsums.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from sparsenn.formats import Format
-from sparsenn.layers.linear import SparseLinear, check_sparsity, check_weight_format, kept_count
+from sparsenn.layers.linear import SparseLinear, check_weight_format, layer_nnz, resolve_sparsity, shape_problem
 
 __all__ = ["convert", "ConversionReport", "LayerDecision", "Converted", "predicted_speedup"]
 
@@ -153,16 +154,20 @@ def _disable_fused_encoder_path(module: nn.Module, args: tuple) -> None:
     tensors instead of calling the (now sparse) linear layers. Changes nothing else."""
 
 
-def convert(model: nn.Module, sparsity: float = 0.9, method: str = "magnitude", format: str | Format = "csr",
+def convert(model: nn.Module, sparsity: float | None = None, method: str = "magnitude", format: str | Format = "csr",
             include: type | tuple[type, ...] = (nn.Linear,), exclude: Exclude = None, min_features: int = 0,
             inplace: bool = True, skip_slower: bool = False) -> Converted:
     """Replace matching ``nn.Linear`` submodules of ``model`` by :class:`SparseLinear`.
 
     Args:
         model: any module; nested ``Sequential``/``ModuleList``/``ModuleDict`` are walked.
-        sparsity: fraction of each layer's weights removed, in [0, 1).
-        method: ``"magnitude"`` (keep the largest ``|w|`` per layer) or ``"random"``.
-        format: storage format of the sparse weights (see :class:`SparseLinear`).
+        sparsity: fraction of each layer's weights removed, in [0, 1) (default 0.9);
+            ``nm(n,m)`` implies ``1 - n/m`` (None, or that value).
+        method: ``"magnitude"`` (keep the largest ``|w|`` per layer, the blocks of largest
+            Frobenius norm, or the n largest of each group of m) or ``"random"``.
+        format: storage format of the sparse weights (see :class:`SparseLinear`), e.g.
+            ``"csr"``, ``"bsr(32,32)"`` or ``"nm(2,4)"``; a layer whose shape the block
+            (or group) does not divide is kept dense.
         include: the layer types to convert: ``nn.Linear`` or subclasses of it.
         exclude: names of submodules to leave alone (glob patterns; excluding a
             container excludes everything in it), or a predicate ``(name, module) -> bool``.
@@ -182,10 +187,10 @@ def convert(model: nn.Module, sparsity: float = 0.9, method: str = "magnitude", 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    sparsity = check_sparsity(sparsity)
+    fmt = check_weight_format(format)
+    sparsity = resolve_sparsity(fmt, sparsity)
     if method not in ("magnitude", "random"):
         raise ValueError(f"method must be 'magnitude' or 'random', got {method!r}")
-    fmt = check_weight_format(format)
     types = _check_include(include)
     if isinstance(min_features, bool) or not isinstance(min_features, numbers.Integral) or min_features < 0:
         raise ValueError(f"min_features must be a non-negative int, got {min_features!r}")
@@ -228,7 +233,6 @@ def _decide(name: str, module: nn.Linear, parent: nn.Module, sparsity: float, me
             excluded: Callable[[str, nn.Module], str | None], min_features: int, skip_slower: bool) -> LayerDecision:
     """Whether (and why) one Linear layer is converted."""
     out_features, in_features = module.weight.shape
-    keep = kept_count(in_features * out_features, sparsity)
     reason = excluded(name, module)
     if reason is None and isinstance(parent, nn.MultiheadAttention):
         reason = "nn.MultiheadAttention reads out_proj.weight directly instead of calling out_proj"
@@ -238,6 +242,9 @@ def _decide(name: str, module: nn.Linear, parent: nn.Module, sparsity: float, me
         reason = f"on device {module.weight.device} (sparse layers run on the CPU)"
     if reason is None and min(in_features, out_features) < min_features:
         reason = f"min(in, out) = {min(in_features, out_features)} < min_features = {min_features}"
+    if reason is None:
+        reason = shape_problem(fmt, out_features, in_features)
+    keep = layer_nnz(fmt, out_features, in_features, sparsity) if reason is None else in_features * out_features
     note = method
     if reason is None and skip_slower:
         speedup = predicted_speedup(in_features, out_features, keep)

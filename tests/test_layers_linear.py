@@ -213,7 +213,9 @@ def test_weight_is_a_sparse_tensor_sharing_the_parameter():
         (dict(sparsity=-0.1), ValueError, r"sparsity must be in \[0, 1\)"),
         (dict(sparsity="0.5"), TypeError, "sparsity must be a number"),
         (dict(format="nope"), ValueError, "unknown weight format 'nope'"),
-        (dict(format="bsr(2,2)"), ValueError, "blocked"),
+        (dict(format="bsr(3,2)"), ValueError, r"block \(3,2\) does not divide 4×6"),
+        (dict(format="bsr(2,2)", pattern=torch.eye(4, 6, dtype=torch.bool)), ValueError, "not block-aligned"),
+        (dict(format="dd(2,2)"), ValueError, "dense"),
         (dict(format="dense"), ValueError, "dense"),
         (dict(format="cd"), ValueError, "explicit zeros"),
         (dict(dtype=torch.float16), TypeError, "dtype must be"),
@@ -269,3 +271,162 @@ def test_a_new_pattern_of_the_same_size_is_picked_up_after_a_forward():
     torch.testing.assert_close(target(x), other(x))
     target.double()  # .to() replaces the buffers
     torch.testing.assert_close(target(x.double()), other.double()(x.double()))
+
+
+# ---------------------------------------------------------------- blocked and nm weights
+STRUCTURED = ["bsr(2,3)", "bsc(4,2)", "nm(2,4)", "nm(1,3)"]
+
+
+def blocks_of(mask: torch.Tensor, bh: int, bw: int) -> torch.Tensor:
+    """Per block of ``mask``: 1 if fully set, 0 if empty, 0.5 if partly set."""
+    view = mask.view(mask.shape[0] // bh, bh, mask.shape[1] // bw, bw)
+    return (view.all(3).all(1).double() + view.any(3).any(1).double()) / 2
+
+
+def test_blocked_random_pattern_keeps_whole_blocks():
+    torch.manual_seed(11)
+    layer = SparseLinear(12, 8, sparsity=0.5, format="bsr(2,3)")
+    assert str(layer.format) == "bsr(2,3)" and layer.nnz == 8 * 6  # 8 of the 16 blocks of 2×3
+    blocks = blocks_of(layer.mask(), 2, 3)
+    assert set(blocks.unique().tolist()) == {0.0, 1.0} and int(blocks.sum()) == 8
+    bound = 1 / math.sqrt(layer.nnz / 8)
+    assert 0.9 * bound < layer.weight_values.abs().max() <= bound
+    column = SparseLinear(12, 8, sparsity=0.75, format="bsc(4,2)")
+    assert str(column.format) == "bsc(4,2)" and column.nnz == 3 * 8  # round(0.25 * 12) blocks of 4×2
+    assert set(blocks_of(column.mask(), 4, 2).unique().tolist()) == {0.0, 1.0}
+    assert SparseLinear(4, 4, sparsity=0.99, format="bsr(2,2)").nnz == 4  # at least one block
+    assert SparseLinear(4, 4, sparsity=0.0, format="bsr(2,2)").nnz == 16
+
+
+def test_blocked_given_pattern_must_be_block_aligned():
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[2:4, 0:2] = mask[0:2, 4:6] = True
+    layer = SparseLinear(6, 4, format="bsr(2,2)", pattern=mask)
+    assert torch.equal(layer.mask(), mask) and layer.nnz == 8
+    other = SparseLinear(6, 4, format="bsc(2,2)", pattern=torch.nonzero(mask).T)
+    assert torch.equal(other.mask(), mask)
+    mask[3, 1] = False
+    with pytest.raises(ValueError, match="not block-aligned.*outputs 2..3 and inputs 0..1 is partly set"):
+        SparseLinear(6, 4, format="bsr(2,2)", pattern=mask)
+
+
+def test_block_not_dividing_the_weight_names_shape_and_block():
+    with pytest.raises(ValueError, match=r"\(out_features, in_features\) = \(100, 50\).*block \(32,32\) does not "
+                                         r"divide 100×50"):
+        SparseLinear(50, 100, format="bsr(32,32)")
+    with pytest.raises(ValueError, match=r"block \(32,32\) does not divide 100×50"):
+        SparseLinear.from_dense(nn.Linear(50, 100), format="bsr(32,32)")
+
+
+def test_nm_random_pattern_keeps_n_of_every_m():
+    torch.manual_seed(12)
+    layer = SparseLinear(12, 5, format="nm(2,4)")
+    assert str(layer.format) == "nm(2,4)" and layer.nnz == 5 * 3 * 2
+    assert layer.sparsity == pytest.approx(0.5)
+    assert torch.equal(layer.mask().view(5, 3, 4).sum(-1), torch.full((5, 3), 2))
+    bound = 1 / math.sqrt(6)  # kept fan-in: 2 of every 4 of the 12 inputs
+    assert 0.9 * bound < layer.weight_values.abs().max() <= bound
+    assert SparseLinear(12, 5, format="nm(2,4)", sparsity=0.5).nnz == 30
+    assert SparseLinear(9, 2, format="nm(1,3)", sparsity=2 / 3).nnz == 6
+    patterns = {tuple(SparseLinear(12, 5, format="nm(2,4)").mask().reshape(-1).tolist()) for _ in range(3)}
+    assert len(patterns) == 3  # random offsets, not a fixed choice
+
+
+def test_nm_sparsity_is_fixed_by_n_and_m():
+    with pytest.raises(ValueError, match=r"nm\(2,4\) fixes the sparsity at 1 - n/m = 1 - 2/4 = 0.5.*sparsity=0.9"):
+        SparseLinear(8, 4, format="nm(2,4)", sparsity=0.9)
+    with pytest.raises(ValueError, match="fixes the sparsity"):
+        SparseLinear.from_dense(nn.Linear(8, 4), sparsity=0.75, format="nm(2,4)")
+    with pytest.raises(ValueError, match=r"groups of 4 inputs \(nm\(2,4\)\) do not divide in_features = 6"):
+        SparseLinear(6, 4, format="nm(2,4)")
+
+
+def test_nm_given_pattern_keeps_at_most_n_per_group():
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[:, [0, 3, 5, 6]] = True
+    layer = SparseLinear(8, 3, format="nm(2,4)", pattern=mask)
+    assert torch.equal(layer.mask(), mask)
+    mask[1, 4] = True
+    with pytest.raises(ValueError, match="pattern keeps 3 of the 4 inputs 4..7 of output 1; format nm\\(2,4\\) "
+                                         "keeps at most 2 of every 4"):
+        SparseLinear(8, 3, format="nm(2,4)", pattern=mask)
+
+
+@pytest.mark.parametrize("format", STRUCTURED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_structured_forward_matches_masked_dense(format, dtype):
+    torch.manual_seed(13)
+    layer = SparseLinear(24, 8, sparsity=None if format.startswith("nm") else 0.5, format=format, dtype=dtype)
+    weight, bias = masked_reference(layer)
+    x = torch.randn(3, 5, 24, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    with torch.no_grad():  # inference only: the gradient test below covers training
+        out = layer(x)
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("format", STRUCTURED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_structured_gradients_match_dense_linear(format, dtype):
+    torch.manual_seed(14)
+    layer = SparseLinear(24, 8, sparsity=None if format.startswith("nm") else 0.5, format=format, dtype=dtype)
+    dense = layer.to_dense()
+    x = torch.randn(6, 24, dtype=dtype)
+    xs, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(6, 8, dtype=dtype)
+    out = layer(xs)
+    expected = dense(xd)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    out.backward(grad)
+    expected.backward(grad)
+    rows, cols = layer.weight.coords()[0]
+    torch.testing.assert_close(layer.weight_values.grad, dense.weight.grad[rows, cols], rtol=tol, atol=tol)
+    torch.testing.assert_close(layer.bias.grad, dense.bias.grad, rtol=tol, atol=tol)
+    torch.testing.assert_close(xs.grad, xd.grad, rtol=tol, atol=tol)
+
+
+def test_from_dense_blocked_keeps_the_blocks_of_largest_norm():
+    torch.manual_seed(15)
+    linear = nn.Linear(12, 8, dtype=torch.float64)
+    layer = SparseLinear.from_dense(linear, sparsity=0.75, format="bsr(2,3)")
+    weight = linear.weight.detach()
+    norms = weight.view(4, 2, 4, 3).square().sum((1, 3))
+    kept = blocks_of(layer.mask(), 2, 3).bool()
+    assert int(kept.sum()) == 4 and norms[kept].min() > norms[~kept].max()
+    torch.testing.assert_close(masked_reference(layer)[0], weight * layer.mask(), rtol=0, atol=0)
+    torch.testing.assert_close(layer.bias.detach(), linear.bias.detach(), rtol=0, atol=0)
+    random = SparseLinear.from_dense(linear, sparsity=0.5, method="random", format="bsc(4,4)")
+    assert random.nnz == 3 * 16 and set(blocks_of(random.mask(), 4, 4).unique().tolist()) == {0.0, 1.0}
+
+
+def test_from_dense_nm_keeps_the_largest_of_each_group():
+    torch.manual_seed(16)
+    linear = nn.Linear(12, 5, bias=False)
+    layer = SparseLinear.from_dense(linear, format="nm(2,4)")
+    groups = linear.weight.detach().abs().view(5, 3, 4)
+    kept = layer.mask().view(5, 3, 4)
+    assert torch.equal(kept.sum(-1), torch.full((5, 3), 2))
+    assert bool((groups.masked_fill(~kept, math.inf).amin(-1) > groups.masked_fill(kept, -math.inf).amax(-1)).all())
+    torch.testing.assert_close(masked_reference(layer)[0], linear.weight.detach() * layer.mask(), rtol=0, atol=0)
+    random = SparseLinear.from_dense(linear, sparsity=0.5, method="random", format="nm(2,4)")
+    assert torch.equal(random.mask().view(5, 3, 4).sum(-1), torch.full((5, 3), 2))
+
+
+@pytest.mark.parametrize("format", STRUCTURED)
+def test_structured_state_dict_round_trip_repr_and_to_dense(format):
+    torch.manual_seed(17)
+    source = SparseLinear(24, 8, sparsity=None if format.startswith("nm") else 0.5, format=format)
+    assert f"format={format}" in repr(source)
+    buffer = io.BytesIO()
+    torch.save(source.state_dict(), buffer)
+    buffer.seek(0)
+    target = SparseLinear(24, 8, sparsity=0.9, format="csr")
+    target.load_state_dict(torch.load(buffer))
+    assert target.format == source.format and str(target.format) == format
+    assert torch.equal(target.mask(), source.mask())
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert torch.equal(target(x), source(x))
+        torch.testing.assert_close(source.to_dense()(x), source(x))
+    assert torch.equal(source.to_dense().weight != 0, source.mask())

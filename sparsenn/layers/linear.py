@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from sparsenn.compiler import einsum
 from sparsenn.formats import Format, SparseTensor, parse_format
 
-__all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count"]
+__all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "nm_counts",
+           "resolve_sparsity", "shape_problem"]
 
 Method = Literal["magnitude", "random"]
 _VALUE_DTYPES = (torch.float32, torch.float64)
@@ -47,25 +48,128 @@ def _wraps(pattern: SparseTensor | None, fmt: Format, arrays: tuple[Tensor | Non
 
 
 def check_weight_format(format: str | Format) -> Format:
-    """Parse a rank-2 weight format; blocked and all-dense formats are rejected."""
+    """Parse a rank-2 weight format; formats storing every entry (all levels dense) are rejected."""
     if not isinstance(format, (str, Format)):
         raise TypeError(f"format must be a format name such as 'csr', got {type(format).__name__}")
     try:
         fmt = parse_format(format, 2)
     except ValueError as exc:
         raise ValueError(f"unknown weight format {format!r}: {exc}") from None
-    if fmt.block is not None:
-        raise ValueError(f"weight format {format!r} is blocked; sparse weights need an unblocked format "
-                         "(gradients through blocked operands are not supported): use 'csr', 'csc', 'coo', "
-                         "'dcsr' or 'dcsc'")
-    if fmt.is_dense:
+    if all(level.locatable for level in fmt.levels):
         raise ValueError(f"weight format {format!r} is dense; use nn.Linear for a dense weight")
     return fmt
+
+
+def nm_counts(fmt: Format) -> tuple[int, int] | None:
+    """``(n, m)`` of an ``nm(n,m)`` format (at most n stored of every m inputs), else None."""
+    count = getattr(fmt.levels[-1], "count", None)
+    return None if count is None else (count, fmt.block[1])
+
+
+def shape_problem(fmt: Format, out_features: int, in_features: int) -> str | None:
+    """Why ``fmt`` cannot store an ``out_features × in_features`` weight, or None."""
+    nm = nm_counts(fmt)
+    if nm is not None:
+        if in_features % nm[1]:
+            return f"groups of {nm[1]} inputs ({fmt}) do not divide in_features = {in_features}"
+    elif fmt.block is not None and (out_features % fmt.block[0] or in_features % fmt.block[1]):
+        return f"block ({fmt.block[0]},{fmt.block[1]}) does not divide {out_features}×{in_features}"
+    return None
+
+
+def resolve_sparsity(fmt: Format, sparsity: object, default: float = 0.9) -> float:
+    """The sparsity a layer of format ``fmt`` gets: ``nm(n,m)`` implies ``1 - n/m``
+    (``sparsity`` must then be None or equal to it), other formats take ``sparsity``
+    (``default`` when None)."""
+    nm = nm_counts(fmt)
+    if nm is None:
+        return check_sparsity(default if sparsity is None else sparsity)
+    implied = 1.0 - nm[0] / nm[1]
+    if sparsity is not None and abs(check_sparsity(sparsity) - implied) > 1e-9:
+        raise ValueError(f"format {fmt} fixes the sparsity at 1 - n/m = 1 - {nm[0]}/{nm[1]} = {implied:g}, got "
+                         f"sparsity={sparsity}; pass sparsity=None (or {implied:g})")
+    return implied
 
 
 def kept_count(numel: int, sparsity: float) -> int:
     """Entries kept out of ``numel`` at ``sparsity``: ``round((1 - sparsity) * numel)``."""
     return round((1.0 - sparsity) * numel)
+
+
+def _kept_blocks(blocks: int, sparsity: float) -> int:
+    """Blocks kept out of ``blocks``: ``round((1 - sparsity) * blocks)``, at least one."""
+    return max(kept_count(blocks, sparsity), 1)
+
+
+def layer_nnz(fmt: Format, out_features: int, in_features: int, sparsity: float) -> int:
+    """Weights a chosen (random or magnitude) pattern of ``fmt`` stores at ``sparsity``:
+    ``n`` of every ``m`` for ``nm(n,m)``, whole blocks for blocked formats."""
+    nm = nm_counts(fmt)
+    if nm is not None:
+        return out_features * (in_features // nm[1]) * nm[0]
+    if fmt.block is not None:
+        bh, bw = fmt.block
+        return _kept_blocks((out_features // bh) * (in_features // bw), sparsity) * bh * bw
+    return kept_count(out_features * in_features, sparsity)
+
+
+def _chosen(count: int, keep: int, scores: Tensor | None) -> Tensor:
+    """Indices of ``keep`` of ``count`` units: the top ``scores``, or random when None."""
+    if scores is None:
+        return torch.randperm(count)[:keep]
+    return torch.topk(scores.reshape(-1), keep, sorted=False).indices
+
+
+def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitudes: Tensor | None) -> Tensor:
+    """(2, nnz) coordinates of a chosen pattern: the largest ``magnitudes`` (entries,
+    block Frobenius norms, or within each group of m for nm), or random when None."""
+    out_features, in_features = shape
+    nm = nm_counts(fmt)
+    if nm is not None:
+        n, m = nm
+        groups = in_features // m
+        scores = torch.rand(out_features, groups, m) if magnitudes is None else magnitudes.reshape(-1, groups, m)
+        offsets = torch.topk(scores, n, dim=-1, sorted=False).indices
+        rows = torch.arange(out_features)[:, None, None].expand_as(offsets)
+        cols = torch.arange(0, in_features, m)[None, :, None] + offsets
+        return torch.stack([rows.reshape(-1), cols.reshape(-1)])
+    if fmt.block is not None:
+        bh, bw = fmt.block
+        row_blocks, col_blocks = out_features // bh, in_features // bw
+        norms = None if magnitudes is None else magnitudes.reshape(row_blocks, bh, col_blocks, bw).square().sum((1, 3))
+        chosen = _chosen(row_blocks * col_blocks, _kept_blocks(row_blocks * col_blocks, sparsity), norms)
+        rows = (chosen // col_blocks)[:, None, None] * bh + torch.arange(bh)[None, :, None]
+        cols = (chosen % col_blocks)[:, None, None] * bw + torch.arange(bw)[None, None, :]
+        return torch.stack([rows.expand(-1, bh, bw).reshape(-1), cols.expand(-1, bh, bw).reshape(-1)])
+    chosen = _chosen(out_features * in_features, kept_count(out_features * in_features, sparsity), magnitudes)
+    return torch.stack([chosen // in_features, chosen % in_features])
+
+
+def _check_structure(fmt: Format, indices: Tensor, shape: tuple[int, int]) -> None:
+    """A given pattern must be a union of whole blocks (blocked formats) or keep at most
+    n of every group of m inputs (``nm(n,m)``); ValueError naming an offending block or group."""
+    nm = nm_counts(fmt)
+    if nm is None and fmt.block is None:
+        return
+    mask = torch.zeros(shape, dtype=torch.bool)
+    mask[indices[0], indices[1]] = True
+    if nm is not None:
+        n, m = nm
+        counts = mask.view(shape[0], -1, m).sum(-1)
+        if bool((counts > n).any()):
+            row, group = (int(k) for k in torch.nonzero(counts > n)[0])
+            first = group * m
+            raise ValueError(f"pattern keeps {int(counts[row, group])} of the {m} inputs {first}..{first + m - 1} "
+                             f"of output {row}; format {fmt} keeps at most {n} of every {m}")
+        return
+    bh, bw = fmt.block
+    blocks = mask.view(shape[0] // bh, bh, shape[1] // bw, bw)
+    partial = blocks.any(3).any(1) & ~blocks.all(3).all(1)
+    if bool(partial.any()):
+        br, bc = (int(k) for k in torch.nonzero(partial)[0])
+        raise ValueError(f"pattern is not block-aligned for format {fmt}: the block of outputs "
+                         f"{br * bh}..{br * bh + bh - 1} and inputs {bc * bw}..{bc * bw + bw - 1} is partly set; "
+                         "a blocked weight stores whole blocks")
 
 
 def _check_method(method: object) -> Method:
@@ -124,13 +228,19 @@ class SparseLinear(nn.Module):
     Args:
         in_features, out_features: sizes of the input and output features.
         bias: learn an additive bias.
-        sparsity: fraction of weights removed for ``pattern="random"`` (default 0.9); must
-            be None for a given pattern, whose size fixes the sparsity.
+        sparsity: fraction of weights removed for ``pattern="random"`` (default 0.9; for
+            ``nm(n,m)`` None or ``1 - n/m``); must be None for a given pattern, whose size
+            fixes the sparsity.
         format: storage format of the weight (``"csr"``, ``"csc"``, ``"coo"``, ``"dcsr"``,
-            ``"dcsc"`` or level letters); blocked and dense formats are rejected.
-        pattern: ``"random"`` (a uniformly random set of ``round((1 - sparsity) * out * in)``
-            positions, drawn from torch's global RNG), a bool mask of shape ``(out, in)`` or a
-            ``(2, nnz)`` integer tensor of ``(output, input)`` coordinates without duplicates.
+            ``"dcsc"``, level letters, ``"bsr(bh,bw)"``/``"bsc(bh,bw)"`` whose blocks must
+            divide ``(out, in)``, or ``"nm(n,m)"``: at most n of every m consecutive inputs,
+            m dividing ``in``); dense formats are rejected.
+        pattern: ``"random"`` (drawn from torch's global RNG: a uniformly random set of
+            ``round((1 - sparsity) * out * in)`` positions; for blocked formats of
+            ``round((1 - sparsity) * blocks)`` whole blocks, at least one; for ``nm(n,m)``
+            n random offsets in every group), a bool mask of shape ``(out, in)`` or a
+            ``(2, nnz)`` integer tensor of ``(output, input)`` coordinates without duplicates
+            (for blocked formats a union of whole blocks, for ``nm(n,m)`` at most n per group).
         dtype: float32 or float64 (default: torch's default dtype).
 
     Values are initialised like ``nn.Linear`` for the kept fan-in: uniform in
@@ -153,16 +263,19 @@ class SparseLinear(nn.Module):
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
         fmt = check_weight_format(format)
         shape = (self.out_features, self.in_features)
+        problem = shape_problem(fmt, *shape)
+        if problem is not None:
+            raise ValueError(f"format {fmt} does not fit this layer's (out_features, in_features) = {shape} "
+                             f"weight: {problem}")
         if isinstance(pattern, str):
             if pattern != "random":
                 raise ValueError(f"pattern must be 'random', a bool mask or a (2, nnz) index tensor, got {pattern!r}")
-            keep = kept_count(math.prod(shape), check_sparsity(0.9 if sparsity is None else sparsity))
-            chosen = torch.randperm(math.prod(shape))[:keep]
-            indices = torch.stack([chosen // self.in_features, chosen % self.in_features])
+            indices = _kept_indices(fmt, shape, resolve_sparsity(fmt, sparsity), None)
         else:
             if sparsity is not None:
                 raise ValueError("sparsity must be None when a pattern is given (the pattern fixes the sparsity)")
             indices = _pattern_indices(pattern, shape)
+            _check_structure(fmt, indices, shape)
         try:
             tensor = SparseTensor.from_coo(indices, torch.zeros(indices.shape[1], dtype=dtype), shape, fmt,
                                            duplicates="error")
@@ -171,7 +284,7 @@ class SparseLinear(nn.Module):
         if tensor.nnz != indices.shape[1]:
             raise ValueError(f"format {fmt} stores {tensor.nnz} positions for a pattern of {indices.shape[1]} "
                              "entries (a dense level below a sparse one stores explicit zeros); use 'csr', 'csc', "
-                             "'coo', 'dcsr' or 'dcsc'")
+                             "'coo', 'dcsr', 'dcsc', 'bsr(bh,bw)', 'bsc(bh,bw)' or 'nm(n,m)'")
         self.weight_values = nn.Parameter(tensor.values)
         self._set_pattern(tensor.format, tensor.pos, tensor.crd)
         if bias:
@@ -268,29 +381,34 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ conversion
     @classmethod
-    def from_dense(cls, linear: nn.Linear, sparsity: float = 0.9, method: Method = "magnitude",
+    def from_dense(cls, linear: nn.Linear, sparsity: float | None = None, method: Method = "magnitude",
                    format: str | Format = "csr") -> SparseLinear:
-        """A SparseLinear keeping ``round((1 - sparsity) * out * in)`` weights of ``linear``.
+        """A SparseLinear keeping the largest (or random) weights of ``linear``, with its bias.
 
-        ``method="magnitude"`` keeps the largest ``|W|`` over the whole layer (ties broken
-        by torch.topk), ``"random"`` a uniformly random subset; the kept values and the
-        bias are copied.
+        ``sparsity`` (default 0.9) sets how many are kept: ``round((1 - sparsity) * out * in)``
+        weights for unblocked formats, ``round((1 - sparsity) * blocks)`` whole blocks (at
+        least one) for ``bsr``/``bsc``; ``nm(n,m)`` keeps n of every m consecutive inputs
+        and implies ``sparsity = 1 - n/m`` (None, or that value).
+        ``method="magnitude"`` keeps the largest ``|W|`` over the whole layer, the blocks of
+        largest Frobenius norm, or the n largest ``|W|`` of each group (ties broken by
+        torch.topk); ``"random"`` a uniformly random choice of the same units.
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        sparsity = check_sparsity(sparsity)
+        fmt = check_weight_format(format)
+        sparsity = resolve_sparsity(fmt, sparsity)
         method = _check_method(method)
         dense = linear.weight.detach()
         if dense.dtype not in _VALUE_DTYPES:
             raise TypeError(f"linear has dtype {dense.dtype}; SparseLinear supports float32 and float64")
         out_features, in_features = dense.shape
-        keep = kept_count(dense.numel(), sparsity)
-        if method == "magnitude":
-            chosen = torch.topk(dense.abs().reshape(-1), keep, sorted=False).indices
-        else:
-            chosen = torch.randperm(dense.numel())[:keep]
-        pattern = torch.stack([chosen // in_features, chosen % in_features])
-        layer = cls(in_features, out_features, bias=linear.bias is not None, format=format, pattern=pattern,
+        problem = shape_problem(fmt, out_features, in_features)
+        if problem is not None:
+            raise ValueError(f"format {fmt} does not fit the (out_features, in_features) = "
+                             f"{(out_features, in_features)} weight of linear: {problem}")
+        magnitudes = dense.abs() if method == "magnitude" else None
+        pattern = _kept_indices(fmt, (out_features, in_features), sparsity, magnitudes)
+        layer = cls(in_features, out_features, bias=linear.bias is not None, format=fmt, pattern=pattern,
                     dtype=dense.dtype)
         with torch.no_grad():
             rows, cols = layer.weight.coords()[0]
