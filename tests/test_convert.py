@@ -2,6 +2,7 @@
 the report says what happened, bad arguments fail clearly."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -168,7 +169,9 @@ def test_unsupported_dtype_is_kept_dense_with_a_reason():
     [
         (dict(sparsity=1.0), ValueError, r"sparsity must be in \[0, 1\)"),
         (dict(sparsity=-0.5), ValueError, r"sparsity must be in \[0, 1\)"),
-        (dict(sparsity=None), TypeError, "sparsity must be a number"),
+        (dict(sparsity="0.5"), TypeError, "sparsity must be a number"),
+        (dict(format="nm(2,4)", sparsity=0.9), ValueError, r"nm\(2,4\) fixes the sparsity at 1 - n/m"),
+        (dict(format="dense"), ValueError, "dense"),
         (dict(format="xyz"), ValueError, "unknown weight format 'xyz'"),
         (dict(include=(nn.Conv2d,)), ValueError, "include may only contain nn.Linear.*got Conv2d"),
         (dict(include=(str,)), TypeError, "include must contain nn.Module types"),
@@ -182,6 +185,67 @@ def test_unsupported_dtype_is_kept_dense_with_a_reason():
 def test_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         sparsenn.convert(mlp(), **kwargs)
+
+
+def test_blocked_format_keeps_layers_the_block_does_not_divide_dense():
+    torch.manual_seed(5)
+    model = nn.ModuleDict({"body": nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64)),
+                           "side": nn.Linear(50, 100)})
+    original = copy.deepcopy(model)
+    converted, report = sparsenn.convert(model, sparsity=0.5, format="bsr(32,32)")
+    assert converted is model and [d.converted for d in report.layers] == [True, True, False]
+    assert report["body.0"].format == "bsr(32,32)" and report["body.0"].nnz == 3 * 32 * 32  # 3 of 6 blocks
+    assert report["side"].format == "dense" and report["side"].reason == "block (32,32) does not divide 100×50"
+    assert isinstance(model["side"], nn.Linear) and str(model["body"][2].format) == "bsr(32,32)"
+    text = str(report)
+    assert "bsr(32,32)" in text and "block (32,32) does not divide 100×50" in text
+    layer, weight = model["body"][0], original["body"][0].weight.detach()
+    norms = weight.view(3, 32, 2, 32).square().sum((1, 3))
+    kept = layer.mask().view(3, 32, 2, 32).all(3).all(1)
+    assert norms[kept].min() > norms[~kept].max()  # the blocks of largest norm
+    torch.testing.assert_close(layer.to_dense().weight, weight * layer.mask(), rtol=0, atol=0)
+    x = torch.randn(4, 64)
+    with torch.no_grad():  # inference; the next test trains
+        torch.testing.assert_close(model["body"](x), masked_dense(model["body"])(x))
+
+
+def test_blocked_converted_model_gradients_match_masked_dense():
+    torch.manual_seed(7)
+    model, _ = sparsenn.convert(nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4)), sparsity=0.5,
+                                format="bsr(4,4)")
+    reference = masked_dense(model)
+    x = torch.randn(6, 8)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for sparse, dense in ((model[0], reference[0]), (model[2], reference[2])):
+        rows, cols = sparse.weight.coords()[0]
+        torch.testing.assert_close(sparse.weight_values.grad, dense.weight.grad[rows, cols])
+        torch.testing.assert_close(sparse.bias.grad, dense.bias.grad)
+
+
+def test_nm_format_implies_the_sparsity_and_reports_it():
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+    original = copy.deepcopy(model)
+    _, report = sparsenn.convert(model, format="nm(2,4)")
+    assert [d.converted for d in report.layers] == [True, True, False]
+    assert report["0"].format == "nm(2,4)" and report["0"].nnz == 64 and report["0"].sparsity == 0.5
+    assert report["4"].reason == "groups of 4 inputs (nm(2,4)) do not divide in_features = 6"
+    assert "nm(2,4)" in str(report)
+    groups = original[0].weight.detach().abs().view(8, 4, 4)
+    kept = model[0].mask().view(8, 4, 4)
+    assert torch.equal(kept.sum(-1), torch.full((8, 4), 2))
+    assert bool((groups.masked_fill(~kept, math.inf).amin(-1) > groups.masked_fill(kept, -math.inf).amax(-1)).all())
+    x = torch.randn(5, 16)
+    out = model(x)
+    torch.testing.assert_close(out, masked_dense(model)(x))
+    out.sum().backward()
+    assert model[0].weight_values.grad is not None
+
+
+def test_default_sparsity_is_unchanged_for_unstructured_formats():
+    _, report = sparsenn.convert(nn.Sequential(nn.Linear(20, 10)))
+    assert report["0"].nnz == 20 and report["0"].format == "csr"
 
 
 def test_model_must_be_a_module():
