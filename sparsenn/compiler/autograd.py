@@ -156,11 +156,6 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     templates = []
     for op in operands:
         if isinstance(op, SparseTensor):
-            if op.format.block is not None:
-                raise ValueError(
-                    "gradients through blocked (bsr/bsc) operands are not supported yet; "
-                    "convert with .asformat('csr') first"
-                )
             templates.append(op)
         elif isinstance(op, torch.Tensor):
             templates.append(None)

@@ -16,7 +16,7 @@ from ..notation import Assignment, parse_einsum, parse_expression
 from ..plan.planner import Plan, operand_info, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
-from .evaluate import evaluate
+from .evaluate import evaluate, split_of
 from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "parse", "describe_schedule", "CompiledExpression"]
@@ -106,6 +106,10 @@ def plan(equation: str, *operands, out_format=None) -> Plan:
     schedule; for tools and tests."""
     assignment = parse(equation, len(operands))
     checked = check_call(assignment, operands, out_format)
+    split = split_of(assignment, checked)
+    if split is not None:
+        checked = check_call(split.assignment, split.operands(checked.operands), split.request)
+        assignment = split.assignment
     if checked.all_dense:
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
     return _plan(assignment, checked)
@@ -128,14 +132,16 @@ def explain(equation: str, *operands, out_format=None) -> str:
 def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     checked = check_call(assignment, operands, out_format)
     lines = [f"expression: {assignment}"]
-    for n, (op, given) in enumerate(zip(checked.operands, operands)):
+    for n, op in enumerate(checked.operands):
         if isinstance(op, SparseTensor):
             desc = f"{op.format} {tuple(op.shape)} nnz={op.nnz}"
         else:
             desc = f"dense {tuple(op.shape)}"
-        if isinstance(given, SparseTensor) and given.format.block is not None:
-            desc += f" (given as {given.format}: kernels iterate blocked operands as their unblocked levels)"
         lines.append(f"  {describe_operand(assignment, n)}: {desc}")
+    split = split_of(assignment, checked)
+    if split is not None:
+        lines.append(split.describe())
+        return "\n".join(lines + [_explain(split.assignment, split.operands(checked.operands), split.request)])
     if checked.all_dense:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)

@@ -1,7 +1,9 @@
 """Evaluate a call: find what its signature resolves to (cached), then run it.
 
-A call resolves to one of three runnable objects:
+A call resolves to one of four runnable objects:
 
+* a :class:`SplitCall` when an operand is blocked: the call over split indices
+  (:mod:`..blocks`), itself evaluated here;
 * a :class:`launcher.Launch` (a planned kernel bound to the call's shapes and layouts);
 * a :class:`PathCall`, a sequence of pairwise contractions (``plan.contract``), each
   itself evaluated here;
@@ -21,6 +23,7 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
+from ..blocks import Split, split_call
 from ..notation import Access, Assignment, Term
 from ..plan.contract import Step
 from ..plan.planner import Request, contraction_path, operand_info, path_request, plan_call
@@ -28,7 +31,7 @@ from .cache import LRUCache
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
 
-__all__ = ["evaluate", "resolve", "PathCall", "DenseCall"]
+__all__ = ["evaluate", "resolve", "split_of", "SplitCall", "PathCall", "DenseCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -50,8 +53,17 @@ def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Te
     return run(checked.operands)
 
 
-def resolve(assignment: Assignment, checked: Checked) -> Launch | PathCall | DenseCall:
+def split_of(assignment: Assignment, checked: Checked) -> Split | None:
+    """The checked call over split indices, if an operand is blocked."""
+    formats = [op.format if isinstance(op, SparseTensor) else None for op in checked.operands]
+    return split_call(assignment, formats, [tuple(op.shape) for op in checked.operands], checked.request)
+
+
+def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | PathCall | DenseCall:
     """What a checked call runs (its ``run(operands)``)."""
+    split = split_of(assignment, checked)
+    if split is not None:
+        return SplitCall(split)
     if checked.all_dense:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = tuple(operand_info(op) for op in checked.operands)
@@ -61,6 +73,17 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | PathCall | Den
         return PathCall(assignment, tuple(path), last)
     shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
     return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+
+
+@dataclass(frozen=True)
+class SplitCall:
+    """Blocked operands: the call over split indices, its result turned back."""
+
+    split: Split
+
+    def run(self, operands: Sequence) -> torch.Tensor | SparseTensor:
+        split = self.split
+        return split.result(evaluate(split.assignment, split.operands(operands), split.request))
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ operand and what is wrong, and the key under which a checked call is cached.
 
 :func:`check_call` checks types, dtypes, devices, ranks, index sizes, that sparse
 operands' index arrays are unedited, and ``out_format``; it returns the operands as the
-kernels read them (a blocked SparseTensor as its unblocked levels, a dense-format one as
-a tensor). :func:`call_key` is the cache key of a call whose operands need no such
+kernels read them (a dense-format SparseTensor as a tensor; blocked ones as they are, for
+:mod:`..blocks` to split). :func:`call_key` is the cache key of a call whose operands need no such
 conversion: everything :func:`check_call` checks follows from the key, except what it
 checks itself on every call (CPU, strided, contiguous sparse values, unedited index
 arrays).
@@ -96,11 +96,8 @@ def _checked_operand(assignment: Assignment, n: int, op, dtype: torch.dtype | No
     if dtype is not None and values.dtype != dtype:
         raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype} but earlier operands have "
                         f"{dtype}; convert them to one dtype first")
-    if isinstance(op, SparseTensor):
-        if op.format.block is not None:
-            return op.asformat(Format(op.format.levels[: op.ndim], op.format.mode_order, None))
-        if op.format.is_dense:
-            return op.to_dense()
+    if isinstance(op, SparseTensor) and op.format.is_dense:
+        return op.to_dense()
     return op
 
 
@@ -139,7 +136,7 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
     """The cache key of a call whose operands kernels read as they are: the expression,
     ``out_format`` and per operand its dtype, shape and strides (dense) or
     :attr:`SparseTensor.signature`. None when the call must be checked in full: an
-    operand needs a conversion (blocked, dense-format, non-contiguous values) or fails a
+    operand needs a conversion (dense-format, non-contiguous values) or fails a
     per-call check."""
     if out_format is not None and not isinstance(out_format, (str, Format)):
         return None
@@ -147,7 +144,7 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
     for op in operands:
         if isinstance(op, SparseTensor):
             values, fmt = op.values, op.format
-            if fmt.block is not None or fmt.is_dense or not (values.is_cpu and values.is_contiguous()):
+            if fmt.is_dense or not (values.is_cpu and values.is_contiguous()):
                 return None
             try:
                 op.check_unmodified()
