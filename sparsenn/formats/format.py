@@ -48,10 +48,10 @@ class Format:
     """How a tensor is stored: one level kind per storage level.
 
     ``levels``: the level kinds, ``rank`` of them (``2 * rank`` if blocked, the
-    last ``rank`` dense, or for ``nm(n,m)`` dense but the last, ``Grouped``). ``mode_order``: storage level ``l < rank`` stores
-    logical mode ``mode_order[l]``. ``block``: block shape or None.
-    The ``unique`` flag of each level is derived here: False iff the next
-    level is a singleton.
+    last ``rank`` dense; in ``nm(n,m)`` all dense but the last, ``Grouped``).
+    ``mode_order``: storage level ``l < rank`` stores logical mode ``mode_order[l]``.
+    ``block``: block shape or None. The ``unique`` flag of each level is derived
+    here: False iff the next level is a singleton.
     """
 
     levels: tuple[Level, ...]
@@ -198,7 +198,7 @@ def _check_nm(levels: tuple[Level, ...], mode_order: tuple[int, ...], block: tup
         raise ValueError(f"nm(n,m) needs n <= m, got n={levels[-1].count} > m={block[-1]}")
 
 
-def nm_format(n: int, m: int, rank: int) -> Format:
+def _nm_format(n: int, m: int, rank: int) -> Format:
     """The ``nm(n,m)`` format of rank ``rank``: groups of ``m`` along the last dimension."""
     if rank < 1:
         raise ValueError("'nm(n,m)' needs rank >= 1")
@@ -239,7 +239,7 @@ def _parse_string(spec: str, rank: int) -> Format:
         return _from_letters("dc", (0, 1) if match[1] == "bsr" else (1, 0), block)
     match = _NM.fullmatch(spec)
     if match:
-        return nm_format(int(match[1]), int(match[2]), rank)
+        return _nm_format(int(match[1]), int(match[2]), rank)
     match = _GENERAL.fullmatch(spec)
     if match is None:
         raise ValueError("unknown format")

@@ -53,12 +53,12 @@ class SparseTensor(Constructors):
     """A sparse tensor: ``shape``, ``format`` and per-storage-level arrays.
 
     ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed, singleton and
-    grouped levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when every
-    dimension, level size and position count is below 2**31, else int64), None
-    for other levels. ``values`` is a 1-D float32/float64 tensor with one entry
-    per position of the last storage level (dense inner levels, e.g. BSR
-    blocks, and the padding of ``nm(n,m)`` groups store explicit zeros). ``values`` may require grad; it is never
-    copied or detached.
+    grouped levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when
+    every dimension, level size and position count is below 2**31, else int64),
+    None for other levels. ``values`` is a 1-D float32/float64 tensor with one
+    entry per position of the last storage level (dense inner levels, e.g. BSR
+    blocks, and the padding of ``nm(n,m)`` groups store explicit zeros).
+    ``values`` may require grad; it is never copied or detached.
 
     A SparseTensor is immutable (its attributes cannot be reassigned; in-place edits of
     its index arrays are detected before any kernel reads them), so its structure is
