@@ -341,14 +341,18 @@ def test_nm_sparsity_is_fixed_by_n_and_m():
         SparseLinear(6, 4, format="nm(2,4)")
 
 
-def test_nm_given_pattern_keeps_at_most_n_per_group():
+def test_nm_given_pattern_keeps_exactly_n_per_group():
     mask = torch.zeros(3, 8, dtype=torch.bool)
     mask[:, [0, 3, 5, 6]] = True
     layer = SparseLinear(8, 3, format="nm(2,4)", pattern=mask)
-    assert torch.equal(layer.mask(), mask)
+    assert torch.equal(layer.mask(), mask) and layer.nnz == 12
+    assert torch.equal(SparseLinear(8, 3, format="nm(2,4)", pattern=torch.nonzero(mask).T).mask(), mask)
     mask[1, 4] = True
-    with pytest.raises(ValueError, match="pattern keeps 3 of the 4 inputs 4..7 of output 1; format nm\\(2,4\\) "
-                                         "keeps at most 2 of every 4"):
+    with pytest.raises(ValueError, match=r"pattern keeps 3 of the 4 inputs 4..7 of output 1; format nm\(2,4\) "
+                                         "stores exactly 2 of every 4"):
+        SparseLinear(8, 3, format="nm(2,4)", pattern=mask)
+    mask[1, 4:] = False
+    with pytest.raises(ValueError, match="pattern keeps 0 of the 4 inputs 4..7 of output 1"):
         SparseLinear(8, 3, format="nm(2,4)", pattern=mask)
 
 

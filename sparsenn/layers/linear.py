@@ -17,8 +17,8 @@ from torch import Tensor, nn
 from sparsenn.compiler import einsum
 from sparsenn.formats import Format, SparseTensor, parse_format
 
-__all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "nm_counts",
-           "resolve_sparsity", "shape_problem"]
+__all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
+           "shape_problem"]
 
 Method = Literal["magnitude", "random"]
 _VALUE_DTYPES = (torch.float32, torch.float64)
@@ -60,15 +60,9 @@ def check_weight_format(format: str | Format) -> Format:
     return fmt
 
 
-def nm_counts(fmt: Format) -> tuple[int, int] | None:
-    """``(n, m)`` of an ``nm(n,m)`` format (at most n stored of every m inputs), else None."""
-    count = getattr(fmt.levels[-1], "count", None)
-    return None if count is None else (count, fmt.block[1])
-
-
 def shape_problem(fmt: Format, out_features: int, in_features: int) -> str | None:
     """Why ``fmt`` cannot store an ``out_features × in_features`` weight, or None."""
-    nm = nm_counts(fmt)
+    nm = fmt.nm
     if nm is not None:
         if in_features % nm[1]:
             return f"groups of {nm[1]} inputs ({fmt}) do not divide in_features = {in_features}"
@@ -81,7 +75,7 @@ def resolve_sparsity(fmt: Format, sparsity: object, default: float = 0.9) -> flo
     """The sparsity a layer of format ``fmt`` gets: ``nm(n,m)`` implies ``1 - n/m``
     (``sparsity`` must then be None or equal to it), other formats take ``sparsity``
     (``default`` when None)."""
-    nm = nm_counts(fmt)
+    nm = fmt.nm
     if nm is None:
         return check_sparsity(default if sparsity is None else sparsity)
     implied = 1.0 - nm[0] / nm[1]
@@ -104,7 +98,7 @@ def _kept_blocks(blocks: int, sparsity: float) -> int:
 def layer_nnz(fmt: Format, out_features: int, in_features: int, sparsity: float) -> int:
     """Weights a chosen (random or magnitude) pattern of ``fmt`` stores at ``sparsity``:
     ``n`` of every ``m`` for ``nm(n,m)``, whole blocks for blocked formats."""
-    nm = nm_counts(fmt)
+    nm = fmt.nm
     if nm is not None:
         return out_features * (in_features // nm[1]) * nm[0]
     if fmt.block is not None:
@@ -124,7 +118,7 @@ def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitud
     """(2, nnz) coordinates of a chosen pattern: the largest ``magnitudes`` (entries,
     block Frobenius norms, or within each group of m for nm), or random when None."""
     out_features, in_features = shape
-    nm = nm_counts(fmt)
+    nm = fmt.nm
     if nm is not None:
         n, m = nm
         groups = in_features // m
@@ -146,21 +140,22 @@ def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitud
 
 
 def _check_structure(fmt: Format, indices: Tensor, shape: tuple[int, int]) -> None:
-    """A given pattern must be a union of whole blocks (blocked formats) or keep at most
-    n of every group of m inputs (``nm(n,m)``); ValueError naming an offending block or group."""
-    nm = nm_counts(fmt)
-    if nm is None and fmt.block is None:
+    """A given pattern must be a union of whole blocks (blocked formats) or keep exactly
+    n of every group of m inputs (``nm(n,m)``, which pads fewer with stored zeros);
+    ValueError naming an offending block or group."""
+    if fmt.block is None:
         return
     mask = torch.zeros(shape, dtype=torch.bool)
     mask[indices[0], indices[1]] = True
-    if nm is not None:
-        n, m = nm
+    if fmt.nm is not None:
+        n, m = fmt.nm
         counts = mask.view(shape[0], -1, m).sum(-1)
-        if bool((counts > n).any()):
-            row, group = (int(k) for k in torch.nonzero(counts > n)[0])
+        if bool((counts != n).any()):
+            row, group = (int(k) for k in torch.nonzero(counts != n)[0])
             first = group * m
             raise ValueError(f"pattern keeps {int(counts[row, group])} of the {m} inputs {first}..{first + m - 1} "
-                             f"of output {row}; format {fmt} keeps at most {n} of every {m}")
+                             f"of output {row}; format {fmt} stores exactly {n} of every {m} (fewer would be "
+                             "padded with stored zeros)")
         return
     bh, bw = fmt.block
     blocks = mask.view(shape[0] // bh, bh, shape[1] // bw, bw)
@@ -233,14 +228,14 @@ class SparseLinear(nn.Module):
             fixes the sparsity.
         format: storage format of the weight (``"csr"``, ``"csc"``, ``"coo"``, ``"dcsr"``,
             ``"dcsc"``, level letters, ``"bsr(bh,bw)"``/``"bsc(bh,bw)"`` whose blocks must
-            divide ``(out, in)``, or ``"nm(n,m)"``: at most n of every m consecutive inputs,
-            m dividing ``in``); dense formats are rejected.
+            divide ``(out, in)``, or ``"nm(n,m)"``: n of every m consecutive inputs, m
+            dividing ``in``); dense formats are rejected.
         pattern: ``"random"`` (drawn from torch's global RNG: a uniformly random set of
             ``round((1 - sparsity) * out * in)`` positions; for blocked formats of
             ``round((1 - sparsity) * blocks)`` whole blocks, at least one; for ``nm(n,m)``
             n random offsets in every group), a bool mask of shape ``(out, in)`` or a
             ``(2, nnz)`` integer tensor of ``(output, input)`` coordinates without duplicates
-            (for blocked formats a union of whole blocks, for ``nm(n,m)`` at most n per group).
+            (for blocked formats a union of whole blocks, for ``nm(n,m)`` exactly n per group).
         dtype: float32 or float64 (default: torch's default dtype).
 
     Values are initialised like ``nn.Linear`` for the kept fan-in: uniform in
