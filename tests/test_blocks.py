@@ -9,6 +9,9 @@ import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.blocks import split_call
 from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.plan.schedule import RegisterTile, schedule
+from sparsenn.compiler.plan.target import Target
 from sparsenn.formats import parse_format
 
 
@@ -145,3 +148,66 @@ def test_gradients_through_a_block_sddmm():
         return sparsenn.einsum("ij,ik,jk->ij", mask.with_values(v), q, k).values
 
     assert torch.autograd.gradcheck(run, (values, q, k))
+
+
+# ----------------------------------------------------------------------------- register tiles
+
+AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+
+
+def split_schedule(equation, operands, target):
+    """The schedule of ``equation``'s split form (blocked operands) on ``target``."""
+    formats = [op.format if isinstance(op, SparseTensor) else None for op in operands]
+    split = split_call(parse_einsum(equation, len(operands)), formats, [tuple(op.shape) for op in operands], "dense")
+    views = split.operands(operands)
+    return schedule(split.assignment, [operand_info(op) for op in views], None, 4, target)
+
+
+def bsr_spmm_operands(block=32, n=256, k=128):
+    dense = block_sparse((n, n), (block, block), density=0.2, dtype=torch.float32)
+    return [SparseTensor.from_dense(dense, format=f"bsr({block},{block})"), torch.randn(n, k)], dense
+
+
+@pytest.mark.parametrize("target, rows, vectors, width", [(AVX2, 6, 2, 32), (AVX512, 6, 4, 64)])
+def test_a_stored_block_times_a_dense_panel_gets_a_register_tile_sized_from_the_target(target, rows, vectors,
+                                                                                         width):
+    operands, _ = bsr_spmm_operands(block=24, n=240)
+    sched = split_schedule("ij,jk->ik", operands, target)
+    (nest,) = sched.nests
+    assert nest.order == ("i", "j", "i'", "j'", "k")
+    assert nest.register_tile == RegisterTile("i'", rows, vectors)
+    assert nest.register_block.size == vectors * width // 4
+    assert sched.target.vector_bytes == width  # a tiled kernel is written for the widest vectors
+
+
+def test_rows_prefer_a_divisor_of_the_block():
+    operands, _ = bsr_spmm_operands(block=32)
+    assert split_schedule("ij,jk->ik", operands, AVX2).nests[0].register_tile.rows == 4  # not 6
+
+
+def test_no_register_tile_over_compressed_rows():
+    a = SparseTensor.from_dense(block_sparse((64, 64), (1, 1), density=0.1, dtype=torch.float32), format="csr")
+    sched = schedule(parse_einsum("ij,jk->ik", 2), [operand_info(a), operand_info(torch.randn(64, 64))], None, 4,
+                     AVX512)
+    assert sched.nests[0].register_block is not None and sched.nests[0].register_tile is None
+
+
+@pytest.mark.parametrize("block, n, k", [(32, 256, 128), (24, 240, 40), (7, 63, 19), (6, 36, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_register_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype):
+    dense = block_sparse((n, n), (block, block), density=0.3, dtype=dtype)
+    a = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
+    x = torch.randn(n, k, dtype=dtype)
+    text = sparsenn.explain("ij,jk->ik", a, x)
+    assert "register tile" in text or block < 8  # tiles need a reduction and a panel of whole vectors
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x)
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x, out_format="dense"), dense @ x)
+
+
+def test_register_tiled_sum_of_two_products():
+    dense = block_sparse((64, 64), (16, 16), density=0.4)
+    a = SparseTensor.from_dense(dense, format="bsr(16,16)")
+    x, y = torch.randn(64, 48, dtype=torch.float64), torch.randn(64, 48, dtype=torch.float64)
+    out = sparsenn.compile("Y[i,k] = A[i,j] * X[j,k] - A[i,j] * Z[j,k]")(a, x, y)
+    torch.testing.assert_close(out, dense @ x - dense @ y)
