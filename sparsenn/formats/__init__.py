@@ -1,7 +1,7 @@
 """Sparse tensor storage: level kinds, formats and SparseTensor."""
 
 from sparsenn.formats.format import Format, parse_format
-from sparsenn.formats.level import Compressed, Dense, Level, Singleton
+from sparsenn.formats.level import Compressed, Dense, Grouped, Level, Singleton
 from sparsenn.formats.tensor import (
     SparseTensor,
     from_coo,
@@ -15,6 +15,7 @@ __all__ = [
     "Compressed",
     "Dense",
     "Format",
+    "Grouped",
     "Level",
     "Singleton",
     "SparseTensor",

@@ -86,6 +86,14 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape
 
 
+def _largest_per_group(t: Tensor, n: int, m: int) -> Tensor:
+    """Mask of the ``n`` largest ``|t|`` of every ``m`` consecutive entries along the
+    last dimension, ties broken towards the lower offset (a stable descending sort)."""
+    groups = t.detach().abs().reshape(*t.shape[:-1], t.shape[-1] // m, m)
+    largest = torch.sort(groups, dim=-1, descending=True, stable=True).indices[..., :n]
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, largest, True).reshape(t.shape)
+
+
 class Constructors:
     """Class-method constructors of SparseTensor (also exported as module functions)."""
 
@@ -97,6 +105,11 @@ class Constructors:
         Dense levels below a sparse one (e.g. BSR blocks) store every element
         under a stored position, zeros included; an all-dense format stores
         everything. Values are gathered from ``t`` (differentiable, a copy).
+
+        ``nm(n,m)`` is lossy: of every ``m`` consecutive entries along the last
+        dimension it keeps the ``n`` largest in magnitude (ties: lower offset
+        first) and drops the rest; a group with fewer than ``n`` nonzeros stores
+        explicit zeros at its smallest unused offsets.
         """
         t = _check_float("t", t)
         fmt = parse_format(format, t.dim())
@@ -106,6 +119,9 @@ class Constructors:
             values = t.permute(fmt.mode_order).clone(memory_format=torch.contiguous_format).view(-1)
             return cls(shape, fmt, none, none, values, check=False, index_dtype=index_dtype)
         mask = t != 0
+        if fmt.nm is not None:
+            fmt.storage_levels(shape)  # the last dimension must be divisible by m
+            mask &= _largest_per_group(t, *fmt.nm)
         packed = pack(fmt, shape, torch.nonzero(mask).T, t[mask], index_dtype=index_dtype)
         tensor = cls(shape, fmt, packed.pos, packed.crd, packed.values, check=False,
                      index_dtype=packed.index_dtype)

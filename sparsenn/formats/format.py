@@ -6,20 +6,26 @@ Storage level ``l`` of an unblocked format stores logical mode
 ``i_m // b_m`` of mode ``m = mode_order[l]`` and dense level ``r + m`` stores
 the in-block coordinate ``i_m % b_m``, modes in natural order. So each block is
 stored row-major, exactly torch's BSR/BSC ``values`` of shape ``(nnzb, bh, bw)``.
+
+The n:m format ``nm(n,m)`` (at most ``n`` of every ``m`` consecutive entries
+along the last dimension) is the blocked format with ``block = (1, ..., 1, m)``,
+natural mode order, dense levels and a last level ``Grouped(count=n)``: group
+``g = i_{r-1} // m`` of every leading index stores exactly ``n`` in-group
+offsets ``i_{r-1} % m``, padded with explicit zeros.
 """
 
 from __future__ import annotations
 
 import functools
-
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from sparsenn.formats.level import LEVEL_KINDS, Dense, Level, Singleton
+from sparsenn.formats.level import LEVEL_KINDS, Dense, Grouped, Level, Singleton
 
 ACCEPTED_FORMS = (
     "'dense', 'csr', 'csc', 'coo', 'dcsr', 'dcsc', 'csf', 'bsr(bh,bw)', 'bsc(bh,bw)' "
-    "(bsr/bsc for rank 2 only), or one letter per dimension from d (dense), "
+    "(bsr/bsc for rank 2 only), 'nm(n,m)' (at most n of every m consecutive entries "
+    "along the last dimension, 1 <= n <= m), or one letter per dimension from d (dense), "
     "c (compressed), s (singleton; only after c or s), optionally followed by a "
     "mode order such as '[1,0]' and a block shape such as '(2,2)'"
 )
@@ -34,6 +40,7 @@ _NAMED_RANK2 = {
 _INTS = r"\d+(?:,\d+)*"
 _GENERAL = re.compile(rf"([dcs]+)(?:\[({_INTS})\])?(?:\(({_INTS})\))?")
 _BLOCKED = re.compile(rf"(bsr|bsc)\(({_INTS})\)")
+_NM = re.compile(r"nm\((\d+),(\d+)\)")
 
 
 @dataclass(frozen=True)
@@ -41,10 +48,10 @@ class Format:
     """How a tensor is stored: one level kind per storage level.
 
     ``levels``: the level kinds, ``rank`` of them (``2 * rank`` if blocked, the
-    last ``rank`` dense). ``mode_order``: storage level ``l < rank`` stores
-    logical mode ``mode_order[l]``. ``block``: block shape or None.
-    The ``unique`` flag of each level is derived here: False iff the next
-    level is a singleton.
+    last ``rank`` dense; in ``nm(n,m)`` all dense but the last, ``Grouped``).
+    ``mode_order``: storage level ``l < rank`` stores logical mode ``mode_order[l]``.
+    ``block``: block shape or None. The ``unique`` flag of each level is derived
+    here: False iff the next level is a singleton.
     """
 
     levels: tuple[Level, ...]
@@ -81,13 +88,17 @@ class Format:
                 raise ValueError(f"block {block} must have one size per mode (rank {rank})")
             if not all(isinstance(b, int) and b > 0 for b in block):
                 raise ValueError(f"block sizes must be positive ints, got {block}")
-            if len(levels) != 2 * rank or not all(isinstance(lv, Dense) for lv in levels[rank:]):
-                raise ValueError("a blocked format needs rank outer levels followed by rank dense levels")
+            inner_dense = levels[rank:-1] if levels and isinstance(levels[-1], Grouped) else levels[rank:]
+            if len(levels) != 2 * rank or not all(isinstance(lv, Dense) for lv in inner_dense):
+                raise ValueError("a blocked format needs rank outer levels followed by rank dense levels "
+                                 "(the last may be Grouped in an nm(n,m) format)")
+        if any(isinstance(level, Grouped) for level in levels):
+            _check_nm(levels, mode_order, block)
         for index, level in enumerate(levels):
             if isinstance(level, Singleton) and (index == 0 or not levels[index - 1].has_crd):
                 raise ValueError("a singleton level must directly follow a compressed or singleton level")
         next_singleton = [isinstance(level, Singleton) for level in levels[1:]] + [False]
-        levels = tuple(type(level)(unique=not nxt) for level, nxt in zip(levels, next_singleton))
+        levels = tuple(replace(level, unique=not nxt) for level, nxt in zip(levels, next_singleton))
         object.__setattr__(self, "levels", levels)
         object.__setattr__(self, "mode_order", mode_order)
         object.__setattr__(self, "block", block)
@@ -96,6 +107,12 @@ class Format:
     def rank(self) -> int:
         """Number of logical modes."""
         return len(self.mode_order)
+
+    @functools.cached_property
+    def nm(self) -> tuple[int, int] | None:
+        """``(n, m)`` of an ``nm(n,m)`` format, else None."""
+        last = self.levels[-1] if self.levels else None
+        return (last.count, self.block[-1]) if isinstance(last, Grouped) else None
 
     @functools.cached_property
     def is_dense(self) -> bool:
@@ -124,6 +141,9 @@ class Format:
             raise ValueError(f"format {self} has rank {self.rank} but shape {shape} has rank {len(shape)}")
         if self.block is None:
             return tuple((m, shape[m], False) for m in self.mode_order)
+        if self.nm is not None and shape[-1] % self.block[-1]:
+            raise ValueError(f"the last dimension of shape {shape} is not divisible by the group size "
+                             f"m={self.block[-1]} of format {self}")
         if any(n % b for n, b in zip(shape, self.block)):
             raise ValueError(f"shape {shape} is not divisible by the block {self.block} of format {self}")
         outer = tuple((m, shape[m] // self.block[m], False) for m in self.mode_order)
@@ -134,6 +154,8 @@ class Format:
         rank = self.rank
         outer = self.letters[:rank]
         identity = self.mode_order == tuple(range(rank))
+        if self.nm is not None:
+            return "nm({},{})".format(*self.nm)
         if self.block is not None:
             sizes = ",".join(map(str, self.block))
             if rank == 2 and outer == "dc":
@@ -163,6 +185,33 @@ def _from_letters(letters: str, mode_order: tuple[int, ...] | None = None,
     return Format(tuple(levels), order, block)
 
 
+def _check_nm(levels: tuple[Level, ...], mode_order: tuple[int, ...], block: tuple[int, ...] | None) -> None:
+    """Check the nm(n,m) layout: block ``(1, ..., 1, m)``, natural mode order, dense
+    levels and a last ``Grouped(count=n)`` level with ``n <= m``."""
+    rank = len(mode_order)
+    if (block is None or not isinstance(levels[-1], Grouped) or mode_order != tuple(range(rank))
+            or block[:-1] != (1,) * (rank - 1) or not all(isinstance(lv, Dense) for lv in levels[:-1])):
+        raise ValueError("a Grouped level must be the last level of an nm(n,m) format: block (1, ..., 1, m), "
+                         f"mode order (0, ..., rank - 1) and dense levels otherwise; got levels {levels}, "
+                         f"mode_order {mode_order}, block {block}")
+    if levels[-1].count > block[-1]:
+        raise ValueError(f"nm(n,m) needs n <= m, got n={levels[-1].count} > m={block[-1]}")
+
+
+def _nm_format(n: int, m: int, rank: int) -> Format:
+    """The ``nm(n,m)`` format of rank ``rank``: groups of ``m`` along the last dimension."""
+    if rank < 1:
+        raise ValueError("'nm(n,m)' needs rank >= 1")
+    if m < 1:
+        raise ValueError(f"nm(n,m) needs m >= 1, got m={m}")
+    if n < 1:
+        raise ValueError(f"nm(n,m) needs n >= 1, got n={n}")
+    if n > m:
+        raise ValueError(f"nm(n,m) needs n <= m, got n={n} > m={m}")
+    levels = (Dense(),) * (2 * rank - 1) + (Grouped(count=n),)
+    return Format(levels, tuple(range(rank)), (1,) * (rank - 1) + (m,))
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
@@ -188,6 +237,9 @@ def _parse_string(spec: str, rank: int) -> Format:
         if len(block) != 2:
             raise ValueError("a block shape needs two sizes (bh,bw)")
         return _from_letters("dc", (0, 1) if match[1] == "bsr" else (1, 0), block)
+    match = _NM.fullmatch(spec)
+    if match:
+        return _nm_format(int(match[1]), int(match[2]), rank)
     match = _GENERAL.fullmatch(spec)
     if match is None:
         raise ValueError("unknown format")
@@ -205,7 +257,7 @@ def parse_format(spec: str | Format, rank: int) -> Format:
     ``spec`` is a ``Format`` (checked against ``rank``) or a case-insensitive,
     whitespace-tolerant name: ``dense``, ``csr`` (``dc``), ``csc`` (``dc[1,0]``),
     ``coo`` (``cs...s``), ``dcsr`` (``cc``), ``dcsc`` (``cc[1,0]``), ``csf``
-    (``c...c``), ``bsr(bh,bw)`` / ``bsc(bh,bw)``, or a level string such as
+    (``c...c``), ``bsr(bh,bw)`` / ``bsc(bh,bw)``, ``nm(n,m)``, or a level string such as
     ``dcc``, optionally with a mode order ``[2,0,1]`` and a block ``(2,2)``.
     ``str(fmt)`` is always accepted back. Raises ValueError otherwise.
     """

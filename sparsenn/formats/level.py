@@ -12,6 +12,9 @@ position:
   ``pos[p] .. pos[p+1] - 1`` and their coordinates are ``crd[q]``.
 * ``Singleton`` (``s``): exactly one child per parent, at the parent's own
   position, with coordinate ``crd[p]`` (the column array of COO).
+* ``Grouped`` (``n``) with ``count = n``: exactly ``n`` children per parent, at
+  positions ``p * n .. p * n + n - 1``, coordinates ``crd[q]`` strictly increasing
+  within each parent (the in-group offsets of the n:m format).
 
 Code that iterates, locates or assembles levels asks these capabilities and
 never tests for a named format such as "CSR" or for a level's letter.
@@ -40,7 +43,7 @@ A new level kind is one subclass answering these.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 from torch import Tensor
@@ -181,4 +184,35 @@ class Singleton(Level):
         return parent_positions
 
 
-LEVEL_KINDS: dict[str, type[Level]] = {kind.letter: kind for kind in (Dense, Compressed, Singleton)}
+@dataclass(frozen=True)
+class Grouped(Level):
+    """Exactly ``count`` children per parent: positions ``[p * count, p * count + count)``
+    with coordinates ``crd[q]``, strictly increasing within a parent."""
+
+    count: int = field(kw_only=True)
+
+    letter: ClassVar[str] = "n"
+    locatable: ClassVar[bool] = False
+    has_pos: ClassVar[bool] = False
+    has_crd: ClassVar[bool] = True
+    full: ClassVar[bool] = False
+    assembly: ClassVar[str] = "append"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"a Grouped level needs an int count >= 1, got {self.count!r}")
+
+    def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
+        return parent_positions * self.count
+
+    def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
+        return b.mul(parent, self.count), b.add(b.mul(parent, self.count), self.count)
+
+    def positions(self, b: IndexBuilder, parent_positions: Any, size: Any) -> Any:
+        return b.mul(parent_positions, self.count)
+
+    def estimate_positions(self, parent_positions: float, nnz: int, full: float, size: int) -> float:
+        return parent_positions * self.count
+
+
+LEVEL_KINDS: dict[str, type[Level]] = {kind.letter: kind for kind in (Dense, Compressed, Singleton, Grouped)}

@@ -5,6 +5,10 @@ All conversions go through a sorted coordinate list: logical coordinates
 storage level, block and in-block coordinates for blocked formats), sorted
 lexicographically in storage order, and packed level by level. Every step is
 a vectorised torch op; nothing loops over entries in Python.
+
+A grouped level (``nm(n,m)``) gives every parent exactly ``n`` positions: the
+entries under a parent plus, if fewer than ``n``, its smallest unused offsets
+as explicit zeros.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import Tensor
 
 from sparsenn.formats.format import Format
+from sparsenn.formats.level import Grouped
 from sparsenn.formats.validate import choose_index_dtype
 
 Duplicates = Literal["sum", "error"]
@@ -106,6 +111,7 @@ def pack_levels(fmt: Format, shape: tuple[int, ...], keys: Tensor
 
     Returns ``(pos, crd, leaf, counts)``: ``leaf[k]`` is the position of entry
     ``k`` at the last level and ``counts[l]`` the number of positions of level ``l``.
+    A grouped level holding more than ``count`` entries under one parent is a ValueError.
     """
     levels = fmt.levels
     sizes = [size for _, size, _ in fmt.storage_levels(shape)]
@@ -129,10 +135,40 @@ def pack_levels(fmt: Format, shape: tuple[int, ...], keys: Tensor
             crd[index] = keys[index][starts]
             parent = torch.cumsum(starts, 0) - 1
             parents = int(starts.sum())
+        elif isinstance(level, Grouped):
+            crd[index], parent = _pack_grouped(fmt, shape, keys, parent, parents, size)
+            parents *= level.count
         else:
             crd[index] = keys[index][_run_starts(parent[None])]
         counts.append(parents)
     return pos, crd, parent, counts
+
+
+def _pack_grouped(fmt: Format, shape: tuple[int, ...], keys: Tensor, parent: Tensor, parents: int,
+                  size: int) -> tuple[Tensor, Tensor]:
+    """``(crd, leaf)`` of the last (grouped) level of an nm format.
+
+    Parent ``p`` keeps the offsets ``keys[-1]`` of its entries plus its
+    ``n - c_p`` smallest unused offsets; ``crd`` lists them sorted, ``p * n`` first.
+    """
+    n = fmt.levels[-1].count
+    filled = torch.bincount(parent, minlength=parents)
+    over = filled > n
+    if bool(over.any()):
+        group = int(torch.nonzero(over)[0])
+        lead = tuple(keys[:fmt.rank, int(torch.searchsorted(parent, group))].tolist())
+        where = "" if fmt.rank == 1 else f" of row {lead[0]}" if fmt.rank == 2 else f" at index {lead[:-1]}"
+        first = lead[-1] * size
+        raise ValueError(f"group {lead[-1]}{where} (last-dimension indices {first}..{first + size - 1} of "
+                         f"shape {shape}) holds {int(filled[group])} entries, but {fmt} allows at most {n} "
+                         f"per group of {size}")
+    used = torch.zeros((parents, size), dtype=torch.bool)
+    used[parent, keys[-1]] = True
+    unused_rank = torch.cumsum(~used, dim=1, dtype=torch.int32)
+    kept = used | (~used & (unused_rank <= (n - filled)[:, None]))
+    crd = torch.nonzero(kept)[:, 1]
+    leaf = torch.nonzero(used[kept]).squeeze(1)
+    return crd, leaf
 
 
 def unpack(fmt: Format, shape: tuple[int, ...], pos: tuple[Tensor | None, ...],
@@ -150,5 +186,6 @@ def unpack(fmt: Format, shape: tuple[int, ...], pos: tuple[Tensor | None, ...],
             keys = keys[:, torch.repeat_interleave(torch.arange(parents), fiber, output_size=len(coord))]
         else:
             coord = crd[index].long()
+            keys = keys.repeat_interleave(len(coord) // parents if parents else 0, dim=1)
         keys = torch.cat([keys, coord[None]])
     return keys

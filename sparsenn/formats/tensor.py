@@ -3,7 +3,8 @@
 The root has one position, 0. A dense level of size ``N`` maps parent position
 ``p`` and coordinate ``i`` to ``p * N + i``; a compressed level stores the
 children of ``p`` at ``pos[p] .. pos[p+1] - 1`` with coordinates ``crd``; a
-singleton level stores one coordinate ``crd[p]`` per parent position.
+singleton level stores one coordinate ``crd[p]`` per parent position; a
+grouped level (``nm(n,m)``) stores ``n`` coordinates ``crd[p * n .. p * n + n - 1]``.
 ``values[q]`` is the value at position ``q`` of the last storage level.
 Stored coordinates, read in storage order, are sorted and unique.
 """
@@ -40,7 +41,7 @@ def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
 
 def _stored_positions(level_sizes: tuple[int, ...], crd: tuple[Tensor | None, ...]) -> tuple[int, ...]:
     """Positions of each storage level: a dense level multiplies its parent's count,
-    compressed and singleton levels have one coordinate per position."""
+    compressed, singleton and grouped levels have one coordinate per position."""
     positions, parents = [], 1
     for size, coordinates in zip(level_sizes, crd):
         parents = parents * size if coordinates is None else coordinates.shape[0]
@@ -51,13 +52,13 @@ def _stored_positions(level_sizes: tuple[int, ...], crd: tuple[Tensor | None, ..
 class SparseTensor(Constructors):
     """A sparse tensor: ``shape``, ``format`` and per-storage-level arrays.
 
-    ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed and singleton
-    levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when every
-    dimension, level size and position count is below 2**31, else int64), None
-    for other levels. ``values`` is a 1-D float32/float64 tensor with one entry
-    per position of the last storage level (dense inner levels, e.g. BSR
-    blocks, store explicit zeros). ``values`` may require grad; it is never
-    copied or detached.
+    ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed, singleton and
+    grouped levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when
+    every dimension, level size and position count is below 2**31, else int64),
+    None for other levels. ``values`` is a 1-D float32/float64 tensor with one
+    entry per position of the last storage level (dense inner levels, e.g. BSR
+    blocks, and the padding of ``nm(n,m)`` groups store explicit zeros).
+    ``values`` may require grad; it is never copied or detached.
 
     A SparseTensor is immutable (its attributes cannot be reassigned; in-place edits of
     its index arrays are detected before any kernel reads them), so its structure is
@@ -135,7 +136,7 @@ class SparseTensor(Constructors):
 
     @property
     def nnz(self) -> int:
-        """Number of stored values (explicit zeros of dense inner levels included)."""
+        """Number of stored values (explicit zeros of dense inner levels and nm padding included)."""
         return self.values.numel()
 
     def numel(self) -> int:
@@ -228,11 +229,17 @@ class SparseTensor(Constructors):
         Only ``shape`` and ``mode_order`` change; all arrays are shared. Blocked
         formats keep row-major blocks, so their ``values`` are re-laid out
         block by block (a differentiable copy); index arrays are still shared.
+        An ``nm(n,m)`` tensor only takes the identity permutation (ValueError otherwise).
         """
         order = tuple(dims[0]) if len(dims) == 1 and not isinstance(dims[0], int) else dims
         order = tuple(operator.index(d) + (self.ndim if operator.index(d) < 0 else 0) for d in order)
         if sorted(order) != list(range(self.ndim)):
             raise ValueError(f"permute dims {dims} are not a permutation of range({self.ndim})")
+        if self.format.nm is not None:
+            if order != tuple(range(self.ndim)):
+                raise ValueError(f"a tensor in format {self.format} groups its last dimension and cannot be "
+                                 f"permuted by {order}; convert it with asformat (e.g. 'coo') first")
+            return self
         inverse = [0] * self.ndim
         for new, old in enumerate(order):
             inverse[old] = new
@@ -283,6 +290,8 @@ class SparseTensor(Constructors):
 
         Stored entries, explicit zeros included, stay stored. ``index_dtype=None``
         keeps this tensor's index width, widened to int64 if the result needs it.
+        An ``nm(n,m)`` target rejects (ValueError) a group holding more than ``n``
+        entries, from a dense source too (use ``from_dense`` to keep the largest).
         """
         target = parse_format(format, self.ndim)
         if target == self.format and index_dtype in (None, self.index_dtype):
@@ -290,6 +299,8 @@ class SparseTensor(Constructors):
         if index_dtype is None and self.index_dtype == torch.int64:
             index_dtype = torch.int64
         if self.format.is_dense:
+            if target.nm is not None:
+                return self.asformat("coo", index_dtype).asformat(target, index_dtype)
             return SparseTensor.from_dense(self.to_dense(), target, index_dtype)
         indices, values = self.coords()
         packed = pack(target, self.shape, indices, values, index_dtype=index_dtype)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from sparsenn.formats.format import Format
+from sparsenn.formats.level import Grouped
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 VALUE_DTYPES = (torch.float32, torch.float64)
@@ -122,9 +123,12 @@ def check_levels(fmt: Format, sizes: tuple[int, ...], pos: tuple[Tensor | None, 
                                  f"> {name}[{q + 1}] = {int(p[q + 1])}")
             if int(p[-1]) != len(c):
                 raise ValueError(f"{name} ({where}) ends at {int(p[-1])} but crd[{index}] has length {len(c)}")
-        elif level.has_crd and len(crd[index]) != parents:
-            raise ValueError(f"crd[{index}] ({where}) has length {len(crd[index])}, expected {parents} "
-                             f"(one coordinate per parent position)")
+        elif level.has_crd:
+            expected = level.num_positions(parents, size, None)
+            if len(crd[index]) != expected:
+                raise ValueError(f"crd[{index}] ({where}) has length {len(crd[index])}, expected {expected} "
+                                 f"({level.num_positions(1, size, None)} per parent position, "
+                                 f"{parents} parent positions)")
         if level.has_crd:
             c = crd[index]
             outside = (c < 0) | (c >= size)
@@ -148,15 +152,29 @@ def same_fiber(pos: Tensor, count: int) -> Tensor:
     return ~starts[1:]
 
 
+def _check_group_order(fmt: Format, index: int, crd: Tensor, count: int) -> None:
+    """Check ``crd[q] < crd[q + 1]`` whenever ``q`` and ``q + 1`` are in one group of ``count``."""
+    steps = crd.view(-1, count).diff(dim=1) <= 0
+    if bool(steps.any()):
+        group, offset = (int(x) for x in torch.nonzero(steps)[0])
+        q = group * count + offset
+        raise ValueError(f"crd[{index}] ({describe(fmt, index)}) is not strictly increasing within group {group}: "
+                         f"offset {int(crd[q])} at position {q} is followed by {int(crd[q + 1])}")
+
+
 def check_order(fmt: Format, pos: tuple[Tensor | None, ...], crd: tuple[Tensor | None, ...]) -> None:
     """Check that stored coordinates are sorted and unique within every fiber.
 
     A unique compressed level needs strictly increasing ``crd`` per fiber. A
     non-unique one (followed by singletons) needs the coordinate tuples down the
-    singleton chain to increase strictly, lexicographically, per fiber.
+    singleton chain to increase strictly, lexicographically, per fiber. A grouped
+    level needs strictly increasing ``crd`` within each group of ``count`` positions.
     """
     levels = fmt.levels
     for index, level in enumerate(levels):
+        if isinstance(level, Grouped):
+            _check_group_order(fmt, index, crd[index], level.count)
+            continue
         if not level.has_pos or len(crd[index]) < 2:
             continue
         equal = same_fiber(pos[index], len(crd[index]))
