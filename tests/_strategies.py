@@ -108,15 +108,17 @@ def random_level_string(rng: random.Random, rank: int) -> str:
 
 
 def random_format(rng: random.Random, rank: int) -> str:
-    """A named format valid for ``rank`` (csr, csc, dcsr, dcsc, bsr/bsc, coo, csf, dense)
-    or a random level string with a mode order."""
+    """A named format valid for ``rank`` (csr, csc, dcsr, dcsc, bsr/bsc, coo, csf, dense),
+    a random level string with a mode order, or one with blocks of 1-3 per mode."""
     if rank == 0:
         return "dense"
     roll = rng.random()
     if roll < 0.1:
         return "dense"
-    if roll < 0.5:
+    if roll < 0.4:
         return random_level_string(rng, rank)
+    if roll < 0.5:
+        return random_level_string(rng, rank) + f"({','.join(str(rng.choice([1, 2, 3])) for _ in range(rank))})"
     if rank == 2:
         if roll < 0.6:
             return f"{rng.choice(['bsr', 'bsc'])}({rng.choice([1, 2])},{rng.choice([1, 2])})"
@@ -124,11 +126,10 @@ def random_format(rng: random.Random, rank: int) -> str:
     return rng.choice(["coo", "csf"])
 
 
-def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None, blocked: bool = True) -> EinsumSkeleton:
+def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None) -> EinsumSkeleton:
     """Skeleton number ``seed``: 1-4 operands of rank 1-4 over up to six indices.
 
-    ``dtype`` forces the value dtype; ``blocked=False`` avoids bsr/bsc operands and
-    outputs (autograd does not support them)."""
+    ``dtype`` forces the value dtype."""
     rng = random.Random(seed)
     alphabet = LETTERS[: rng.randint(2, len(LETTERS))]
     count = rng.randint(1, 4)
@@ -137,14 +138,10 @@ def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None, blocked:
         rank = rng.randint(1, min(4, len(alphabet)))
         indices = "".join(rng.sample(alphabet, rank))
         fmt = None if rng.random() < 0.3 else random_format(rng, rank)
-        while not blocked and fmt is not None and "(" in fmt:
-            fmt = random_format(rng, rank)
         operands.append(OperandSkeleton(indices, fmt, rng.choice(INDEX_DTYPES)))
     if all(op.format is None for op in operands) and rng.random() < 0.8:
         first = operands[0]  # mostly keep a sparse operand: all-dense calls go to torch
         fmt = random_format(rng, len(first.indices))
-        while not blocked and "(" in fmt:
-            fmt = random_format(rng, len(first.indices))
         operands[0] = OperandSkeleton(first.indices, fmt, first.index_dtype)
     used = sorted(set("".join(op.indices for op in operands)))
     output: str | None = None
@@ -158,8 +155,6 @@ def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None, blocked:
         out_format = "dense"
     elif roll < 0.3 and rank > 0:
         out_format = random_format(rng, rank)
-        while not blocked and "(" in out_format:
-            out_format = random_format(rng, rank)
     return EinsumSkeleton(skeleton.operands, output, out_format, skeleton.dtype)
 
 
@@ -243,9 +238,9 @@ def index_sizes(draw, letters: str, multiples: dict[str, int], max_size: int) ->
 
 @st.composite
 def einsum_cases(draw, pool_size: int, max_size: int = 4, dtype: torch.dtype | None = None,
-                 blocked: bool = True) -> EinsumCase:
+) -> EinsumCase:
     """A random einsum call over a skeleton drawn from a pool of ``pool_size``."""
-    skeleton = random_einsum_skeleton(draw(st.integers(0, pool_size - 1)), dtype, blocked)
+    skeleton = random_einsum_skeleton(draw(st.integers(0, pool_size - 1)), dtype)
     sizes = draw(index_sizes(skeleton.letters, skeleton.multiples(), max_size))
     operands = []
     for op in skeleton.operands:

@@ -101,7 +101,7 @@ def rebuild(templates: list, leaves: tuple[torch.Tensor, ...]) -> list:
 
 
 @settings(max_examples=GRADCHECK_EXAMPLES)
-@given(einsum_cases(pool_size=GRADCHECK_POOL, max_size=3, dtype=torch.float64, blocked=False))
+@given(einsum_cases(pool_size=GRADCHECK_POOL, max_size=3, dtype=torch.float64))
 def test_einsum_gradcheck(case: EinsumCase) -> None:
     leaves, templates = differentiable_inputs(case.operands)
 

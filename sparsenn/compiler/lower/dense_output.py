@@ -12,7 +12,19 @@ chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)`` runs::
                out[P, kb : kb + B] (+)= coef * acc
            for R: for k in the last, partial block: out[P, k] += coef * product
 
-with ``acc`` ``B / lanes`` SIMD vectors kept in registers.
+with ``acc`` ``B / lanes`` SIMD vectors kept in registers. A register tile over the loop
+``a`` just above ``R`` (``P = P' + (a,)``) runs::
+
+    for P': for ab in whole tiles of a: a = ab; locate a
+                for kb in whole blocks of k: acc[0:T][0:B] = 0
+                    for R: x[v] = vector factors[kb + v]; s[t] = scalar factors at a + t
+                           acc[t][v] += s[t] * x[v]
+                    out[P', ab + t, kb : kb + B] (+)= coef * acc[t]
+            for a in the whole tiles: for R: for k in the partial block: out[P, k] += ...
+            for a in the last, partial tile: the register block above
+
+the scalars at ``a + t`` read at their position at ``a`` plus ``t`` times the extent
+below ``a`` (their levels from ``a`` down are dense, so positions are affine in ``a``).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
 from .context import Lowering, product_of
-from .iterators import initial_states
+from .iterators import initial_states, locate
 from .order import NestWalk, emit_order
 
 __all__ = ["lower_dense_output", "anchor_factor"]
@@ -181,5 +193,96 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
 
         lo.emit(ir.If(ir.lt(rest, n_k), lo.block(remainder)))
 
-    emit_order(lo, NestWalk(nest, order[:-1], vector_leaf, walk.bounds,
-                            block=(k, kb, ir.add(kb, size)), block_from=r, wrap={r: blocks}), states)
+    wrap = {r: blocks}
+    plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
+                     block_from=r, wrap=wrap)
+    if nest.register_tile is not None:
+        wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars)
+    emit_order(lo, plain, states)
+
+
+ROW = ir.Var("t")
+
+
+def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars):
+    """The wrapper of loop ``a`` that runs its whole tiles (see the module doc), then
+    ``plain`` (the register block) over the rows left."""
+    order, output = nest.order, lo.a.output
+    tile, size = nest.register_tile, nest.register_block.size
+    a, k = tile.index, order[-1]
+    r = order.index(a) + 1
+    var_a, var_k, v = lo.var(a), lo.var(k), ir.Var("v")
+    k_lo, n_k = k_range
+    ab, a_rest, k_rest, acc, x, row_scalar = (lo.fresh(n) for n in ("ab", "arest", "krest", "tacc", "x", "s"))
+    vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+
+    def counted(var: ir.Var, n, *stmts: ir.Stmt) -> ir.For:
+        return ir.For(ir.Decl(var, "int", ir.Const(0)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), "unroll")
+
+    def at_row(st) -> ir.Expr:
+        """The factor's value at ``a + t``."""
+        if not st.sparse:
+            return ir.Load(ir.Array("dense", st.slot), lo.offset(st.dense_indices, {a: ir.add(var_a, ROW)}))
+        held = [i for i, _ in st.levels]
+        stride = product_of([lo.dim(i) for i in held[held.index(a) + 1:]])
+        return ir.Load(ir.Array("val", st.slot), ir.add(st.pos, ir.mul(ROW, stride)))
+
+    def leaf(st):
+        lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
+        by_row = [n for n in scalars if a in _held(st[n])]
+        fixed = [n for n in scalars if n not in by_row]
+        lo.emit(ir.Decl(row_scalar, "V", None, shape=(tile.rows,)))
+        lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)),
+                                                  product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)]))))
+        loads = product_of([lo.vector_load(st[n]) for n in with_k])
+        lo.emit(counted(v, vectors, ir.Decl(x, "VV", loads, const=True), counted(ROW, tile.rows, ir.Assign(
+            ir.Elem(acc, (ROW, v)), ir.mul(ir.Elem(row_scalar, (ROW,)), x), "+="))))
+
+    def blocks(st, inner):
+        def body():
+            lo.emit(ir.Decl(acc, "VV", "zero", shape=(tile.rows, vectors)))
+            inner()
+            lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
+            at = lo.offset(lo.s.output_order, {a: ir.add(var_a, ROW)})
+            lane = ir.mul(v, ir.Lanes())
+            scaled = ir.mul(coef, ir.Elem(acc, (ROW, v)))
+            value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
+            lo.emit(counted(ROW, tile.rows, counted(v, vectors, ir.VectorStore(OUT, ir.add(at, lane), value))))
+
+        lo.emit(ir.For(ir.Decl(ab_k, "index", k_lo), ir.le(ir.add(ab_k, size), n_k),
+                       ir.Assign(ab_k, ir.Const(size), "+="), lo.block(body)))
+
+    ab_k = lo.fresh("kb")
+    tiled = NestWalk(nest, order[:-1], leaf, plain.bounds, block=(k, ab_k, ir.add(ab_k, size)), block_from=r,
+                     wrap={r: blocks})
+
+    def zero_tail(st):
+        lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
+            ir.Assign(ir.Load(OUT, lo.offset(lo.s.output_order)), ir.Const(0)),))))
+
+    def wrapper(st, inner):
+        a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
+
+        def whole_tile():
+            lo.emit(ir.Decl(var_a, "index", ab, const=True))
+            located = list(st)
+            locate(lo, a, st, located)
+            emit_order(lo, tiled, located, r)
+
+        lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
+                       ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
+        lo.emit(ir.Decl(a_rest, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
+                        const=True))
+        lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+        tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
+            ir.Load(OUT, lo.offset(lo.s.output_order)), product_of([coef, *lo.values(inner_st)]), "+=")),
+            {**plain.bounds, a: (a_lo, a_rest), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
+        lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
+        plain.bounds[a] = (a_rest, a_hi)
+        inner()
+
+    return wrapper
+
+
+def _held(st) -> tuple[str, ...]:
+    return tuple(i for i, _ in st.levels) if st.sparse else st.dense_indices

@@ -36,6 +36,17 @@ level. It returns a :class:`Schedule`:
   ``out[i, kb:kb+B]`` then stays in registers while ``R`` (the sparse row) streams
   past, and is stored once per block instead of once per nonzero. Blocks that do not
   fill a whole register block run the plain loop.
+* **Register tiles** (a micro-kernel): when the loop ``a`` directly above ``R`` is a
+  dense output index that the vector factors do not read, and every factor reading it
+  does so through dense levels down to its values (the position is affine in ``a``: a
+  stored block, a dense panel), ``a`` is unrolled by ``rows`` into the register block,
+  a ``rows x vectors`` tile of accumulators: each step of ``R`` loads ``vectors`` SIMD
+  vectors once and broadcasts one scalar per row into them (``rows x vectors`` FMAs
+  for ``rows + vectors`` loads instead of one row's ``vectors`` FMAs for ``1 + vectors``).
+  The tile fills the target's vector registers (see :class:`~.target.Target`); ``rows``
+  prefers a divisor of ``a``'s extent, rows past the last whole tile run the plain
+  register block. Bound by multiply-adds, a schedule with a tile is made for the
+  target's widest vectors (AVX-512 rather than AVX2).
 * **Code decisions** inside each nest (vector and sparse reductions, row blocks,
   prefetching loops, store-once) and the thread policy: see :mod:`.decisions`. Every
   machine parameter comes from the :class:`~.target.Target` passed in; the constants
@@ -57,7 +68,7 @@ from .cost import Factor, OperandInfo, estimate_positions, nest_cost
 from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
-__all__ = ["OperandInfo", "Tile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
+__all__ = ["OperandInfo", "Tile", "RegisterTile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
 
 EXHAUSTIVE_LIMIT = 6
 SERIAL_PENALTY = 2.0
@@ -73,6 +84,16 @@ class Tile:
 
 
 @dataclass(frozen=True)
+class RegisterTile:
+    """Loop ``index`` unrolled by ``rows`` into the nest's register block (``vectors``
+    SIMD vectors per row)."""
+
+    index: str
+    rows: int
+    vectors: int
+
+
+@dataclass(frozen=True)
 class Nest:
     """One term's loop nest, below the shared loops, with every code decision the
     lowerer carries out (see :mod:`.decisions`)."""
@@ -83,6 +104,7 @@ class Nest:
     parallel: bool = False
     cost: float = 0.0
     register_block: Tile | None = None  # innermost output loop blocked into registers
+    register_tile: RegisterTile | None = None  # ... and a second output loop with it
     vector_reduction: VectorReduction | None = None
     sparse_reduction: SparseReduction | None = None
     row_block: RowBlock | None = None
@@ -97,6 +119,9 @@ class Nest:
                  "tiles: " + (", ".join(f"{t.index} by {t.size}" for t in self.tiles) or "none")]
         if self.register_block:
             parts.append(f"register block: {self.register_block.index} by {self.register_block.size}")
+        if self.register_tile:
+            t = self.register_tile
+            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {t.rows} rows)")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
@@ -267,6 +292,39 @@ def _register_block(
     return Tile(k, min(target.register_block_vectors * lanes, span // lanes * lanes))
 
 
+def _register_tile(
+    order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
+    tiles: Sequence[Tile], parallel: bool, dims: dict[str, int], itemsize: int, target: Target,
+) -> RegisterTile | None:
+    """A register tile over the loop above the register block's reductions (see the
+    module doc), or None."""
+    if block is None:
+        return None
+    r = decisions.reductions_from(order, output, len(order) - 1)
+    if r < 1 or r == len(order) - 1 or (r == 1 and parallel):
+        return None  # no reduction to keep the tile across, or ``a`` runs in chunks
+    a, k = order[r - 1], order[-1]
+    if a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
+        return None
+    readers = 0
+    for f in factors:
+        held = [i for i, _ in f.levels]
+        if a not in held:
+            continue
+        if k in held or not all(level.full and level.locatable for _, level in f.levels[held.index(a):]):
+            return None  # a vector factor, or a position not affine in ``a``
+        readers += 1
+    if not readers:
+        return None
+    lanes = target.lanes(itemsize)
+    vectors = min(4 if target.vector_registers >= 32 else 2, block.size // lanes)
+    most = min(8, (target.vector_registers - 1 - vectors) // vectors)
+    if vectors < 1 or most < 2:
+        return None
+    rows = next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most)
+    return RegisterTile(a, min(rows, dims[a]), vectors)
+
+
 # ----------------------------------------------------------------------------- search
 
 
@@ -300,6 +358,9 @@ def schedule(
                 dims[index] = infos[access.operand].shape[m]
     if output_format is None:
         sched = _schedule_dense(assignment, infos, dims, itemsize, target)
+        if any(n.register_tile for n in sched.nests) and target.widest_vector_bytes > target.vector_bytes:
+            target = replace(target, vector_bytes=target.widest_vector_bytes)  # see the module doc
+            sched = _schedule_dense(assignment, infos, dims, itemsize, target)
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
@@ -361,14 +422,21 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedu
         if costs[best] > costliest:  # the output is laid out in its costliest nest's loop order
             output_order, costliest = tuple(sorted(assignment.output, key=best.index)), costs[best]
     # Register blocks need the output's layout, known once every nest is chosen.
-    nests = [
-        _dense_decisions(replace(nest, register_block=_register_block(
-            output_order, nest.order, factors, nest.tiles, dims, itemsize, target)), n, factors, assignment, target)
-        for n, (nest, factors) in enumerate(zip(nests, nest_factors))
-    ]
+    blocked = []
+    for nest, factors in zip(nests, nest_factors):
+        block = _register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize, target)
+        tile = _register_tile(nest.order, assignment.output, factors, block, nest.tiles, nest.parallel, dims,
+                              itemsize, target)
+        if tile is not None:
+            block = Tile(block.index, tile.vectors * target.lanes(itemsize))
+            reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
+                           f"vectors of {block.index} ({target.vector_registers} vector registers)")
+        blocked.append(replace(nest, register_block=block, register_tile=tile))
+    nests = [_dense_decisions(nest, n, factors, assignment, target)
+             for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     wide = target.wide_register_block_vectors
     for nest in nests:
-        if nest.register_block is not None:
+        if nest.register_block is not None and nest.register_tile is None:
             block = nest.register_block
             vectors = block.size // target.lanes(itemsize)
             why = "tile" if vectors == wide else "do not tile"

@@ -7,13 +7,17 @@ explicitly to the stages that depend on the machine; tests construct one (e.g.
 * **Vectors.** ``vector_bytes`` is the SIMD width the kernels are written for: 32 bytes
   on x86-64 with AVX2 (also on AVX-512 hosts, where GCC's ``-march=native`` prefers
   256-bit vectors too), 16 on SSE-only x86-64 and on aarch64 (NEON).
+  ``widest_vector_bytes`` is the widest the CPU has (64 with AVX-512): kernels with a
+  register tile, which are bound by their multiply-adds, are written for it.
 * **Caches.** ``l2_bytes`` is one core's private L2, the budget for tiles (half of it)
   and the size under which gathered operands are not prefetched; ``llc_bytes`` the
   shared last-level cache.
 * **Register blocks.** An output row strip-mined into registers takes
   ``wide_register_block_vectors`` SIMD vectors when they divide it, else
   ``register_block_vectors``; independent accumulators of a vector reduction:
-  ``register_block_vectors``.
+  ``register_block_vectors``. ``vector_registers`` (16 with AVX2, 32 with AVX-512's
+  VL registers and on aarch64) bounds a 2-D register tile: ``rows x vectors``
+  accumulators plus ``vectors`` loads and one broadcast.
 * **Reductions over stored entries.** ``sparse_accumulators`` interleaved sums; a
   row block of ``row_block`` stored entries shares the loads of the factors they have
   in common, with ``row_block_vectors`` SIMD accumulators per entry.
@@ -43,10 +47,12 @@ class Target:
     """A CPU as the compiler models it (see the module docstring for each field)."""
 
     vector_bytes: int = 32
+    widest_vector_bytes: int | None = None  # None: vector_bytes
     l2_bytes: int = 1 << 20
     llc_bytes: int = 8 << 20
     register_block_vectors: int = 4
     wide_register_block_vectors: int = 8
+    vector_registers: int = 16
     sparse_accumulators: int = 4
     row_block: int = 4
     row_block_vectors: int = 1
@@ -58,13 +64,20 @@ class Target:
     parallel_min_work: int = 1 << 15
 
     def __post_init__(self) -> None:
-        for name in ("vector_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
-                     "wide_register_block_vectors", "sparse_accumulators", "row_block", "row_block_vectors"):
+        if self.widest_vector_bytes is None:
+            object.__setattr__(self, "widest_vector_bytes", self.vector_bytes)
+        for name in ("vector_bytes", "widest_vector_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
+                     "wide_register_block_vectors", "vector_registers", "sparse_accumulators", "row_block", "row_block_vectors"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Target.{name} must be a positive int, got {value!r}")
-        if self.vector_bytes & (self.vector_bytes - 1):
-            raise ValueError(f"Target.vector_bytes must be a power of two, got {self.vector_bytes}")
+        for name in ("vector_bytes", "widest_vector_bytes"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"Target.{name} must be a power of two, got {value}")
+        if self.widest_vector_bytes < self.vector_bytes:
+            raise ValueError(f"Target.widest_vector_bytes ({self.widest_vector_bytes}) is below vector_bytes "
+                             f"({self.vector_bytes})")
         if self.row_block & (self.row_block - 1):
             raise ValueError(f"Target.row_block must be a power of two, got {self.row_block}")
 
@@ -78,19 +91,24 @@ class Target:
         """The machine this process runs on: vector width from the architecture and
         CPU flags, cache sizes from sysfs (defaults where they cannot be read)."""
         l2, llc = _cache_sizes()
-        return Target(vector_bytes=_host_vector_bytes(), l2_bytes=l2, llc_bytes=llc)
+        vector_bytes, widest, registers = _host_vectors()
+        return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l2_bytes=l2,
+                      llc_bytes=llc)
 
 
-def _host_vector_bytes() -> int:
+def _host_vectors() -> tuple[int, int, int]:
+    """(SIMD width in bytes, widest SIMD width, number of vector registers) of the host."""
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64"):
         try:
             with open("/proc/cpuinfo") as f:
-                flags = next((line for line in f if line.startswith("flags")), "")
+                flags = next((line for line in f if line.startswith("flags")), "").split()
         except OSError:
-            flags = ""
-        return 32 if " avx2" in flags else 16
-    return 16
+            flags = []
+        width = 32 if "avx2" in flags else 16
+        wide = "avx512f" in flags and "avx512vl" in flags
+        return width, (64 if wide else width), (32 if wide else 16)
+    return 16, 16, (32 if machine in ("aarch64", "arm64") else 16)
 
 
 def _cache_sizes() -> tuple[int, int]:

@@ -1,0 +1,213 @@
+"""Blocked operands computed over split indices (sparsenn/compiler/blocks.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn import SparseTensor
+from sparsenn.compiler.blocks import split_call
+from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.plan.schedule import RegisterTile, schedule
+from sparsenn.compiler.plan.target import Target
+from sparsenn.formats import parse_format
+
+
+def block_sparse(shape, block, density=0.4, dtype=torch.float64, seed=0):
+    """A dense tensor whose nonzeros fill random whole blocks."""
+    g = torch.Generator().manual_seed(seed)
+    grid = [n // b for n, b in zip(shape, block)]
+    mask = torch.rand(grid, generator=g) < density
+    for m, b in enumerate(block):
+        mask = mask.repeat_interleave(b, m)
+    return torch.randn(shape, generator=g, dtype=dtype) * mask
+
+
+def split_of(equation, formats, shapes, request=None):
+    return split_call(parse_einsum(equation, len(formats)),
+                      [None if f is None else parse_format(f, len(s)) for f, s in zip(formats, shapes)], shapes, request)
+
+
+def test_blocked_spmm_splits_both_indices_and_reads_blocks_as_unblocked_levels():
+    split = split_of("ij,jk->ik", ["bsr(4,2)", None], [(8, 6), (6, 5)])
+    assert dict(split.sizes) == {"i": 4, "j": 2}
+    assert str(split.assignment) == "Out[i,i',k] = sum_{j,j'} operand0[i,i',j,j'] * operand1[j,j',k]"
+    assert split.layouts[0].shape == (2, 4, 3, 2) and str(split.layouts[0].format) == "dcdd[0,2,1,3]"
+    assert split.converted == (None, None)
+
+
+def test_a_compressed_reader_keeps_the_index_whole_and_the_blocked_operand_is_converted():
+    split = split_of("ij,jk->ik", ["bsr(2,2)", "csc"], [(4, 4), (4, 4)])  # csc stores j compressed
+    assert "j" not in dict(split.sizes)
+    assert str(split.converted[0]) == "csr"
+
+
+def test_disagreeing_block_sizes_keep_the_index_whole():
+    split = split_of("ij,jk->ik", ["bsr(2,2)", "bsr(4,2)"], [(8, 8), (8, 8)])
+    assert dict(split.sizes) == {}  # j disagrees, so neither operand can keep its blocks
+    assert [str(f) for f in split.converted] == ["csr", "csr"]
+
+
+def test_a_dense_level_of_an_unblocked_operand_splits_in_two():
+    split = split_of("ij,jk->ik", ["bsr(2,2)", "csr"], [(4, 4), (4, 6)])  # csr stores j densely
+    assert dict(split.sizes) == {"i": 2, "j": 2}
+    assert str(split.layouts[1].format) == "ddc" and split.layouts[1].shape == (2, 2, 6)
+
+
+@pytest.mark.parametrize("fmt", ["bsr(2,3)", "bsc(2,3)", "dc(1,3)", "cc[1,0](2,1)"])
+@pytest.mark.parametrize("equation", ["ij,jk->ik", "ij,ik->jk", "ij,j->i", "ij->ji"])
+def test_products_match_torch(fmt, equation):
+    dense = block_sparse((8, 12), (2, 3))
+    a = SparseTensor.from_dense(dense, format=fmt)
+    others = {"ij,jk->ik": [torch.randn(12, 5, dtype=torch.float64)], "ij,ik->jk": [torch.randn(8, 5, dtype=torch.float64)],
+              "ij,j->i": [torch.randn(12, dtype=torch.float64)], "ij->ji": []}[equation]
+    out = sparsenn.einsum(equation, a, *others)
+    out = out.to_dense() if isinstance(out, SparseTensor) else out
+    torch.testing.assert_close(out, torch.einsum(equation, dense, *others))
+
+
+def test_block_sddmm_keeps_the_block_pattern_and_writes_in_place():
+    dense = block_sparse((8, 12), (4, 4), dtype=torch.float32)
+    mask = SparseTensor.from_dense(dense, format="bsr(4,4)")
+    q, k = torch.randn(8, 6), torch.randn(12, 6)
+    out = sparsenn.einsum("ij,ik,jk->ij", mask, q, k)
+    assert out.format == mask.format and out.pos == mask.pos and out.crd == mask.crd
+    torch.testing.assert_close(out.to_dense(), dense * (q @ k.T))
+    text = sparsenn.explain("ij,ik,jk->ij", mask, q, k)
+    assert "indices split i -> (i, i') by 4, j -> (j, j') by 4" in text
+    assert "values are written at its positions" in text
+
+
+def test_elementwise_product_of_blocked_operands_is_blocked():
+    dense = block_sparse((6, 6), (3, 2))
+    a = SparseTensor.from_dense(dense, format="bsr(3,2)")
+    out = sparsenn.einsum("ij,ij->ij", a, a)
+    assert str(out.format) == "bsr(3,2)"
+    torch.testing.assert_close(out.to_dense(), dense * dense)
+
+
+@pytest.mark.parametrize("out_format", ["csr", "bsr(2,3)", "dense", "auto"])
+def test_requested_output_formats(out_format):
+    dense = block_sparse((8, 12), (2, 3))
+    a = SparseTensor.from_dense(dense, format="bsr(2,3)")
+    out = sparsenn.einsum("ij,ij->ij", a, a, out_format=out_format)
+    if out_format == "dense":
+        assert isinstance(out, torch.Tensor)
+    else:
+        assert str(out.format) == ("bsr(2,3)" if out_format == "auto" else out_format)
+        out = out.to_dense()
+    torch.testing.assert_close(out, dense * dense)
+
+
+def test_rank3_blocks_with_a_dense_batch_mode():
+    dense = block_sparse((3, 8, 8), (1, 4, 4))
+    s = SparseTensor.from_dense(dense, format="ddc(1,4,4)")
+    v = torch.randn(3, 8, 5, dtype=torch.float64)
+    torch.testing.assert_close(sparsenn.einsum("hij,hjd->hid", s, v), dense @ v)
+    split = split_of("hij,hjd->hid", ["ddc(1,4,4)", None], [(3, 8, 8), (3, 8, 5)])
+    assert dict(split.sizes) == {"i": 4, "j": 4}  # blocks of 1 leave h whole
+    scores = sparsenn.einsum("hij,hid,hjd->hij", s, v, v)
+    assert scores.format == s.format
+    torch.testing.assert_close(scores.to_dense(), dense * (v @ v.transpose(1, 2)))
+
+
+def test_rank4_blocks():
+    dense = block_sparse((2, 2, 8, 6), (1, 1, 2, 3))
+    s = SparseTensor.from_dense(dense, format="dddc(1,1,2,3)")
+    v = torch.randn(2, 2, 6, 4, dtype=torch.float64)
+    torch.testing.assert_close(sparsenn.einsum("bhij,bhjd->bhid", s, v), dense @ v)
+
+
+@pytest.mark.parametrize("fmt", ["bsr(2,3)", "bsc(2,3)"])
+def test_gradients_of_blocked_values_are_sampled_on_the_block_pattern(fmt):
+    dense = block_sparse((4, 6), (2, 3), density=0.6)
+    a = SparseTensor.from_dense(dense, format=fmt)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    values = a.values.detach().clone().requires_grad_(True)
+
+    def run(v, x):
+        return sparsenn.einsum("ij,jk->ik", a.with_values(v), x, out_format="dense")
+
+    assert torch.autograd.gradcheck(run, (values, x))
+    run(values, x).sum().backward()
+    stored = a.with_values(torch.ones_like(a.values)).to_dense().bool()
+    expected = torch.ones(4, 3, dtype=torch.float64) @ x.detach().T
+    torch.testing.assert_close(a.with_values(values.grad).to_dense(), expected * stored)
+
+
+def test_gradients_through_a_block_sddmm():
+    dense = block_sparse((4, 4), (2, 2), density=0.7)
+    mask = SparseTensor.from_dense(dense, format="bsr(2,2)")
+    q = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    values = mask.values.detach().clone().requires_grad_(True)
+
+    def run(v, q, k):
+        return sparsenn.einsum("ij,ik,jk->ij", mask.with_values(v), q, k).values
+
+    assert torch.autograd.gradcheck(run, (values, q, k))
+
+
+# ----------------------------------------------------------------------------- register tiles
+
+AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+
+
+def split_schedule(equation, operands, target):
+    """The schedule of ``equation``'s split form (blocked operands) on ``target``."""
+    formats = [op.format if isinstance(op, SparseTensor) else None for op in operands]
+    split = split_call(parse_einsum(equation, len(operands)), formats, [tuple(op.shape) for op in operands], "dense")
+    views = split.operands(operands)
+    return schedule(split.assignment, [operand_info(op) for op in views], None, 4, target)
+
+
+def bsr_spmm_operands(block=32, n=256, k=128):
+    dense = block_sparse((n, n), (block, block), density=0.2, dtype=torch.float32)
+    return [SparseTensor.from_dense(dense, format=f"bsr({block},{block})"), torch.randn(n, k)], dense
+
+
+@pytest.mark.parametrize("target, rows, vectors, width", [(AVX2, 6, 2, 32), (AVX512, 6, 4, 64)])
+def test_a_stored_block_times_a_dense_panel_gets_a_register_tile_sized_from_the_target(target, rows, vectors,
+                                                                                         width):
+    operands, _ = bsr_spmm_operands(block=24, n=240)
+    sched = split_schedule("ij,jk->ik", operands, target)
+    (nest,) = sched.nests
+    assert nest.order == ("i", "j", "i'", "j'", "k")
+    assert nest.register_tile == RegisterTile("i'", rows, vectors)
+    assert nest.register_block.size == vectors * width // 4
+    assert sched.target.vector_bytes == width  # a tiled kernel is written for the widest vectors
+
+
+def test_rows_prefer_a_divisor_of_the_block():
+    operands, _ = bsr_spmm_operands(block=32)
+    assert split_schedule("ij,jk->ik", operands, AVX2).nests[0].register_tile.rows == 4  # not 6
+
+
+def test_no_register_tile_over_compressed_rows():
+    a = SparseTensor.from_dense(block_sparse((64, 64), (1, 1), density=0.1, dtype=torch.float32), format="csr")
+    sched = schedule(parse_einsum("ij,jk->ik", 2), [operand_info(a), operand_info(torch.randn(64, 64))], None, 4,
+                     AVX512)
+    assert sched.nests[0].register_block is not None and sched.nests[0].register_tile is None
+
+
+@pytest.mark.parametrize("block, n, k", [(32, 256, 128), (24, 240, 40), (7, 63, 19), (6, 36, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_register_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype):
+    dense = block_sparse((n, n), (block, block), density=0.3, dtype=dtype)
+    a = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
+    x = torch.randn(n, k, dtype=dtype)
+    text = sparsenn.explain("ij,jk->ik", a, x)
+    assert "register tile" in text or block < 8  # tiles need a reduction and a panel of whole vectors
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x)
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x, out_format="dense"), dense @ x)
+
+
+def test_register_tiled_sum_of_two_products():
+    dense = block_sparse((64, 64), (16, 16), density=0.4)
+    a = SparseTensor.from_dense(dense, format="bsr(16,16)")
+    x, y = torch.randn(64, 48, dtype=torch.float64), torch.randn(64, 48, dtype=torch.float64)
+    out = sparsenn.compile("Y[i,k] = A[i,j] * X[j,k] - A[i,j] * Z[j,k]")(a, x, y)
+    torch.testing.assert_close(out, dense @ x - dense @ y)
