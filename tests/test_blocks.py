@@ -211,3 +211,25 @@ def test_register_tiled_sum_of_two_products():
     x, y = torch.randn(64, 48, dtype=torch.float64), torch.randn(64, 48, dtype=torch.float64)
     out = sparsenn.compile("Y[i,k] = A[i,j] * X[j,k] - A[i,j] * Z[j,k]")(a, x, y)
     torch.testing.assert_close(out, dense @ x - dense @ y)
+
+
+# ----------------------------------------------------------------------------- n:m operands
+
+
+@pytest.mark.parametrize("n, m", [(2, 4), (1, 4), (3, 8)])
+def test_nm_operands_split_their_last_index_into_groups_and_offsets(n, m):
+    weight = SparseTensor.from_dense(torch.randn(6, 16, dtype=torch.float64), format=f"nm({n},{m})")
+    x = torch.randn(5, 16, dtype=torch.float64)
+    text = sparsenn.explain("bi,oi->bo", x, weight)
+    assert f"indices split i -> (i, i') by {m}" in text
+    torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight), x @ weight.to_dense().T)
+    values = weight.values.detach().clone().requires_grad_(True)
+    xg = x.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda v, xg: sparsenn.einsum("bi,oi->bo", xg, weight.with_values(v)),
+                                    (values, xg))
+
+
+def test_an_nm_operand_is_never_re_stored_in_another_mode_order():
+    weight = SparseTensor.from_dense(torch.randn(6, 16), format="nm(2,4)")
+    sched = sparsenn.compiler.runtime.api.plan("bi,oi->bo", torch.randn(5, 16), weight).schedule
+    assert not sched.transposes or all(order == (0, 1, 2) for (_, k), order in sched.transposes if k == 1)

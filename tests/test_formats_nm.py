@@ -106,11 +106,16 @@ def test_grouped_level_checks_count():
         Grouped()
 
 
+def test_an_unblocked_format_may_end_in_a_grouped_level():
+    # What an nm tensor is over split indices (rows, groups, offsets): the compiler reads it so.
+    fmt = Format((Dense(), Dense(), Grouped(count=2)), (0, 1, 2), None)
+    assert fmt.nm is None and not fmt.is_dense
+
+
 @pytest.mark.parametrize("levels, order, block, reason", [
-    ((Dense(), Grouped(count=2)), (0, 1), None, "last level of an nm"),
     ((Dense(), Dense(), Dense(), Grouped(count=2)), (1, 0), (1, 4), "last level of an nm"),
     ((Dense(), Dense(), Dense(), Grouped(count=2)), (0, 1), (2, 4), "last level of an nm"),
-    ((Grouped(count=1), Dense(), Dense(), Grouped(count=2)), (0, 1), (1, 4), "last level of an nm"),
+    ((Grouped(count=1), Dense(), Dense(), Grouped(count=2)), (0, 1), (1, 4), "must be the last level"),
     ((Dense(), Dense(), Dense(), Grouped(count=5)), (0, 1), (1, 4), r"n <= m, got n=5 > m=4"),
 ])
 def test_format_rejects_misplaced_grouped_levels(levels, order, block, reason):

@@ -248,7 +248,7 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
         target = request if isinstance(request, Format) else result_format(
             assignment, [None if f is None else _unblocked(f) if f.block is not None else f for f in reading])
         if target is not None:
-            blocked = _with_block(target, out_blocks)
+            blocked = target if (target.block or (1,) * target.rank) == out_blocks else _with_block(target, out_blocks)
             final = request if isinstance(request, Format) and request != blocked else None
             split_request = _layout(blocked, out_shape, assignment.output, sizes).format
         else:

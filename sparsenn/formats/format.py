@@ -92,7 +92,9 @@ class Format:
             if len(levels) != 2 * rank or not all(isinstance(lv, Dense) for lv in inner_dense):
                 raise ValueError("a blocked format needs rank outer levels followed by rank dense levels "
                                  "(the last may be Grouped in an nm(n,m) format)")
-        if any(isinstance(level, Grouped) for level in levels):
+        if any(isinstance(level, Grouped) for level in levels[:-1]):
+            raise ValueError(f"a Grouped level must be the last level, got levels {levels}")
+        if block is not None and isinstance(levels[-1], Grouped):
             _check_nm(levels, mode_order, block)
         for index, level in enumerate(levels):
             if isinstance(level, Singleton) and (index == 0 or not levels[index - 1].has_crd):
@@ -112,7 +114,7 @@ class Format:
     def nm(self) -> tuple[int, int] | None:
         """``(n, m)`` of an ``nm(n,m)`` format, else None."""
         last = self.levels[-1] if self.levels else None
-        return (last.count, self.block[-1]) if isinstance(last, Grouped) else None
+        return (last.count, self.block[-1]) if isinstance(last, Grouped) and self.block is not None else None
 
     @functools.cached_property
     def is_dense(self) -> bool:

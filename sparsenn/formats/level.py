@@ -21,6 +21,7 @@ never tests for a named format such as "CSR" or for a level's letter.
 
 **Capabilities.** Properties: ``locatable``, ``full`` (every coordinate present),
 ``ordered``, ``unique`` (per instance), ``branchless`` (one child per parent),
+``restorable`` (a tensor holding it may be re-stored in another mode order),
 ``has_pos``/``has_crd`` (its arrays) and ``assembly`` (how a kernel writes it: a
 located level is *inserted* at ``p * N + i``, others are *appended*). Methods build the
 index expressions of iteration and location. ``formats`` must not depend on the
@@ -82,6 +83,7 @@ class Level(ABC):
     branchless: ClassVar[bool] = False
     assembly: ClassVar[str]  # "insert" (located) or "append"
     ordered: ClassVar[bool] = True
+    restorable: ClassVar[bool] = True  # a tensor with this level can be re-stored in another mode order
 
     @abstractmethod
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
@@ -192,6 +194,7 @@ class Grouped(Level):
     count: int = field(kw_only=True)
 
     letter: ClassVar[str] = "n"
+    restorable: ClassVar[bool] = False  # its coordinates are offsets within its parent's group
     locatable: ClassVar[bool] = False
     has_pos: ClassVar[bool] = False
     has_crd: ClassVar[bool] = True

@@ -62,6 +62,8 @@ class Factor:
     def transpose_cost(self) -> float:
         if self.natural:
             return 0.0
+        if not all(level.restorable for _, level in self.levels):
+            return math.inf
         if not self.sparse:
             return DENSE_COPY_COST * self.nnz
         return TRANSPOSE_COST * (self.nnz + self.storage)
