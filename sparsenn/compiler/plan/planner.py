@@ -192,12 +192,13 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
                 index_dtype: torch.dtype) -> ShapePlan:
     formats = tuple(i.format for i in infos)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    schedules: dict[Format | None, Schedule] = {}
+    schedules: dict[tuple[Format | None, int | None], Schedule] = {}
 
-    def scheduled(fmt: Format | None) -> Schedule:  # each output format scheduled once
-        if fmt not in schedules:
-            schedules[fmt] = schedule(assignment, infos, fmt, itemsize)
-        return schedules[fmt]
+    def scheduled(fmt: Format | None, anchor: int | None = None) -> Schedule:  # each output scheduled once
+        if (fmt, anchor) not in schedules:
+            sampled_by = None if anchor is None else tuple(assignment.output[m] for m in formats[anchor].mode_order)
+            schedules[fmt, anchor] = schedule(assignment, infos, fmt, itemsize, sampled_by=sampled_by)
+        return schedules[fmt, anchor]
 
     output, requested = _requested(assignment, formats, request)
     if request == AUTO:
@@ -207,7 +208,7 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
         output = densify_by_fill(assignment, formats, inferred, lambda: scheduled(inferred).leaves,
                                  math.prod(sizes[i] for i in assignment.output))
     anchor = _find_anchor(assignment, formats, requested, output)
-    sched = scheduled(None if anchor is not None else output)
+    sched = scheduled(None, anchor) if anchor is not None else scheduled(output)
     if anchor is not None and any(assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes):
         anchor, sched = None, scheduled(output)  # the anchor would be re-stored: its positions are not the output's
     if anchor is not None:

@@ -347,9 +347,12 @@ def schedule(
     output_format: Format | None,
     itemsize: int = 4,
     target: Target | None = None,
+    sampled_by: tuple[str, ...] | None = None,
 ) -> Schedule:
     """Choose loop orders, workspace, tiles and every code decision for ``assignment``
-    on ``target`` (the host by default; see module doc)."""
+    on ``target`` (the host by default; see module doc). ``sampled_by``: for a dense
+    schedule whose values are written at an anchor operand's positions, the output
+    indices in that operand's storage order (reading it so re-lays nothing out)."""
     target = Target.host() if target is None else target
     dims: dict[str, int] = {}
     for term in assignment.terms:
@@ -357,10 +360,11 @@ def schedule(
             for m, index in enumerate(access.indices):
                 dims[index] = infos[access.operand].shape[m]
     if output_format is None:
-        sched = _schedule_dense(assignment, infos, dims, itemsize, target)
+        layout = assignment.output if sampled_by is None else sampled_by
+        sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
         if any(n.register_tile for n in sched.nests) and target.widest_vector_bytes > target.vector_bytes:
             target = replace(target, vector_bytes=target.widest_vector_bytes)  # see the module doc
-            sched = _schedule_dense(assignment, infos, dims, itemsize, target)
+            sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
@@ -395,7 +399,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     return replace(nest, **fields)
 
 
-def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedule:
+def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: tuple[str, ...]) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
     nest_factors = []
     output_order, costliest = assignment.output, -1.0
@@ -403,14 +407,14 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target) -> Schedu
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = nest_cost(term, order, infos, dims, assignment.output)[0]
+            cost = nest_cost(term, order, infos, dims, layout)[0]
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        _, leaves, factors = nest_cost(term, best, infos, dims, assignment.output)
+        _, leaves, factors = nest_cost(term, best, infos, dims, layout)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = best[0] in assignment.output
