@@ -233,3 +233,37 @@ def test_an_nm_operand_is_never_re_stored_in_another_mode_order():
     weight = SparseTensor.from_dense(torch.randn(6, 16), format="nm(2,4)")
     sched = sparsenn.compiler.runtime.api.plan("bi,oi->bo", torch.randn(5, 16), weight).schedule
     assert not sched.transposes or all(order == (0, 1, 2) for (_, k), order in sched.transposes if k == 1)
+
+
+# ----------------------------------------------------------------------------- panels
+
+SMALL_L2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=16 << 10, llc_bytes=1 << 20)
+
+
+@pytest.fixture
+def small_l2_host(monkeypatch):
+    """Plans made while this is active are scheduled for :data:`SMALL_L2` (tiles on small shapes)."""
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: SMALL_L2))
+    sparsenn.compiler.clear_caches()
+    yield
+    sparsenn.compiler.clear_caches()
+
+
+@pytest.mark.parametrize("batch", [64, 90, 100])  # whole panels of 16, and a partial last one
+@pytest.mark.parametrize("fmt", ["csr", "nm(2,4)", "bsr(8,8)"])
+def test_a_batch_major_input_is_read_in_panels_of_the_batch_tile(batch, fmt, small_l2_host):
+    weight = SparseTensor.from_dense(block_sparse((48, 64), (8, 8), density=0.5, dtype=torch.float64), format=fmt)
+    x = torch.randn(batch, 64, dtype=torch.float64)
+    sched = sparsenn.compiler.runtime.api.plan("bi,oi->bo", x, weight, out_format="dense").schedule
+    (nest,) = sched.nests
+    (tile,) = [t for t in nest.tiles if t.index == "b"]
+    assert nest.panels == ((0, tile.size),)
+    torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight, out_format="dense"),
+                               x @ weight.to_dense().T)
+
+
+def test_no_panels_for_an_operand_read_in_its_own_layout(small_l2_host):
+    weight = SparseTensor.from_dense(block_sparse((48, 64), (1, 1), density=0.2, dtype=torch.float64), format="csr")
+    xt = torch.randn(64, 100, dtype=torch.float64)
+    (nest,) = sparsenn.compiler.runtime.api.plan("oi,ib->ob", weight, xt, out_format="dense").schedule.nests
+    assert any(t.index == "b" for t in nest.tiles) and nest.panels == ()

@@ -25,11 +25,13 @@ __all__ = ["Slot", "Lowering"]
 class Slot:
     """One operand as the kernel reads it: a sparse operand stored as is or re-stored
     in another mode order (``fmt``), or a dense tensor (``fmt is None``), contiguous
-    with its modes permuted by ``layout`` when the schedule asked for it."""
+    with its modes permuted by ``layout`` when the schedule asked for it, in panels of
+    ``panel`` along its last mode if given (``[panel][other modes][offset]``)."""
 
     operand: int
     fmt: Format | None
     layout: tuple[int, ...] | None = None
+    panel: int | None = None
 
 
 class Lowering:
@@ -41,6 +43,7 @@ class Lowering:
         self.slots: list[Slot] = []
         self._counter = 0
         self._stack: list[list[ir.Stmt]] = [[]]
+        self.tile_bounds: dict[str, tuple[ir.Expr, ir.Expr]] = {}  # open tile loops: index -> (start, end)
 
     # -- building -------------------------------------------------------------
     def emit(self, *stmts: ir.Stmt) -> None:
@@ -103,14 +106,26 @@ class Lowering:
             if st.sparse:
                 parts.append(ir.Load(ir.Array("val", st.slot), st.pos))
             else:
-                parts.append(ir.Load(ir.Array("dense", st.slot), self.offset(st.dense_indices, at)))
+                parts.append(ir.Load(ir.Array("dense", st.slot), self.dense_offset(st, at)))
         return parts
+
+    def dense_offset(self, st, at: dict[str, ir.Expr] | None = None) -> ir.Expr:
+        """The element offset of a dense factor: row-major (:meth:`offset`), or, for a
+        slot in panels along the tiled index ``k`` (open tile ``[T, E)``),
+        ``T * rows + offset(other modes) * (E - T) + (k - T)``."""
+        if self.slots[st.slot].panel is None:
+            return self.offset(st.dense_indices, at)
+        *rows, k = st.dense_indices
+        start, end = self.tile_bounds[k]
+        within = ir.sub((at or {}).get(k, self.var(k)), start)
+        row_count = product_of([self.dim(i) for i in rows])
+        return ir.add(ir.add(ir.mul(start, row_count), ir.mul(self.offset(rows, at), ir.sub(end, start))), within)
 
     def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None) -> ir.Expr:
         """SIMD vector of a unit-stride dense factor ``lane`` elements past its current
         position (or past ``at``)."""
         lane = ir.mul(ir.Var("v"), ir.Lanes()) if lane is None else lane
-        return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.offset(st.dense_indices, at), lane))
+        return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.dense_offset(st, at), lane))
 
 
 def product_of(parts: Sequence[ir.Expr]) -> ir.Expr:

@@ -102,6 +102,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         for tile in tiles:
             tv = starts[tile.index] = ir.Var(f"T{lo.indices.index(tile.index)}")
             walk.bounds[tile.index] = (tv, ir.min_(ir.add(tv, tile.size), lo.dim(tile.index)))
+            lo.tile_bounds[tile.index] = walk.bounds[tile.index]
         body = lo.block(lambda: _chunks(lo, nest, walk, states, term, offset, coef, once), scoped=False)
         for tile in reversed(tiles):
             tv, n = starts[tile.index], lo.dim(tile.index)

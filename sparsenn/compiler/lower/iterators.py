@@ -157,7 +157,9 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
         fmt = lo.formats[access.operand]
         order = lo.s.factor_mode_order(t, k)
         if fmt is None:
-            n = lo.slot_of(Slot(access.operand, None, order))
+            nest = next(n for n in lo.s.nests if n.term == t)
+            panel = next((size for k2, size in nest.panels if k2 == k), None)
+            n = lo.slot_of(Slot(access.operand, None, order, panel))
             indices = access.indices if order is None else tuple(access.indices[m] for m in order)
             states.append(FactorState(n, (), indices))
             continue

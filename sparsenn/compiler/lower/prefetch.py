@@ -57,8 +57,9 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
         lo.emit(ir.Decl(dist, "index", ir.min_(policy.max_distance, ir.add(
             ir.Bin("/", ir.Const(policy.ahead_bytes), ir.max_(total, 1)), 1)), const=True))
         lo.emit(ir.Decl(last, "index", ir.sub(ir.Cast("index", level_size(lo, driver, driver.depth)), 1), const=True))
-        lo.emit(ir.Decl(footprint, "index", _sum([
-            product_of([value, *(lo.dim(i) for i in states[k].dense_indices)]) for k, _, _ in gathers]), const=True))
+        lo.emit(ir.Decl(footprint, "index", _sum([  # what the loop may gather: every row's span
+            product_of([value, n, *(lo.dim(i) for i in _rows(states[k].dense_indices, index))])
+            for k, _, n in gathers]), const=True))
         first = ir.Cast("index", ir.Load(crd, q))
         ahead = ir.Cast("index", ir.Load(crd, ir.min_(ir.add(q, dist), last)))
         jump = ir.le(ir.Const(policy.min_jump), ir.Call("abs", (ir.sub(ahead, first),)))
@@ -72,12 +73,17 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
             lo.emit(ir.Decl(target, "index", ir.Load(crd, ir.min_(ir.add(position, dist), last)), const=True))
             for g, (k, at, _) in enumerate(gathers):
                 st = states[k]
-                lo.emit(ir.Prefetch(ir.Array("dense", st.slot), lo.offset(st.dense_indices, {**at, index: target}),
+                lo.emit(ir.Prefetch(ir.Array("dense", st.slot), lo.dense_offset(st, {**at, index: target}),
                                     ir.min_(ir.Elem(size, (ir.Const(g),)), policy.max_bytes)))
 
         return on, emit
 
     return declare
+
+
+def _rows(indices: Sequence[str], index: str) -> Sequence[str]:
+    """The indices of a gathered factor up to and including the gathering ``index``."""
+    return indices[: indices.index(index) + 1]
 
 
 def _sum(parts):

@@ -27,6 +27,12 @@ level. It returns a :class:`Schedule`:
   makes the reused data fit in half of a core's
   private L2 (the last-level cache is shared with the other core and, on a VM, with
   other tenants, so it is not a dependable target).
+* **Panels** (dense outputs): a dense operand the nest re-lays out anyway (its own
+  layout is not the loop order) whose unit-stride index is tiled is laid out in panels
+  of the tile: ``[tile][other modes][offset in tile]``, the last panel as wide as the
+  remainder. A tile then reads one contiguous block instead of a strip of every row,
+  which rows whose length is a multiple of a cache way's size (a batch of 256 floats)
+  map onto a fraction of the cache's sets.
 * **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
   output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
   ``k`` is strip-mined into blocks of the target's ``wide_register_block_vectors`` SIMD
@@ -112,6 +118,7 @@ class Nest:
     simd: str | None = None  # the innermost loop, when its iterations write different output elements
     stores_once: bool = False  # the first nest of a dense output stores with "="
     stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
+    panels: tuple[tuple[int, int], ...] = ()  # (factor, tile size): read in panels of its last index's tile
 
     def describe(self, shared: tuple[str, ...] = ()) -> str:
         parts = [f"term {self.term}: loop order {','.join(shared + self.order)}",
@@ -137,6 +144,8 @@ class Nest:
             parts.append(f"loop {self.simd}: omp simd (independent iterations)")
         if self.stores_once:
             parts.append("stores each output element once (=)")
+        for k, size in self.panels:
+            parts.append(f"factor {k} laid out in panels of {size}")
         if self.stores_once_anchors:
             parts.append(f"stores each sampled value once if operand(s) {list(self.stores_once_anchors)} anchor the output")
         return "; ".join(parts)
@@ -258,6 +267,14 @@ def _tiles(
         if MIN_TILE_BYTES // itemsize <= size < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
+
+
+def _panels(order: Sequence[str], tiles: Sequence[Tile], factors: list[Factor]) -> tuple[tuple[int, int], ...]:
+    """(factor, tile size) of the dense factors re-laid out whose last index is tiled
+    (see the module doc); not the outermost loop's tile, which is chunked instead."""
+    sizes = {t.index: t.size for t in tiles if t.index != order[0]}
+    return tuple((k, sizes[f.levels[-1][0]]) for k, f in enumerate(factors)
+                 if not f.sparse and not f.natural and f.levels and f.levels[-1][0] in sizes)
 
 
 def _register_block(
@@ -418,7 +435,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = best[0] in assignment.output
-        nests.append(Nest(t, best, tiles, parallel, costs[best]))
+        nests.append(Nest(t, best, tiles, parallel, costs[best], panels=_panels(best, tiles, factors)))
         nest_factors.append(factors)
         transposes += _transposes(t, factors, term)
         total += costs[best]

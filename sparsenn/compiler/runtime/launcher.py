@@ -154,7 +154,10 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         n, op = slot.operand, operands[slot.operand]
         if slot.fmt is None:
             view = op if slot.layout is None else op.permute(slot.layout)
-            if view.is_contiguous():
+            if slot.panel is not None:
+                stages.append(_panelled(n, slot.layout, slot.panel))
+                sources.append((True, len(stages) - 1))
+            elif view.is_contiguous():
                 sources.append((False, n))
             else:
                 stages.append(_relaid(n, slot.layout))
@@ -208,6 +211,21 @@ def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
     if layout is None:
         return lambda ops, made: ops[n].contiguous()
     return lambda ops, made: ops[n].permute(layout).contiguous()
+
+
+def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
+    """Dense operand ``n`` with its modes in ``layout`` order, in panels of ``size``
+    along the last: ``[panel][other modes][offset]``, the last panel the remainder."""
+
+    def stage(ops, made):
+        t = ops[n] if layout is None else ops[n].permute(layout)
+        whole = t.shape[-1] // size * size
+        panels = t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0).reshape(-1)
+        if whole == t.shape[-1]:
+            return panels
+        return torch.cat([panels, t[..., whole:].reshape(-1)])
+
+    return stage
 
 
 def _restored(n: int, fmt: Format) -> Stage:
