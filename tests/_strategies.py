@@ -90,9 +90,12 @@ class EinsumSkeleton:
 
 
 def block_sizes(fmt: str | None, indices: str) -> dict[str, int]:
-    """``{"i": 2, "j": 1}`` for ``fmt = "bsr(2,1)"`` over ``indices = "ij"``; {} if unblocked."""
+    """``{"i": 2, "j": 1}`` for ``fmt = "bsr(2,1)"`` over ``indices = "ij"``, ``{"j": 4}``
+    for ``"nm(2,4)"`` (groups along the last index); {} if unblocked."""
     if fmt is None or "(" not in fmt:
         return {}
+    if fmt.startswith("nm("):
+        return {indices[-1]: int(fmt[fmt.index(",") + 1 : -1])}
     sizes = [int(n) for n in fmt[fmt.index("(") + 1 : -1].split(",")]
     return dict(zip(indices, sizes))
 
@@ -107,14 +110,18 @@ def random_level_string(rng: random.Random, rank: int) -> str:
     return f"{letters}[{','.join(map(str, order))}]"
 
 
-def random_format(rng: random.Random, rank: int) -> str:
-    """A named format valid for ``rank`` (csr, csc, dcsr, dcsc, bsr/bsc, coo, csf, dense),
-    a random level string with a mode order, or one with blocks of 1-3 per mode."""
+def random_format(rng: random.Random, rank: int, grouped: bool = True) -> str:
+    """A named format valid for ``rank`` (csr, csc, dcsr, dcsc, bsr/bsc, coo, csf, dense,
+    and with ``grouped`` nm(n,m)), a random level string with a mode order, or one with
+    blocks of 1-3 per mode."""
     if rank == 0:
         return "dense"
     roll = rng.random()
     if roll < 0.1:
         return "dense"
+    if grouped and roll < 0.15:
+        m = rng.choice([2, 3, 4])
+        return f"nm({rng.randint(1, m)},{m})"
     if roll < 0.4:
         return random_level_string(rng, rank)
     if roll < 0.5:
@@ -154,7 +161,7 @@ def random_einsum_skeleton(seed: int, dtype: torch.dtype | None = None) -> Einsu
     if roll < 0.1:
         out_format = "dense"
     elif roll < 0.3 and rank > 0:
-        out_format = random_format(rng, rank)
+        out_format = random_format(rng, rank, grouped=False)  # nm drops entries: a request, not a result
     return EinsumSkeleton(skeleton.operands, output, out_format, skeleton.dtype)
 
 

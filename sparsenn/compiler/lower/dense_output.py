@@ -223,7 +223,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     def at_row(st) -> ir.Expr:
         """The factor's value at ``a + t``."""
         if not st.sparse:
-            return ir.Load(ir.Array("dense", st.slot), lo.offset(st.dense_indices, {a: ir.add(var_a, ROW)}))
+            return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, {a: ir.add(var_a, ROW)}))
         held = [i for i, _ in st.levels]
         stride = product_of([lo.dim(i) for i in held[held.index(a) + 1:]])
         return ir.Load(ir.Array("val", st.slot), ir.add(st.pos, ir.mul(ROW, stride)))
