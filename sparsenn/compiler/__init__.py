@@ -11,15 +11,17 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
-   and the call resolves to ``torch.einsum`` (all dense), pairwise contractions
-   (``plan/contract.py``) or one kernel.
+   and the call resolves to the same call over split indices when an operand is blocked
+   or n:m (``blocks.py``: block and in-block coordinates, the operands viewed so),
+   ``torch.einsum`` (all dense), pairwise contractions (``plan/contract.py``) or one
+   kernel.
 4. ``plan/planner.py``: the result's format from the operands' formats and
    ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
-   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles and
-   register blocks, and records every code decision of ``plan/decisions.py``: vector
-   and sparse reductions, row blocks, prefetching loops, store-once, ``omp simd``, the
-   output's assembly, threads), all for an explicit machine model (``plan/target.py``,
-   read once from the host). The plan is looked up by those decisions, so every batch
+   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles,
+   panels, register blocks and register tiles, and records every code decision of
+   ``plan/decisions.py``: vector and sparse reductions, row blocks, prefetching loops,
+   store-once, ``omp simd``, the output's assembly, threads), all for an explicit
+   machine model (``plan/target.py``, read once from the host). The plan is looked up by those decisions, so every batch
    size with the same decisions shares one kernel. A new plan is built by
    ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
