@@ -267,3 +267,22 @@ def test_no_panels_for_an_operand_read_in_its_own_layout(small_l2_host):
     xt = torch.randn(64, 100, dtype=torch.float64)
     (nest,) = sparsenn.compiler.runtime.api.plan("oi,ib->ob", weight, xt, out_format="dense").schedule.nests
     assert any(t.index == "b" for t in nest.tiles) and nest.panels == ()
+
+
+def test_blocked_formats_whose_levels_are_all_dense_store_every_entry():
+    # Found by the long fuzz run: split, such an operand is a dense tensor, and so is its
+    # sampled gradient, which must still have one value per stored position.
+    dense = torch.randn(1, 2, 4, dtype=torch.float64)
+    s = SparseTensor.from_dense(dense, format="ddd[1,2,0](1,2,2)")
+    grad = torch.randn(1, 2, 4, dtype=torch.float64)
+    out = sparsenn.einsum("bac,bac->bac", grad, s, out_format=s.format)
+    assert out.format == s.format and out.nnz == s.nnz
+    torch.testing.assert_close(out.to_dense(), grad * dense)
+    b = SparseTensor.from_dense(torch.tensor([[0.0, 2.0]], dtype=torch.float64), format="coo")
+    e = SparseTensor.from_dense(torch.randn(1, 2, 2, 4, dtype=torch.float64), format="dcdc[1,2,3,0]")
+    values = s.values.detach().clone().requires_grad_(True)
+
+    def run(v):
+        return sparsenn.einsum("bd,eadc,bac->ebda", b, e, s.with_values(v), out_format="dense")
+
+    assert torch.autograd.gradcheck(run, (values,))

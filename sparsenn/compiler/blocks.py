@@ -171,11 +171,15 @@ class Split:
         return out
 
     def result(self, result: torch.Tensor | SparseTensor) -> torch.Tensor | SparseTensor:
-        if isinstance(result, torch.Tensor):
+        if isinstance(result, torch.Tensor) and self.blocked is None:
             return result.reshape(self.out_shape)
         if self.blocked is None:  # "auto" over whole output indices
             return result
         layout = _layout(self.blocked, self.out_shape, self.original.output, dict(self.sizes))
+        if isinstance(result, torch.Tensor):  # every level dense: the values in storage order
+            values = result.permute(layout.modes).reshape(-1)
+            none = (None,) * len(self.blocked.levels)
+            return SparseTensor(self.out_shape, self.blocked, none, none, values, check=False)
         pos, crd = [None] * len(self.blocked.levels), [None] * len(self.blocked.levels)
         for level, source in enumerate(layout.sources):
             if source is not None:
@@ -251,6 +255,8 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
             blocked = target if (target.block or (1,) * target.rank) == out_blocks else _with_block(target, out_blocks)
             final = request if isinstance(request, Format) and request != blocked else None
             split_request = _layout(blocked, out_shape, assignment.output, sizes).format
+            if split_request.is_dense:  # blocks of dense levels: a dense result, laid out after
+                split_request = DENSE
         else:
             split_request = DENSE
     dense = {n: ix for n, ix in indices.items() if formats[n] is None}
