@@ -270,19 +270,33 @@ def test_no_panels_for_an_operand_read_in_its_own_layout(small_l2_host):
 
 
 def test_blocked_formats_whose_levels_are_all_dense_store_every_entry():
-    # Found by the long fuzz run: split, such an operand is a dense tensor, and so is its
-    # sampled gradient, which must still have one value per stored position.
     dense = torch.randn(1, 2, 4, dtype=torch.float64)
     s = SparseTensor.from_dense(dense, format="ddd[1,2,0](1,2,2)")
     grad = torch.randn(1, 2, 4, dtype=torch.float64)
     out = sparsenn.einsum("bac,bac->bac", grad, s, out_format=s.format)
     assert out.format == s.format and out.nnz == s.nnz
     torch.testing.assert_close(out.to_dense(), grad * dense)
-    b = SparseTensor.from_dense(torch.tensor([[0.0, 2.0]], dtype=torch.float64), format="coo")
-    e = SparseTensor.from_dense(torch.randn(1, 2, 2, 4, dtype=torch.float64), format="dcdc[1,2,3,0]")
-    values = s.values.detach().clone().requires_grad_(True)
 
-    def run(v):
-        return sparsenn.einsum("bd,eadc,bac->ebda", b, e, s.with_values(v), out_format="dense")
 
-    assert torch.autograd.gradcheck(run, (values,))
+def test_a_requested_unblocked_format_storing_split_indices_densely_is_split_like_an_operand():
+    csr = parse_format("csr", 2)
+    split = split_of("ij,ij->ij", ["bsr(2,1)", "csr"], [(4, 3), (4, 3)], csr)
+    assert dict(split.sizes) == {"i": 2} and split.stored == csr and split.final is None
+    assert split.request == split.layouts[1].format  # the csr operand can anchor the result
+
+
+def test_a_requested_unblocked_pattern_over_split_indices_keeps_its_positions():
+    # Found by the long fuzz run: the sampled gradient of the dcdc operand, whose indices a
+    # blocked operand splits, was computed as whole blocks and lost its pattern.
+    b = SparseTensor.from_dense(torch.zeros(1, 1, dtype=torch.float64), format="coo")
+    single = torch.zeros(1, 2, 1, 2, dtype=torch.float64)
+    single[0, 1, 0, 0] = 1.5
+    e = SparseTensor.from_dense(single, format="dcdc[1,2,3,0]")
+    s = SparseTensor.from_dense(torch.zeros(1, 2, 2, dtype=torch.float64), format="ddd[1,2,0](1,2,2)")
+    leaves = [op.values.clone().requires_grad_(True) for op in (b, e, s)]
+
+    def run(*values):
+        ops = [op.with_values(v) for op, v in zip((b, e, s), values)]
+        return sparsenn.einsum("bd,eadc,bac->ebda", *ops).to_dense()
+
+    assert torch.autograd.gradcheck(run, tuple(leaves))

@@ -17,8 +17,10 @@ An index stays whole where some operand stores it in a level that is neither den
 blocked by the same size (a compressed level of a CSR operand), or where blocked
 operands disagree on its block size; a blocked operand that needs such an index split
 is read as its unblocked levels instead (converted). A sparse result over split output
-indices is the blocked format with those block sizes (``bsr`` from ``bsr`` operands),
-converted to a requested unblocked format after the kernel.
+indices is the blocked format with those block sizes (``bsr`` from ``bsr`` operands); a
+requested unblocked format that stores them in dense levels is split like an operand
+(so a sampled gradient keeps its pattern's positions), any other is converted to after
+the kernel.
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def _with_block(fmt: Format, block: tuple[int, ...]) -> Format:
     return Format(outer + (Dense(),) * fmt.rank, fmt.mode_order, block)
 
 
+def _splits_densely(fmt: Format, indices: Sequence[str], sizes: dict[str, int]) -> bool:
+    """Whether unblocked ``fmt`` stores every index of ``sizes`` in a dense level (which splits in two)."""
+    return fmt.block is None and all(fmt.mode_level(m).full and fmt.mode_level(m).locatable
+                                     for m, i in enumerate(indices) if i in sizes)
+
+
 def _unblocked(fmt: Format) -> Format:
     return Format(fmt.levels[: fmt.rank], fmt.mode_order, None)
 
@@ -142,8 +150,8 @@ class Split:
 
     ``original`` is the call's expression, ``assignment`` and ``request`` the split call's; :meth:`operands` views a call's
     operands for it and :meth:`result` turns its result back: a dense result is reshaped,
-    a sparse one (``blocked``, over split modes) rebuilt in ``blocked`` and converted to
-    ``final`` if that differs."""
+    a sparse one (over split modes) rebuilt in ``stored`` and converted to ``final`` if
+    that differs."""
 
     original: Assignment
     assignment: Assignment
@@ -153,7 +161,7 @@ class Split:
     dense_indices: dict[int, tuple[str, ...]]  # per dense operand read: its indices
     request: Format | str | None
     out_shape: tuple[int, ...]
-    blocked: Format | None
+    stored: Format | None  # the sparse result's format before ``final``
     final: Format | None
 
     def operands(self, operands: Sequence) -> list:
@@ -171,20 +179,20 @@ class Split:
         return out
 
     def result(self, result: torch.Tensor | SparseTensor) -> torch.Tensor | SparseTensor:
-        if isinstance(result, torch.Tensor) and self.blocked is None:
+        if isinstance(result, torch.Tensor) and self.stored is None:
             return result.reshape(self.out_shape)
-        if self.blocked is None:  # "auto" over whole output indices
+        if self.stored is None:  # "auto" over whole output indices
             return result
-        layout = _layout(self.blocked, self.out_shape, self.original.output, dict(self.sizes))
+        layout = _layout(self.stored, self.out_shape, self.original.output, dict(self.sizes))
         if isinstance(result, torch.Tensor):  # every level dense: the values in storage order
             values = result.permute(layout.modes).reshape(-1)
-            none = (None,) * len(self.blocked.levels)
-            return SparseTensor(self.out_shape, self.blocked, none, none, values, check=False)
-        pos, crd = [None] * len(self.blocked.levels), [None] * len(self.blocked.levels)
+            none = (None,) * len(self.stored.levels)
+            return SparseTensor(self.out_shape, self.stored, none, none, values, check=False)
+        pos, crd = [None] * len(self.stored.levels), [None] * len(self.stored.levels)
         for level, source in enumerate(layout.sources):
             if source is not None:
                 pos[source], crd[source] = result.pos[level], result.crd[level]
-        rebuilt = SparseTensor(self.out_shape, self.blocked, pos, crd, result.values, check=False,
+        rebuilt = SparseTensor(self.out_shape, self.stored, pos, crd, result.values, check=False,
                                index_dtype=result.index_dtype)
         return rebuilt if self.final is None else rebuilt.asformat(self.final)
 
@@ -247,18 +255,21 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
                 out_sizes[i] = shapes[a.operand][m]
     out_shape = tuple(out_sizes[i] for i in assignment.output)
     out_blocks = tuple(sizes.get(i, 1) for i in assignment.output)
-    blocked, final, split_request = None, None, request
+    stored, final, split_request = None, None, request
     if request != DENSE and not (request == AUTO and out_blocks == (1,) * len(out_blocks)):
         target = request if isinstance(request, Format) else result_format(
             assignment, [None if f is None else _unblocked(f) if f.block is not None else f for f in reading])
         if target is not None:
-            blocked = target if (target.block or (1,) * target.rank) == out_blocks else _with_block(target, out_blocks)
-            final = request if isinstance(request, Format) and request != blocked else None
-            split_request = _layout(blocked, out_shape, assignment.output, sizes).format
+            if (target.block or (1,) * target.rank) == out_blocks or _splits_densely(target, assignment.output, sizes):
+                stored = target  # split as it is: a requested pattern keeps its positions (sampled gradients)
+            else:
+                stored = _with_block(target, out_blocks)
+            final = request if isinstance(request, Format) and request != stored else None
+            split_request = _layout(stored, out_shape, assignment.output, sizes).format
             if split_request.is_dense:  # blocks of dense levels: a dense result, laid out after
                 split_request = DENSE
         else:
             split_request = DENSE
     dense = {n: ix for n, ix in indices.items() if formats[n] is None}
     return Split(assignment, split, tuple(sorted(sizes.items())), layouts, converted, dense, split_request,
-                 out_shape, blocked, final)
+                 out_shape, stored, final)
