@@ -10,7 +10,7 @@ from sparsenn import SparseTensor
 from sparsenn.compiler.blocks import split_call
 from sparsenn.compiler.notation import parse_einsum
 from sparsenn.compiler.plan.planner import operand_info
-from sparsenn.compiler.plan.schedule import RegisterTile, schedule
+from sparsenn.compiler.plan.schedule import DotTile, RegisterTile, schedule
 from sparsenn.compiler.plan.target import Target
 from sparsenn.formats import parse_format
 
@@ -300,3 +300,41 @@ def test_a_requested_unblocked_pattern_over_split_indices_keeps_its_positions():
         return sparsenn.einsum("bd,eadc,bac->ebda", *ops).to_dense()
 
     assert torch.autograd.gradcheck(run, tuple(leaves))
+
+
+# ----------------------------------------------------------------------------- dot tiles
+
+
+@pytest.mark.parametrize("target, cols", [(AVX2, 2), (AVX512, 4)])
+def test_block_sddmm_gets_a_dot_tile_sized_from_the_target(target, cols):
+    dense = block_sparse((64, 64), (16, 16), density=0.3, dtype=torch.float32)
+    mask = SparseTensor.from_dense(dense, format="bsr(16,16)")
+    operands = [mask, torch.randn(64, 32), torch.randn(64, 32)]
+    formats = [op.format if isinstance(op, SparseTensor) else None for op in operands]
+    split = split_call(parse_einsum("ij,ik,jk->ij", 3), formats, [tuple(op.shape) for op in operands], mask.format)
+    views = split.operands(operands)
+    sampled_by = ("i", "j", "i'", "j'")  # the mask's storage order: values are written at its positions
+    sched = schedule(split.assignment, [operand_info(op) for op in views], None, 4, target, sampled_by=sampled_by)
+    (nest,) = sched.nests
+    assert nest.order[-3:] == ("i'", "j'", "k")
+    assert nest.dot_tile == DotTile("i'", "j'", 4, cols)
+
+
+def test_no_dot_tile_over_a_compressed_loop():
+    mask = SparseTensor.from_dense(block_sparse((64, 64), (1, 1), density=0.2, dtype=torch.float32), format="csr")
+    (nest,) = sparsenn.compiler.runtime.api.plan("ij,ik,jk->ij", mask, torch.randn(64, 32), torch.randn(64, 32)
+                                                 ).schedule.nests
+    assert nest.dot_tile is None
+
+
+@pytest.mark.parametrize("block, n, k", [(16, 64, 64), (6, 36, 19), (5, 35, 8), (3, 9, 33)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("out_format", [None, "dense"])
+def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, out_format):
+    dense = block_sparse((n, n), (block, block), density=0.4, dtype=dtype)
+    mask = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
+    q, kk = torch.randn(n, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
+    out = sparsenn.einsum("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
+    assert "dot tile" in sparsenn.explain("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
+    out = out.to_dense() if isinstance(out, SparseTensor) else out
+    torch.testing.assert_close(out, dense * (q @ kk.T))

@@ -29,6 +29,8 @@ below ``a`` (their levels from ``a`` down are dense, so positions are affine in 
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
@@ -92,6 +94,10 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
 
         walk.around[split] = (start, finish)
         walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
+        if nest.dot_tile is not None:
+            anchor_k = None if anchor is None else k_anchor
+            walk.wrap[order.index(nest.dot_tile.rows)] = _dot_tile(lo, nest, walk, inside, outside, coef, store,
+                                                                    anchor_k)
     else:
         walk.leaf = lambda st: lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st)]), store))
 
@@ -222,11 +228,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def at_row(st) -> ir.Expr:
         """The factor's value at ``a + t``."""
-        if not st.sparse:
-            return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, {a: ir.add(var_a, ROW)}))
-        held = [i for i, _ in st.levels]
-        stride = product_of([lo.dim(i) for i in held[held.index(a) + 1:]])
-        return ir.Load(ir.Array("val", st.slot), ir.add(st.pos, ir.mul(ROW, stride)))
+        return _shifted_value(lo, st, {a: ROW})
 
     def leaf(st):
         lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
@@ -287,3 +289,120 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
 def _held(st) -> tuple[str, ...]:
     return tuple(i for i, _ in st.levels) if st.sparse else st.dense_indices
+
+
+def _shifted_pos(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
+    """A sparse factor's position with index ``i`` moved on by ``shifts[i]``: its levels
+    from the first shifted one down are dense, so it moves by ``shift`` times the
+    extent of the levels below ``i``."""
+    held = [i for i, _ in st.levels]
+    pos = st.pos
+    for index, shift in shifts.items():
+        if index in held:
+            below = [lo.dim(i) for i in held[held.index(index) + 1:]]
+            pos = ir.add(pos, ir.mul(shift, product_of(below)) if below else shift)
+    return pos
+
+
+def _shifted_value(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
+    """A factor's value with its indices moved on by ``shifts`` (see :func:`_shifted_pos`)."""
+    if not st.sparse:
+        at = {i: ir.add(lo.var(i), shift) for i, shift in shifts.items() if i in st.dense_indices}
+        return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, at))
+    return ir.Load(ir.Array("val", st.slot), _shifted_pos(lo, st, shifts))
+
+
+ROW_T, COL_T = ir.Var("t"), ir.Var("u")
+
+
+def _dot_tile(lo: Lowering, nest: Nest, walk: NestWalk, inside, outside, coef, store: str, anchor_k: int | None):
+    """The wrapper of loop ``a`` that runs whole ``rows x cols`` tiles of sums over the
+    innermost ``d`` (the nest's dot tile), then the plain nest over the rows and columns
+    left::
+
+        for ab in whole tiles of a: a = ab; locate a
+            for bb in whole tiles of b: b = bb; locate b
+                acc[t][u] = 0
+                for d in whole vectors: x[t] = a-factors at (ab + t, d); y[u] = b-factors at (bb + u, d)
+                                        acc[t][u] += x[t] * y[u] * common factors at d
+                s[t][u] = lanes of acc[t][u] summed (one transpose-and-add)
+                for d in the rest: s[t][u] += the product at (ab + t, bb + u, d)
+                out[ab + t, bb + u] (+)= coef * outside factors at (ab + t, bb + u) * s[t][u]
+        the plain nest over rows [a_lo, a_rest) x columns [b_rest, b_hi), then rows [a_rest, a_hi)
+    """
+    tile, order = nest.dot_tile, nest.order
+    a, b, d = tile.rows, tile.cols, order[-1]
+    rows, cols = tile.row_count, tile.col_count
+    position = order.index(a)
+    vectors = nest.vector_reduction.vectors
+    ab, bb, a_rest, b_rest, acc, sums, xa, xb, end = (
+        lo.fresh(n) for n in ("ab", "bb", "arest", "brest", "dacc", "dsum", "xa", "xb", "dend"))
+    var_d, var_a, var_b = lo.var(d), lo.var(a), lo.var(b)
+    sum_at = ir.add(ir.mul(ROW_T, cols), COL_T)
+
+    def counted(var: ir.Var, n: int, *stmts: ir.Stmt) -> ir.For:
+        return ir.For(ir.Decl(var, "int", ir.Const(0)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), "unroll")
+
+    def tile_body(st) -> None:
+        by_row = [k for k in vectors if a in _held(st[k])]
+        by_col = [k for k in vectors if b in _held(st[k])]
+        common = [k for k in vectors if k not in by_row and k not in by_col]
+        d_lo, d_hi = walk.bounds.get(d, (ir.Const(0), lo.dim(d)))
+        lane0 = ir.Const(0)
+
+        def loads(ks, shift) -> ir.Expr:
+            return product_of([lo.vector_load(st[k], {i: ir.add(lo.var(i), s) for i, s in shift.items()}, lane0)
+                               for k in ks])
+
+        lo.emit(ir.Decl(acc, "VV", "zero", shape=(rows * cols, 1)))
+        lo.emit(ir.Decl(end, "index", d_hi, const=True), ir.Decl(var_d, "index", d_lo))
+        step = [ir.Decl(xa, "VV", None, shape=(rows,)), ir.Decl(xb, "VV", None, shape=(cols,)),
+                counted(ROW_T, rows, ir.Assign(ir.Elem(xa, (ROW_T,)), loads(by_row, {a: ROW_T}))),
+                counted(COL_T, cols, ir.Assign(ir.Elem(xb, (COL_T,)), loads(by_col, {b: COL_T})))]
+        term = ir.mul(ir.Elem(xa, (ROW_T,)), ir.Elem(xb, (COL_T,)))
+        if common:
+            term = ir.mul(term, loads(common, {}))
+        step.append(counted(ROW_T, rows, counted(COL_T, cols, ir.Assign(ir.Elem(acc, (sum_at, ir.Const(0))), term,
+                                                                        "+="))))
+        lo.emit(ir.For(None, ir.le(ir.add(var_d, ir.Lanes()), end), ir.Assign(var_d, ir.Lanes(), "+="),
+                       ir.Block(tuple(step))))
+        lo.emit(ir.Decl(sums, "V", None, shape=(rows * cols,)))
+        lo.emit(ir.Effect("hsums", (acc, sums)))
+        shift = {a: ROW_T, b: COL_T}
+        tail = product_of([_shifted_value(lo, st[k], shift) for k in inside])
+        lo.emit(ir.For(None, ir.lt(var_d, end), ir.Incr(var_d), ir.Block((
+            counted(ROW_T, rows, counted(COL_T, cols, ir.Assign(ir.Elem(sums, (sum_at,)), tail, "+="))),))))
+        if anchor_k is None:
+            target = lo.offset(lo.s.output_order, {a: ir.add(var_a, ROW_T), b: ir.add(var_b, COL_T)})
+        else:
+            target = _shifted_pos(lo, st[anchor_k], shift)
+        value = product_of([coef, *(_shifted_value(lo, st[k], shift) for k in outside), ir.Elem(sums, (sum_at,))])
+        lo.emit(counted(ROW_T, rows, counted(COL_T, cols, ir.Assign(ir.Load(OUT, target), value, store))))
+
+    def wrapper(st, inner) -> None:
+        a_lo, a_hi = walk.bounds.get(a, (ir.Const(0), lo.dim(a)))
+        b_lo, b_hi = walk.bounds.get(b, (ir.Const(0), lo.dim(b)))
+        lo.emit(ir.Decl(a_rest, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(rows))), const=True))
+        lo.emit(ir.Decl(b_rest, "index", ir.sub(b_hi, ir.Bin("%", ir.sub(b_hi, b_lo), ir.Const(cols))), const=True))
+
+        def row_tile():
+            lo.emit(ir.Decl(var_a, "index", ab, const=True))
+            at_a = list(st)
+            locate(lo, a, st, at_a)
+
+            def col_tile():
+                lo.emit(ir.Decl(var_b, "index", bb, const=True))
+                at_b = list(at_a)
+                locate(lo, b, at_a, at_b)
+                tile_body(at_b)
+
+            lo.emit(ir.For(ir.Decl(bb, "index", b_lo), ir.lt(bb, b_rest), ir.Assign(bb, ir.Const(cols), "+="),
+                           lo.block(col_tile)))
+
+        lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.lt(ab, a_rest), ir.Assign(ab, ir.Const(rows), "+="),
+                       lo.block(row_tile)))
+        for bounds in ({a: (a_lo, a_rest), b: (b_rest, b_hi)}, {a: (a_rest, a_hi)}):
+            rest = dataclasses.replace(walk, bounds={**walk.bounds, **bounds})
+            lo.emit(lo.block(lambda rest=rest: emit_order(lo, rest, st, position, True)))
+
+    return wrapper

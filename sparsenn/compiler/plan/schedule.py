@@ -53,6 +53,14 @@ level. It returns a :class:`Schedule`:
   prefers a divisor of ``a``'s extent, rows past the last whole tile run the plain
   register block. Bound by multiply-adds, a schedule with a tile is made for the
   target's widest vectors (AVX-512 rather than AVX2).
+* **Dot tiles** (a micro-kernel for sampled products, block SDDMM): when the innermost
+  loop ``d`` is a vector reduction and the two loops above it, ``a`` and ``b``, are
+  output indices, each vector factor reads at most one of them, some read ``a`` and some
+  ``b``, and every other factor reading them does so through dense levels down to its
+  values, ``a`` and ``b`` are unrolled into a ``rows x cols`` tile of vector sums over
+  ``d``: each step loads ``rows + cols`` vectors for ``rows x cols`` FMAs (the plain
+  reduction loads two per FMA), and one transpose-and-add ends all the sums. Rows and
+  columns past the last whole tile run the plain nest.
 * **Code decisions** inside each nest (vector and sparse reductions, row blocks,
   prefetching loops, store-once) and the thread policy: see :mod:`.decisions`. Every
   machine parameter comes from the :class:`~.target.Target` passed in; the constants
@@ -74,7 +82,7 @@ from .cost import Factor, OperandInfo, estimate_positions, nest_cost
 from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
-__all__ = ["OperandInfo", "Tile", "RegisterTile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
+__all__ = ["OperandInfo", "Tile", "RegisterTile", "DotTile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
 
 EXHAUSTIVE_LIMIT = 6
 SERIAL_PENALTY = 2.0
@@ -100,6 +108,17 @@ class RegisterTile:
 
 
 @dataclass(frozen=True)
+class DotTile:
+    """Loops ``rows`` and ``cols`` (above the innermost vector reduction) unrolled by
+    ``row_count`` and ``col_count`` into a tile of vector sums."""
+
+    rows: str
+    cols: str
+    row_count: int
+    col_count: int
+
+
+@dataclass(frozen=True)
 class Nest:
     """One term's loop nest, below the shared loops, with every code decision the
     lowerer carries out (see :mod:`.decisions`)."""
@@ -111,6 +130,7 @@ class Nest:
     cost: float = 0.0
     register_block: Tile | None = None  # innermost output loop blocked into registers
     register_tile: RegisterTile | None = None  # ... and a second output loop with it
+    dot_tile: DotTile | None = None  # two output loops around a vector reduction
     vector_reduction: VectorReduction | None = None
     sparse_reduction: SparseReduction | None = None
     row_block: RowBlock | None = None
@@ -132,6 +152,10 @@ class Nest:
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
+        if self.dot_tile:
+            t = self.dot_tile
+            parts.append(f"dot tile: {t.row_count} x {t.col_count} sums ({t.rows} by {t.row_count}, {t.cols} by "
+                         f"{t.col_count})")
         if self.sparse_reduction:
             r = self.sparse_reduction
             parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators)")
@@ -342,6 +366,36 @@ def _register_tile(
     return RegisterTile(a, min(rows, dims[a]), vectors)
 
 
+def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
+              tiles: Sequence[Tile], target: Target) -> DotTile | None:
+    """A dot tile around the innermost vector reduction (see the module doc), or None."""
+    if reduction is None or len(order) < 4 or reduction.index != order[-1]:
+        return None  # ``a`` is not the outermost loop: that one runs in chunks
+    if decisions.reductions_from(order, output, len(order)) != len(order) - 1:
+        return None
+    a, b, d = order[-3], order[-2], order[-1]
+    if a not in output or b not in output or {a, b} & {t.index for t in tiles}:
+        return None
+    readers = {a: 0, b: 0}
+    for k, f in enumerate(factors):
+        held = [i for i, _ in f.levels]
+        shifted = [i for i in (a, b) if i in held]
+        if f.sparse and d in held:
+            return None
+        if k in reduction.vectors:
+            if len(shifted) > 1:
+                return None
+            for i in shifted:
+                readers[i] += 1
+        elif f.sparse and shifted:
+            first = min(held.index(i) for i in shifted)
+            if not all(level.full and level.locatable for _, level in f.levels[first:]):
+                return None  # a position not affine in ``a`` and ``b``
+    if not (readers[a] and readers[b]):
+        return None
+    return DotTile(a, b, 4, 4 if target.vector_registers >= 32 else 2)
+
+
 # ----------------------------------------------------------------------------- search
 
 
@@ -379,7 +433,8 @@ def schedule(
     if output_format is None:
         layout = assignment.output if sampled_by is None else sampled_by
         sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
-        if any(n.register_tile for n in sched.nests) and target.widest_vector_bytes > target.vector_bytes:
+        tiled = any(n.register_tile or n.dot_tile for n in sched.nests)
+        if tiled and target.widest_vector_bytes > target.vector_bytes:
             target = replace(target, vector_bytes=target.widest_vector_bytes)  # see the module doc
             sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
     else:
@@ -403,6 +458,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
             "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
             "row_block": decisions.row_block(order, output, f, target),
         }
+        fields["dot_tile"] = _dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
     if n == 0:
         tiles = [t.index for t in nest.tiles]
         fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None, None)
