@@ -338,3 +338,18 @@ def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, ou
     assert "dot tile" in sparsenn.explain("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
     out = out.to_dense() if isinstance(out, SparseTensor) else out
     torch.testing.assert_close(out, dense * (q @ kk.T))
+
+
+def test_a_blocked_weight_is_not_streamed_once_per_batch_row():
+    # dX = dY W for a bsr weight: with b outermost every batch row would traverse all of
+    # W (the cost model charges each extra full pass over a sparse operand).
+    weight = SparseTensor.from_dense(block_sparse((512, 512), (32, 32), density=0.1, dtype=torch.float32),
+                                     format="bsr(32,32)")
+    operands = [torch.randn(256, 512), weight]
+    formats = [None, weight.format]
+    split = split_call(parse_einsum("bo,oi->bi", 2), formats, [(256, 512), (512, 512)], "dense")
+    views = split.operands(operands)
+    (nest,) = schedule(split.assignment, [operand_info(op) for op in views], None, 4, AVX2).nests
+    assert nest.order[0] != "b"
+    torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", *operands), operands[0] @ weight.to_dense(),
+                               rtol=1e-4, atol=1e-4)

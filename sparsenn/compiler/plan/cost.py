@@ -6,7 +6,12 @@ intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``N / VECTOR_W
 innermost), times the iterations of the enclosing loops; plus the leaf's products, and
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
-of a dense operand). Only level capabilities are used, never format names.
+of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra
+pass over a sparse operand that an enclosing loop it does not index makes it traverse
+in full (its first level entered under that loop without another factor filtering it:
+``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
+operand, entered at another's stored coordinates, is not traversed in full). Only
+level capabilities are used, never format names.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ TRANSPOSE_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
+RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
 
 
 @dataclass(frozen=True)
@@ -124,12 +130,17 @@ def nest_cost(
         cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
     for position, index in enumerate(order):
         n = float(max(dims[index], 1))
-        fibers = []
+        fibers, entered = [], []
         for k, f in enumerate(factors):
             if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
                 if not f.levels[depth[k]][1].locatable:
                     fibers.append(f.fibers[depth[k]])
+                if depth[k] == 0:
+                    entered.append((k, f.levels[0][1].locatable))
                 depth[k] += 1
+        for k, located in entered:
+            if iters > 1 and len(fibers) == (0 if located else 1):  # traversed in full, ``iters`` times
+                cost += RESTREAM_COST * (iters - 1) * (factors[k].nnz + factors[k].storage)
         if fibers:
             trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
             work = SPARSE_ITERATION_COST * sum(fibers)
