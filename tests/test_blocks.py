@@ -26,8 +26,8 @@ def block_sparse(shape, block, density=0.4, dtype=torch.float64, seed=0):
 
 
 def split_of(equation, formats, shapes, request=None):
-    return split_call(parse_einsum(equation, len(formats)),
-                      [None if f is None else parse_format(f, len(s)) for f, s in zip(formats, shapes)], shapes, request)
+    parsed = [None if f is None else parse_format(f, len(s)) for f, s in zip(formats, shapes)]
+    return split_call(parse_einsum(equation, len(formats)), parsed, shapes, request)
 
 
 def test_blocked_spmm_splits_both_indices_and_reads_blocks_as_unblocked_levels():
@@ -61,7 +61,8 @@ def test_a_dense_level_of_an_unblocked_operand_splits_in_two():
 def test_products_match_torch(fmt, equation):
     dense = block_sparse((8, 12), (2, 3))
     a = SparseTensor.from_dense(dense, format=fmt)
-    others = {"ij,jk->ik": [torch.randn(12, 5, dtype=torch.float64)], "ij,ik->jk": [torch.randn(8, 5, dtype=torch.float64)],
+    others = {"ij,jk->ik": [torch.randn(12, 5, dtype=torch.float64)],
+              "ij,ik->jk": [torch.randn(8, 5, dtype=torch.float64)],
               "ij,j->i": [torch.randn(12, dtype=torch.float64)], "ij->ji": []}[equation]
     out = sparsenn.einsum(equation, a, *others)
     out = out.to_dense() if isinstance(out, SparseTensor) else out
@@ -351,5 +352,5 @@ def test_a_blocked_weight_is_not_streamed_once_per_batch_row():
     views = split.operands(operands)
     (nest,) = schedule(split.assignment, [operand_info(op) for op in views], None, 4, AVX2).nests
     assert nest.order[0] != "b"
-    torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", *operands, out_format="dense"), operands[0] @ weight.to_dense(),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", *operands, out_format="dense"),
+                               operands[0] @ weight.to_dense(), rtol=1e-4, atol=1e-4)

@@ -148,8 +148,8 @@ def _split_indices(assignment: Assignment, formats: Sequence[Format | None]) -> 
 class Split:
     """A call with blocked operands as a call over split indices (see the module doc).
 
-    ``original`` is the call's expression, ``assignment`` and ``request`` the split call's; :meth:`operands` views a call's
-    operands for it and :meth:`result` turns its result back: a dense result is reshaped,
+    ``original`` is the call's expression, ``assignment`` and ``request`` the split
+    call's; :meth:`operands` views a call's operands for it and :meth:`result` turns its result back: a dense result is reshaped,
     a sparse one (over split modes) rebuilt in ``stored`` and converted to ``final`` if
     that differs."""
 

@@ -235,8 +235,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         by_row = [n for n in scalars if a in _held(st[n])]
         fixed = [n for n in scalars if n not in by_row]
         lo.emit(ir.Decl(row_scalar, "V", None, shape=(tile.rows,)))
-        lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)),
-                                                  product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)]))))
+        scalar = product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)])
+        lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)), scalar)))
         loads = product_of([lo.vector_load(st[n]) for n in with_k])
         lo.emit(counted(v, vectors, ir.Decl(x, "VV", loads, const=True), counted(ROW, tile.rows, ir.Assign(
             ir.Elem(acc, (ROW, v)), ir.mul(ir.Elem(row_scalar, (ROW,)), x), "+="))))

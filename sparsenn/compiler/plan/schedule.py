@@ -82,7 +82,8 @@ from .cost import Factor, OperandInfo, estimate_positions, nest_cost
 from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
-__all__ = ["OperandInfo", "Tile", "RegisterTile", "DotTile", "Nest", "Workspace", "Schedule", "schedule", "estimate_positions"]
+__all__ = ["OperandInfo", "Tile", "RegisterTile", "DotTile", "Nest", "Workspace", "Schedule", "schedule",
+           "estimate_positions"]
 
 EXHAUSTIVE_LIMIT = 6
 SERIAL_PENALTY = 2.0
