@@ -220,10 +220,12 @@ def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
     def stage(ops, made):
         t = ops[n] if layout is None else ops[n].permute(layout)
         whole = t.shape[-1] // size * size
-        panels = t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0).reshape(-1)
-        if whole == t.shape[-1]:
-            return panels
-        return torch.cat([panels, t[..., whole:].reshape(-1)])
+        out = t.new_empty(t.numel())
+        split = t.numel() // max(t.shape[-1], 1) * whole
+        out[:split].view(whole // size, *t.shape[:-1], size).copy_(
+            t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0))
+        out[split:].view(*t.shape[:-1], t.shape[-1] - whole).copy_(t[..., whole:])
+        return out
 
     return stage
 
