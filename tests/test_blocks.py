@@ -230,10 +230,14 @@ def test_nm_operands_split_their_last_index_into_groups_and_offsets(n, m):
                                     (values, xg))
 
 
-def test_an_nm_operand_is_never_re_stored_in_another_mode_order():
-    weight = SparseTensor.from_dense(torch.randn(6, 16), format="nm(2,4)")
-    sched = sparsenn.compiler.runtime.api.plan("bi,oi->bo", torch.randn(5, 16), weight).schedule
-    assert not sched.transposes or all(order == (0, 1, 2) for (_, k), order in sched.transposes if k == 1)
+def test_an_nm_operand_read_in_another_mode_order_is_re_stored_with_compressed_offsets():
+    weight = SparseTensor.from_dense(torch.randn(512, 512, dtype=torch.float64), format="nm(2,4)")
+    grad = torch.randn(64, 512, dtype=torch.float64)
+    plan = sparsenn.compiler.runtime.api.plan("bo,oi->bi", grad, weight, out_format="dense")
+    assert plan.schedule.nests[0].order[0] != "o"  # the reduction outermost would run on one thread
+    assert any(slot.fmt is not None and slot.fmt.levels[-1].letter == "c" for slot in plan.kernel.slots)
+    torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", grad, weight, out_format="dense"),
+                               grad @ weight.to_dense())
 
 
 # ----------------------------------------------------------------------------- panels

@@ -21,7 +21,7 @@ never tests for a named format such as "CSR" or for a level's letter.
 
 **Capabilities.** Properties: ``locatable``, ``full`` (every coordinate present),
 ``ordered``, ``unique`` (per instance), ``branchless`` (one child per parent),
-``restorable`` (a tensor holding it may be re-stored in another mode order),
+:meth:`Level.restored` (the kind it takes when a tensor is re-stored in another mode order),
 ``has_pos``/``has_crd`` (its arrays) and ``assembly`` (how a kernel writes it: a
 located level is *inserted* at ``p * N + i``, others are *appended*). Methods build the
 index expressions of iteration and location. ``formats`` must not depend on the
@@ -83,11 +83,15 @@ class Level(ABC):
     branchless: ClassVar[bool] = False
     assembly: ClassVar[str]  # "insert" (located) or "append"
     ordered: ClassVar[bool] = True
-    restorable: ClassVar[bool] = True  # a tensor with this level can be re-stored in another mode order
 
     @abstractmethod
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
         """Number of positions of this level given its parent's position count."""
+
+    def restored(self) -> Level:
+        """The kind this level takes in a copy of its tensor re-stored in another mode
+        order: itself, unless its layout depends on its place (a grouped level)."""
+        return self
 
     def locate(self, b: IndexBuilder, parent: Any, coordinate: Any, size: Any) -> Any:
         """The child position of ``coordinate`` under ``parent`` (locatable levels)."""
@@ -194,7 +198,6 @@ class Grouped(Level):
     count: int = field(kw_only=True)
 
     letter: ClassVar[str] = "n"
-    restorable: ClassVar[bool] = False  # its coordinates are offsets within its parent's group
     locatable: ClassVar[bool] = False
     has_pos: ClassVar[bool] = False
     has_crd: ClassVar[bool] = True
@@ -207,6 +210,10 @@ class Grouped(Level):
 
     def num_positions(self, parent_positions: int, size: int, pos: Tensor | None) -> int:
         return parent_positions * self.count
+
+    def restored(self) -> Level:
+        """Offsets within a group of the last mode: in another mode order, a compressed level."""
+        return Compressed()
 
     def position_bounds(self, b: IndexBuilder, parent: Any, segment_end: Any = None) -> tuple[Any, Any]:
         return b.mul(parent, self.count), b.add(b.mul(parent, self.count), self.count)

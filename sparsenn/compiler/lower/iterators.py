@@ -164,7 +164,7 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
             states.append(FactorState(n, (), indices))
             continue
         if order is not None and order != fmt.mode_order:
-            fmt = Format(fmt.levels, order, None)
+            fmt = Format(tuple(level.restored() for level in fmt.levels), order, None)
         n = lo.slot_of(Slot(access.operand, fmt))
         levels = tuple((access.indices[m], lvl) for m, lvl in zip(fmt.mode_order, fmt.levels))
         states.append(FactorState(n, levels))

@@ -68,8 +68,6 @@ class Factor:
     def transpose_cost(self) -> float:
         if self.natural:
             return 0.0
-        if not all(level.restorable for _, level in self.levels):
-            return math.inf
         if not self.sparse:
             return DENSE_COPY_COST * self.nnz
         return TRANSPOSE_COST * (self.nnz + self.storage)
@@ -97,19 +95,19 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
     fmt = info.format
     natural = [access.indices[m] for m in fmt.mode_order]
     wanted = sorted(natural, key=lambda i: loop_rank[i])
+    levels = fmt.levels
     if wanted == natural:
         positions = list(info.positions)
     else:
+        levels = tuple(level.restored() for level in levels)
         sizes = [info.shape[access.indices.index(i)] for i in wanted]
-        positions = estimate_positions(fmt.levels, sizes, info.nnz)
+        positions = estimate_positions(levels, sizes, info.nnz)
     fibers, parent, storage = [], 1.0, 0.0
-    for level, p in zip(fmt.levels, positions):
+    for level, p in zip(levels, positions):
         fibers.append(p / parent if parent > 0 else 0.0)
         storage += level.index_entries(parent, p)
         parent = p
-    return Factor(
-        access.operand, True, list(zip(wanted, fmt.levels)), fibers, wanted == natural, info.nnz, storage
-    )
+    return Factor(access.operand, True, list(zip(wanted, levels)), fibers, wanted == natural, info.nnz, storage)
 
 
 def nest_cost(
