@@ -38,6 +38,16 @@ def test_spmm_grad_to_dense_and_sparse_values(fmt):
     assert gradcheck(lambda v, x: sparsenn.einsum("ij,jk->ik", a.with_values(v), x, out_format="dense"), (v, x))
 
 
+@pytest.mark.parametrize("fmt", ["bsr(2,3)", "bsc(3,2)", "nm(2,3)", "ddc(1,2,3)"])
+def test_spmm_and_sddmm_grad_through_structured_values(fmt):
+    batched = fmt.startswith("ddc")
+    a = sparse((2, 6, 6) if batched else (6, 6), fmt)
+    spmm, sddmm = ("hij,hjk->hik", "hij,hik,hjk->hij") if batched else ("ij,jk->ik", "ij,ik,jk->ij")
+    x, y = (dense(2, 6, 3), dense(2, 6, 3, seed=2)) if batched else (dense(6, 3), dense(6, 3, seed=2))
+    assert gradcheck(lambda v, x: sparsenn.einsum(spmm, a.with_values(v), x, out_format="dense"), (leaf(a), x))
+    assert gradcheck(lambda v, x, y: sparsenn.einsum(sddmm, a.with_values(v), x, y).values, (leaf(a), x, y))
+
+
 def test_spmv_grad():
     a = sparse((7, 6))
     assert gradcheck(lambda v, x: sparsenn.einsum("ij,j->i", a.with_values(v), x), (leaf(a), dense(6)))

@@ -202,8 +202,9 @@ def test_register_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtyp
     x = torch.randn(n, k, dtype=dtype)
     text = sparsenn.explain("ij,jk->ik", a, x)
     assert "register tile" in text or block < 8  # tiles need a reduction and a panel of whole vectors
-    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x)
-    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x, out_format="dense"), dense @ x)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}  # sums of up to 256 products
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x, **tol)
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x, out_format="dense"), dense @ x, **tol)
 
 
 def test_register_tiled_sum_of_two_products():
@@ -342,7 +343,8 @@ def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, ou
     out = sparsenn.einsum("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
     assert "dot tile" in sparsenn.explain("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
     out = out.to_dense() if isinstance(out, SparseTensor) else out
-    torch.testing.assert_close(out, dense * (q @ kk.T))
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, dense * (q @ kk.T), **tol)
 
 
 def test_a_blocked_weight_is_not_streamed_once_per_batch_row():

@@ -76,6 +76,17 @@ def test_spmm(fmt, k):
     check("ij,jk->ik", [sp((11, 13), fmt), torch.randn(13, k, dtype=torch.float64)])
 
 
+@pytest.mark.parametrize("fmt", ["bsr(2,3)", "bsc(3,2)", "nm(2,3)", "nm(1,3)", "dc[1,0](3,1)"])
+def test_structured_formats_in_the_basic_kernels(fmt):
+    a = sp((12, 18), fmt)
+    check("ij,j->i", [a, torch.randn(18, dtype=torch.float64)])
+    check("ij,jk->ik", [a, torch.randn(18, 5, dtype=torch.float64)])
+    check("ij,jk->ik", [torch.randn(4, 12, dtype=torch.float64), a])
+    check("ij,ik,jk->ij", [a, torch.randn(12, 7, dtype=torch.float64), torch.randn(18, 7, dtype=torch.float64)])
+    check("ij,ij->ij", [a, sp((12, 18), fmt, seed=1)])
+    check("ij,jk->ik", [a, sp((18, 6), "csr", seed=2)], out_format="csr")
+
+
 @pytest.mark.parametrize("fmt", MATRIX_FORMATS)
 def test_dense_times_sparse(fmt):
     check("ij,jk->ik", [torch.randn(4, 11, dtype=torch.float64), sp((11, 6), fmt)])

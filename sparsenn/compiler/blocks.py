@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsenn.formats import Format, SparseTensor
-from sparsenn.formats.level import Dense, Level
+from sparsenn.formats.level import Compressed, Dense, Level
 
 from .notation import Access, Assignment, Term
 from .plan.infer import result_format
@@ -96,6 +96,30 @@ def _splits_densely(fmt: Format, indices: Sequence[str], sizes: dict[str, int]) 
     """Whether unblocked ``fmt`` stores every index of ``sizes`` in a dense level (which splits in two)."""
     return fmt.block is None and all(fmt.mode_level(m).full and fmt.mode_level(m).locatable
                                      for m, i in enumerate(indices) if i in sizes)
+
+
+def _inferred(assignment: Assignment, formats: Sequence[Format | None]) -> Format | None:
+    """The result's format when none is requested: that of the operand whose pattern it
+    samples (read at exactly the output indices by every term, no other factor sparse),
+    else the inference over the operands' outer levels, a mode sparse where its block's
+    inner level is (n:m offsets)."""
+    out = assignment.output
+    for n, fmt in enumerate(formats):
+        if fmt is not None and all(any(f.operand == n and f.indices == out for f in t.factors)
+                                   and all(f.operand == n or formats[f.operand] is None for f in t.factors)
+                                   for t in assignment.terms):
+            return fmt
+    return result_format(assignment, [None if f is None else _outer(f) for f in formats])
+
+
+def _outer(fmt: Format) -> Format:
+    """``fmt``'s outer levels as an unblocked format, compressed where a mode's inner
+    level is not full."""
+    if fmt.block is None:
+        return fmt
+    inner = fmt.levels[fmt.rank:]  # the in-block levels, in mode order
+    levels = tuple(level if inner[m].full else Compressed() for level, m in zip(fmt.levels, fmt.mode_order))
+    return Format(levels, fmt.mode_order, None)
 
 
 def _unblocked(fmt: Format) -> Format:
@@ -257,8 +281,7 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
     out_blocks = tuple(sizes.get(i, 1) for i in assignment.output)
     stored, final, split_request = None, None, request
     if request != DENSE and not (request == AUTO and out_blocks == (1,) * len(out_blocks)):
-        target = request if isinstance(request, Format) else result_format(
-            assignment, [None if f is None else _unblocked(f) if f.block is not None else f for f in reading])
+        target = request if isinstance(request, Format) else _inferred(assignment, reading)
         if target is not None:
             if (target.block or (1,) * target.rank) == out_blocks or _splits_densely(target, assignment.output, sizes):
                 stored = target  # split as it is: a requested pattern keeps its positions (sampled gradients)
