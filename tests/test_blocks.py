@@ -360,3 +360,20 @@ def test_a_blocked_weight_is_not_streamed_once_per_batch_row():
     assert nest.order[0] != "b"
     torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", *operands, out_format="dense"),
                                operands[0] @ weight.to_dense(), rtol=1e-4, atol=1e-4)
+
+
+def test_an_nm_operand_read_unsplit_keeps_its_pattern():
+    # Found by the long fuzz run: a bsc operand's blocks of 2 and the nm groups of 4 disagree
+    # on index a, so the nm operand is read as CSR; its sampled gradient must still come
+    # back as nm(2,4) with the pattern's positions.
+    a = SparseTensor.from_dense(torch.randn(2, 4, dtype=torch.float64), format="nm(2,4)")
+    b = SparseTensor.from_dense(torch.randn(4, 2, dtype=torch.float64), format="bsc(2,2)")
+    c = torch.randn(4, dtype=torch.float64)
+    split = split_of("ba,ab,a->", ["nm(2,4)", "bsc(2,2)", None], [(2, 4), (4, 2), (4,)])
+    assert str(split.converted[0]) == "csr"
+    leaves = [op.values.clone().requires_grad_(True) for op in (a, b)]
+
+    def run(va, vb):
+        return sparsenn.einsum("ba,ab,a->", a.with_values(va), b.with_values(vb), c)
+
+    assert torch.autograd.gradcheck(run, tuple(leaves))

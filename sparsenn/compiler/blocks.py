@@ -85,8 +85,9 @@ def _layout(fmt: Format, shape: tuple[int, ...], indices: Sequence[str], sizes: 
 
 
 def _with_block(fmt: Format, block: tuple[int, ...]) -> Format:
-    """``fmt``'s outer levels with dense blocks of shape ``block`` (unblocked if all 1)."""
-    outer = fmt.levels[: fmt.rank]
+    """``fmt``'s outer levels (:func:`_unblocked`) with dense blocks of shape ``block``
+    (unblocked if all 1)."""
+    outer = _unblocked(fmt).levels
     if all(b == 1 for b in block):
         return Format(outer, fmt.mode_order, None)
     return Format(outer + (Dense(),) * fmt.rank, fmt.mode_order, block)
@@ -109,21 +110,17 @@ def _inferred(assignment: Assignment, formats: Sequence[Format | None]) -> Forma
                                    and all(f.operand == n or formats[f.operand] is None for f in t.factors)
                                    for t in assignment.terms):
             return fmt
-    return result_format(assignment, [None if f is None else _outer(f) for f in formats])
+    return result_format(assignment, [None if f is None else _unblocked(f) for f in formats])
 
 
-def _outer(fmt: Format) -> Format:
+def _unblocked(fmt: Format) -> Format:
     """``fmt``'s outer levels as an unblocked format, compressed where a mode's inner
-    level is not full."""
+    level is not full (an n:m format reads as CSR)."""
     if fmt.block is None:
         return fmt
     inner = fmt.levels[fmt.rank:]  # the in-block levels, in mode order
     levels = tuple(level if inner[m].full else Compressed() for level, m in zip(fmt.levels, fmt.mode_order))
     return Format(levels, fmt.mode_order, None)
-
-
-def _unblocked(fmt: Format) -> Format:
-    return Format(fmt.levels[: fmt.rank], fmt.mode_order, None)
 
 
 def _split_indices(assignment: Assignment, formats: Sequence[Format | None]) -> tuple[dict[str, int], set[int]]:
@@ -208,16 +205,16 @@ class Split:
         if self.stored is None:  # "auto" over whole output indices
             return result
         layout = _layout(self.stored, self.out_shape, self.original.output, dict(self.sizes))
-        if isinstance(result, torch.Tensor):  # every level dense: the values in storage order
-            values = result.permute(layout.modes).reshape(-1)
-            none = (None,) * len(self.stored.levels)
-            return SparseTensor(self.out_shape, self.stored, none, none, values, check=False)
         pos, crd = [None] * len(self.stored.levels), [None] * len(self.stored.levels)
-        for level, source in enumerate(layout.sources):
-            if source is not None:
-                pos[source], crd[source] = result.pos[level], result.crd[level]
-        rebuilt = SparseTensor(self.out_shape, self.stored, pos, crd, result.values, check=False,
-                               index_dtype=result.index_dtype)
+        if isinstance(result, torch.Tensor):  # every level dense: the values in storage order
+            rebuilt = SparseTensor(self.out_shape, self.stored, pos, crd, result.permute(layout.modes).reshape(-1),
+                                   check=False)
+        else:
+            for level, source in enumerate(layout.sources):
+                if source is not None:
+                    pos[source], crd[source] = result.pos[level], result.crd[level]
+            rebuilt = SparseTensor(self.out_shape, self.stored, pos, crd, result.values, check=False,
+                                   index_dtype=result.index_dtype)
         return rebuilt if self.final is None else rebuilt.asformat(self.final)
 
     def describe(self) -> str:
