@@ -170,9 +170,9 @@ class Split:
     """A call with blocked operands as a call over split indices (see the module doc).
 
     ``original`` is the call's expression, ``assignment`` and ``request`` the split
-    call's; :meth:`operands` views a call's operands for it and :meth:`result` turns its result back: a dense result is reshaped,
-    a sparse one (over split modes) rebuilt in ``stored`` and converted to ``final`` if
-    that differs."""
+    call's; :meth:`operands` views a call's operands for it and :meth:`result` turns
+    its result back: a dense result is reshaped, a sparse one (over split modes)
+    rebuilt in ``stored`` and converted to ``final`` if that differs."""
 
     original: Assignment
     assignment: Assignment
@@ -251,7 +251,7 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
     """How to run a call whose operands have ``formats`` (None: dense) and ``shapes``
     over split indices; None without blocked operands. ``request``: the checked
     ``out_format`` (None, ``"dense"``, ``"auto"`` or a Format)."""
-    indices: dict[int, tuple[str, ...]] = {}  # each read operand's indices (its accesses agree, see above)
+    indices: dict[int, tuple[str, ...]] = {}  # each read operand's indices (its accesses split alike)
     for term in assignment.terms:
         for a in term.factors:
             indices.setdefault(a.operand, a.indices)
