@@ -377,3 +377,14 @@ def test_an_nm_operand_read_unsplit_keeps_its_pattern():
         return sparsenn.einsum("ba,ab,a->", a.with_values(va), b.with_values(vb), c)
 
     assert torch.autograd.gradcheck(run, tuple(leaves))
+
+
+def test_a_converted_operand_is_viewed_over_the_indices_the_others_split():
+    # Found by the long fuzz run: a's blocks of 2 on b meet b's compressed level in c, so
+    # a is converted, and must then be read with its index a split by c's blocks.
+    a = SparseTensor.from_dense(block_sparse((2, 4), (2, 1), density=0.7), format="bsc(2,1)")
+    c = SparseTensor.from_dense(block_sparse((4, 2), (2, 1), density=0.7, seed=1), format="cd[1,0](2,1)")
+    split = split_of("ba,ab->", ["bsc(2,1)", "cd[1,0](2,1)"], [(2, 4), (4, 2)], "dense")
+    assert dict(split.sizes) == {"a": 2} and split.converted[0] is not None and split.layouts[0] is not None
+    torch.testing.assert_close(sparsenn.einsum("ba,ab->", a, c, out_format="dense"),
+                               torch.einsum("ba,ab->", a.to_dense(), c.to_dense()))

@@ -190,8 +190,8 @@ class Split:
         out = []
         for n, op in enumerate(operands):
             if self.converted[n] is not None:
-                out.append(op.asformat(self.converted[n]))
-            elif self.layouts[n] is not None:
+                op = op.asformat(self.converted[n])
+            if self.layouts[n] is not None:
                 out.append(_view(op, self.layouts[n]))
             elif isinstance(op, torch.Tensor) and n in self.dense_indices:
                 out.append(_dense_view(op, self.dense_indices[n], sizes))
