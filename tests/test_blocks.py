@@ -388,3 +388,39 @@ def test_a_converted_operand_is_viewed_over_the_indices_the_others_split():
     assert dict(split.sizes) == {"a": 2} and split.converted[0] is not None and split.layouts[0] is not None
     torch.testing.assert_close(sparsenn.einsum("ba,ab->", a, c, out_format="dense"),
                                torch.einsum("ba,ab->", a.to_dense(), c.to_dense()))
+
+
+# ----------------------------------------------------------------------------- gathered rows
+
+
+def routed(experts, tokens, k=2, dtype=torch.float64, seed=0, empty=()):
+    """A (experts x tokens) CSR gate with k experts per token, none routed to ``empty``."""
+    g = torch.Generator().manual_seed(seed)
+    gate = torch.zeros(experts, tokens, dtype=dtype)
+    for t in range(tokens):
+        chosen = [e for e in torch.randperm(experts, generator=g).tolist() if e not in empty][:k]
+        gate[chosen, t] = torch.rand(len(chosen), generator=g, dtype=dtype) + 0.1
+    return gate
+
+
+@pytest.mark.parametrize("target, rows, vectors", [(AVX2, 6, 2), (AVX512, 6, 4)])
+def test_rows_gathered_by_a_sparse_level_times_a_dense_panel_get_a_register_tile(target, rows, vectors):
+    gate = SparseTensor.from_dense(routed(8, 256, dtype=torch.float32), format="csr")
+    x, w = torch.randn(256, 64), torch.randn(8, 64, 128)
+    infos = [operand_info(op) for op in (gate, x, w)]
+    (nest,) = schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target).nests
+    assert nest.order == ("e", "t", "d", "h")
+    assert nest.register_tile == RegisterTile("t", rows, vectors, gathered_by=0)
+
+
+@pytest.mark.parametrize("tokens, d, h", [(64, 32, 64), (37, 5, 19), (9, 16, 40), (1, 3, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gathered_register_tiles_match_torch(tokens, d, h, dtype):
+    gate = routed(6, tokens, dtype=dtype, empty=(2,))  # an expert without tokens
+    x, w = torch.randn(tokens, d, dtype=dtype), torch.randn(6, d, h, dtype=dtype)
+    sparse = SparseTensor.from_dense(gate, format="csr")
+    out = sparsenn.einsum("et,td,edh->eth", sparse, x, w, out_format="dense")
+    text = sparsenn.explain("et,td,edh->eth", sparse, x, w, out_format="dense")
+    assert ("stored rows of factor 0" in text) == (tokens > 1)  # one token: nothing to tile
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, torch.einsum("et,td,edh->eth", gate, x, w), **tol)

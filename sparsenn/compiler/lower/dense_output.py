@@ -25,6 +25,9 @@ with ``acc`` ``B / lanes`` SIMD vectors kept in registers. A register tile over 
 
 the scalars at ``a + t`` read at their position at ``a`` plus ``t`` times the extent
 below ``a`` (their levels from ``a`` down are dense, so positions are affine in ``a``).
+Rows gathered by a sparse level take whole tiles of its stored positions ``q .. q + T``
+instead (row ``t`` is ``crd[q + t]``; the gathering factor's value is at ``q + t``), and
+the plain nest continues from the first coordinate left.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
 from .context import Lowering, product_of
-from .iterators import initial_states, locate
+from .iterators import initial_states, locate, open_cursor
 from .order import NestWalk, emit_order
 
 __all__ = ["lower_dense_output", "anchor_factor"]
@@ -226,9 +229,21 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     def counted(var: ir.Var, n, *stmts: ir.Stmt) -> ir.For:
         return ir.For(ir.Decl(var, "int", ir.Const(0)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), "unroll")
 
+    gathered = tile.gathered_by
+    rows_at = lo.fresh("rows")  # gathered rows: the coordinates at positions q .. q + rows - 1
+    first = lo.fresh("q")  # ... and q
+
+    def row(t: ir.Expr) -> ir.Expr:
+        """Row ``t`` of the tile: ``a + t``, or the ``t``-th gathered coordinate."""
+        return ir.add(var_a, t) if gathered is None else ir.Elem(rows_at, (t,))
+
     def at_row(st) -> ir.Expr:
-        """The factor's value at ``a + t``."""
-        return _shifted_value(lo, st, {a: ROW})
+        """The factor's value at row ``t``."""
+        if gathered is None:
+            return _shifted_value(lo, st, {a: ROW})
+        if st.sparse:  # the gathering factor: its value at position q + t
+            return ir.Load(ir.Array("val", st.slot), ir.add(first, ROW))
+        return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, {a: row(ROW)}))
 
     def leaf(st):
         lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
@@ -246,7 +261,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             lo.emit(ir.Decl(acc, "VV", "zero", shape=(tile.rows, vectors)))
             inner()
             lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-            at = lo.offset(lo.s.output_order, {a: ir.add(var_a, ROW)})
+            at = lo.offset(lo.s.output_order, {a: row(ROW)})
             lane = ir.mul(v, ir.Lanes())
             scaled = ir.mul(coef, ir.Elem(acc, (ROW, v)))
             value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
@@ -263,7 +278,35 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
             ir.Assign(ir.Load(OUT, lo.offset(lo.s.output_order)), ir.Const(0)),))))
 
+    def gathered_wrapper(st, inner):
+        """Whole tiles of ``rows`` stored positions of the gathering factor's fiber, then
+        the plain nest from the first coordinate left."""
+        bounds = plain.bounds.get(a)
+        cursor = open_cursor(lo, gathered, st[gathered], bounds)
+        a_lo, a_hi = bounds or (ir.Const(0), lo.dim(a))
+
+        def whole_tile():
+            lo.emit(ir.Decl(first, "index", cursor.q, const=True))
+            coordinates = tuple(ir.Load(cursor.crd, ir.add(cursor.q, t)) for t in range(tile.rows))
+            lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(tile.rows,)))
+            emit_order(lo, tiled, st, r)
+
+        step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
+        lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
+        a_from = lo.fresh("afrom")
+        left = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
+        lo.emit(ir.Decl(a_from, "index", ir.Select(ir.lt(cursor.q, cursor.h), left, a_hi), const=True))
+        lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+        tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
+            ir.Load(OUT, lo.offset(lo.s.output_order)), product_of([coef, *lo.values(inner_st)]), "+=")),
+            {**plain.bounds, a: (a_lo, a_from), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
+        lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
+        plain.bounds[a] = (a_from, a_hi)
+        inner()
+
     def wrapper(st, inner):
+        if gathered is not None:
+            return gathered_wrapper(st, inner)
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
 
         def whole_tile():

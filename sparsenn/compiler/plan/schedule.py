@@ -49,9 +49,12 @@ level. It returns a :class:`Schedule`:
   a ``rows x vectors`` tile of accumulators: each step of ``R`` loads ``vectors`` SIMD
   vectors once and broadcasts one scalar per row into them (``rows x vectors`` FMAs
   for ``rows + vectors`` loads instead of one row's ``vectors`` FMAs for ``1 + vectors``).
-  The tile fills the target's vector registers (see :class:`~.target.Target`); ``rows``
-  prefers a divisor of ``a``'s extent, rows past the last whole tile run the plain
-  register block. Bound by multiply-adds, a schedule with a tile is made for the
+  The loop ``a`` may also be driven by one factor's last, compressed level whose other
+  readers are dense (rows gathered by a sparse level: a gate's tokens times an expert's
+  weights): the tile then takes ``rows`` consecutive stored positions, their
+  coordinates as the rows. The tile fills the target's vector registers (see
+  :class:`~.target.Target`); ``rows`` prefers a divisor of ``a``'s extent, rows past the
+  last whole tile run the plain register block. Bound by multiply-adds, a schedule with a tile is made for the
   target's widest vectors (AVX-512 rather than AVX2).
 * **Dot tiles** (a micro-kernel for sampled products, block SDDMM): when the innermost
   loop ``d`` is a vector reduction and the two loops above it, ``a`` and ``b``, are
@@ -101,11 +104,13 @@ class Tile:
 @dataclass(frozen=True)
 class RegisterTile:
     """Loop ``index`` unrolled by ``rows`` into the nest's register block (``vectors``
-    SIMD vectors per row)."""
+    SIMD vectors per row); ``gathered_by``: the factor whose stored coordinates the rows
+    are (rows gathered by a sparse level), None for a dense range of rows."""
 
     index: str
     rows: int
     vectors: int
+    gathered_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,8 @@ class Nest:
             parts.append(f"register block: {self.register_block.index} by {self.register_block.size}")
         if self.register_tile:
             t = self.register_tile
-            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {t.rows} rows)")
+            rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
+            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows})")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
@@ -348,21 +354,29 @@ def _register_tile(
     a, k = order[r - 1], order[-1]
     if a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
         return None
-    readers = 0
-    for f in factors:
+    readers, gathered_by = 0, None
+    for n, f in enumerate(factors):
         held = [i for i, _ in f.levels]
         if a not in held:
             continue
-        if k in held or not all(level.full and level.locatable for _, level in f.levels[held.index(a):]):
-            return None  # a vector factor, or a position not affine in ``a``
+        if k in held:
+            return None  # a vector factor
+        level = f.levels[held.index(a)][1]
+        if f.sparse and held[-1] == a and not level.locatable and level.unique and gathered_by is None:
+            gathered_by = n  # its last level's stored coordinates are the rows
+        elif not all(lv.full and lv.locatable for _, lv in f.levels[held.index(a):]):
+            return None  # a position not affine in ``a``
         readers += 1
-    if not readers:
+    if not readers or (gathered_by is not None and any(f.sparse for n, f in enumerate(factors)
+                                                       if n != gathered_by and a in (i for i, _ in f.levels))):
         return None
     lanes = target.lanes(itemsize)
     vectors = min(4 if target.vector_registers >= 32 else 2, block.size // lanes)
     most = min(8, (target.vector_registers - 1 - vectors) // vectors)
     if vectors < 1 or most < 2:
         return None
+    if gathered_by is not None:
+        return RegisterTile(a, most, vectors, gathered_by)
     rows = next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most)
     return RegisterTile(a, min(rows, dims[a]), vectors)
 
