@@ -15,6 +15,20 @@ from sparsenn.compiler.plan.target import Target
 from sparsenn.formats import parse_format
 
 
+AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+
+
+@pytest.fixture(autouse=True)
+def avx2_host(monkeypatch):
+    """Plans made here are scheduled for :data:`AVX2` whatever the host is (tiles and
+    register blocks depend on the machine model)."""
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
+    sparsenn.compiler.clear_caches()
+    yield
+    sparsenn.compiler.clear_caches()
+
+
 def block_sparse(shape, block, density=0.4, dtype=torch.float64, seed=0):
     """A dense tensor whose nonzeros fill random whole blocks."""
     g = torch.Generator().manual_seed(seed)
@@ -153,8 +167,6 @@ def test_gradients_through_a_block_sddmm():
 
 # ----------------------------------------------------------------------------- register tiles
 
-AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
-AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
 
 
 def split_schedule(equation, operands, target):
@@ -424,3 +436,19 @@ def test_gathered_register_tiles_match_torch(tokens, d, h, dtype):
     assert ("stored rows of factor 0" in text) == (tokens > 1)  # one token: nothing to tile
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
     torch.testing.assert_close(out, torch.einsum("et,td,edh->eth", gate, x, w), **tol)
+
+
+def test_tiled_kernels_written_for_the_widest_vectors_are_correct_on_any_host(monkeypatch):
+    # 64-byte vectors (AVX-512); on a narrower host GCC splits them, still correct.
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX512))
+    sparsenn.compiler.clear_caches()
+    dense = block_sparse((48, 48), (16, 16), density=0.5)
+    a = SparseTensor.from_dense(dense, format="bsr(16,16)")
+    x, q = torch.randn(48, 70, dtype=torch.float64), torch.randn(48, 21, dtype=torch.float64)
+    assert sparsenn.compiler.runtime.api.plan("ij,jk->ik", a, x).schedule.target.vector_bytes == 64
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x)
+    torch.testing.assert_close(sparsenn.einsum("ij,ik,jk->ij", a, q, q).to_dense(), dense * (q @ q.T))
+    gate = routed(4, 30)
+    w = torch.randn(4, 21, 40, dtype=torch.float64)
+    torch.testing.assert_close(sparsenn.einsum("et,td,edh->eth", SparseTensor.from_dense(gate, format="csr"), q[:30], w,
+                                               out_format="dense"), torch.einsum("et,td,edh->eth", gate, q[:30], w))

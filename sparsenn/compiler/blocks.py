@@ -35,11 +35,9 @@ from sparsenn.formats.level import Compressed, Dense, Level
 
 from .notation import Access, Assignment, Term
 from .plan.infer import result_format
+from .plan.planner import AUTO, DENSE
 
 __all__ = ["Split", "split_call", "inner_name"]
-
-DENSE, AUTO = "dense", "auto"
-
 
 def inner_name(index: str) -> str:
     """The in-block coordinate of split index ``index`` (``i`` keeps the block coordinate)."""
@@ -183,6 +181,7 @@ class Split:
     request: Format | str | None
     out_shape: tuple[int, ...]
     stored: Format | None  # the sparse result's format before ``final``
+    stored_layout: _Layout | None  # ... over split modes
     final: Format | None
 
     def operands(self, operands: Sequence) -> list:
@@ -204,7 +203,7 @@ class Split:
             return result.reshape(self.out_shape)
         if self.stored is None:  # "auto" over whole output indices
             return result
-        layout = _layout(self.stored, self.out_shape, self.original.output, dict(self.sizes))
+        layout = self.stored_layout
         pos, crd = [None] * len(self.stored.levels), [None] * len(self.stored.levels)
         if isinstance(result, torch.Tensor):  # every level dense: the values in storage order
             rebuilt = SparseTensor(self.out_shape, self.stored, pos, crd, result.permute(layout.modes).reshape(-1),
@@ -276,7 +275,7 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
                 out_sizes[i] = shapes[a.operand][m]
     out_shape = tuple(out_sizes[i] for i in assignment.output)
     out_blocks = tuple(sizes.get(i, 1) for i in assignment.output)
-    stored, final, split_request = None, None, request
+    stored, stored_layout, final, split_request = None, None, None, request
     if request != DENSE and not (request == AUTO and out_blocks == (1,) * len(out_blocks)):
         target = request if isinstance(request, Format) else _inferred(assignment, reading)
         if target is not None:
@@ -285,11 +284,12 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
             else:
                 stored = _with_block(target, out_blocks)
             final = request if isinstance(request, Format) and request != stored else None
-            split_request = _layout(stored, out_shape, assignment.output, sizes).format
+            stored_layout = _layout(stored, out_shape, assignment.output, sizes)
+            split_request = stored_layout.format
             if split_request.is_dense:  # blocks of dense levels: a dense result, laid out after
                 split_request = DENSE
         else:
             split_request = DENSE
     dense = {n: ix for n, ix in indices.items() if formats[n] is None}
     return Split(assignment, split, tuple(sorted(sizes.items())), layouts, converted, dense, split_request,
-                 out_shape, stored, final)
+                 out_shape, stored, stored_layout, final)

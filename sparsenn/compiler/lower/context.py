@@ -136,3 +136,8 @@ def product_of(parts: Sequence[ir.Expr]) -> ir.Expr:
     for p in parts[1:]:
         out = ir.mul(out, p)
     return out
+
+
+def counted(var: ir.Var, n: int | ir.Expr, *stmts: ir.Stmt, pragma: str | None = "unroll", start: int = 0) -> ir.For:
+    """``for (int var = start; var < n; ++var) { stmts }``, unrolled by default."""
+    return ir.For(ir.Decl(var, "int", ir.Const(start)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), pragma)

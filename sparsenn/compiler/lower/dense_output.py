@@ -38,7 +38,7 @@ from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
-from .context import Lowering, product_of
+from .context import Lowering, counted, product_of
 from .iterators import initial_states, locate, open_cursor
 from .order import NestWalk, emit_order
 
@@ -164,19 +164,16 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
         n_k = end
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
 
-    def unrolled(stmt: ir.Stmt) -> ir.For:
-        return ir.For(ir.Decl(v, "int", ir.Const(0)), ir.lt(v, vectors), ir.Incr(v), ir.Block((stmt,)), "unroll")
-
     def vector_leaf(st):
         lo.emit(ir.Decl(var_k, "index", kb, const=True))
         loads = [lo.vector_load(st[n]) for n in with_k]
-        lo.emit(unrolled(ir.Assign(ir.Elem(acc, (v,)), product_of([lo.product(st, scalars), *loads]), "+=")))
+        lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (v,)), product_of([lo.product(st, scalars), *loads]), "+=")))
 
     def blocks(st, inner):
         """Loop ``r`` and those inside it, wrapped in whole blocks of k, then the rest."""
         def body():
             lo.emit(ir.Decl(acc, "VV", None, shape=(vectors,)))
-            lo.emit(unrolled(ir.Assign(ir.Elem(acc, (v,)), ir.VectorZero())))
+            lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (v,)), ir.VectorZero())))
             inner()
 
             def store():
@@ -184,7 +181,7 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
                 scaled = ir.mul(coef, ir.Elem(acc, (v,)))
                 value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(st), lane)), scaled)
                 lo.emit(ir.Decl(var_k, "index", kb, const=True))
-                lo.emit(unrolled(ir.VectorStore(OUT, ir.add(offset(st), lane), value)))
+                lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(st), lane), value)))
 
             lo.emit(lo.block(store))
 
@@ -223,11 +220,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     r = order.index(a) + 1
     var_a, var_k, v = lo.var(a), lo.var(k), ir.Var("v")
     k_lo, n_k = k_range
-    ab, a_rest, k_rest, acc, x, row_scalar = (lo.fresh(n) for n in ("ab", "arest", "krest", "tacc", "x", "s"))
+    ab, k_rest, acc, x, row_scalar = (lo.fresh(n) for n in ("ab", "krest", "tacc", "x", "s"))
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
-
-    def counted(var: ir.Var, n, *stmts: ir.Stmt) -> ir.For:
-        return ir.For(ir.Decl(var, "int", ir.Const(0)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), "unroll")
 
     gathered = tile.gathered_by
     rows_at = lo.fresh("rows")  # gathered rows: the coordinates at positions q .. q + rows - 1
@@ -278,53 +272,40 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
             ir.Assign(ir.Load(OUT, lo.offset(lo.s.output_order)), ir.Const(0)),))))
 
-    def gathered_wrapper(st, inner):
-        """Whole tiles of ``rows`` stored positions of the gathering factor's fiber, then
-        the plain nest from the first coordinate left."""
-        bounds = plain.bounds.get(a)
-        cursor = open_cursor(lo, gathered, st[gathered], bounds)
-        a_lo, a_hi = bounds or (ir.Const(0), lo.dim(a))
-
-        def whole_tile():
-            lo.emit(ir.Decl(first, "index", cursor.q, const=True))
-            coordinates = tuple(ir.Load(cursor.crd, ir.add(cursor.q, t)) for t in range(tile.rows))
-            lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(tile.rows,)))
-            emit_order(lo, tiled, st, r)
-
-        step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
-        lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
-        a_from = lo.fresh("afrom")
-        left = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
-        lo.emit(ir.Decl(a_from, "index", ir.Select(ir.lt(cursor.q, cursor.h), left, a_hi), const=True))
-        lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
-        tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
-            ir.Load(OUT, lo.offset(lo.s.output_order)), product_of([coef, *lo.values(inner_st)]), "+=")),
-            {**plain.bounds, a: (a_lo, a_from), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
-        lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
-        plain.bounds[a] = (a_from, a_hi)
-        inner()
-
     def wrapper(st, inner):
-        if gathered is not None:
-            return gathered_wrapper(st, inner)
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
+        left = lo.fresh("aleft")  # the first row the whole tiles leave to ``plain``
+        if gathered is None:
+            def whole_tile():
+                lo.emit(ir.Decl(var_a, "index", ab, const=True))
+                located = list(st)
+                locate(lo, a, st, located)
+                emit_order(lo, tiled, located, r)
 
-        def whole_tile():
-            lo.emit(ir.Decl(var_a, "index", ab, const=True))
-            located = list(st)
-            locate(lo, a, st, located)
-            emit_order(lo, tiled, located, r)
+            lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
+                           ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
+            lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
+                            const=True))
+        else:  # whole tiles of stored positions of the gathering factor's fiber
+            cursor = open_cursor(lo, gathered, st[gathered], plain.bounds.get(a))
 
-        lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
-                       ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
-        lo.emit(ir.Decl(a_rest, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
-                        const=True))
+            def whole_tile():
+                lo.emit(ir.Decl(first, "index", cursor.q, const=True))
+                coordinates = tuple(ir.Load(cursor.crd, ir.add(cursor.q, t)) for t in range(tile.rows))
+                lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(tile.rows,)))
+                emit_order(lo, tiled, st, r)
+
+            step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
+            lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
+            next_row = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
+            lo.emit(ir.Decl(left, "index", ir.Select(ir.lt(cursor.q, cursor.h), next_row, a_hi), const=True))
+        # The tiles' rows over the last, partial block of k; then ``plain`` over the rows left.
         lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
         tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
             ir.Load(OUT, lo.offset(lo.s.output_order)), product_of([coef, *lo.values(inner_st)]), "+=")),
-            {**plain.bounds, a: (a_lo, a_rest), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
+            {**plain.bounds, a: (a_lo, left), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
         lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
-        plain.bounds[a] = (a_rest, a_hi)
+        plain.bounds[a] = (left, a_hi)
         inner()
 
     return wrapper
@@ -382,9 +363,6 @@ def _dot_tile(lo: Lowering, nest: Nest, walk: NestWalk, inside, outside, coef, s
         lo.fresh(n) for n in ("ab", "bb", "arest", "brest", "dacc", "dsum", "xa", "xb", "dend"))
     var_d, var_a, var_b = lo.var(d), lo.var(a), lo.var(b)
     sum_at = ir.add(ir.mul(ROW_T, cols), COL_T)
-
-    def counted(var: ir.Var, n: int, *stmts: ir.Stmt) -> ir.For:
-        return ir.For(ir.Decl(var, "int", ir.Const(0)), ir.lt(var, n), ir.Incr(var), ir.Block(stmts), "unroll")
 
     def tile_body(st) -> None:
         by_row = [k for k in vectors if a in _held(st[k])]

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from ..loops import ir
 from ..plan.decisions import RowBlock
-from .context import Lowering, product_of
+from .context import Lowering, counted, product_of
 from .iterators import Cursor, locate, open_cursor
 
 __all__ = ["Summed", "vector_reduction", "sparse_reduction", "row_blocker", "enter"]
@@ -25,10 +25,6 @@ Summed = tuple[ir.Expr, Sequence[int]]  # the leaf's sum: coefficient, factors
 V = ir.Var("v")
 U = ir.Var("u")
 R = ir.Var("r")
-
-
-def _counted(var: ir.Var, n: int, body: ir.Block, pragma: str | None = "unroll", start: int = 0) -> ir.For:
-    return ir.For(ir.Decl(var, "int", ir.Const(start)), ir.lt(var, n), ir.Incr(var), body, pragma)
 
 
 def _scale(coef: ir.Expr, lo: Lowering, states, scalars: Sequence[int], total: ir.Expr) -> ir.Expr:
@@ -52,12 +48,12 @@ def vector_reduction(
                 ir.Decl(var, "index", first))
         loads = product_of([lo.vector_load(states[k]) for k in vectors])
         lo.emit(ir.For(None, ir.le(ir.add(var, block), end), ir.Assign(var, block, "+="), ir.Block((
-            _counted(V, accumulators, ir.Block((ir.Assign(ir.Elem(acc, (V,)), loads, "+="),))),))))
+            counted(V, accumulators, ir.Assign(ir.Elem(acc, (V,)), loads, "+=")),))))
         single = product_of([lo.vector_load(states[k], lane=ir.Const(0)) for k in vectors])
         lo.emit(ir.For(None, ir.le(ir.add(var, ir.Lanes()), end), ir.Assign(var, ir.Lanes(), "+="),
                        ir.Block((ir.Assign(ir.Elem(acc, (ir.Const(0),)), single, "+="),))))
-        lo.emit(_counted(V, accumulators, ir.Block((
-            ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (V,)), "+="),)), None, start=1))
+        lo.emit(counted(V, accumulators, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (V,)), "+="),
+                        pragma=None, start=1))
         lo.emit(ir.Decl(total, "V", ir.Call("hsum", (ir.Elem(acc, (ir.Const(0),)),))))
         lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), ir.Block((
             ir.Assign(total, lo.product(states, vectors), "+="),))))
@@ -96,10 +92,9 @@ def sparse_reduction(
 
         lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
         lo.emit(ir.For(None, ir.le(ir.add(q, n), cursor.h), ir.Assign(q, ir.Const(n), "+="), ir.Block((
-            _counted(U, n, step(ir.add(q, U), ir.Elem(acc, (U,)))),))))
+            counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
         lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
-        lo.emit(_counted(U, n, ir.Block((ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="),)),
-                         None, start=1))
+        lo.emit(counted(U, n, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="), pragma=None, start=1))
         lo.emit(ir.Assign(accumulator, ir.mul(coef, ir.Elem(acc, (ir.Const(0),))), "+="))
 
     lo.emit(lo.block(fill))
@@ -163,7 +158,7 @@ def _row_block_sums(
         loads = product_of([lo.vector_load(states[k], at, lane) for k in own])
         return ir.Block((
             ir.Decl(x, "VV", shared, const=True),
-            _counted(R, size, ir.Block((ir.Assign(ir.Elem(acc, (R, v)), ir.mul(x, loads), "+="),))),
+            counted(R, size, ir.Assign(ir.Elem(acc, (R, v)), ir.mul(x, loads), "+=")),
         ), scoped=False)
 
     lo.emit(ir.Decl(total, "V", None, shape=(size,)))
@@ -174,13 +169,13 @@ def _row_block_sums(
                 ir.Decl(var, "index", first))
         step = ir.mul(width, ir.Lanes())
         lo.emit(ir.For(None, ir.le(ir.add(var, step), end), ir.Assign(var, step, "+="), ir.Block((
-            _counted(V, width, fma(V, ir.mul(V, ir.Lanes()))),))))
+            counted(V, width, *fma(V, ir.mul(V, ir.Lanes())).stmts),))))
         if width > 1:
             lo.emit(ir.For(None, ir.le(ir.add(var, ir.Lanes()), end), ir.Assign(var, ir.Lanes(), "+="),
                            fma(ir.Const(0), ir.Const(0))))
         lo.emit(ir.Effect("hsums", (acc, total)))
         lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), ir.Block((
-            _counted(R, size, ir.Block((ir.Assign(ir.Elem(total, (R,)), lo.product(states, vectors, at), "+="),))),))))
+            counted(R, size, ir.Assign(ir.Elem(total, (R,)), lo.product(states, vectors, at), "+=")),))))
 
     lo.emit(lo.block(fill))
     return total
