@@ -21,9 +21,13 @@ Both are strict hand-written parsers: no ``eval``/``exec``, every error names th
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Access", "Term", "Assignment", "parse_einsum", "parse_expression", "NotationError"]
+__all__ = ["Access", "Term", "Assignment", "Epilogue", "Value", "Factor", "Constant", "Reduced", "Apply",
+           "REDUCTIONS", "parse_einsum", "parse_expression", "NotationError"]
+
+REDUCTIONS = ("sum", "max", "min")  # how a term's values combine over its reduction indices
 
 
 class NotationError(ValueError):
@@ -38,12 +42,47 @@ class Access:
     indices: tuple[str, ...]
 
 
+class Value:
+    """A scalar expression a kernel evaluates at each point it visits: over a term's
+    factor values (``Factor(k)``), or, in an :class:`Epilogue`, over the output
+    element's reduced value and the epilogue's factors."""
+
+
+@dataclass(frozen=True)
+class Factor(Value):
+    """The value of factor ``k`` (of the term, or of the epilogue) at the current point."""
+
+    k: int
+
+
+@dataclass(frozen=True)
+class Constant(Value):
+    value: float
+
+
+@dataclass(frozen=True)
+class Reduced(Value):
+    """In an epilogue: the output element's value once every term is reduced."""
+
+
+@dataclass(frozen=True)
+class Apply(Value):
+    """``function(*args)``, a function of :data:`sparsenn.compiler.functions.FUNCTIONS`."""
+
+    function: str
+    args: tuple[Value, ...]
+
+
 @dataclass(frozen=True)
 class Term:
-    """``coefficient * prod(factors)``, summed over its indices absent from the output."""
+    """``coefficient * value``, reduced over its indices absent from the output; the
+    value is the product of the factors, or ``value`` (a :class:`Value` over them)
+    when given. The term is visited where all its sparse factors have stored entries
+    (their intersection), whatever ``value`` computes there."""
 
     coefficient: float
     factors: tuple[Access, ...]
+    value: Value | None = None
 
     @property
     def indices(self) -> tuple[str, ...]:
@@ -56,25 +95,45 @@ class Term:
 
 
 @dataclass(frozen=True)
+class Epilogue:
+    """``Out[o] = value`` once ``Out[o]``'s reduction is complete: ``value`` reads the
+    reduced value (:class:`Reduced`) and ``factors``, dense operands indexed by output
+    indices only (a bias ``b[k]``)."""
+
+    factors: tuple[Access, ...]
+    value: Value
+
+
+@dataclass(frozen=True)
 class Assignment:
-    """``Out[output] = sum(terms)``; ``operand_names`` are for display only."""
+    """``Out[output] = epilogue(reduce(terms))``: the terms' values combined by
+    ``reduction`` (``"sum"``; ``"max"``/``"min"`` for a single term) over each term's
+    indices absent from the output, then ``epilogue`` if given; ``operand_names`` are
+    for display only."""
 
     output: tuple[str, ...]
     terms: tuple[Term, ...]
     operand_names: tuple[str, ...]
+    reduction: str = "sum"
+    epilogue: Epilogue | None = None
 
     def __hash__(self) -> int:
         """Computed once: assignments key the plan cache on every call."""
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash((self.output, self.terms, self.operand_names))
+            value = hash((self.output, self.terms, self.operand_names, self.reduction, self.epilogue))
             object.__setattr__(self, "_hash", value)
             return value
 
     def __reduce__(self):
         """Pickle the fields only: the cached hash is per process (str hashes are salted)."""
-        return type(self), (self.output, self.terms, self.operand_names)
+        return type(self), (self.output, self.terms, self.operand_names, self.reduction, self.epilogue)
+
+    @property
+    def is_product_sum(self) -> bool:
+        """A plain sum of products: no values, no other reduction, no epilogue."""
+        return self.reduction == "sum" and self.epilogue is None and all(t.value is None for t in self.terms)
 
     @property
     def num_operands(self) -> int:
@@ -85,7 +144,9 @@ class Assignment:
 
     def __str__(self) -> str:
         """``Out[i] = A[i] - 0.5 * sum_{k} B[i,k] * C[k]``: a coefficient ``c`` prints as
-        its sign and, unless ``|c| = 1``, ``|c| *`` (so a ``0 * M`` term stays visible)."""
+        its sign and, unless ``|c| = 1``, ``|c| *`` (so a ``0 * M`` term stays visible);
+        a term's value prints over its factors, a max-reduction as ``max_{k}``, an
+        epilogue around the whole sum (``relu(R + b[k])`` with ``R`` the sum)."""
 
         def access(a: Access) -> str:
             return f"{self.operand_names[a.operand]}[{','.join(a.indices)}]"
@@ -93,15 +154,40 @@ class Assignment:
         parts = []
         for n, term in enumerate(self.terms):
             sign = "-" if term.coefficient < 0 else "+"
-            body = " * ".join(access(a) for a in term.factors)
+            if term.value is None:
+                body = " * ".join(access(a) for a in term.factors)
+            else:
+                body = show_value(term.value, [access(a) for a in term.factors])
             red = self.reduction_indices(term)
             if red:
-                body = f"sum_{{{','.join(red)}}} {body}"
+                body = f"{self.reduction}_{{{','.join(red)}}} {body}"
             if abs(term.coefficient) != 1.0:
                 body = f"{_magnitude(term.coefficient)} * {body}"
             parts.append(body if n == 0 and sign == "+" else f"{sign} {body}")
         out = f"Out[{','.join(self.output)}]"
-        return f"{out} = {' '.join(parts)}".replace("= - ", "= -")
+        text = " ".join(parts)
+        if self.epilogue is not None:
+            names = [access(a) for a in self.epilogue.factors]
+            text = show_value(self.epilogue.value, names, reduced=f"({text})".replace("(- ", "(-"))
+        return f"{out} = {text}".replace("= - ", "= -")
+
+
+def show_value(value: Value, factors: Sequence[str], reduced: str = "R") -> str:
+    """``value`` as text, factor ``k`` shown as ``factors[k]``."""
+    if isinstance(value, Factor):
+        return factors[value.k]
+    if isinstance(value, Constant):
+        return repr(float(value.value)).removesuffix(".0")
+    if isinstance(value, Reduced):
+        return reduced
+    args = [show_value(a, factors, reduced) for a in value.args]
+    symbol = _INFIX.get(value.function)
+    if symbol is not None:
+        return f"({args[0]} {symbol} {args[1]})"
+    return f"{value.function}({', '.join(args)})"
+
+
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
 def _magnitude(coefficient: float) -> str:
