@@ -33,7 +33,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.level import Compressed, Dense, Level
 
-from .notation import Access, Assignment, Term
+from .notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .plan.planner import AUTO, DENSE
 
@@ -251,9 +251,8 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
     over split indices; None without blocked operands. ``request``: the checked
     ``out_format`` (None, ``"dense"``, ``"auto"`` or a Format)."""
     indices: dict[int, tuple[str, ...]] = {}  # each read operand's indices (its accesses split alike)
-    for term in assignment.terms:
-        for a in term.factors:
-            indices.setdefault(a.operand, a.indices)
+    for a in assignment.accesses:
+        indices.setdefault(a.operand, a.indices)
     if not any(formats[n] is not None and formats[n].block is not None for n in indices):
         return None
     sizes, kept = _split_indices(assignment, formats)
@@ -265,9 +264,15 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
         else _layout(fmt, tuple(shapes[n]), indices[n], sizes)
         for n, fmt in enumerate(reading)
     )
-    terms = tuple(Term(t.coefficient, tuple(Access(a.operand, _split_access(a.indices, sizes)) for a in t.factors))
-                  for t in assignment.terms)
-    split = Assignment(_split_access(assignment.output, sizes), terms, assignment.operand_names)
+    def split_accesses(accesses: Sequence[Access]) -> tuple[Access, ...]:
+        return tuple(Access(a.operand, _split_access(a.indices, sizes)) for a in accesses)
+
+    terms = tuple(Term(t.coefficient, split_accesses(t.factors), t.value) for t in assignment.terms)
+    epilogue = assignment.epilogue
+    if epilogue is not None:
+        epilogue = Epilogue(split_accesses(epilogue.factors), epilogue.value)
+    split = Assignment(_split_access(assignment.output, sizes), terms, assignment.operand_names,
+                       assignment.reduction, epilogue)
     out_sizes = {}
     for term in assignment.terms:
         for a in term.factors:

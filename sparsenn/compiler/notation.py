@@ -131,6 +131,18 @@ class Assignment:
         return type(self), (self.output, self.terms, self.operand_names, self.reduction, self.epilogue)
 
     @property
+    def accesses(self) -> tuple[Access, ...]:
+        """Every access: the terms' factors, then the epilogue's."""
+        factors = tuple(a for t in self.terms for a in t.factors)
+        return factors + (self.epilogue.factors if self.epilogue is not None else ())
+
+    @property
+    def dense_result(self) -> bool:
+        """The result is dense whatever the operands: a max or min gives the identity
+        where nothing is stored, an epilogue is applied to every element."""
+        return self.reduction != "sum" or self.epilogue is not None
+
+    @property
     def is_product_sum(self) -> bool:
         """A plain sum of products: no values, no other reduction, no epilogue."""
         return self.reduction == "sum" and self.epilogue is None and all(t.value is None for t in self.terms)

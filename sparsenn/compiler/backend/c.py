@@ -10,6 +10,8 @@ pragmas; the prelude and entry points around the printed statements come from
 
 from __future__ import annotations
 
+import math
+
 from ..loops import ir
 
 __all__ = ["print_block", "print_expr", "array_name"]
@@ -84,6 +86,8 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
         return e.name, _ATOM
     if isinstance(e, ir.Const):
         if isinstance(e.value, float):
+            if math.isinf(e.value):
+                return f"{'-' if e.value < 0 else ''}std::numeric_limits<V>::infinity()", _ATOM if e.value > 0 else 7
             return f"V({e.value!r})", _ATOM
         if e.value == _INT64_MAX:
             return "INT64_MAX", _ATOM
@@ -108,6 +112,8 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
         return f"sn_load({_expr(ir.Address(e.array, e.offset))[0]})", _ATOM
     if isinstance(e, ir.Call):
         return _call(e), _ATOM
+    if isinstance(e, ir.Math):
+        return f"sn_{e.function}({', '.join(_arg(a) for a in e.args)})", _ATOM
     if isinstance(e, ir.RuntimeCall):
         return _RUNTIME_CALLS[e.op].format(*(_arg(a) for a in e.args)), _ATOM
     raise TypeError(f"not an expression: {e!r}")

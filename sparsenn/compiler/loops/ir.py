@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
-    "Call", "RuntimeCall", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
+    "Call", "Math", "RuntimeCall", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
     "If", "For", "While", "Block", "Parallel", "Team", "Guarded", "Continue", "Break", "Return", "EFFECTS",
     "RUNTIME_CALLS", "WORKSPACES", "add", "sub", "mul", "lt", "le", "eq", "and_", "or_", "min_", "max_",
     "c",
@@ -151,6 +151,15 @@ class Call(Expr):
 
     name: str
     args: tuple[Expr | Array, ...]
+
+
+@dataclass(frozen=True)
+class Math(Expr):
+    """A scalar function of values (V), one of :data:`sparsenn.compiler.functions.FUNCTIONS`
+    other than arithmetic (printed as its runtime helper ``sn_<function>``)."""
+
+    function: str
+    args: tuple[Expr, ...]
 
 
 @dataclass(frozen=True)

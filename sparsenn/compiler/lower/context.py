@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from sparsenn.formats import Format
 
 from ..loops import ir
-from ..notation import Assignment
+from ..notation import Assignment, Constant, Factor, Reduced, Term, Value
 from ..plan.schedule import Schedule
 
-__all__ = ["Slot", "Lowering"]
+__all__ = ["Slot", "Lowering", "lower_value", "product_of", "counted"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,13 @@ class Lowering:
         numbered in ``only``, if given; dense operands at ``at``, see :meth:`offset`)."""
         return product_of(self.values(states, only, at))
 
+    def term_value(self, term: Term, states) -> ir.Expr:
+        """The term's value at its factors' current positions: their product, or its
+        value tree over them."""
+        if term.value is None:
+            return self.product(states)
+        return lower_value(term.value, self.values(states))
+
     def values(self, states, only: Sequence[int] | None = None, at: dict[str, ir.Expr] | None = None) -> list:
         """The factors' values that :meth:`product` multiplies, in order."""
         parts = []
@@ -126,6 +133,23 @@ class Lowering:
         position (or past ``at``)."""
         lane = ir.mul(ir.Var("v"), ir.Lanes()) if lane is None else lane
         return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.dense_offset(st, at), lane))
+
+
+def lower_value(value: Value, factors: Sequence[ir.Expr], reduced: ir.Expr | None = None) -> ir.Expr:
+    """A :class:`~..notation.Value` as an expression over the factors' values (and the
+    reduced value, in an epilogue)."""
+    if isinstance(value, Factor):
+        return factors[value.k]
+    if isinstance(value, Constant):
+        return ir.Const(float(value.value))
+    if isinstance(value, Reduced):
+        return reduced
+    args = tuple(lower_value(a, factors, reduced) for a in value.args)
+    operator = _OPERATORS.get(value.function)
+    return ir.Bin(operator, *args) if operator else ir.Math(value.function, args)
+
+
+_OPERATORS = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
 
 
 def product_of(parts: Sequence[ir.Expr]) -> ir.Expr:

@@ -38,7 +38,9 @@ from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
+from ..functions import IDENTITY
 from .context import Lowering, counted, product_of
+from .epilogue import epilogue_pass, fuse_epilogue
 from .iterators import initial_states, locate, open_cursor
 from .order import NestWalk, emit_order
 
@@ -53,13 +55,16 @@ def anchor_factor(term, output: tuple[str, ...], anchor: int) -> int:
 
 
 def lower_dense_output(lo: Lowering, anchor: int | None) -> bool:
-    """Emit every term's nest; returns whether the first stores each element once (the
-    caller then need not zero the output)."""
+    """Emit every term's nest, and the epilogue after them unless a nest fuses it;
+    returns whether the first nest stores each element once (the caller then need not
+    fill the output with the reduction's identity)."""
     overwrites = False
     for n, nest in enumerate(lo.s.nests):
         once = n == 0 and (nest.stores_once if anchor is None else anchor in nest.stores_once_anchors)
         overwrites |= once
         lo.emit(lo.block(lambda nest=nest, once=once: _nest(lo, nest, anchor, once)))
+    if lo.a.epilogue is not None and not any(nest.epilogue_at is not None for nest in lo.s.nests):
+        epilogue_pass(lo)
     return overwrites
 
 
@@ -82,27 +87,41 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
 
     split = reductions_from(order, output, len(order))
     walk = NestWalk(nest, order, None)
+    reduction = lo.a.reduction
     if split < len(order):
         inner = set(order[split:])
-        outside = [k for k, f in enumerate(term.factors) if not inner & set(f.indices)]
-        inside = [k for k in range(len(term.factors)) if k not in outside]
+        # A product's factors constant across the reductions multiply the sum once; a
+        # value tree is evaluated whole at each point.
+        outside = [] if term.value is not None else [k for k, f in enumerate(term.factors)
+                                                      if not inner & set(f.indices)]
         acc = lo.fresh("acc")
-        walk.accumulator, walk.summed = acc, (ir.Const(1.0), inside)
+        if reduction == "sum":
+            inside = [k for k in range(len(term.factors)) if k not in outside]
+            walk.accumulator, walk.summed = acc, (ir.Const(1.0), inside)
 
         def start(st):
-            lo.emit(ir.Decl(acc, "V", ir.Const(0)))
+            lo.emit(ir.Decl(acc, "V", ir.Const(IDENTITY[reduction])))
 
         def finish(st):
-            lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st, outside), acc]), store))
+            if reduction == "sum":
+                lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st, outside), acc]), store))
+            else:
+                _combine(lo, ir.Load(OUT, offset(st)), acc, reduction, once)
 
         walk.around[split] = (start, finish)
-        walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
+        if term.value is not None or reduction != "sum":
+            walk.leaf = lambda st: _combine(lo, acc, lo.term_value(term, st), reduction, False)
+        else:
+            walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
         if nest.dot_tile is not None:
             anchor_k = None if anchor is None else k_anchor
             walk.wrap[order.index(nest.dot_tile.rows)] = _dot_tile(lo, nest, walk, inside, outside, coef, store,
                                                                     anchor_k)
     else:
-        walk.leaf = lambda st: lo.emit(ir.Assign(ir.Load(OUT, offset(st)), product_of([coef, *lo.values(st)]), store))
+        walk.leaf = lambda st: _combine(lo, ir.Load(OUT, offset(st)), ir.mul(coef, lo.term_value(term, st)),
+                                        reduction, once)
+    if lo.a.epilogue is not None and nest.epilogue_at is not None and nest.register_block is None:
+        fuse_epilogue(lo, walk.wrap, walk.bounds, order, nest.epilogue_at)
 
     tiles = [t for t in nest.tiles if t.index != order[0]]
 
@@ -123,6 +142,16 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         lo.emit(ir.Parallel(lo.block(loops)))
     else:
         loops()
+
+
+def _combine(lo: Lowering, target: ir.Expr, value: ir.Expr, reduction: str, once: bool) -> None:
+    """``target`` (+)= ``value``, or ``target = max(target, value)`` (min) unless stored once."""
+    if once:
+        lo.emit(ir.Assign(target, value))
+    elif reduction == "sum":
+        lo.emit(ir.Assign(target, value, "+="))
+    else:
+        lo.emit(ir.Assign(target, ir.Math(reduction, (target, value))))
 
 
 def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
@@ -205,6 +234,8 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
                      block_from=r, wrap=wrap)
     if nest.register_tile is not None:
         wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars)
+    if lo.a.epilogue is not None and nest.epilogue_at is not None:
+        fuse_epilogue(lo, wrap, plain.bounds, order, nest.epilogue_at)
     emit_order(lo, plain, states)
 
 

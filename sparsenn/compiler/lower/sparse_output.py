@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..loops import ir
 from .assembly import Assembler, assembler
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
-from .context import Lowering, product_of
+from .context import Lowering
 from .iterators import filtering, initial_states, open_cursor
 from .merge import co_iterate, merge
 from .order import NestWalk, emit_order
@@ -99,8 +99,7 @@ def _leaf(lo: Lowering, out: Assembler, states: dict, active: dict, level: int) 
     s = lo.s
     if s.workspace is not None:
         key = lo.offset(s.workspace.indices)
-        _each_term(lo, states, active, lambda coef, st: out.scatter(
-            lo, key, product_of([coef, *lo.values(st)]) if out.values else None))
+        _each_term(lo, states, active, lambda value: out.scatter(lo, key, value if out.values else None))
         out.drain(lo, level)
         return
     if not out.values:
@@ -108,17 +107,18 @@ def _leaf(lo: Lowering, out: Assembler, states: dict, active: dict, level: int) 
         return
     value = lo.fresh("val")
     lo.emit(ir.Decl(value, "V", ir.Const(0)))
-    _each_term(lo, states, active, lambda coef, st: lo.emit(
-        ir.Assign(value, product_of([coef, *lo.values(st)]), "+=")), value)
+    _each_term(lo, states, active, lambda term_value: lo.emit(ir.Assign(value, term_value, "+=")), value)
     out.store(lo, value)
 
 
 def _each_term(lo: Lowering, states: dict, active: dict, leaf, accumulator: ir.Var | None = None) -> None:
-    """Each active term's own loops (its nest), ``leaf(coefficient, states)`` innermost;
+    """Each active term's own loops (its nest), ``leaf(coefficient * value)`` innermost;
     ``accumulator``: the scalar the leaves sum into."""
     nests = {n.term: n for n in lo.s.nests}
     for t, st in states.items():
-        coef = ir.Const(float(lo.a.terms[t].coefficient))
-        walk = NestWalk(nests[t], nests[t].order, lambda new, coef=coef: leaf(coef, new), accumulator=accumulator)
+        term = lo.a.terms[t]
+        coef = ir.Const(float(term.coefficient))
+        walk = NestWalk(nests[t], nests[t].order, lambda new, term=term, coef=coef: leaf(
+            ir.mul(coef, lo.term_value(term, new))), accumulator=accumulator)
         loops = lo.block(lambda walk=walk, st=st: emit_order(lo, walk, st))
         lo.emit(loops if active[t] is None else ir.If(active[t], loops))

@@ -275,8 +275,9 @@ def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Form
 def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dtype: torch.dtype,
                      request: Request) -> list[Step] | None:
     """Pairwise contractions cheaper than one fused kernel, for single-term products of
-    three or more factors (see :mod:`plan.contract`), or None to fuse."""
-    if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3:
+    three or more factors (see :mod:`plan.contract`), or None to fuse (always for values,
+    max/min reductions and epilogues, which only a fused kernel computes)."""
+    if len(assignment.terms) != 1 or len(assignment.terms[0].factors) < 3 or not assignment.is_product_sum:
         return None
     key = (assignment, infos, dtype, request)
     hit = _paths.get(key)

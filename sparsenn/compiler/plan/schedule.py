@@ -145,6 +145,9 @@ class Nest:
     stores_once: bool = False  # the first nest of a dense output stores with "="
     stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
     panels: tuple[tuple[int, int], ...] = ()  # (factor, tile size): read in panels of its last index's tile
+    # The assignment's epilogue runs over each output slice once loops order[:epilogue_at]
+    # are fixed (None: over the whole output after every nest).
+    epilogue_at: int | None = None
 
     def describe(self, shared: tuple[str, ...] = ()) -> str:
         parts = [f"term {self.term}: loop order {','.join(shared + self.order)}",
@@ -177,6 +180,8 @@ class Nest:
             parts.append("stores each output element once (=)")
         for k, size in self.panels:
             parts.append(f"factor {k} laid out in panels of {size}")
+        if self.epilogue_at is not None:
+            parts.append(f"epilogue fused after loop {self.order[self.epilogue_at]} (per slice)")
         if self.stores_once_anchors:
             parts.append(f"stores each sampled value once if operand(s) {list(self.stores_once_anchors)} anchor the output")
         return "; ".join(parts)
@@ -467,7 +472,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     fields = {"prefetch": decisions.prefetch_loops(
         order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
         "simd": decisions.simd_loop(order, output, f)}
-    if block is None:
+    if block is None and not _scalar(assignment, nest.term):
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
             "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
@@ -487,6 +492,36 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     return replace(nest, **fields)
 
 
+def _scalar(assignment: Assignment, t: int) -> bool:
+    """Term ``t`` runs without micro-kernels (register blocks and tiles, vector and
+    sparse reductions, row blocks): its value is not a product of factors, or the
+    reduction is not a sum."""
+    return assignment.terms[t].value is not None or assignment.reduction != "sum"
+
+
+def _reductions_inside(indices: Sequence[str], output: Sequence[str], cost_of) -> list[tuple[str, ...]]:
+    """Candidate orders with every output index above every reduction index: a max or
+    min is complete, and stored once, before the next output element starts."""
+    outer = [i for i in indices if i in output]
+    inner = [i for i in indices if i not in output]
+    heads = _orders(outer, lambda o: cost_of(tuple(o) + tuple(inner)))
+    return [head + tail for head in heads for tail in _orders(inner, lambda o: cost_of(heads[0] + tuple(o)))]
+
+
+def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> int | None:
+    """Where a single nest fuses the epilogue (see :mod:`..lower.epilogue`): after its
+    leading output loops, each visiting every coordinate, and outside any register or
+    dot tile; None if there are no such loops."""
+    order, f = nest.order, [x.nest_factor() for x in factors]
+    p = 0
+    while p < len(order) and order[p] in output and not any(x.filters(order[p]) for x in f):
+        p += 1
+    for tiled in (nest.register_tile and nest.register_tile.index, nest.dot_tile and nest.dot_tile.rows):
+        if tiled is not None:
+            p = min(p, order.index(tiled))
+    return p if p > 0 else None
+
+
 def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: tuple[str, ...]) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
     nest_factors = []
@@ -499,7 +534,10 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
-        candidates = _orders(indices, cost_of)
+        if assignment.reduction == "sum":
+            candidates = _orders(indices, cost_of)
+        else:
+            candidates = _reductions_inside(indices, assignment.output, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         _, leaves, factors = nest_cost(term, best, infos, dims, layout)
@@ -516,6 +554,9 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
     # Register blocks need the output's layout, known once every nest is chosen.
     blocked = []
     for nest, factors in zip(nests, nest_factors):
+        if _scalar(assignment, nest.term):
+            blocked.append(nest)
+            continue
         block = _register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize, target)
         tile = _register_tile(nest.order, assignment.output, factors, block, nest.tiles, nest.parallel, dims,
                               itemsize, target)
@@ -526,6 +567,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
         blocked.append(replace(nest, register_block=block, register_tile=tile))
     nests = [_dense_decisions(nest, n, factors, assignment, target)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
+    if assignment.epilogue is not None and len(nests) == 1:
+        nests[0] = replace(nests[0], epilogue_at=_epilogue_at(nests[0], assignment.output, nest_factors[0]))
     wide = target.wide_register_block_vectors
     for nest in nests:
         if nest.register_block is not None and nest.register_tile is None:

@@ -16,6 +16,7 @@ converted and resolved each time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
+from .. import functions
 from ..blocks import Split, split_call
 from ..notation import Access, Assignment, Term
 from ..plan.contract import Step
@@ -124,22 +126,77 @@ class DenseCall:
 
     def run(self, operands: Sequence) -> torch.Tensor | SparseTensor:
         assignment = self.assignment
-        letters: dict[str, str] = {}
-        for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
-            letters[i] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[len(letters)]
-        out = None
-        for term in assignment.terms:
-            present = [i for i in assignment.output if i in term.indices]
-            lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
-            value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
-                                 *[operands[a.operand] for a in term.factors])
-            if term.coefficient != 1.0:
-                value = term.coefficient * value
-            if len(present) != len(assignment.output):
-                view = [size if i in term.indices else 1 for i, size in zip(assignment.output, self.out_shape)]
-                value = value.reshape(view).expand(self.out_shape).clone()
-            out = value if out is None else out + value
+        compute = _summed_products if assignment.is_product_sum else _general
+        out = compute(assignment, operands, self.out_shape)
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
+
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+def _summed_products(assignment: Assignment, operands: Sequence, out_shape: tuple[int, ...]) -> torch.Tensor:
+    """A sum of products, one ``torch.einsum`` per term."""
+    letters: dict[str, str] = {}
+    for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
+        letters[i] = _LETTERS[len(letters)]
+    out = None
+    for term in assignment.terms:
+        present = [i for i in assignment.output if i in term.indices]
+        lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
+        value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
+                             *[operands[a.operand] for a in term.factors])
+        if term.coefficient != 1.0:
+            value = term.coefficient * value
+        if len(present) != len(assignment.output):
+            view = [size if i in term.indices else 1 for i, size in zip(assignment.output, out_shape)]
+            value = value.reshape(view).expand(out_shape).clone()
+        out = value if out is None else out + value
+    return out
+
+
+def _spread(tensor: torch.Tensor, indices: Sequence[str], space: Sequence[str]) -> torch.Tensor:
+    """``tensor`` over ``indices`` viewed over ``space`` (size 1 along the others)."""
+    ordered = sorted(range(len(indices)), key=lambda m: space.index(indices[m]))
+    moved = tensor.permute(ordered)
+    shape = [tensor.shape[indices.index(i)] if i in indices else 1 for i in space]
+    return moved.reshape(shape)
+
+
+def _general(assignment: Assignment, operands: Sequence, out_shape: tuple[int, ...]) -> torch.Tensor:
+    """Values, max/min reductions and epilogues, by broadcasting each term over its
+    indices (the output's first) and reducing the rest."""
+    output = assignment.output
+    dtype = operands[0].dtype
+    out = torch.zeros(out_shape, dtype=dtype) if assignment.reduction == "sum" else None
+    for term in assignment.terms:
+        space = list(output) + [i for i in term.indices if i not in output]
+        factors = [_spread(operands[a.operand], a.indices, space) for a in term.factors]
+        if term.value is None:
+            value = functools.reduce(torch.mul, factors, torch.ones((), dtype=dtype))
+        else:
+            value = functions.evaluate(term.value, factors)
+        value = term.coefficient * value
+        full = list(out_shape) + [_size(term, operands, i) for i in space[len(output):]]
+        value = value.expand(full)
+        reduced = tuple(range(len(output), len(space)))
+        if assignment.reduction == "sum":
+            out = out + (value.sum(reduced) if reduced else value)
+        elif not reduced:
+            out = value.clone()
+        elif value.numel() == 0:
+            out = torch.full(out_shape, functions.IDENTITY[assignment.reduction], dtype=dtype)
+        else:
+            out = value.amax(reduced) if assignment.reduction == "max" else value.amin(reduced)
+    epilogue = assignment.epilogue
+    if epilogue is not None:
+        factors = [_spread(operands[a.operand], a.indices, output) for a in epilogue.factors]
+        out = functions.evaluate(epilogue.value, factors, reduced=out).expand(out_shape).contiguous()
+    return out
+
+
+def _size(term: Term, operands: Sequence, index: str) -> int:
+    access = next(a for a in term.factors if index in a.indices)
+    return operands[access.operand].shape[access.indices.index(index)]
 
 
 def _stored_densely(result: torch.Tensor, fmt: Format) -> SparseTensor:

@@ -15,6 +15,7 @@ the computed values, or the sparse result the kernel assembled.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from ..backend.abi import EntryPoints
+from ..functions import IDENTITY
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .restore import restored_as
 
@@ -38,6 +40,20 @@ def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
     memory for a kernel that stores every element of its output (the test suite fills
     it with NaN, so an element a kernel skips shows)."""
     return torch.empty(*size, dtype=dtype)
+
+
+def _initial(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
+    """How to allocate a dense output: uninitialised when the kernel stores every
+    element, else filled with the reduction's identity (0 for a sum, -inf for a max)."""
+    if overwrites:
+        return uninitialised
+    if reduction == "sum":
+        return torch.zeros
+    return functools.partial(_filled, IDENTITY[reduction])
+
+
+def _filled(value: float, *size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(size, value, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -82,7 +98,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
     kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
     plan, final = launch.plan, launch.final_format
-    assembles, overwrites = plan.assembles, plan.kernel.overwrites_output
+    assembles, allocate = plan.assembles, _initial(plan.assignment.reduction, plan.kernel.overwrites_output)
     anchor, permutation = plan.anchor, plan.output_permutation
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
@@ -96,7 +112,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         if assembles:
             result = _assembled(launch, arguments, threads)
         else:
-            out = (uninitialised if overwrites else torch.zeros)(*allocation, dtype=dtype)
+            out = allocate(*allocation, dtype=dtype)
             if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
             if anchor is None:

@@ -111,22 +111,30 @@ def check_call(assignment: Assignment, operands: Sequence, out_format) -> Checke
         dtype = op.values.dtype if isinstance(op, SparseTensor) else op.dtype
         prepared.append(op)
     sizes: dict[str, tuple[int, int]] = {}
-    for term in assignment.terms:
-        for access in term.factors:
-            shape = tuple(prepared[access.operand].shape)
-            if len(shape) != len(access.indices):
-                raise ValueError(
-                    f"{describe_operand(assignment, access.operand)} has {len(shape)} dimension(s) but the "
-                    f"expression indexes it with {len(access.indices)} ({''.join(access.indices)})"
-                )
-            for index, size in zip(access.indices, shape):
-                if index in sizes and sizes[index][0] != size:
-                    other = describe_operand(assignment, sizes[index][1])
-                    raise ValueError(f"index '{index}' has size {size} in "
-                                     f"{describe_operand(assignment, access.operand)} but size {sizes[index][0]} "
-                                     f"in {other}")
-                sizes.setdefault(index, (size, access.operand))
+    for access in assignment.accesses:
+        shape = tuple(prepared[access.operand].shape)
+        if len(shape) != len(access.indices):
+            raise ValueError(
+                f"{describe_operand(assignment, access.operand)} has {len(shape)} dimension(s) but the "
+                f"expression indexes it with {len(access.indices)} ({''.join(access.indices)})"
+            )
+        for index, size in zip(access.indices, shape):
+            if index in sizes and sizes[index][0] != size:
+                other = describe_operand(assignment, sizes[index][1])
+                raise ValueError(f"index '{index}' has size {size} in "
+                                 f"{describe_operand(assignment, access.operand)} but size {sizes[index][0]} "
+                                 f"in {other}")
+            sizes.setdefault(index, (size, access.operand))
+    if assignment.epilogue is not None:
+        for access in assignment.epilogue.factors:
+            if isinstance(prepared[access.operand], SparseTensor):
+                raise ValueError(f"{describe_operand(assignment, access.operand)} is read after the reduction "
+                                 "(in the epilogue) and must be a dense tensor")
     request = output_request(out_format, tuple(sizes[i][0] for i in assignment.output))
+    if isinstance(request, Format) and assignment.dense_result:
+        what = "an epilogue" if assignment.epilogue is not None else f"a {assignment.reduction}-reduction"
+        raise ValueError(f"out_format={str(out_format)!r}: the result of {what} is dense (every element gets a "
+                         "value); use None or 'dense'")
     widths = {op.index_dtype for op in prepared if isinstance(op, SparseTensor)}
     index_dtype = torch.int64 if torch.int64 in widths else torch.int32
     return Checked(tuple(prepared), dtype, {index: size for index, (size, _) in sizes.items()}, index_dtype, request)

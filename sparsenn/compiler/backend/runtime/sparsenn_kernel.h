@@ -14,9 +14,11 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <type_traits>
 #include <utility>
@@ -137,5 +139,26 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
   }
   return lo;
 }
+
+/* The scalar functions of index notation (sparsenn/compiler/functions.py), each as
+   torch computes it: NaN propagates through relu, max and min. */
+static inline V sn_neg(V x) { return -x; }
+static inline V sn_abs(V x) { return std::abs(x); }
+static inline V sn_relu(V x) { return x < V(0) ? V(0) : x; }
+static inline V sn_sigmoid(V x) { return V(1) / (V(1) + std::exp(-x)); }
+static inline V sn_silu(V x) { return x / (V(1) + std::exp(-x)); }
+static inline V sn_tanh(V x) { return std::tanh(x); }
+static inline V sn_exp(V x) { return std::exp(x); }
+static inline V sn_log(V x) { return std::log(x); }
+static inline V sn_sqrt(V x) { return std::sqrt(x); }
+static inline V sn_normal_cdf(V x) { return V(0.5) * (V(1) + std::erf(x * V(0.70710678118654752440))); }
+static inline V sn_normal_pdf(V x) { return std::exp(V(-0.5) * x * x) * V(0.39894228040143267794); }
+static inline V sn_gelu(V x) { return x * sn_normal_cdf(x); }
+static inline V sn_max(V a, V b) { return (a > b || a != a) ? a : b; }
+static inline V sn_min(V a, V b) { return (a < b || a != a) ? a : b; }
+static inline V sn_step(V x) { return x > V(0) ? V(1) : V(0); }
+static inline V sn_sign(V x) { return x > V(0) ? V(1) : x < V(0) ? V(-1) : V(0); }
+static inline V sn_pick(V a, V b) { return a > b ? V(1) : a == b ? V(0.5) : V(0); }
+static inline V sn_equal(V a, V b) { return a == b ? V(1) : V(0); }
 
 #endif
