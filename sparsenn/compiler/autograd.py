@@ -25,7 +25,8 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .notation import Access, Assignment, Term
+from .functions import apply, derivative
+from .notation import Access, Apply, Assignment, Constant, Factor, Reduced, Term, Value
 
 __all__ = ["differentiable_evaluate"]
 
@@ -45,64 +46,154 @@ class _Spec:
         return [t if tpl is None else tpl.with_values(t) for tpl, t in zip(self.templates, tensors)]
 
 
-def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out) -> tuple[Assignment, list, object]:
+# What a gradient expression reads besides ``(grad_out, *operands)``, in order: an
+# all-ones tensor over some of the operand's modes, the operand's pattern (ones), the
+# forward result, or the number of arg-max entries of each output element.
+Extra = tuple
+
+
+def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, result) -> tuple[Assignment, list, object]:
     """The assignment, operand list and out_format computing d(loss)/d(operand)."""
     template = spec.templates[operand]
     if template is not None and template.format.is_dense:
         template = None  # stored densely: compute a dense gradient, then lay it out as values
     rank = len(operands[operand].shape)
-    assignment, ones = _gradient_assignment(spec.assignment, operand, rank, template is not None)
+    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None)
     inputs = [grad_out] + list(operands)
-    if template is not None:  # the pattern, with ones: samples the product at the pattern
-        inputs.append(template.with_values(torch.ones_like(template.values)))
-        return assignment, inputs, template.format
     shape = operands[operand].shape
-    inputs += [torch.ones([shape[m] for m in modes], dtype=_dtype_of(grad_out)) for modes in ones]
-    return assignment, inputs, "dense"
+    for extra in extras:
+        if extra[0] == "ones":
+            inputs.append(torch.ones([shape[m] for m in extra[1]], dtype=_dtype_of(grad_out)))
+        elif extra[0] == "mask":
+            inputs.append(template.with_values(torch.ones_like(template.values)))
+        elif extra[0] == "result":
+            inputs.append(result)
+        else:
+            inputs.append(spec.evaluate(_ties(spec.assignment), list(operands) + [result], "dense"))
+    return assignment, inputs, template.format if template is not None else "dense"
+
+
+def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]:
+    return tuple(rename.get(i, i) for i in indices)
+
+
+def _reduced_value(term: Term) -> Value:
+    """What the reduction combines: the term's value (its product by default) times its
+    coefficient."""
+    value = term.value
+    if value is None:
+        value = Factor(0)
+        for k in range(1, len(term.factors)):
+            value = apply("mul", value, Factor(k))
+    return value if term.coefficient == 1.0 else apply("mul", Constant(term.coefficient), value)
+
+
+def _shifted(value: Value, by: int) -> Value:
+    """``value`` with every factor number moved on by ``by``."""
+    if isinstance(value, Factor):
+        return Factor(value.k + by)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_shifted(a, by) for a in value.args))
+    return value
+
+
+@functools.lru_cache(maxsize=256)
+def _ties(assignment: Assignment) -> Assignment:
+    """``count[o] = sum_r (value == Out[o])`` over ``(*operands, Out)``: how many entries
+    share each max (or min), which split its gradient equally (as torch.amax)."""
+    (term,) = assignment.terms
+    out = Access(assignment.num_operands, assignment.output)
+    value = apply("equal", _reduced_value(term), Factor(len(term.factors)))
+    names = assignment.operand_names + ("Out",)
+    return Assignment(assignment.output, (Term(1.0, term.factors + (out,), value),), names)
 
 
 @functools.lru_cache(maxsize=1024)
 def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
-                         sampled: bool) -> tuple[Assignment, tuple[tuple[int, ...], ...]]:
-    """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, extra...)``.
+                         sampled: bool) -> tuple[Assignment, tuple[Extra, ...]]:
+    """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, *extras)``.
 
-    ``sampled``: the extra input is a mask with the operand's pattern. Otherwise the
-    extra inputs are all-ones tensors over the operand's modes (returned, in order) that
-    a contributing factor reads but no other factor of its term covers: the gradient is
-    constant along them. Cached: the same call's backward builds the same expression."""
+    ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
+    A product term contributes ``dOut * (the other factors)``; a factor the others do
+    not cover gets an all-ones tensor over the operand's modes it lacks (the gradient is
+    constant along them). A term with a value tree contributes ``dOut * dvalue/dfactor``
+    over all its factors; under a max or min, only where the value equals the result,
+    divided by the number of such entries (the extras ``result`` and ``count``).
+    Cached: the same call's backward builds the same expression."""
     target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
     extra = 1 + assignment.num_operands
-    ones: list[tuple[int, ...]] = []
+    extras: list[Extra] = []
+
+    def input_of(kind: Extra) -> int:
+        if kind not in extras:
+            extras.append(kind)
+        return extra + extras.index(kind)
+
+    general = assignment.reduction != "sum" or any(t.value is not None for t in assignment.terms)
     terms = []
     for term in assignment.terms:
         for k, factor in enumerate(term.factors):
             if factor.operand != operand:
                 continue
             rename = dict(zip(factor.indices, target))
-
-            def renamed(indices, rename=rename):
-                return tuple(rename.get(i, i) for i in indices)
-
-            factors = [Access(0, renamed(assignment.output))]
-            factors += [Access(1 + g.operand, renamed(g.indices)) for j, g in enumerate(term.factors) if j != k]
+            factors = [Access(0, _rename(assignment.output, rename))]
+            if general:
+                factors += [Access(1 + g.operand, _rename(g.indices, rename)) for g in term.factors]
+                value = _reduced_value(term)
+                local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
+                if assignment.reduction != "sum":
+                    out = len(factors)
+                    factors += [Access(input_of(("result",)), _rename(assignment.output, rename)),
+                                Access(input_of(("count",)), _rename(assignment.output, rename))]
+                    local = apply("div", apply("mul", local, apply("equal", _shifted(value, 1), Factor(out))),
+                                  Factor(out + 1))
+                coefficient = 1.0
+            else:
+                factors += [Access(1 + g.operand, _rename(g.indices, rename)) for j, g in enumerate(term.factors)
+                            if j != k]
+                local, coefficient = None, term.coefficient
             covered = {i for f in factors for i in f.indices}
-            if sampled:
-                factors.append(Access(extra, target))
+            if sampled:  # a product multiplies the mask's values too: ones
+                factors.append(Access(input_of(("mask",)), target))
             else:
                 missing = tuple(i for i in target if i not in covered)
                 if missing:
-                    factors.append(Access(extra + len(ones), missing))
-                    ones.append(tuple(target.index(i) for i in missing))
-            terms.append(Term(term.coefficient, tuple(factors)))
+                    factors.append(Access(input_of(("ones", tuple(target.index(i) for i in missing))), missing))
+            terms.append(Term(coefficient, tuple(factors), local))
     if sampled:
         # 0 * mask keeps every stored position in the result, so values line up with X's.
-        terms.append(Term(0.0, (Access(extra, target),)))
-    names = tuple(f"operand{n}" for n in range(extra + (1 if sampled else len(ones))))
-    return Assignment(target, tuple(terms), names), tuple(ones)
+        terms.append(Term(0.0, (Access(input_of(("mask",)), target),)))
+    names = tuple(f"operand{n}" for n in range(extra + len(extras)))
+    return Assignment(target, tuple(terms), names), tuple(extras)
 
 
 def _dtype_of(grad_out) -> torch.dtype:
     return grad_out.values.dtype if isinstance(grad_out, SparseTensor) else grad_out.dtype
+
+
+@functools.lru_cache(maxsize=256)
+def _without_epilogue(assignment: Assignment) -> tuple[Assignment, Assignment, tuple[int, ...]]:
+    """``Out = epilogue(R)`` as ``R`` (the reduced terms, a dense result) and the
+    epilogue as one elementwise term over ``R`` and the operands it reads (their numbers
+    returned): training keeps ``R``, which the epilogue's derivative reads, instead of
+    recomputing it."""
+    epilogue = assignment.epilogue
+    reduced = Assignment(assignment.output, assignment.terms, assignment.operand_names, assignment.reduction)
+    read = tuple(sorted({a.operand for a in epilogue.factors}))
+    factors = (Access(0, assignment.output),) + tuple(Access(1 + read.index(a.operand), a.indices)
+                                                     for a in epilogue.factors)
+    names = ("Reduced",) + tuple(assignment.operand_names[n] for n in read)
+    return reduced, Assignment(assignment.output, (Term(1.0, factors, _substituted(epilogue.value)),), names), read
+
+
+def _substituted(value: Value) -> Value:
+    """An epilogue's value as a term's: the reduced value is factor 0, epilogue factor
+    ``k`` is ``k + 1``."""
+    if isinstance(value, Reduced):
+        return Factor(0)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_substituted(a) for a in value.args))
+    return _shifted(value, 1)
 
 
 class _SparseEinsum(torch.autograd.Function):
@@ -111,7 +202,10 @@ class _SparseEinsum(torch.autograd.Function):
         result = spec.evaluate(spec.assignment, spec.operands, spec.out_format)  # operands hold ``tensors``
         spec.operands = None
         ctx.spec = spec
-        ctx.save_for_backward(*tensors)
+        if spec.assignment.reduction != "sum":  # the gradient flows to the entries equal to the result
+            ctx.save_for_backward(*tensors, result)
+        else:
+            ctx.save_for_backward(*tensors)
         if isinstance(result, SparseTensor):
             spec.result = result  # the pattern is fixed; its values carry the gradient
             return result.values
@@ -125,14 +219,18 @@ class _SparseEinsum(torch.autograd.Function):
             )
         spec: _Spec = ctx.spec
         tensors = ctx.saved_tensors
+        result = None
+        if spec.assignment.reduction != "sum":
+            *tensors, result = tensors
         operands = spec.rebuild(tensors)
         grad_out = spec.result.with_values(grad.contiguous()) if spec.result is not None else grad.contiguous()
         grads = []
+        read = {a.operand for a in spec.assignment.accesses}
         for n, needed in enumerate(ctx.needs_input_grad[1:]):
-            if not needed:
+            if not needed or n not in read:  # an operand no factor reads gets no gradient
                 grads.append(None)
                 continue
-            assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out)
+            assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
             g = spec.evaluate(assignment, inputs, out_format)
             template = spec.templates[n]
             if isinstance(g, SparseTensor):
@@ -146,12 +244,18 @@ class _SparseEinsum(torch.autograd.Function):
 
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
-    dense operand or sparse operand's values require grad."""
+    dense operand or sparse operand's values require grad. An epilogue is then run as a
+    second, elementwise assignment over the saved reduced values (see
+    :func:`_without_epilogue`)."""
     if not torch.is_grad_enabled() or not any(
         (op.values if isinstance(op, SparseTensor) else op).requires_grad
         for op in operands if isinstance(op, (SparseTensor, torch.Tensor))
     ):
         return evaluate(assignment, operands, out_format)
+    if assignment.epilogue is not None:
+        reduced, apply_epilogue, read = _without_epilogue(assignment)
+        pre = differentiable_evaluate(evaluate, reduced, operands, "dense")
+        return differentiable_evaluate(evaluate, apply_epilogue, [pre, *(operands[n] for n in read)], out_format)
     tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
     templates = []
     for op in operands:

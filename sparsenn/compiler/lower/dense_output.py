@@ -109,7 +109,9 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
                 _combine(lo, ir.Load(OUT, offset(st)), acc, reduction, once)
 
         walk.around[split] = (start, finish)
-        if term.value is not None or reduction != "sum":
+        if reduction != "sum":  # the coefficient scales each value, before the max
+            walk.leaf = lambda st: _combine(lo, acc, ir.mul(coef, lo.term_value(term, st)), reduction, False)
+        elif term.value is not None:
             walk.leaf = lambda st: _combine(lo, acc, lo.term_value(term, st), reduction, False)
         else:
             walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
