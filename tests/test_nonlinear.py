@@ -1,0 +1,325 @@
+"""The kernel IR beyond sums of products, run by the back end: term values (functions of
+the factors), max/min reductions and epilogues, on every format, against a reference
+written from the semantics (a term counts only where all its sparse factors store an
+entry), and their gradients. The text front end that produces these assignments is
+tested in test_expressions.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn import SparseTensor
+from sparsenn.compiler.autograd import differentiable_evaluate
+from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS, apply
+from sparsenn.compiler.notation import Access, Assignment, Constant, Epilogue, Factor, Reduced, Term
+from sparsenn.compiler.plan.target import Target
+from sparsenn.compiler.runtime.api import _plan
+from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.compiler.runtime.validate import check_call
+
+AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+FORMATS = ("csr", "csc", "coo", "dcsr", "bsr(2,3)", "nm(2,3)", "dense-tensor")
+UNARY = tuple(name for name in PUBLIC_FUNCTIONS if FUNCTIONS[name].arity == 1)
+
+
+@pytest.fixture(autouse=True)
+def avx2_host(monkeypatch):
+    """Plans made here are scheduled for :data:`AVX2` whatever the host is."""
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
+    sparsenn.compiler.clear_caches()
+    yield
+    sparsenn.compiler.clear_caches()
+
+
+def operand(shape, fmt: str, dtype=torch.float64, seed=0, empty_rows=(1,)):
+    """Random values with about half the entries zero and some rows empty, as ``fmt``
+    (``"dense-tensor"``: a plain tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=g, dtype=torch.float64)
+    if fmt.startswith("nm"):  # at most 2 of each group of 3 along the last mode
+        values = values.reshape(-1, 3)
+        values[:, 2] = 0
+        values = values.reshape(shape)
+    else:
+        values *= torch.rand(shape, generator=g) < 0.5
+    for row in empty_rows:
+        values[row] = 0
+    values = values.to(dtype)
+    return values if fmt == "dense-tensor" else sparsenn.from_dense(values, format=fmt)
+
+
+def stored(op) -> torch.Tensor:
+    """Where ``op`` has entries: its pattern (explicit zeros included), or everywhere."""
+    if isinstance(op, SparseTensor):
+        return op.with_values(torch.ones_like(op.values)).to_dense() != 0
+    return torch.ones(op.shape, dtype=torch.bool)
+
+
+def spread(t: torch.Tensor, indices, space) -> torch.Tensor:
+    order = sorted(range(len(indices)), key=lambda m: space.index(indices[m]))
+    return t.permute(order).reshape([t.shape[indices.index(i)] if i in indices else 1 for i in space])
+
+
+def reference(assignment: Assignment, operands) -> torch.Tensor:
+    """The assignment's value in float64 from its definition: each term's value where
+    all its sparse factors store an entry, reduced; then the epilogue."""
+    dense = [(op.to_dense() if isinstance(op, SparseTensor) else op).double() for op in operands]
+    output = assignment.output
+    sizes = {i: dense[a.operand].shape[m] for a in assignment.accesses for m, i in enumerate(a.indices)}
+    out_shape = [sizes[i] for i in output]
+    identity = {"sum": 0.0, "max": -math.inf, "min": math.inf}[assignment.reduction]
+    out = torch.full(out_shape, identity, dtype=torch.float64)
+    for term in assignment.terms:
+        space = list(output) + [i for i in term.indices if i not in output]
+        full = [sizes[i] for i in space]
+        factors = [spread(dense[a.operand], a.indices, space) for a in term.factors]
+        visited = torch.ones(full, dtype=torch.bool)
+        for a in term.factors:
+            visited = visited & spread(stored(operands[a.operand]), a.indices, space)
+        if term.value is None:
+            value = math.prod(factors, start=torch.ones((), dtype=torch.float64))
+        else:
+            value = sparsenn.compiler.functions.evaluate(term.value, factors)
+        value = (term.coefficient * value).expand(full)
+        value = torch.where(visited, value, torch.tensor(identity, dtype=torch.float64))
+        reduced = tuple(range(len(output), len(space)))
+        if assignment.reduction == "sum":
+            out = out + (value.sum(reduced) if reduced else value)
+        elif value.numel():
+            combine = torch.amax if assignment.reduction == "max" else torch.amin
+            out = combine(value, reduced) if reduced else value
+    if assignment.epilogue is not None:
+        factors = [spread(dense[a.operand], a.indices, output) for a in assignment.epilogue.factors]
+        out = sparsenn.compiler.functions.evaluate(assignment.epilogue.value, factors, reduced=out).expand(out_shape)
+    return out
+
+
+def assert_matches(got, assignment, operands, dtype):
+    expected = reference(assignment, operands)
+    dense = got.to_dense() if isinstance(got, SparseTensor) else got
+    assert dense.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-10
+    torch.testing.assert_close(dense.double(), expected, rtol=tol, atol=tol, equal_nan=True)
+
+
+def unary(name: str, t: int = 0):
+    """A safe argument for ``name``: log and sqrt read ``1 + |x|``."""
+    x = Factor(t)
+    if name in ("log", "sqrt"):
+        x = apply("add", Constant(1.0), apply("abs", x))
+    return apply(name, x)
+
+
+SPMM = ((("i", "j"), ("j", "k")), ("i", "k"))
+
+
+def spmm(value=None, reduction="sum", epilogue=None, coefficient=1.0) -> Assignment:
+    (a, x), out = SPMM
+    names = ("A", "X") if epilogue is None else ("A", "X", "b")
+    return Assignment(out, (Term(coefficient, (Access(0, a), Access(1, x)), value),), names, reduction, epilogue)
+
+
+# ----------------------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", UNARY)
+def test_function_of_a_sparse_factor_times_dense(name, fmt):
+    """``sum_j f(A[i,j]) * X[j,k]``: f on A's stored entries (an f(0) != 0 counts there only)."""
+    A, X = operand((6, 9), fmt), operand((9, 4), "dense-tensor", seed=1)
+    assignment = spmm(apply("mul", unary(name), Factor(1)))
+    assert_matches(evaluate(assignment, [A, X], None), assignment, [A, X], torch.float64)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("fmt", ("csr", "coo", "bsr(2,3)"))
+def test_elementwise_value_keeps_the_pattern(fmt, dtype):
+    """``Out[i,j] = max(tanh(S) , S / d[i])``: a sparse result on S's pattern, f(0) != 0
+    parts included only at stored entries."""
+    S, d = operand((6, 9), fmt, dtype), operand((6,), "dense-tensor", dtype, seed=2).abs() + 1
+    value = apply("max", apply("sigmoid", Factor(0)), apply("div", Factor(0), Factor(1)))
+    assignment = Assignment(("i", "j"), (Term(1.0, (Access(0, ("i", "j")), Access(1, ("i",))), value),), ("S", "d"))
+    got = evaluate(assignment, [S, d], None)
+    assert isinstance(got, SparseTensor) and got.nnz == S.nnz
+    assert_matches(got, assignment, [S, d], dtype)
+
+
+def test_value_terms_in_a_sparse_sum():
+    """A union of two sparse terms, one a function of its factor (the sparse assembly)."""
+    S, T = operand((5, 7), "csr", seed=3), operand((5, 7), "csr", seed=4, empty_rows=(2,))
+    terms = (Term(1.0, (Access(0, ("i", "j")),), apply("relu", Factor(0))),
+             Term(-2.0, (Access(1, ("i", "j")),), apply("tanh", Factor(0))))
+    assignment = Assignment(("i", "j"), terms, ("S", "T"))
+    got = evaluate(assignment, [S, T], None)
+    assert isinstance(got, SparseTensor)
+    assert_matches(got, assignment, [S, T], torch.float64)
+
+
+# ----------------------------------------------------------------------------- max and min
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("reduction", ("max", "min"))
+def test_max_min_over_stored_entries(reduction, fmt):
+    """A row with no entries gives the identity (-inf for max); unstored entries never
+    count, stored zeros (of blocks and n:m groups) do."""
+    S = operand((6, 9), fmt)
+    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), reduction)
+    got = evaluate(assignment, [S], None)
+    assert_matches(got, assignment, [S], torch.float64)
+    if fmt in ("csr", "csc", "coo", "dcsr"):
+        assert got[1] == (-math.inf if reduction == "max" else math.inf)
+
+
+@pytest.mark.parametrize("fmt", ("csr", "csc", "bsr(2,3)"))
+def test_max_over_the_outer_mode_and_of_a_product(fmt):
+    """``max_i`` of a CSR (the reduction moves inside: the pattern is re-stored), and
+    ``max_j`` of ``-2 * S[i,j] * w[j]`` (the coefficient scales before the max)."""
+    S, w = operand((6, 9), fmt), operand((9,), "dense-tensor", seed=5)
+    columns = Assignment(("j",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), "max")
+    assert_matches(evaluate(columns, [S], None), columns, [S], torch.float64)
+    scaled = Assignment(("i",), (Term(-2.0, (Access(0, ("i", "j")), Access(1, ("j",)))),), ("S", "w"), "max")
+    assert_matches(evaluate(scaled, [S, w], None), scaled, [S, w], torch.float64)
+
+
+def test_max_of_a_rank3_tensor_over_two_indices():
+    S = sparsenn.from_dense(operand((3, 4, 5), "dense-tensor", empty_rows=(0,)), format="csf")
+    assignment = Assignment(("b",), (Term(1.0, (Access(0, ("b", "i", "j")),), apply("abs", Factor(0))),), ("S",),
+                            "max")
+    got = evaluate(assignment, [S], None)
+    assert got[0] == -math.inf
+    assert_matches(got, assignment, [S], torch.float64)
+
+
+def test_max_result_is_dense_only():
+    S = operand((4, 5), "csr")
+    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), "max")
+    with pytest.raises(ValueError, match="max-reduction is dense"):
+        evaluate(assignment, [S], "c")
+
+
+# ----------------------------------------------------------------------------- epilogues
+
+
+def bias_relu() -> Epilogue:
+    return Epilogue((Access(2, ("k",)),), apply("relu", apply("add", Reduced(), Factor(0))))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_epilogue_bias_and_activation(fmt, dtype):
+    """``relu(A @ X + b)`` in one kernel, every format (blocked ones split)."""
+    A, X = operand((6, 9), fmt, dtype), operand((9, 40), "dense-tensor", dtype, seed=1)
+    b = operand((40,), "dense-tensor", dtype, seed=2, empty_rows=())
+    assignment = spmm(epilogue=bias_relu())
+    assert_matches(evaluate(assignment, [A, X, b], None), assignment, [A, X, b], dtype)
+
+
+def schedule_of(assignment, operands):
+    checked = check_call(assignment, operands, None)
+    return _plan(assignment, checked)
+
+
+def test_epilogue_fuses_after_the_row_loop():
+    """CSR rows visit every row: the epilogue runs per row, right after its reduction
+    (register-blocked k); a DCSR's rows are filtered, so it runs after the nest."""
+    A, X, b = operand((6, 9), "csr"), operand((9, 64), "dense-tensor"), operand((64,), "dense-tensor", empty_rows=())
+    fused = schedule_of(spmm(epilogue=bias_relu()), [A, X, b])
+    (nest,) = fused.schedule.nests
+    assert nest.order[0] == "i" and nest.epilogue_at == 1 and nest.register_block is not None
+    assert "sn_relu" in fused.source
+    D = sparsenn.from_dense(A.to_dense(), format="dcsr")
+    (nest,) = schedule_of(spmm(epilogue=bias_relu()), [D, X, b]).schedule.nests
+    assert nest.epilogue_at is None
+    assignment = spmm(epilogue=bias_relu())
+    assert_matches(evaluate(assignment, [D, X, b], None), assignment, [D, X, b], torch.float64)
+
+
+def test_epilogue_after_a_sum_of_terms():
+    """Two terms (two nests): the epilogue runs once over the output after both."""
+    A, B = operand((6, 9), "csr"), operand((6, 9), "csc", seed=7)
+    X, b = operand((9, 5), "dense-tensor", seed=1), operand((5,), "dense-tensor", empty_rows=())
+    terms = (Term(1.0, (Access(0, ("i", "j")), Access(2, ("j", "k")))),
+             Term(0.5, (Access(1, ("i", "j")), Access(2, ("j", "k")))))
+    epilogue = Epilogue((Access(3, ("k",)),), apply("gelu", apply("add", Reduced(), Factor(0))))
+    assignment = Assignment(("i", "k"), terms, ("A", "B", "X", "b"), "sum", epilogue)
+    assert all(n.epilogue_at is None for n in schedule_of(assignment, [A, B, X, b]).schedule.nests)
+    assert_matches(evaluate(assignment, [A, B, X, b], None), assignment, [A, B, X, b], torch.float64)
+
+
+def test_epilogue_reads_dense_operands_only():
+    A, X = operand((6, 9), "csr"), operand((9, 5), "dense-tensor")
+    b = sparsenn.from_dense(operand((5,), "dense-tensor", empty_rows=()), format="c")
+    with pytest.raises(ValueError, match="epilogue.*dense"):
+        evaluate(spmm(epilogue=bias_relu()), [A, X, b], None)
+    with pytest.raises(ValueError, match="epilogue is dense"):
+        evaluate(spmm(epilogue=bias_relu()), [A, X, b.to_dense()], "csr")
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def gradcheck(assignment, operands, out_format=None):
+    leaves = [(op.values if isinstance(op, SparseTensor) else op).detach().clone().requires_grad_()
+              for op in operands]
+
+    def run(*tensors):
+        ops = [tpl.with_values(t) if isinstance(tpl, SparseTensor) else t for tpl, t in zip(operands, tensors)]
+        out = differentiable_evaluate(evaluate, assignment, ops, out_format)
+        out = out.values if isinstance(out, SparseTensor) else out
+        return torch.where(torch.isinf(out), torch.zeros_like(out), out)
+
+    assert torch.autograd.gradcheck(run, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", UNARY + ("max", "min"))
+def test_gradients_of_each_function(name):
+    """d/dA and d/dX of ``sum_j f(A[i,j], X[j,k])`` (binary) or ``f(A[i,j]) * X[j,k]``."""
+    A = operand((4, 5), "csr")
+    A = A.with_values(A.values + 0.1 * torch.sign(A.values))  # keep relu/abs away from their kinks
+    X = operand((5, 3), "dense-tensor", seed=1)
+    value = (apply(name, Factor(0), Factor(1)) if FUNCTIONS[name].arity == 2
+             else apply("mul", unary(name), Factor(1)))
+    gradcheck(spmm(value), [A, X])
+
+
+@pytest.mark.parametrize("reduction", ("max", "min"))
+def test_gradients_of_max_and_min_with_ties(reduction):
+    """The gradient goes to the arg-max entries, split equally between ties as torch.amax."""
+    T = torch.tensor([[1.0, 3.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    S = sparsenn.from_dense(T, format="csr")
+    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), reduction)
+    values = S.values.clone().requires_grad_()
+    out = differentiable_evaluate(evaluate, assignment, [S.with_values(values)], None)
+    weights = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    torch.where(torch.isinf(out), 0.0, out).mul(weights).sum().backward()
+    dense = T.clone().requires_grad_()
+    masked = torch.where(T != 0, dense, torch.tensor(-math.inf if reduction == "max" else math.inf))
+    combine = torch.amax if reduction == "max" else torch.amin
+    expected = torch.where(torch.isinf(combine(masked, 1)), 0.0, combine(masked, 1))
+    (grad,) = torch.autograd.grad(expected.mul(weights).sum(), dense)
+    torch.testing.assert_close(S.with_values(values.grad).to_dense(), grad)
+    gradcheck(Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), apply("tanh", Factor(0))),), ("S",), reduction),
+              [operand((5, 6), "csr")])
+
+
+@pytest.mark.parametrize("fmt", ("csr", "bsr(2,3)", "dense-tensor"))
+def test_gradients_through_an_epilogue(fmt):
+    A, X = operand((4, 6), fmt), operand((6, 5), "dense-tensor", seed=1)
+    b = operand((5,), "dense-tensor", seed=2, empty_rows=())
+    gelu = Epilogue((Access(2, ("k",)),), apply("gelu", apply("add", Reduced(), Factor(0))))
+    gradcheck(spmm(epilogue=gelu), [A, X, b])
+
+
+def test_gradients_of_a_sampled_value():
+    """``P[i,j] = exp(S[i,j] - M[i]) / Z[i]`` on S's pattern (softmax's last step)."""
+    S = operand((5, 6), "csr")
+    M, Z = operand((5,), "dense-tensor", seed=1, empty_rows=()), operand((5,), "dense-tensor", seed=2).abs() + 1
+    value = apply("div", apply("exp", apply("sub", Factor(0), Factor(1))), Factor(2))
+    assignment = Assignment(("i", "j"), (Term(1.0, (Access(0, ("i", "j")), Access(1, ("i",)), Access(2, ("i",))),
+                                              value),), ("S", "M", "Z"))
+    gradcheck(assignment, [S, M, Z])
