@@ -424,3 +424,165 @@ def assert_valid_result(result, dtype: torch.dtype, out_format: str | None, rank
     else:
         assert isinstance(result, torch.Tensor), type(result)
         assert result.dtype == dtype
+
+
+# ----------------------------------------------------------------------------- nonlinear
+
+
+SMOOTH = ("gelu", "sigmoid", "tanh", "exp", "silu", "neg")  # differentiable everywhere
+KINKED = ("relu", "abs", "max", "min")  # not differentiable at ties and zeros
+
+
+@dataclass(frozen=True)
+class NonlinearSkeleton:
+    """An einsum skeleton made an assignment with a value tree over its factors, a
+    reduction (sum, max or min) and maybe an epilogue reading a dense bias over the
+    output indices (the bias is the last operand)."""
+
+    einsum: EinsumSkeleton
+    assignment: object  # sparsenn.compiler.notation.Assignment
+
+    @property
+    def out_format(self) -> str | None:
+        return self.einsum.out_format
+
+
+def random_value(rng: random.Random, factors: int, smooth: bool):
+    """A value tree over ``factors`` factors: each factor, maybe through a function,
+    combined pairwise by products, sums, differences, max/min or division by ``1 + x²``."""
+    from sparsenn.compiler.functions import apply
+    from sparsenn.compiler.notation import Constant, Factor
+
+    unary = SMOOTH if smooth else SMOOTH + ("relu", "abs", "sqrt_abs", "log1p_abs")
+    parts = []
+    for k in range(factors):
+        x = Factor(k)
+        roll = rng.random()
+        if roll < 0.6:
+            name = rng.choice(unary)
+            if name == "sqrt_abs":
+                x = apply("sqrt", apply("abs", x))
+            elif name == "log1p_abs":
+                x = apply("log", apply("add", Constant(1.0), apply("abs", x)))
+            else:
+                x = apply(name, x)
+        parts.append(x)
+    value = parts[0]
+    combine = ("mul", "add", "sub", "div") if smooth else ("mul", "add", "sub", "div", "max", "min")
+    for x in parts[1:]:
+        how = rng.choice(combine)
+        if how == "div":
+            value = apply("div", value, apply("add", Constant(1.0), apply("mul", x, x)))
+        else:
+            value = apply(how, value, x)
+    return value
+
+
+def random_nonlinear_skeleton(seed: int, dtype: torch.dtype | None = None, smooth: bool = False) -> NonlinearSkeleton:
+    """Skeleton ``seed``: an einsum skeleton's single term with a random value, reduction
+    and epilogue. ``smooth``: sums only, through smooth functions (for gradcheck)."""
+    from sparsenn.compiler.functions import apply
+    from sparsenn.compiler.notation import Access, Assignment, Epilogue, Factor, Reduced, Term
+
+    base = random_einsum_skeleton(seed, dtype)
+    rng = random.Random(seed + 1_000_003)
+    output = tuple(base.output_indices)
+    factors = tuple(Access(n, tuple(op.indices)) for n, op in enumerate(base.operands))
+    value = random_value(rng, len(factors), smooth)
+    reduction = "sum" if smooth or rng.random() < 0.5 else rng.choice(["max", "min"])
+    epilogue, operands = None, base.operands
+    if rng.random() < 0.3 and reduction == "sum":
+        bias = rng.random() < 0.6 and output
+        reduced = apply("add", Reduced(), Factor(0)) if bias else Reduced()
+        epilogue = Epilogue((Access(len(factors), output),) if bias else (), apply(rng.choice(SMOOTH), reduced))
+        if bias:
+            operands = operands + (OperandSkeleton("".join(output), None, torch.int32),)
+    out_format = base.out_format
+    if reduction != "sum" or epilogue is not None:
+        out_format = rng.choice([None, "dense"])
+    names = tuple(f"operand{n}" for n in range(len(operands)))
+    assignment = Assignment(output, (Term(1.0, factors, value),), names, reduction, epilogue)
+    skeleton = EinsumSkeleton(operands, base.output, out_format, base.dtype)
+    return NonlinearSkeleton(skeleton, assignment)
+
+
+@dataclass
+class NonlinearCase:
+    skeleton: NonlinearSkeleton
+    operands: list
+    sizes: dict[str, int]
+
+    def __repr__(self) -> str:
+        ops = ", ".join(
+            f"{op.format}{op.shape} nnz={op.nnz}" if isinstance(op, SparseTensor) else f"dense{tuple(op.shape)}"
+            for op in self.operands
+        )
+        return (f"NonlinearCase({self.skeleton.assignment}, {self.skeleton.einsum.dtype}, "
+                f"out_format={self.skeleton.out_format!r}, sizes={self.sizes}, operands=[{ops}])")
+
+
+@st.composite
+def nonlinear_cases(draw, pool_size: int, max_size: int = 4, dtype: torch.dtype | None = None,
+                    smooth: bool = False) -> NonlinearCase:
+    """A random nonlinear assignment over a skeleton drawn from a pool of ``pool_size``."""
+    skeleton = random_nonlinear_skeleton(draw(st.integers(0, pool_size - 1)), dtype, smooth)
+    einsum = skeleton.einsum
+    sizes = draw(index_sizes(einsum.letters, einsum.multiples(), max_size))
+    operands = []
+    for op in einsum.operands:
+        shape = tuple(sizes[i] for i in op.indices)
+        density = draw(st.sampled_from(DENSITIES))
+        layout = draw(st.sampled_from(DENSE_LAYOUTS))
+        operands.append(make_operand(op, shape, density, layout, einsum.dtype, draw(st.integers(0, 2**16))))
+    return NonlinearCase(skeleton, operands, sizes)
+
+
+def pattern(op) -> torch.Tensor:
+    """Where ``op`` stores entries (explicit zeros included): everywhere for a tensor."""
+    if isinstance(op, SparseTensor):
+        return op.with_values(torch.ones_like(op.values)).to_dense() != 0
+    return torch.ones(op.shape, dtype=torch.bool)
+
+
+def _spread(t: torch.Tensor, indices, space) -> torch.Tensor:
+    order = sorted(range(len(indices)), key=lambda m: space.index(indices[m]))
+    return t.permute(order).reshape([t.shape[indices.index(i)] if i in indices else 1 for i in space])
+
+
+def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.Tensor:
+    """The assignment's value in float64 from its definition: each term's value where
+    all its sparse factors store an entry, reduced, then the epilogue. ``magnitude``:
+    sum |values| instead (a bound for the rounding error of a sum; no epilogue)."""
+    from sparsenn.compiler.functions import IDENTITY, evaluate
+
+    dense = [to_dense(op).double() for op in operands]
+    output = assignment.output
+    sizes = {i: dense[a.operand].shape[m] for a in assignment.accesses for m, i in enumerate(a.indices)}
+    out_shape = [sizes[i] for i in output]
+    identity = IDENTITY[assignment.reduction]
+    out = torch.full(out_shape, identity, dtype=torch.float64)
+    for term in assignment.terms:
+        space = list(output) + [i for i in term.indices if i not in output]
+        full = [sizes[i] for i in space]
+        factors = [_spread(dense[a.operand], a.indices, space) for a in term.factors]
+        visited = torch.ones(full, dtype=torch.bool)
+        for a in term.factors:
+            visited = visited & _spread(pattern(operands[a.operand]), a.indices, space)
+        if term.value is None:
+            value = math.prod(factors, start=torch.ones((), dtype=torch.float64))
+        else:
+            value = evaluate(term.value, factors)
+        value = (term.coefficient * value).expand(full)
+        if magnitude:
+            value = value.abs()
+        value = torch.where(visited, value, torch.tensor(identity, dtype=torch.float64))
+        reduced = tuple(range(len(output), len(space)))
+        if assignment.reduction == "sum":
+            out = out + (value.sum(reduced) if reduced else value)
+        elif value.numel():
+            combine = torch.amax if assignment.reduction == "max" else torch.amin
+            out = combine(value, reduced) if reduced else value
+    if assignment.epilogue is not None and not magnitude:
+        factors = [_spread(dense[a.operand], a.indices, output) for a in assignment.epilogue.factors]
+        out = evaluate(assignment.epilogue.value, factors, reduced=out).expand(out_shape)
+    return out

@@ -4,8 +4,11 @@ Random einsum calls (1-4 operands of rank 1-4, random formats and mode orders,
 float32/float64, int32/int64 index arrays, empty / single-element / random / fully
 dense operands, zero-size dimensions, strided and broadcast dense inputs, random
 ``out_format``) and random sums of products are compared with ``torch.einsum`` on
-float64 dense copies; sparse results must also pass full validation. A float64
-sample of the same expressions goes through ``torch.autograd.gradcheck``.
+float64 dense copies; sparse results must also pass full validation. The same
+skeletons made nonlinear (a random tree of functions over the factors, a sum, max or min
+reduction, an epilogue with a bias) are compared with a reference written from the
+semantics (a term counts where all its sparse factors store an entry). A float64
+sample of these expressions goes through ``torch.autograd.gradcheck``.
 
 The number of cases follows the hypothesis profile (tests/conftest.py): the default
 "ci" profile runs a fixed-seed handful; ``pytest -m fuzz --hypothesis-profile=long``
@@ -20,9 +23,12 @@ import pytest
 import torch
 from _strategies import (
     EinsumCase,
+    NonlinearCase,
     SumCase,
     assert_valid_result,
     einsum_cases,
+    nonlinear_cases,
+    nonlinear_reference,
     reduction_length,
     sum_cases,
     to_dense,
@@ -32,6 +38,8 @@ from hypothesis import given, settings
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler.autograd import differentiable_evaluate
+from sparsenn.compiler.runtime.evaluate import evaluate
 
 pytestmark = pytest.mark.fuzz
 
@@ -45,6 +53,8 @@ SUM_GRADCHECK_EXAMPLES = max(4, EXAMPLES // 40)
 EINSUM_POOL = max(20, EINSUM_EXAMPLES // 16)
 SUM_POOL = max(10, SUM_EXAMPLES // 16)
 GRADCHECK_POOL = max(6, GRADCHECK_EXAMPLES // 4)
+NONLINEAR_EXAMPLES = max(30, EXAMPLES // 2)
+NONLINEAR_POOL = max(12, NONLINEAR_EXAMPLES // 16)
 
 
 def check_against_torch(got, expected: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype, terms: int) -> None:
@@ -123,3 +133,49 @@ def test_sums_of_products_gradcheck(case: SumCase) -> None:
         return to_dense(expression(*rebuild(templates, tensors)))
 
     assert torch.autograd.gradcheck(run, tuple(leaves), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def check_nonlinear(got, case: NonlinearCase) -> None:
+    """Against :func:`nonlinear_reference`: a sum within the rounding bound of its
+    magnitude (scaled by ``1 + |result|`` through an epilogue), a max or min to a few
+    ulps, infinities (empty maxima) exactly."""
+    assignment, dtype = case.skeleton.assignment, case.skeleton.einsum.dtype
+    expected = nonlinear_reference(assignment, case.operands)
+    dense = to_dense(got).double()
+    assert tuple(dense.shape) == tuple(expected.shape), (tuple(dense.shape), tuple(expected.shape))
+    infinite = torch.isinf(expected)
+    assert torch.equal(dense[infinite], expected[infinite]), "an empty max or min differs"
+    eps = torch.finfo(dtype).eps
+    if assignment.reduction == "sum":
+        bound = nonlinear_reference(assignment, case.operands, magnitude=True)
+        allowed = tolerance(bound, dtype, reduction_length(case.sizes, "".join(assignment.output)) + 8)
+        if assignment.epilogue is not None:
+            allowed = allowed * (1 + expected.abs()) + 8 * eps * expected.abs()
+    else:
+        allowed = 16 * eps * expected.abs() + torch.finfo(dtype).tiny
+    finite = ~infinite
+    error = (dense[finite] - expected[finite]).abs()
+    bad = error > allowed[finite]
+    assert not bool(bad.any()), f"{int(bad.sum())} of {bad.numel()} elements differ; worst {float(error.max()):.3g}"
+
+
+@settings(max_examples=NONLINEAR_EXAMPLES)
+@given(nonlinear_cases(pool_size=NONLINEAR_POOL))
+def test_nonlinear_matches_reference(case: NonlinearCase) -> None:
+    skeleton = case.skeleton
+    result = evaluate(skeleton.assignment, case.operands, skeleton.out_format)
+    assert_valid_result(result, skeleton.einsum.dtype, skeleton.out_format, len(skeleton.assignment.output))
+    check_nonlinear(result, case)
+
+
+@settings(max_examples=GRADCHECK_EXAMPLES)
+@given(nonlinear_cases(pool_size=GRADCHECK_POOL, max_size=3, dtype=torch.float64, smooth=True))
+def test_nonlinear_gradcheck(case: NonlinearCase) -> None:
+    leaves, templates = differentiable_inputs(case.operands)
+    skeleton = case.skeleton
+
+    def run(*tensors: torch.Tensor) -> torch.Tensor:
+        ops = rebuild(templates, tensors)
+        return to_dense(differentiable_evaluate(evaluate, skeleton.assignment, ops, skeleton.out_format))
+
+    assert torch.autograd.gradcheck(run, tuple(leaves), eps=1e-6, atol=1e-6, rtol=1e-5)
