@@ -12,8 +12,9 @@ Two front ends build it:
   diagonals and size-1 broadcasting are rewritten into that form first
   (:mod:`sparsenn.compiler.equation`);
 * :func:`parse_expression` — index notation for sums of products,
-  ``"D[i,j] = A[i,k] * B[k,j] + C[i,j]"``, with ``+``, ``-``, ``*`` and parentheses
-  (products are distributed over sums).
+  ``"D[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"`` (the plain case of the grammar of
+  :mod:`.expression`, whose other statements :mod:`.program` stages into several
+  assignments).
 
 Both are strict hand-written parsers: no ``eval``/``exec``, every error names the problem.
 """
@@ -269,127 +270,19 @@ def parse_einsum(equation: str, num_operands: int) -> Assignment:
     return Assignment(output, (Term(1.0, tuple(accesses)),), names)
 
 
-_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<sym>[\[\],=+\-*()]))")
-
-
-def _tokenize(text: str) -> list[str]:
-    tokens, pos = [], 0
-    text = text.rstrip()
-    while pos < len(text):
-        match = _TOKEN.match(text, pos)
-        if match is None or match.end() == pos:
-            raise NotationError(f"unexpected character {text[pos:].lstrip()[:1]!r} at column {pos} in {text!r}")
-        tokens.append(match.group("name") or match.group("sym"))
-        pos = match.end()
-    return tokens
-
-
-class _ExpressionParser:
-    """Recursive descent over ``name[idx,...] = expr`` with + - * and parentheses.
-
-    Each parsed sub-expression is a list of (coefficient, [(name, indices), ...]) products.
-    """
-
-    def __init__(self, text: str):
-        self.text = text
-        self.tokens = _tokenize(text)
-        self.pos = 0
-
-    def _peek(self) -> str | None:
-        return self.tokens[self.pos] if self.pos < len(self.tokens) else None
-
-    def _take(self, expected: str | None = None) -> str:
-        token = self._peek()
-        if token is None:
-            raise NotationError(f"unexpected end of expression {self.text!r}")
-        if expected is not None and token != expected:
-            raise NotationError(f"expected {expected!r} but found {token!r} in {self.text!r}")
-        self.pos += 1
-        return token
-
-    def _name(self) -> str:
-        token = self._take()
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", token):
-            raise NotationError(f"expected a tensor name but found {token!r} in {self.text!r}")
-        return token
-
-    def access(self) -> tuple[str, tuple[str, ...]]:
-        name = self._name()
-        self._take("[")
-        indices: list[str] = []
-        if self._peek() != "]":
-            indices.append(self._name())
-            while self._peek() == ",":
-                self._take(",")
-                indices.append(self._name())
-        self._take("]")
-        _check_access(tuple(indices), f"{name}[{','.join(indices)}]")
-        return name, tuple(indices)
-
-    def expr(self) -> list:
-        products = self.product()
-        while self._peek() in ("+", "-"):
-            sign = -1.0 if self._take() == "-" else 1.0
-            products += [(sign * c, f) for c, f in self.product()]
-        return products
-
-    def product(self) -> list:
-        products = self.factor()
-        while self._peek() == "*":
-            self._take("*")
-            right = self.factor()
-            products = [(c1 * c2, f1 + f2) for c1, f1 in products for c2, f2 in right]
-        return products
-
-    def factor(self) -> list:
-        token = self._peek()
-        if token in ("-", "+"):
-            sign = -1.0 if self._take() == "-" else 1.0
-            return [(sign * c, f) for c, f in self.factor()]
-        if token == "(":
-            self._take("(")
-            inner = self.expr()
-            self._take(")")
-            return inner
-        return [(1.0, [self.access()])]
-
-    def assignment(self):
-        target = self.access()
-        self._take("=")
-        products = self.expr()
-        if self._peek() is not None:
-            raise NotationError(f"unexpected {self._peek()!r} after the expression in {self.text!r}")
-        return target, products
-
-
 def parse_expression(text: str) -> Assignment:
-    """Parse ``"Out[i,j] = A[i,k] * B[k,j] + C[i,j]"`` into an :class:`Assignment`.
+    """Parse a sum of products, ``"Out[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"``, into
+    one :class:`Assignment` (grammar: :mod:`.expression`).
 
     Operands are numbered by first appearance on the right-hand side; a name used twice
-    refers to the same operand (its accesses must then have the same rank).
+    refers to the same operand. Functions, explicit reductions and masks may need
+    several kernels: :func:`sparsenn.compile` stages those.
     """
-    if not isinstance(text, str):
-        raise TypeError(f"expression must be a str, got {type(text).__name__}")
-    (out_name, output), products = _ExpressionParser(text).assignment()
-    names: list[str] = []
-    ranks: dict[str, int] = {}
-    terms = []
-    for coefficient, factors in products:
-        accesses = []
-        for name, indices in factors:
-            if name == out_name:
-                raise NotationError(f"output tensor {out_name!r} also appears on the right-hand side")
-            if name not in ranks:
-                ranks[name] = len(indices)
-                names.append(name)
-            elif ranks[name] != len(indices):
-                raise NotationError(
-                    f"tensor {name!r} is used with {ranks[name]} and {len(indices)} indices"
-                )
-            accesses.append(Access(names.index(name), indices))
-        terms.append(Term(coefficient, tuple(accesses)))
-    all_indices = {i for t in terms for a in t.factors for i in a.indices}
-    for index in output:
-        if index not in all_indices:
-            raise NotationError(f"output index '{index}' does not appear on the right-hand side")
-    return Assignment(tuple(output), tuple(terms), tuple(names))
+    # The grammar reads the function table, which is built on this module's Value types.
+    from .expression import parse_statement, plain_assignment
+
+    assignment = plain_assignment(parse_statement(text))
+    if assignment is None:
+        raise NotationError(f"{text!r} is not a sum of products of tensors (it has a function, an explicit "
+                            "reduction, a division or a mask): compile it with sparsenn.compile, which stages it")
+    return assignment

@@ -1,18 +1,23 @@
 """The public entry points: :func:`einsum`, :func:`compile_expression`, :func:`explain`
 and :func:`plan`. Each parses its expression (equations are cached), records the call
 for autograd when gradients are needed (``compiler.autograd``) and evaluates it
-(:mod:`runtime.evaluate`)."""
+(:mod:`runtime.evaluate`); a compiled expression runs the stages of its program
+(:mod:`..program`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
 
+import torch
+
 from sparsenn.formats import SparseTensor
 
 from ..autograd import differentiable_evaluate
 from ..equation import broadcast_size_one, normalise
-from ..notation import Assignment, parse_einsum, parse_expression
+from ..expression import parse_statement
+from ..notation import Assignment, parse_einsum
+from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.planner import Plan, operand_info, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
@@ -58,20 +63,28 @@ def einsum(equation: str, *operands, out_format=None):
 
 
 class CompiledExpression:
-    """A parsed sum-of-products expression, callable on operands (positional in order
-    of first appearance, or by name)."""
+    """A parsed expression (:func:`compile_expression`), callable on operands
+    (positional in order of first appearance in the text, or by name)."""
 
     def __init__(self, text: str, out_format=None):
-        self.assignment = parse_expression(text)
+        self.statement = parse_statement(text)
+        if self.statement.mask is not None and out_format is not None:
+            raise ValueError(f"{text!r} has an output mask, which decides the result's format: out_format must be None")
         self.out_format = out_format
         self.text = text
+        self._plain = plain(self.statement, out_format)
+
+    @property
+    def assignment(self) -> Assignment | None:
+        """The single assignment of a plain sum of products (else None: staged per call)."""
+        return None if self._plain is None else self._plain.stages[0].assignment
 
     @property
     def operand_names(self) -> tuple[str, ...]:
-        return self.assignment.operand_names
+        return self.statement.operands
 
     def _bind(self, args, kwargs) -> list:
-        names = self.assignment.operand_names
+        names = self.statement.operands
         if len(args) > len(names):
             raise TypeError(f"{self.text!r} takes {len(names)} operands, got {len(args)}")
         bound = dict(zip(names, args))
@@ -86,18 +99,87 @@ class CompiledExpression:
             raise TypeError(f"{self.text!r} is missing operand(s) {missing}")
         return [bound[n] for n in names]
 
+    def program(self, operands: Sequence) -> Program:
+        """The stages these operands run (their formats decide them)."""
+        if self._plain is not None:
+            return self._plain
+        return stage(self.statement, signature(operands), self.out_format)
+
     def __call__(self, *args, **kwargs):
-        return differentiable_evaluate(evaluate, self.assignment, self._bind(args, kwargs), self.out_format)
+        operands = self._bind(args, kwargs)
+        return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:
-        return _explain(self.assignment, self._bind(args, kwargs), self.out_format)
+        """Each stage's explanation; a stage's inputs from the earlier ones are computed."""
+        operands = self._bind(args, kwargs)
+        stages = self.program(operands).stages
+        if len(stages) == 1:
+            return _explain(stages[0].assignment, stage_inputs(stages[0], operands, []), stages[0].out_format)
+        lines, results = [f"{self.text}: {len(stages)} stages"], []
+        with torch.no_grad():
+            for n, step in enumerate(stages):
+                inputs = stage_inputs(step, operands, results)
+                lines.append(f"stage %{n}:")
+                lines.append(_explain(step.assignment, inputs, step.out_format))
+                results.append(evaluate(step.assignment, inputs, step.out_format))
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         return f"CompiledExpression({self.text!r})"
 
 
 def compile_expression(text: str, out_format=None) -> CompiledExpression:
-    """Compile ``"D[i,j] = A[i,k] * B[k,j] + C[i,j]"`` into a callable."""
+    """Compile an index-notation expression into a callable.
+
+    ``"Y[i,k] = relu(A[i,j] * X[j,k] + b[k])"``: operands are tensors or
+    :class:`SparseTensor` s, passed in order of first appearance in the text or by name;
+    ``out_format`` as for :func:`einsum` (None with a mask).
+
+    Grammar (``{}``: repeated, ``[]``: optional)::
+
+        statement = name [ "<" name ">" ] "[" [ indices ] "]" "=" sum
+        sum       = product { ("+" | "-") product }
+        product   = unary { ("*" | "/") unary }
+        unary     = ("-" | "+") unary | atom
+        atom      = number | access | call | reduction | "(" sum ")"
+        access    = name "[" [ indices ] "]"
+        call      = function "(" sum { "," sum } ")"
+        reduction = ("sum" | "max" | "min") "[" indices "]" "(" sum ")"
+        indices   = name { "," name }
+
+    * functions: ``relu gelu silu sigmoid tanh exp log abs sqrt neg`` and the binary
+      ``max(a, b)``, ``min(a, b)``; numbers as ``2``, ``0.125``, ``1e-3``;
+    * a product sums over its indices absent from its context (the output's, the
+      enclosing reductions', and those the product's other factors write): Einstein's
+      convention, so ``A[i,j] * X[j,k]`` sums over ``j`` and ``relu(A[i,k] * B[k,j])``
+      sums over ``k`` inside the ``relu``;
+    * ``sum[j](body)``, ``max[j,k](body)``, ``min[j](body)``: explicit reductions; their
+      indices must appear in the body and cannot be output indices;
+    * ``P<S>[i,j] = body``: an output mask (GraphBLAS's ``C<M>``), ``S`` indexed like the
+      output: the body is computed only at ``S``'s stored entries and the result has
+      exactly ``S``'s pattern and format;
+    * ``a / b``: ``b`` must be dense at run time (a sparse operand there is a ValueError).
+
+    Semantics with sparse operands (the stages are in :mod:`sparsenn.compiler.program`):
+
+    * a term (a product, possibly of function calls) is evaluated where all its sparse
+      operands store entries; that is exact when its value vanishes with each of them
+      (``relu(S[i,j]) * X[j,k]``, ``S[i,j] / d[i]``);
+    * outside explicit reductions and masks the result is the dense math: a function
+      whose argument does not vanish with a sparse operand (``relu(S[i,j] - M[i])``,
+      ``relu(S[i,j] + T[i,j])``) gets the argument computed first, and a function that
+      still does not vanish (``exp``, ``sigmoid``, ``log``) reads the operand densely:
+      ``exp(S[i,j])`` equals ``torch.exp(S.to_dense())``;
+    * inside ``op[j](...)`` and under a mask, terms range over stored entries only (as
+      ``torch.sparse.softmax``): ``sum[j](exp(S[i,j] - M[i]))`` sums over ``S``'s stored
+      ``j``; ``max[j](S[i,j])`` is the max over stored entries, ``-inf`` for an empty
+      row; a product of dense operands ranges over everything;
+    * ``Y[i,k] = relu(A[i,j] * X[j,k] + b[k])`` is one kernel whose epilogue adds the
+      bias and applies ``relu`` per output element; a plain sum of products is one
+      kernel as :func:`einsum` runs it.
+
+    Errors in the text are :class:`NotationError` s with the column and a caret.
+    """
     return CompiledExpression(text, out_format)
 
 

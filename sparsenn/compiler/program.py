@@ -1,0 +1,425 @@
+"""Staging: an expression tree (:mod:`.expression`) and its operands' formats become a
+:class:`Program`, kernel assignments run one after another, each reading user operands
+and earlier stages' results.
+
+A kernel term is visited where all its sparse factors store an entry. Staging makes
+that exact where the text means the dense math, and keeps it where it means the
+stored entries:
+
+* **Dense math** (outside explicit reductions and masks). A term whose value vanishes
+  with each sparse factor (``vanishes_with``: ``relu(S[i,j]) * X[j,k]``, ``S[i,j] / d[i]``)
+  is exact. A function call that does not vanish gets its argument computed first, as
+  a stage of its own (``relu(S[i,j] - M[i])``, ``relu(S[i,j] + T[i,j])``: a sum is
+  exact on the union of its terms' patterns); if the call still does not vanish with a
+  sparse factor (``exp``, ``sigmoid``, ``log``, or ``max(S, T)``), that factor is read
+  densely (a copy stage ``D[...] = S[...]`` with a dense result). An implicit sum
+  inside an argument (``relu(A[i,k] * B[k,j])``) is always staged first.
+* **Stored entries** (inside ``op[j](body)`` and under a mask ``Out<M>[...]``). Each
+  product of the body ranges over its own sparse operands' stored entries, its
+  functions applied there (``sum[j](exp(S[i,j] - M[i]))`` sums over ``S``'s stored
+  ``j``; a product of dense operands ranges over everything). A max/min takes one
+  term: a body of several products, or with an implicit inner sum, is staged into a
+  temporary over the output and reduced indices (its pattern the union of the
+  products') and reduced over that temporary's stored entries; the identity
+  (``-inf``/``+inf``) where there are none. The same staging applies to a sum whose
+  body has a product missing a reduced index (``sum[j](A[i] + B[i,j])`` counts
+  ``A[i]`` once per ``j``). Argument sums with implicit inner sums are staged.
+* **Epilogues**. ``Y[i,k] = c * f(A[i,j] * X[j,k] + b[k])``, a unary function of a sum
+  with an implicit reduction, is one assignment whose epilogue applies ``f`` to the
+  reduced value plus the terms that are dense, without reduction indices (a bias
+  ``b[k]``) and constants. When the sum's result is sparse for these formats (``A``,
+  ``X`` both CSR) and ``f`` keeps zeros, or a sparse ``out_format`` is asked for, the
+  sum is staged and ``f`` applied to it as a term value instead, keeping it sparse.
+  Constants added at the top level (``A[i,j] + 1``) also make an epilogue.
+* **Denominators** must be dense: a sparse operand written in one (outside an
+  explicit reduction), or a reduction in one whose result is sparse, is a ValueError.
+
+A plain sum of products is one stage, independent of the formats (:func:`plain`).
+Other statements are staged per formats signature (:func:`stage`, cached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from sparsenn.formats import Format, SparseTensor
+
+from .autograd import differentiable_evaluate
+from .expression import Call, Product, Reduction, Statement, Sum, Tensor, context_of, plain_assignment, \
+    product_indices
+from .functions import FUNCTIONS, apply, factors_of, vanishes_with
+from .notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
+from .plan.infer import result_format
+from .runtime.cache import LRUCache
+from .runtime.evaluate import evaluate
+
+__all__ = ["UserOperand", "StageResult", "Stage", "Program", "plain", "stage", "signature", "stage_inputs", "run"]
+
+
+@dataclass(frozen=True)
+class UserOperand:
+    """The caller's operand ``n``."""
+
+    n: int
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """The result of stage ``stage`` of the same program."""
+
+    stage: int
+
+
+Source = UserOperand | StageResult
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One kernel call: ``assignment`` over ``inputs`` (one per operand), ``out_format``
+    as for :func:`sparsenn.einsum`."""
+
+    assignment: Assignment
+    out_format: object
+    inputs: tuple[Source, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """Stages in order; the last one's result is the program's."""
+
+    stages: tuple[Stage, ...]
+
+
+def signature(operands: Sequence) -> tuple[Format | None, ...]:
+    """What staging depends on: each operand's format, None for a tensor."""
+    return tuple(op.format if isinstance(op, SparseTensor) else None for op in operands)
+
+
+def stage_inputs(stage: Stage, operands: Sequence, results: Sequence) -> list:
+    """``stage``'s operands: the caller's, or earlier stages' ``results``."""
+    return [operands[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in stage.inputs]
+
+
+def run(program: Program, operands: Sequence):
+    """Run each stage (recorded for autograd when needed); the last stage's result."""
+    results: list = []
+    for step in program.stages:
+        inputs = stage_inputs(step, operands, results)
+        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
+    return results[-1]
+
+
+def plain(statement: Statement, out_format) -> Program | None:
+    """The one-stage program of a plain sum of products, else None."""
+    assignment = plain_assignment(statement)
+    if assignment is None:
+        return None
+    return Program((Stage(assignment, out_format, tuple(UserOperand(n) for n in range(assignment.num_operands))),))
+
+
+_programs: LRUCache[Program] = LRUCache("programs", 1024)
+
+
+def stage(statement: Statement, formats: tuple[Format | None, ...], out_format) -> Program:
+    """The program of ``statement`` for operands of ``formats`` (cached)."""
+    key = (statement, formats, out_format)
+    program = _programs.get(key)
+    if program is None:
+        program = _Builder(statement, formats).build(out_format)
+        _programs.put(key, program)
+    return program
+
+
+@dataclass
+class _Term:
+    """A term being built: factors over the builder's operands (user operands, then
+    stage results) and its value over them (explicit, even for a plain product)."""
+
+    coefficient: float
+    factors: list[Access]
+    value: Value
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i for a in self.factors for i in a.indices))
+
+
+class _Builder:
+    """Lowers one statement for one formats signature into stages."""
+
+    def __init__(self, statement: Statement, formats: tuple[Format | None, ...]):
+        self.statement = statement
+        self.given = formats
+        self.names = list(statement.operands)
+        self.number = {name: n for n, name in enumerate(self.names)}
+        self.sources: list[Source] = [UserOperand(n) for n in range(len(self.names))]
+        self.sparse: list[Format | None] = [None if f is None or f.is_dense else f for f in formats]
+        self.stages: list[list] = []  # [assignment over the builder's operands, out_format]
+        self.copies: dict[int, int] = {}  # operand -> its dense copy
+
+    def build(self, out_format) -> Program:
+        statement = self.statement
+        context = frozenset(statement.indices)
+        if statement.mask is not None:
+            self.masked(context)
+        else:
+            self.top(context, out_format)
+        stages = []
+        for assignment, fmt in self.stages:
+            local, ids = self.localise(assignment)
+            stages.append(Stage(local, fmt, tuple(self.sources[v] for v in ids)))
+        return Program(tuple(stages))
+
+    # ------------------------------------------------------------------ the statement
+
+    def masked(self, context: frozenset[str]) -> None:
+        """``Out<M>[o] = body``: every term sampled by ``M[o]``, plus ``0 * M[o]`` so the
+        result has exactly ``M``'s stored positions."""
+        output = self.statement.indices
+        m = self.number[self.statement.mask]
+        mask = Access(m, output)
+        terms = [Term(t.coefficient, (*t.factors, mask), t.value) for t in self.terms(self.statement.body, context,
+                                                                                    dense_math=False)]
+        terms.append(Term(0.0, (mask,)))
+        fmt = self.given[m]
+        self.emit(Assignment(output, tuple(terms), tuple(self.names)), "dense" if fmt is None else fmt)
+
+    def top(self, context: frozenset[str], out_format) -> None:
+        output = self.statement.indices
+        products = self.statement.body.products
+        if len(products) == 1 and len(products[0].factors) == 1:
+            (call,) = products[0].factors
+            if isinstance(call, Call) and FUNCTIONS[call.function].arity == 1 and any(
+                product_indices(p, context) - context for p in call.args[0].products
+            ):
+                self.epilogue(call, products[0].coefficient, context, out_format)
+                return
+        self.final(self.assemble(output, self.terms(self.statement.body, context, dense_math=True)), out_format)
+
+    def epilogue(self, call: Call, coefficient: float, context: frozenset[str], out_format) -> None:
+        """``c * f(sum)`` with a reduction in the sum: ``f`` as the sum's epilogue, or,
+        when the result should stay sparse, applied to the staged sum."""
+        output = self.statement.indices
+        terms = self.terms(call.args[0], context, dense_math=True)
+        function = FUNCTIONS[call.function]
+        asked_sparse = out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower()
+                                                       in ("dense", "auto"))
+        if all(t.factors for t in terms) and function.zero_preserving:
+            local, ids = self.localise(Assignment(output, tuple(self.term(t) for t in terms), tuple(self.names)))
+            sparse_sum = result_format(local, [self.sparse[v] for v in ids]) is not None
+        else:
+            sparse_sum = False
+        if not (sparse_sum or asked_sparse):
+            self.final(self.assemble(output, terms, call.function, coefficient), out_format)
+            return
+        total = self.emit(self.assemble(output, terms), None)
+        factors = [Access(total, output)]
+        value = _scaled(coefficient, self.fixed(apply(call.function, Factor(0)), factors))
+        self.final(Assignment(output, (self.term(_Term(1.0, factors, value)),), tuple(self.names)), out_format)
+
+    def final(self, assignment: Assignment, out_format) -> None:
+        """The last stage; a copy of the previous stage's result is that stage instead."""
+        (term, *rest) = assignment.terms
+        if (not rest and assignment.is_product_sum and term.coefficient == 1.0 and len(term.factors) == 1
+                and term.factors[0].indices == assignment.output
+                and term.factors[0].operand == len(self.names) - 1 and self.stages):
+            self.stages[-1][1] = out_format if out_format is not None else self.stages[-1][1]
+            return
+        self.emit(assignment, out_format)
+
+    # ------------------------------------------------------------------ lowering
+
+    def terms(self, body: Sum, context: frozenset[str], dense_math: bool, denominator: bool = False) -> list[_Term]:
+        """One term per product of ``body``, the indices of ``context`` in scope."""
+        return [self.product(p, context, dense_math, denominator) for p in body.products]
+
+    def product(self, product: Product, context: frozenset[str], dense_math: bool, denominator: bool) -> _Term:
+        factors: list[Access] = []
+        value: Value = Constant(1.0)
+        for n, part in enumerate(product.factors):
+            scope = context_of(product, n, context)
+            if isinstance(part, Tensor):
+                part_value = self.factor(Access(self.number[part.name], part.indices), factors, denominator)
+            elif isinstance(part, Reduction):
+                part_value = self.factor(self.reduction(part, scope), factors, denominator)
+            else:
+                part_value = self.call(part, scope, factors, dense_math, denominator)
+            value = apply("mul", value, part_value)
+        return _Term(product.coefficient, factors, value)
+
+    def factor(self, access: Access, factors: list[Access], denominator: bool) -> Value:
+        if denominator and self.sparse[access.operand] is not None:
+            raise ValueError(f"{self.describe(access.operand)} is sparse but is in a denominator of "
+                             f"{self.statement_text()}: unstored entries would divide by zero; pass a dense tensor")
+        factors.append(access)
+        return Factor(len(factors) - 1)
+
+    def call(self, call: Call, scope: frozenset[str], factors: list[Access], dense_math: bool,
+             denominator: bool) -> Value:
+        args = [self.argument(arg, scope, factors, dense_math, denominator or (call.function == "div" and n == 1))
+                for n, arg in enumerate(call.args)]
+        value = apply(call.function, *args)
+        return self.fixed(value, factors) if dense_math else value
+
+    def fixed(self, value: Value, factors: list[Access]) -> Value:
+        """Reads densely each sparse factor ``value`` does not vanish with."""
+        for k in sorted(factors_of(value)):
+            if self.sparse[factors[k].operand] is not None and not vanishes_with(value, k):
+                factors[k] = self.densify(factors[k])
+        return value
+
+    def argument(self, arg: Sum, scope: frozenset[str], factors: list[Access], dense_math: bool,
+                 denominator: bool) -> Value:
+        """A call's argument, inline in the call's term, or staged (an implicit sum
+        inside it; in dense math, a value inexact on its term's visited points)."""
+        terms = self.terms(arg, scope, dense_math, denominator)
+        local: list[Access] = []
+        value: Value = Constant(0.0)
+        for t in terms:
+            value = _plus(value, t.coefficient, _shift(t.value, len(local)))
+            local += t.factors
+        inner = any(set(t.indices) - scope for t in terms)
+        exact = all(vanishes_with(value, k) for k, a in enumerate(local) if self.sparse[a.operand] is not None)
+        if inner or (dense_math and not exact):
+            output = tuple(i for i in _ordered(terms) if i in scope)
+            staged = self.emit(self.assemble(output, terms), None)
+            return self.factor(Access(staged, output), factors, denominator)
+        shifted = _shift(value, len(factors))
+        factors += local
+        return shifted
+
+    def reduction(self, reduction: Reduction, scope: frozenset[str]) -> Access:
+        """``op[J](body)`` as a stage; its result's access (over the body's indices in
+        scope)."""
+        bound = frozenset(reduction.indices)
+        terms = self.terms(reduction.body, scope | bound, dense_math=False)
+        output = tuple(i for i in _ordered(terms) if i in scope - bound)
+        covered = all(bound <= set(t.indices) for t in terms)
+        names = tuple(self.names)
+        if reduction.op == "sum" and covered:
+            assignment = self.assemble(output, terms)
+        elif reduction.op != "sum" and covered and len(terms) == 1 and set(terms[0].indices) <= set(output) | bound:
+            (t,) = terms
+            assignment = Assignment(output, (self.term(_Term(1.0, t.factors, _scaled(t.coefficient, t.value))),),
+                                    names, reduction.op)
+        else:
+            inner = tuple(i for i in _ordered(terms) if i in scope | bound)
+            body = self.emit(self.assemble(inner, terms), None)
+            assignment = Assignment(output, (Term(1.0, (Access(body, inner),)),), names, reduction.op)
+        return Access(self.emit(assignment, None), output)
+
+    # ------------------------------------------------------------------ assignments
+
+    def assemble(self, output: tuple[str, ...], terms: list[_Term], function: str | None = None,
+                 scale: float = 1.0) -> Assignment:
+        """``sum(terms)`` over ``output``, or ``scale * function(sum(terms))``. Constants
+        and a function need an epilogue; the terms that are dense and have no reduction
+        index (a bias) then move into it."""
+        names = tuple(self.names)
+        if function is None and all(t.factors for t in terms):
+            return Assignment(output, tuple(self.term(t) for t in terms), names)
+        bias = [t for t in terms if all(self.sparse[a.operand] is None for a in t.factors)
+                and set(t.indices) <= set(output)]
+        kept = [t for t in terms if not any(t is b for b in bias)]
+        if not kept:
+            kept, bias = [bias[0]], bias[1:]
+        factors: list[Access] = []
+        value: Value = Reduced()
+        for t in bias:
+            value = _plus(value, t.coefficient, _shift(t.value, len(factors)))
+            factors += t.factors
+        if function is not None:
+            value = _scaled(scale, apply(function, value))
+        return Assignment(output, tuple(self.term(t) for t in kept), names, epilogue=Epilogue(tuple(factors), value))
+
+    def term(self, t: _Term) -> Term:
+        plain = _product(len(t.factors))
+        return Term(t.coefficient, tuple(t.factors), None if t.value == plain else t.value)
+
+    def emit(self, assignment: Assignment, out_format) -> int:
+        """Append a stage; its result as a new operand."""
+        local, ids = self.localise(assignment)
+        dense = out_format == "dense" or local.dense_result
+        self.sparse.append(None if dense else result_format(local, [self.sparse[v] for v in ids]))
+        self.sources.append(StageResult(len(self.stages)))
+        self.names.append(f"%{len(self.stages)}")
+        self.stages.append([assignment, out_format])
+        return len(self.names) - 1
+
+    def densify(self, access: Access) -> Access:
+        """``access`` read from a dense copy: a stage result is asked dense itself
+        (each is read once), a user operand copied once."""
+        operand = access.operand
+        source = self.sources[operand]
+        if isinstance(source, StageResult):
+            self.stages[source.stage][1] = "dense"
+            self.sparse[operand] = None
+            return access
+        if operand not in self.copies:
+            copy = Assignment(access.indices, (Term(1.0, (access,)),), tuple(self.names))
+            self.copies[operand] = self.emit(copy, "dense")
+        return Access(self.copies[operand], access.indices)
+
+    def localise(self, assignment: Assignment) -> tuple[Assignment, tuple[int, ...]]:
+        """``assignment`` over its own operands, numbered by first use; the builder's
+        operand of each."""
+        ids = tuple(dict.fromkeys(a.operand for a in assignment.accesses))
+        number = {v: n for n, v in enumerate(ids)}
+
+        def local(accesses):
+            return tuple(Access(number[a.operand], a.indices) for a in accesses)
+
+        terms = tuple(replace(t, factors=local(t.factors)) for t in assignment.terms)
+        epilogue = assignment.epilogue
+        if epilogue is not None:
+            epilogue = replace(epilogue, factors=local(epilogue.factors))
+        return Assignment(assignment.output, terms, tuple(self.names[v] for v in ids), assignment.reduction,
+                          epilogue), ids
+
+    def describe(self, operand: int) -> str:
+        source = self.sources[operand]
+        if isinstance(source, UserOperand):
+            return f"operand {source.n} ({self.names[operand]})"
+        local, _ = self.localise(self.stages[source.stage][0])
+        return f"the intermediate result {local}"
+
+    def statement_text(self) -> str:
+        s = self.statement
+        mask = f"<{s.mask}>" if s.mask is not None else ""
+        return f"{s.output}{mask}[{','.join(s.indices)}] = ..."
+
+
+def _ordered(terms: list[_Term]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(i for t in terms for i in t.indices))
+
+
+def _product(n: int) -> Value:
+    """``Factor(0) * ... * Factor(n-1)``, built as :meth:`_Builder.product` builds it."""
+    value: Value = Constant(1.0)
+    for k in range(n):
+        value = apply("mul", value, Factor(k))
+    return value
+
+
+def _scaled(coefficient: float, value: Value) -> Value:
+    if coefficient == -1.0:
+        return apply("neg", value)
+    return apply("mul", Constant(coefficient), value)
+
+
+def _plus(total: Value, coefficient: float, value: Value) -> Value:
+    """``total + coefficient * value``, as a subtraction for a negative coefficient."""
+    if coefficient < 0 and total != Constant(0.0):
+        return apply("sub", total, _scaled(-coefficient, value))
+    return apply("add", total, _scaled(coefficient, value))
+
+
+def _shift(value: Value, offset: int) -> Value:
+    """``value`` with factor ``k`` renumbered ``k + offset``."""
+    if isinstance(value, Factor):
+        return Factor(value.k + offset)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_shift(a, offset) for a in value.args))
+    return value
+
