@@ -19,8 +19,9 @@ stored entries:
   functions applied there (``sum[j](exp(S[i,j] - M[i]))`` sums over ``S``'s stored
   ``j``; a product of dense operands ranges over everything). A max/min takes one
   term: a body of several products, or with an implicit inner sum, is staged into a
-  temporary over the output and reduced indices (its pattern the union of the
-  products') and reduced over that temporary's stored entries; the identity
+  temporary over the output and reduced indices, stored fully compressed when it reads
+  a sparse operand (its entries: the points some product reaches, whatever the
+  operands' formats), and reduced over that temporary's stored entries; the identity
   (``-inf``/``+inf``) where there are none. The same staging applies to a sum whose
   body has a product missing a reduced index (``sum[j](A[i] + B[i,j])`` counts
   ``A[i]`` once per ``j``). Argument sums with implicit inner sums are staged.
@@ -32,7 +33,7 @@ stored entries:
   sum is staged and ``f`` applied to it as a term value instead, keeping it sparse.
   Constants added at the top level (``A[i,j] + 1``) also make an epilogue.
 * **Denominators** must be dense: a sparse operand written in one (outside an
-  explicit reduction), or a reduction in one whose result is sparse, is a ValueError.
+  explicit reduction) is a ValueError; a reduction in one is computed densely.
 
 A plain sum of products is one stage, independent of the formats (:func:`plain`).
 Other statements are staged per formats signature (:func:`stage`, cached).
@@ -43,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from sparsenn.formats import Format, SparseTensor
+from sparsenn.formats import Format, SparseTensor, parse_format
 
 from .autograd import differentiable_evaluate
 from .expression import Call, Product, Reduction, Statement, Sum, Tensor, context_of, plain_assignment, \
@@ -242,7 +243,8 @@ class _Builder:
             if isinstance(part, Tensor):
                 part_value = self.factor(Access(self.number[part.name], part.indices), factors, denominator)
             elif isinstance(part, Reduction):
-                part_value = self.factor(self.reduction(part, scope), factors, denominator)
+                reduced = self.reduction(part, scope)
+                part_value = self.factor(self.densify(reduced) if denominator else reduced, factors, denominator)
             else:
                 part_value = self.call(part, scope, factors, dense_math, denominator)
             value = apply("mul", value, part_value)
@@ -305,7 +307,9 @@ class _Builder:
                                     names, reduction.op)
         else:
             inner = tuple(i for i in _ordered(terms) if i in scope | bound)
-            body = self.emit(self.assemble(inner, terms), None)
+            body = self.assemble(inner, terms)
+            reached = not body.dense_result and any(self.sparse[a.operand] is not None for a in body.accesses)
+            body = self.emit(body, parse_format("c" * len(inner), len(inner)) if reached else None)
             assignment = Assignment(output, (Term(1.0, (Access(body, inner),)),), names, reduction.op)
         return Access(self.emit(assignment, None), output)
 
@@ -340,8 +344,13 @@ class _Builder:
     def emit(self, assignment: Assignment, out_format) -> int:
         """Append a stage; its result as a new operand."""
         local, ids = self.localise(assignment)
-        dense = out_format == "dense" or local.dense_result
-        self.sparse.append(None if dense else result_format(local, [self.sparse[v] for v in ids]))
+        if out_format == "dense" or local.dense_result:
+            fmt = None
+        elif isinstance(out_format, Format):
+            fmt = out_format
+        else:
+            fmt = result_format(local, [self.sparse[v] for v in ids])
+        self.sparse.append(fmt)
         self.sources.append(StageResult(len(self.stages)))
         self.names.append(f"%{len(self.stages)}")
         self.stages.append([assignment, out_format])
