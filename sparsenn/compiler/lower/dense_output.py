@@ -247,7 +247,7 @@ ROW = ir.Var("t")
 def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars):
     """The wrapper of loop ``a`` that runs its whole tiles (see the module doc), then
     ``plain`` (the register block) over the rows left."""
-    order, output = nest.order, lo.a.output
+    order = nest.order
     tile, size = nest.register_tile, nest.register_block.size
     a, k = tile.index, order[-1]
     r = order.index(a) + 1
