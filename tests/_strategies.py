@@ -549,10 +549,34 @@ def _spread(t: torch.Tensor, indices, space) -> torch.Tensor:
     return t.permute(order).reshape([t.shape[indices.index(i)] if i in indices else 1 for i in space])
 
 
+def value_magnitude(value, factors):
+    """A bound on the magnitudes a value tree's rounding errors scale with: sums of the
+    magnitudes of what is added, products of what is multiplied, and for a function
+    ``|f(x)| (1 + m(x)) + m(x)`` (its slope is at most about ``max(1, |f|)``)."""
+    from sparsenn.compiler.functions import evaluate
+    from sparsenn.compiler.notation import Apply, Constant, Factor
+
+    if isinstance(value, Factor):
+        return factors[value.k].abs()
+    if isinstance(value, Constant):
+        return torch.tensor(abs(value.value), dtype=torch.float64)
+    assert isinstance(value, Apply)
+    parts = [value_magnitude(a, factors) for a in value.args]
+    if value.function in ("add", "sub", "max", "min"):
+        return parts[0] + parts[1]
+    if value.function == "mul":
+        return parts[0] * parts[1]
+    if value.function == "div":
+        return parts[0] / evaluate(value.args[1], factors).abs()
+    result = evaluate(value, factors).abs()
+    return result * (1 + parts[0]) + parts[0]
+
+
 def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.Tensor:
     """The assignment's value in float64 from its definition: each term's value where
     all its sparse factors store an entry, reduced, then the epilogue. ``magnitude``:
-    sum |values| instead (a bound for the rounding error of a sum; no epilogue)."""
+    the sum of :func:`value_magnitude` instead (what the rounding error of a sum
+    scales with; no epilogue)."""
     from sparsenn.compiler.functions import IDENTITY, evaluate
 
     dense = [to_dense(op).double() for op in operands]
@@ -570,6 +594,8 @@ def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.
             visited = visited & _spread(pattern(operands[a.operand]), a.indices, space)
         if term.value is None:
             value = math.prod(factors, start=torch.ones((), dtype=torch.float64))
+        elif magnitude:
+            value = value_magnitude(term.value, factors)
         else:
             value = evaluate(term.value, factors)
         value = (term.coefficient * value).expand(full)

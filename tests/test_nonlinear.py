@@ -182,7 +182,8 @@ def test_max_over_the_outer_mode_and_of_a_product(fmt):
     S, w = operand((6, 9), fmt), operand((9,), "dense-tensor", seed=5)
     columns = Assignment(("j",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), "max")
     assert_matches(evaluate(columns, [S], None), columns, [S], torch.float64)
-    scaled = Assignment(("i",), (Term(-2.0, (Access(0, ("i", "j")), Access(1, ("j",)))),), ("S", "w"), "max")
+    product = apply("mul", Factor(0), Factor(1))
+    scaled = Assignment(("i",), (Term(-2.0, (Access(0, ("i", "j")), Access(1, ("j",))), product),), ("S", "w"), "max")
     assert_matches(evaluate(scaled, [S, w], None), scaled, [S, w], torch.float64)
 
 
@@ -193,6 +194,26 @@ def test_max_of_a_rank3_tensor_over_two_indices():
     got = evaluate(assignment, [S], None)
     assert got[0] == -math.inf
     assert_matches(got, assignment, [S], torch.float64)
+
+
+def test_max_takes_one_term_with_a_value():
+    with pytest.raises(ValueError, match="one term with a value"):
+        Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),)),), ("S",), "max")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), "mean")
+
+
+def test_value_terms_read_exact_patterns_when_re_stored():
+    """A factor re-stored in another mode order must not gain entries: ``cd`` read as
+    ``(a, b)`` would store zeros under a dense ``b``, where ``sigmoid(0) != 0``."""
+    S = sparsenn.from_dense(torch.tensor([[0.0], [1.5]], dtype=torch.float64), format="cd")
+    x = torch.tensor([[0.3], [0.7]], dtype=torch.float64)
+    value = apply("mul", apply("sigmoid", Factor(0)), Factor(1))
+    term = Term(1.0, (Access(0, ("b", "c")), Access(1, ("b", "a"))), value)
+    assignment = Assignment(("a", "b", "c"), (term,), ("x", "S"))
+    got = evaluate(assignment, [x, S], None)
+    assert got.nnz == 1
+    assert_matches(got, assignment, [x, S], torch.float64)
 
 
 def test_max_result_is_dense_only():

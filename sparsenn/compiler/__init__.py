@@ -6,7 +6,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
 1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``.
 2. ``runtime/api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated
    letters) into the core notation (``equation.py``), parses it (``notation.py``,
-   cached) and hands it to ``autograd.py``, which records the call when gradients are
+   cached; terms may apply the scalar functions of ``functions.py`` to their factors,
+   reduce by max or min, and end in an epilogue) and hands it to ``autograd.py``, which records the call when gradients are
    needed (backward passes are einsums too) and calls ``runtime/evaluate.py``.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
@@ -25,8 +26,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    size with the same decisions shares one kernel. A new plan is built by
    ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
-   (``lower/dense_output.py``, or ``lower/sparse_output.py`` with ``lower/assembly.py``
-   for a sparse result), iterating each storage level through its capabilities
+   (``lower/dense_output.py`` with ``lower/epilogue.py``, or ``lower/sparse_output.py``
+   with ``lower/assembly.py`` for a sparse result), iterating each storage level through its capabilities
    (``formats/level.py`` via ``lower/iterators.py``) and co-iterating levels in one
    routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;
    ``backend/c.py`` prints the C++ and ``backend/codegen.py`` wraps it into a

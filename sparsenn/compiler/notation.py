@@ -118,6 +118,13 @@ class Assignment:
     reduction: str = "sum"
     epilogue: Epilogue | None = None
 
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if self.reduction != "sum" and (len(self.terms) != 1 or self.terms[0].value is None):
+            raise ValueError(f"a {self.reduction}-reduction takes one term with a value (Factor(0) for a plain "
+                             "access): a stored zero is an entry, so its factors are read by their patterns")
+
     def __hash__(self) -> int:
         """Computed once: assignments key the plan cache on every call."""
         try:

@@ -20,7 +20,7 @@ import functools
 import re
 from dataclasses import dataclass, replace
 
-from sparsenn.formats.level import LEVEL_KINDS, Dense, Grouped, Level, Singleton
+from sparsenn.formats.level import LEVEL_KINDS, Compressed, Dense, Grouped, Level, Singleton
 
 ACCEPTED_FORMS = (
     "'dense', 'csr', 'csc', 'coo', 'dcsr', 'dcsc', 'csf', 'bsr(bh,bw)', 'bsc(bh,bw)' "
@@ -120,6 +120,21 @@ class Format:
     def is_dense(self) -> bool:
         """True when every level is dense and there is no block."""
         return self.block is None and all(level.locatable for level in self.levels)
+
+    def in_mode_order(self, order: tuple[int, ...], exact: bool = False) -> Format:
+        """The (unblocked) format a copy re-stored in mode order ``order`` takes: the same
+        level kinds in the same places (see :meth:`Level.restored`), so a dense level
+        may come to lie below a sparse one and store zeros where the tensor has no
+        entry. ``exact``: such dense levels are compressed instead, so the copy stores
+        exactly the tensor's entries (its pattern)."""
+        levels, sparse_above = [], False
+        for level in self.levels:
+            level = level.restored()
+            if exact and sparse_above and level.full:
+                level = Compressed()
+            sparse_above |= not level.full
+            levels.append(level)
+        return Format(tuple(levels), order, None)
 
     def mode_level(self, mode: int) -> Level:
         """The storage level that stores mode ``mode`` (its block coordinate, if blocked)."""

@@ -3,9 +3,13 @@
 The output is a dense array in the schedule's output order, or, for a *sampled*
 output, the values of an anchor operand's pattern (written at the anchor's
 positions). Trailing reduction loops sum into a scalar that is stored once after them,
-scaled by the factors constant across them. The first nest stores with ``=`` when the
-schedule says it stores each element once. A parallel nest's outermost loop runs in
-chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)`` runs::
+scaled by the factors constant across them; a term with a value tree evaluates it
+whole at each point, and a max or min reduction combines into a scalar that starts at
+the reduction's identity (the schedule puts its reductions innermost). An epilogue
+runs per output slice or after the nests (:mod:`.epilogue`). The first nest stores
+with ``=`` when the schedule says it stores each element once. A parallel nest's
+outermost loop runs in chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)``
+runs::
 
     for P: for kb in whole blocks of k: acc[0:B] = 0
                for R: acc[:] += scalar factors * vector factors[kb : kb + B]
@@ -34,11 +38,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
-from ..functions import IDENTITY
 from .context import Lowering, counted, product_of
 from .epilogue import epilogue_pass, fuse_epilogue
 from .iterators import initial_states, locate, open_cursor
@@ -247,7 +251,7 @@ ROW = ir.Var("t")
 def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars):
     """The wrapper of loop ``a`` that runs its whole tiles (see the module doc), then
     ``plain`` (the register block) over the rows left."""
-    order, output = nest.order, lo.a.output
+    order = nest.order
     tile, size = nest.register_tile, nest.register_block.size
     a, k = tile.index, order[-1]
     r = order.index(a) + 1

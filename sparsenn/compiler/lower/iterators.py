@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from sparsenn.formats import Format
 from sparsenn.formats.level import Level
 
 from ..loops import ir
@@ -163,8 +162,8 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
             indices = access.indices if order is None else tuple(access.indices[m] for m in order)
             states.append(FactorState(n, (), indices))
             continue
-        if order is not None and order != fmt.mode_order:
-            fmt = Format(tuple(level.restored() for level in fmt.levels), order, None)
+        if order is not None and order != fmt.mode_order:  # a term's value needs its factors' exact patterns
+            fmt = fmt.in_mode_order(order, exact=term.value is not None)
         n = lo.slot_of(Slot(access.operand, fmt))
         levels = tuple((access.indices[m], lvl) for m, lvl in zip(fmt.mode_order, fmt.levels))
         states.append(FactorState(n, levels))

@@ -99,7 +99,8 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
     if wanted == natural:
         positions = list(info.positions)
     else:
-        levels = tuple(level.restored() for level in levels)
+        order = tuple(access.indices.index(i) for i in wanted)
+        levels = fmt.in_mode_order(order, exact=term.value is not None).levels
         sizes = [info.shape[access.indices.index(i)] for i in wanted]
         positions = estimate_positions(levels, sizes, info.nnz)
     fibers, parent, storage = [], 1.0, 0.0
