@@ -341,7 +341,8 @@ def test_max_min_reductions_over_stored_entries(op: str, fmt: str, dtype: torch.
     if fmt != "dense":
         assert got[1] == (-math.inf if op == "max" else math.inf)  # an empty row: the identity
     close(sparsenn.compile(f"M[j] = {op}[i](-2 * S[i,j])")(s), masked_max(-2 * dense(s), stored(s), 0, op))
-    close(sparsenn.compile(f"M[] = {op}[i,j](S[i,j])")(s), masked_max(dense(s).reshape(-1), stored(s).reshape(-1), 0, op))
+    everything = masked_max(dense(s).reshape(-1), stored(s).reshape(-1), 0, op)
+    close(sparsenn.compile(f"M[] = {op}[i,j](S[i,j])")(s), everything)
     close(sparsenn.compile(f"M[i] = {op}[j](S[i,j] + T[i,j])")(s, t),
           masked_max(dense(s) + dense(t), stored(s) | stored(t), 1, op))
     x = torch.randn(6, 4, dtype=dtype)  # the product reaches every k of a row with an entry

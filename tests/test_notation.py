@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sparsenn.compiler.autograd import _gradient_assignment
-from sparsenn.compiler.notation import Access, Assignment, Term, parse_einsum, parse_expression
+from sparsenn.compiler.notation import Access, Assignment, NotationError, Term, parse_einsum, parse_expression
 
 
 def single(coefficient: float) -> Assignment:
@@ -42,3 +42,15 @@ def test_sampled_gradient_shows_its_zero_mask_term() -> None:
     gradient, _ = _gradient_assignment(parse_einsum("ij,jk->ik", 2), 0, 2, True)
     assert str(gradient).endswith("+ 0 * operand3[@0,@1]")
 
+
+
+def test_parsed_numbers_are_coefficients() -> None:
+    parsed = parse_expression("y[i] = 0.5 * A[i,j] * x[j] - b[i] / 4 + 1e-3 * (2 * b[i])")
+    assert str(parsed) == "Out[i] = 0.5 * sum_{j} A[i,j] * x[j] - 0.25 * b[i] + 0.002 * b[i]"
+
+
+@pytest.mark.parametrize("text", ["Y[i] = relu(A[i])", "Y[i] = max[j](A[i,j])", "Y[i] = A[i] / d[i]",
+                                  "Y<S>[i] = A[i]", "Y[i] = A[i] + 1"])
+def test_parse_expression_takes_plain_sums_of_products_only(text: str) -> None:
+    with pytest.raises(NotationError, match="not a sum of products of tensors.*sparsenn.compile"):
+        parse_expression(text)

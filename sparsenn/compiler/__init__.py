@@ -37,6 +37,11 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    ``sn_run`` through ctypes with the GIL released and returns the dense result, or
    the sparse one the kernel assembled.
 
+``compile_expression(text)`` (``sparsenn.compile``) parses its text once
+(``expression.py``: functions, explicit reductions, masks) and, per formats signature of
+its operands, stages it into a program of assignments (``program.py``), each run as in
+steps 2-5; a plain sum of products is one assignment.
+
 ``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included.
 
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,

@@ -33,7 +33,8 @@ stored entries:
   sum is staged and ``f`` applied to it as a term value instead, keeping it sparse.
   Constants added at the top level (``A[i,j] + 1``) also make an epilogue.
 * **Denominators** must be dense: a sparse operand written in one (outside an
-  explicit reduction) is a ValueError; a reduction in one is computed densely.
+  explicit reduction) is a ValueError; a reduction or staged sum in one is computed
+  densely.
 
 A plain sum of products is one stage, independent of the formats (:func:`plain`).
 Other statements are staged per formats signature (:func:`stage`, cached).
@@ -252,7 +253,8 @@ class _Builder:
 
     def factor(self, access: Access, factors: list[Access], denominator: bool) -> Value:
         if denominator and self.sparse[access.operand] is not None:
-            raise ValueError(f"{self.describe(access.operand)} is sparse but is in a denominator of "
+            name = self.names[access.operand]
+            raise ValueError(f"operand {access.operand} ({name}) is sparse but is in a denominator of "
                              f"{self.statement_text()}: unstored entries would divide by zero; pass a dense tensor")
         factors.append(access)
         return Factor(len(factors) - 1)
@@ -285,8 +287,8 @@ class _Builder:
         exact = all(vanishes_with(value, k) for k, a in enumerate(local) if self.sparse[a.operand] is not None)
         if inner or (dense_math and not exact):
             output = tuple(i for i in _ordered(terms) if i in scope)
-            staged = self.emit(self.assemble(output, terms), None)
-            return self.factor(Access(staged, output), factors, denominator)
+            staged = Access(self.emit(self.assemble(output, terms), None), output)
+            return self.factor(self.densify(staged) if denominator else staged, factors, denominator)
         shifted = _shift(value, len(factors))
         factors += local
         return shifted
@@ -303,14 +305,14 @@ class _Builder:
             assignment = self.assemble(output, terms)
         elif reduction.op != "sum" and covered and len(terms) == 1 and set(terms[0].indices) <= set(output) | bound:
             (t,) = terms
-            assignment = Assignment(output, (self.term(_Term(1.0, t.factors, _scaled(t.coefficient, t.value))),),
-                                    names, reduction.op)
+            value = _scaled(t.coefficient, t.value)  # a max/min term's value is explicit, a stored 0 an entry
+            assignment = Assignment(output, (Term(1.0, tuple(t.factors), value),), names, reduction.op)
         else:
             inner = tuple(i for i in _ordered(terms) if i in scope | bound)
             body = self.assemble(inner, terms)
             reached = not body.dense_result and any(self.sparse[a.operand] is not None for a in body.accesses)
             body = self.emit(body, parse_format("c" * len(inner), len(inner)) if reached else None)
-            assignment = Assignment(output, (Term(1.0, (Access(body, inner),)),), names, reduction.op)
+            assignment = Assignment(output, (Term(1.0, (Access(body, inner),), Factor(0)),), names, reduction.op)
         return Access(self.emit(assignment, None), output)
 
     # ------------------------------------------------------------------ assignments
@@ -385,13 +387,6 @@ class _Builder:
             epilogue = replace(epilogue, factors=local(epilogue.factors))
         return Assignment(assignment.output, terms, tuple(self.names[v] for v in ids), assignment.reduction,
                           epilogue), ids
-
-    def describe(self, operand: int) -> str:
-        source = self.sources[operand]
-        if isinstance(source, UserOperand):
-            return f"operand {source.n} ({self.names[operand]})"
-        local, _ = self.localise(self.stages[source.stage][0])
-        return f"the intermediate result {local}"
 
     def statement_text(self) -> str:
         s = self.statement
