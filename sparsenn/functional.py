@@ -8,7 +8,8 @@ entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
 * ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
 * softmax: ``E[r,j] = exp(S[r,j] - M[r])`` on ``S``'s pattern, ``Z[r] = sum_j E[r,j]``,
   ``P[r,j] = E[r,j] / Z[r]`` (each ``exp`` once: it dominates a pass over the pattern);
-* log-softmax: ``Z[r] = sum_j exp(S[r,j] - M[r])``, ``L[r,j] = S[r,j] - (M[r] + log Z[r])``.
+* log-softmax: ``Z[r] = sum_j exp(S[r,j] - M[r])``, ``L[r,j] = (S[r,j] - M[r]) - log Z[r]``
+  (``S - M`` first: exact near the max however large ``|S|`` is).
 
 Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax and
 ``dS = dL - exp(L) * sum_j dL`` for log-softmax; the sums are compiled sum-reductions,
@@ -35,14 +36,14 @@ __all__ = ["softmax", "log_softmax"]
 @dataclass(frozen=True)
 class _Kernels:
     """The assignments of one (rank, dim); pattern operands are read at every index,
-    row vectors (``M``, ``Z``, ``G``, ``LSE``) at every index but ``dim``'s."""
+    row vectors (``M``, ``Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
 
     max: Assignment               # M = max_j S
     exp: Assignment               # E = exp(S - M), on S's pattern
     row_sum: Assignment           # sum_j X
     normalise: Assignment         # P = E / Z, on the pattern
     sum_exp: Assignment           # Z = sum_j exp(S - M)
-    shift: Assignment             # L = S - LSE, on the pattern
+    shift: Assignment             # L = (S - M) - log Z, on the pattern
     dot: Assignment               # G = sum_j dP * P
     softmax_grad: Assignment      # dS = P * (dP - G), on the pattern
     log_softmax_grad: Assignment  # dS = dL - exp(L) * G, on the pattern
@@ -65,7 +66,7 @@ def _kernels(rank: int, dim: int) -> _Kernels:
         row_sum=assignment(rows, (x,), None, ("X",)),
         normalise=assignment(full, (x, row1), apply("div", f0, f1), ("E", "Z")),
         sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
-        shift=assignment(full, (x, row1), apply("sub", f0, f1), ("S", "LSE")),
+        shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
         dot=assignment(rows, (x, y), None, ("dP", "P")),
         softmax_grad=assignment(full, (x, y, row2), apply("mul", f1, apply("sub", f0, f2)), ("dP", "P", "G")),
         log_softmax_grad=assignment(full, (x, y, row2), apply("sub", f0, apply("mul", apply("exp", f1), f2)),
@@ -88,7 +89,7 @@ class _Softmax(torch.autograd.Function):
         m = evaluate(kernels.max, [s], "dense")
         if log:
             z = evaluate(kernels.sum_exp, [s, m], "dense")
-            out = _sampled(kernels.shift, s, [s, m + torch.log(z)])
+            out = _sampled(kernels.shift, s, [s, m, torch.log(z)])
         else:
             e = s.with_values(_sampled(kernels.exp, s, [s, m]))
             z = evaluate(kernels.row_sum, [e], "dense")
