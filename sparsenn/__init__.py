@@ -23,6 +23,7 @@ from sparsenn.formats.arithmetic import install_arithmetic
 from sparsenn.compiler.operators import ARITHMETIC
 from sparsenn.layers import SparseGCNConv, SparseLinear
 from sparsenn.convert import ConversionReport, convert
+from sparsenn.functional import log_softmax, softmax
 
 install_arithmetic(ARITHMETIC)  # SparseTensor's + - * @ run through the compiler
 
@@ -48,4 +49,6 @@ __all__ = [
     "SparseGCNConv",
     "convert",
     "ConversionReport",
+    "softmax",
+    "log_softmax",
 ]

@@ -344,3 +344,25 @@ def test_gradients_of_a_sampled_value():
     assignment = Assignment(("i", "j"), (Term(1.0, (Access(0, ("i", "j")), Access(1, ("i",)), Access(2, ("i",))),
                                               value),), ("S", "M", "Z"))
     gradcheck(assignment, [S, M, Z])
+
+
+def test_operands_sharing_a_pattern_anchor_a_sampled_result():
+    """``P * (dP - G)`` with ``dP`` on P's index arrays writes on the pattern in place
+    (no assembly), blocked too; a copy of the pattern with new arrays is another pattern."""
+    for fmt in ("csr", "bsr(2,3)"):
+        P = operand((6, 9), fmt)
+        dP = P.with_values(torch.randn(P.values.shape, dtype=torch.float64))
+        G = operand((6,), "dense-tensor", seed=3, empty_rows=())
+        value = apply("mul", Factor(1), apply("sub", Factor(0), Factor(2)))
+        term = Term(1.0, (Access(0, ("i", "j")), Access(1, ("i", "j")), Access(2, ("i",))), value)
+        assignment = Assignment(("i", "j"), (term,), ("dP", "P", "G"))
+        got = evaluate(assignment, [dP, P, G], P.format)
+        assert got.format == P.format and all(a is b for a, b in zip(got.pos + got.crd, P.pos + P.crd))
+        assert_matches(got, assignment, [dP, P, G], torch.float64)
+    P = operand((6, 9), "csr")
+    copy = sparsenn.from_dense(P.to_dense(), format="csr")
+    shared = sparsenn.compiler.plan.planner.shared_patterns
+    assert shared([P, P.with_values(P.values * 2), copy, G]) == (None, 0, None, None)
+    checked = check_call(assignment, [P.with_values(P.values * 2), P, G], "csr")
+    assert _plan(assignment, checked).anchor == 0
+    assert _plan(assignment, check_call(assignment, [copy, P, G], "csr")).anchor is None

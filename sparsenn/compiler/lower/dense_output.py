@@ -4,8 +4,9 @@ The output is a dense array in the schedule's output order, or, for a *sampled*
 output, the values of an anchor operand's pattern (written at the anchor's
 positions). Trailing reduction loops sum into a scalar that is stored once after them,
 scaled by the factors constant across them; a term with a value tree evaluates it
-whole at each point, and a max or min reduction combines into a scalar that starts at
-the reduction's identity (the schedule puts its reductions innermost). An epilogue
+whole at each point, and a max or min reduction combines like a sum: into a scalar
+that starts at the reduction's identity across trailing reduction loops, else into the
+output (filled with the identity unless stored once). An epilogue
 runs per output slice or after the nests (:mod:`.epilogue`). The first nest stores
 with ``=`` when the schedule says it stores each element once. A parallel nest's
 outermost loop runs in chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)``

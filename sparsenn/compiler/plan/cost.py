@@ -42,6 +42,7 @@ class OperandInfo:
     format: Format | None
     shape: tuple[int, ...]
     positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
+    pattern: int | None = None  # the first operand whose index arrays this one shares (its pattern)
 
     @property
     def nnz(self) -> int:

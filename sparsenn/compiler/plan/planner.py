@@ -129,6 +129,33 @@ def operand_info(op: torch.Tensor | SparseTensor) -> OperandInfo:
     return OperandInfo(None, tuple(op.shape))
 
 
+def shared_patterns(operands: Sequence) -> tuple[int | None, ...]:
+    """Per operand, the first operand whose index arrays it shares (the same pattern,
+    e.g. ``S.with_values(dS)`` beside ``S``), or None; part of a call's key."""
+    if sum(isinstance(op, SparseTensor) for op in operands) < 2:
+        return (None,) * len(operands)
+    first: dict[tuple, int] = {}
+    shared = []
+    for n, op in enumerate(operands):
+        if not isinstance(op, SparseTensor):
+            shared.append(None)
+            continue
+        arrays = tuple(None if a is None else (a.data_ptr(), a.shape[0]) for a in op.pos + op.crd)
+        key = (op.format, op.shape, arrays)
+        shared.append(first.get(key))
+        first.setdefault(key, n)
+    return tuple(shared)
+
+
+def operand_infos(operands: Sequence) -> tuple[OperandInfo, ...]:
+    """:func:`operand_info` of each operand, with the pattern it shares with an earlier one."""
+    infos = [operand_info(op) for op in operands]
+    for n, m in enumerate(shared_patterns(operands)):
+        if m is not None:
+            infos[n] = replace(infos[n], pattern=m)
+    return tuple(infos)
+
+
 def runs_parallel(sched: Schedule) -> bool:
     """Whether the kernel runs on a team of threads (the schedule's ``serial`` decision:
     fewer expected innermost iterations than the Target's ``parallel_min_work``)."""
@@ -149,22 +176,27 @@ def _native_output(requested: Format) -> Format:
     return Format(native.levels, requested.mode_order, None)
 
 
-def _find_anchor(assignment: Assignment, formats: Sequence[Format | None], requested: Format | None,
+def _find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested: Format | None,
                  output: Format | None) -> int | None:
     """A sparse operand whose pattern is exactly the output's, if any.
 
     That holds when every term reads the operand at the output's indices and no other
-    factor is sparse at an output index (so nothing narrows the pattern further): SDDMM,
-    sampled gradients. Values are then written in place and nothing is assembled. Only
+    factor is sparse at an output index (so nothing narrows the pattern further), but
+    for operands sharing the anchor's pattern read at the same indices: SDDMM, sampled
+    gradients, ``P * (dP - G)`` of a softmax's backward. Values are then written in place and nothing is assembled. Only
     for a sparse ``output``, and when a format is ``requested``, an operand of that format."""
     if output is None:
         return None
     out = assignment.output
+    formats = [i.format for i in infos]
+    patterns = [i.pattern for i in infos]
 
     def narrows(factor, anchor: int) -> bool:
         fmt = formats[factor.operand]
         if factor.operand == anchor or fmt is None:
             return False
+        if patterns[factor.operand] == anchor and factor.indices == out:
+            return False  # the anchor's own pattern, read at the same positions
         return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
 
     for n, fmt in enumerate(formats):
@@ -207,7 +239,7 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
         inferred = output
         output = densify_by_fill(assignment, formats, inferred, lambda: scheduled(inferred).leaves,
                                  math.prod(sizes[i] for i in assignment.output))
-    anchor = _find_anchor(assignment, formats, requested, output)
+    anchor = _find_anchor(assignment, infos, requested, output)
     sched = scheduled(None, anchor) if anchor is not None else scheduled(output)
     if anchor is not None and any(assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes):
         anchor, sched = None, scheduled(output)  # the anchor would be re-stored: its positions are not the output's
@@ -285,7 +317,7 @@ def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dty
         itemsize = torch.empty((), dtype=dtype).element_size()
         formats = tuple(i.format for i in infos)
         output, requested = _requested(assignment, formats, request)
-        anchored = _find_anchor(assignment, formats, requested, output) is not None
+        anchored = _find_anchor(assignment, infos, requested, output) is not None
         hit = (best_path(assignment, infos, itemsize, anchored),)
         _paths.put(key, hit)
     return hit[0]

@@ -499,15 +499,6 @@ def _scalar(assignment: Assignment, t: int) -> bool:
     return assignment.terms[t].value is not None or assignment.reduction != "sum"
 
 
-def _reductions_inside(indices: Sequence[str], output: Sequence[str], cost_of) -> list[tuple[str, ...]]:
-    """Candidate orders with every output index above every reduction index: a max or
-    min is complete, and stored once, before the next output element starts."""
-    outer = [i for i in indices if i in output]
-    inner = [i for i in indices if i not in output]
-    heads = _orders(outer, lambda o: cost_of(tuple(o) + tuple(inner)))
-    return [head + tail for head in heads for tail in _orders(inner, lambda o: cost_of(heads[0] + tuple(o)))]
-
-
 def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> int | None:
     """Where a single nest fuses the epilogue (see :mod:`..lower.epilogue`): after its
     leading output loops, each visiting every coordinate, and outside any register or
@@ -534,10 +525,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
-        if assignment.reduction == "sum":
-            candidates = _orders(indices, cost_of)
-        else:
-            candidates = _reductions_inside(indices, assignment.output, cost_of)
+        candidates = _orders(indices, cost_of)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         _, leaves, factors = nest_cost(term, best, infos, dims, layout)

@@ -18,7 +18,7 @@ from ..equation import broadcast_size_one, normalise
 from ..expression import parse_statement
 from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
-from ..plan.planner import Plan, operand_info, plan_call
+from ..plan.planner import Plan, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
 from .evaluate import evaluate, split_of
@@ -199,7 +199,7 @@ def plan(equation: str, *operands, out_format=None) -> Plan:
 
 def _plan(assignment: Assignment, checked: Checked) -> Plan:
     """The plan of a checked call with sparse operands, carrying this call's schedule."""
-    infos = tuple(operand_info(op) for op in checked.operands)
+    infos = operand_infos(checked.operands)
     shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
     return replace(shaped.plan, schedule=shaped.schedule)
 

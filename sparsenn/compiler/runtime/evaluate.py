@@ -28,7 +28,7 @@ from .. import functions
 from ..blocks import Split, split_call
 from ..notation import Access, Assignment, Term
 from ..plan.contract import Step
-from ..plan.planner import Request, contraction_path, operand_info, path_request, plan_call
+from ..plan.planner import Request, contraction_path, operand_infos, path_request, plan_call
 from .cache import LRUCache
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
@@ -68,7 +68,7 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
         return SplitCall(split)
     if checked.all_dense:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
-    infos = tuple(operand_info(op) for op in checked.operands)
+    infos = operand_infos(checked.operands)
     path = contraction_path(assignment, infos, checked.dtype, checked.request)
     if path is not None:
         last = path_request(assignment, [i.format for i in infos], checked.request)

@@ -20,7 +20,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 from ..notation import Assignment
-from ..plan.planner import AUTO, DENSE, Request
+from ..plan.planner import AUTO, DENSE, Request, shared_patterns
 
 __all__ = ["Checked", "FLOAT_DTYPES", "describe_operand", "output_request", "check_call", "call_key"]
 
@@ -142,8 +142,8 @@ def check_call(assignment: Assignment, operands: Sequence, out_format) -> Checke
 
 def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | None:
     """The cache key of a call whose operands kernels read as they are: the expression,
-    ``out_format`` and per operand its dtype, shape and strides (dense) or
-    :attr:`SparseTensor.signature`. None when the call must be checked in full: an
+    ``out_format``, per operand its dtype, shape and strides (dense) or
+    :attr:`SparseTensor.signature`, and which operands share index arrays. None when the call must be checked in full: an
     operand needs a conversion (dense-format, non-contiguous values) or fails a
     per-call check."""
     if out_format is not None and not isinstance(out_format, (str, Format)):
@@ -165,4 +165,5 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
             key += (op.shape, op.dtype, op.stride())
         else:
             return None
+    key.append(shared_patterns(operands))
     return tuple(key)

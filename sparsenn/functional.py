@@ -1,0 +1,152 @@
+"""Softmax and log-softmax over the stored entries of a SparseTensor, forward and
+backward as compiled kernels.
+
+Along mode ``d``, with ``r`` the other indices and ``j`` the index of ``d``, over the
+entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
+``torch.sparse.softmax``):
+
+* ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
+* softmax: ``E[r,j] = exp(S[r,j] - M[r])`` on ``S``'s pattern, ``Z[r] = sum_j E[r,j]``,
+  ``P[r,j] = E[r,j] / Z[r]`` (each ``exp`` once: it dominates a pass over the pattern);
+* log-softmax: ``Z[r] = sum_j exp(S[r,j] - M[r])``, ``L[r,j] = (S[r,j] - M[r]) - log Z[r]``
+  (``S - M`` first: exact near the max however large ``|S|`` is).
+
+Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax and
+``dS = dL - exp(L) * sum_j dL`` for log-softmax; the sums are compiled sum-reductions,
+the element-wise products sampled assignments. A slice with no stored entry stays
+empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.compiler.functions import apply
+from sparsenn.compiler.notation import Access, Assignment, Factor, Term
+from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.formats import SparseTensor
+
+__all__ = ["softmax", "log_softmax"]
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """The assignments of one (rank, dim); pattern operands are read at every index,
+    row vectors (``M``, ``Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
+
+    max: Assignment               # M = max_j S
+    exp: Assignment               # E = exp(S - M), on S's pattern
+    row_sum: Assignment           # sum_j X
+    normalise: Assignment         # P = E / Z, on the pattern
+    sum_exp: Assignment           # Z = sum_j exp(S - M)
+    shift: Assignment             # L = (S - M) - log Z, on the pattern
+    dot: Assignment               # G = sum_j dP * P
+    softmax_grad: Assignment      # dS = P * (dP - G), on the pattern
+    log_softmax_grad: Assignment  # dS = dL - exp(L) * G, on the pattern
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(rank: int, dim: int) -> _Kernels:
+    full = tuple(f"i{m}" for m in range(rank))
+    rows = full[:dim] + full[dim + 1:]
+    x, y, row1, row2 = Access(0, full), Access(1, full), Access(1, rows), Access(2, rows)
+
+    def assignment(output, factors, value, names, reduction="sum"):
+        return Assignment(output, (Term(1.0, factors, value),), names, reduction)
+
+    f0, f1, f2 = Factor(0), Factor(1), Factor(2)
+    exp_shifted = apply("exp", apply("sub", f0, f1))
+    return _Kernels(
+        max=assignment(rows, (x,), f0, ("S",), "max"),
+        exp=assignment(full, (x, row1), exp_shifted, ("S", "M")),
+        row_sum=assignment(rows, (x,), None, ("X",)),
+        normalise=assignment(full, (x, row1), apply("div", f0, f1), ("E", "Z")),
+        sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
+        shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
+        dot=assignment(rows, (x, y), None, ("dP", "P")),
+        softmax_grad=assignment(full, (x, y, row2), apply("mul", f1, apply("sub", f0, f2)), ("dP", "P", "G")),
+        log_softmax_grad=assignment(full, (x, y, row2), apply("sub", f0, apply("mul", apply("exp", f1), f2)),
+                                    ("dL", "L", "G")),
+    )
+
+
+def _sampled(assignment: Assignment, pattern: SparseTensor, operands: list) -> torch.Tensor:
+    """Values of ``assignment`` on ``pattern``'s stored positions, in storage order."""
+    return evaluate(assignment, operands, pattern.format).values
+
+
+class _Softmax(torch.autograd.Function):
+    """``values`` of ``pattern`` -> values of softmax (or log-softmax) along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
+        kernels = _kernels(pattern.ndim, dim)
+        s = pattern.with_values(values)
+        m = evaluate(kernels.max, [s], "dense")
+        if log:
+            z = evaluate(kernels.sum_exp, [s, m], "dense")
+            out = _sampled(kernels.shift, s, [s, m, torch.log(z)])
+        else:
+            e = s.with_values(_sampled(kernels.exp, s, [s, m]))
+            z = evaluate(kernels.row_sum, [e], "dense")
+            out = _sampled(kernels.normalise, s, [e, z])
+        ctx.save_for_backward(out)
+        ctx.pattern, ctx.kernels, ctx.log = pattern, kernels, log
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():
+            raise RuntimeError("sparsenn.softmax: higher-order gradients (create_graph=True) are not supported")
+        (out,) = ctx.saved_tensors
+        kernels, pattern = ctx.kernels, ctx.pattern
+        d_out, result = pattern.with_values(grad.contiguous()), pattern.with_values(out)
+        if ctx.log:
+            g = evaluate(kernels.row_sum, [d_out], "dense")
+            d_values = _sampled(kernels.log_softmax_grad, pattern, [d_out, result, g])
+        else:
+            g = evaluate(kernels.dot, [d_out, result], "dense")
+            d_values = _sampled(kernels.softmax_grad, pattern, [d_out, result, g])
+        return d_values, None, None, None
+
+
+def _normalised_dim(S: object, dim: object, name: str) -> int:
+    """``dim`` of the SparseTensor ``S`` as a non-negative int; TypeError/ValueError otherwise."""
+    if not isinstance(S, SparseTensor):
+        if isinstance(S, torch.Tensor) and S.layout == torch.strided:
+            raise TypeError(f"sparsenn.{name} takes a SparseTensor; for a dense tensor use torch.{name} "
+                            f"(or convert it with sparsenn.from_dense)")
+        if isinstance(S, torch.Tensor):
+            raise TypeError(f"sparsenn.{name} takes a SparseTensor; convert the torch {S.layout} tensor with "
+                            f"sparsenn.from_torch, or use torch.sparse.{name}")
+        raise TypeError(f"sparsenn.{name} takes a SparseTensor, got {type(S).__name__}")
+    if isinstance(dim, bool):
+        raise TypeError(f"sparsenn.{name}: dim must be an int, got bool")
+    try:
+        d = operator.index(dim)
+    except TypeError:
+        raise TypeError(f"sparsenn.{name}: dim must be an int, got {type(dim).__name__}") from None
+    if not -S.ndim <= d < S.ndim:
+        raise ValueError(f"sparsenn.{name}: dim {d} is out of range for a rank-{S.ndim} tensor "
+                         f"(expected {-S.ndim} <= dim < {S.ndim})")
+    return d % S.ndim
+
+
+def softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
+    """``P = exp(S - max) / sum exp(S - max)`` along ``dim`` over ``S``'s stored entries
+    (unstored entries are ``-inf``, as ``torch.sparse.softmax``), on ``S``'s pattern.
+    Differentiable with respect to ``S.values``."""
+    d = _normalised_dim(S, dim, "softmax")
+    return S.with_values(_Softmax.apply(S.values, S, d, False))
+
+
+def log_softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
+    """``L = S - max - log(sum exp(S - max))`` along ``dim`` over ``S``'s stored entries
+    (as ``torch.sparse.log_softmax``), on ``S``'s pattern. Differentiable with respect
+    to ``S.values``."""
+    d = _normalised_dim(S, dim, "log_softmax")
+    return S.with_values(_Softmax.apply(S.values, S, d, True))
