@@ -9,10 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparsenn.compiler import einsum
+from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import SparseTensor
 
 __all__ = ["SparseGCNConv", "gcn_norm"]
+
+_PROPAGATE = compile_expression("Y[t,o] = A[t,s] * H[s,o] + bias[o]", out_format="dense")
 
 _VALUE_DTYPES = (torch.float32, torch.float64)
 
@@ -142,12 +144,17 @@ class SparseGCNConv(nn.Module):
         adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
         if isinstance(x, SparseTensor):
             # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
-            out = einsum("ts,so->to", adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
-        elif self.out_channels <= self.in_channels:
-            out = einsum("ts,so->to", adjacency, F.linear(x, self.weight))
-        else:
-            out = F.linear(einsum("ts,si->ti", adjacency, x), self.weight)
-        return out if self.bias is None else out + self.bias
+            return self._propagate(adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
+        if self.out_channels <= self.in_channels:
+            return self._propagate(adjacency, F.linear(x, self.weight))
+        return F.linear(einsum("ts,si->ti", adjacency, x), self.weight, self.bias)
+
+    def _propagate(self, adjacency: SparseTensor, h: Tensor) -> Tensor:
+        """``Â H (+ b)``: the bias is added to each output row by the kernel that
+        finishes it (an epilogue), not in a second pass."""
+        if self.bias is None:
+            return einsum("ts,so->to", adjacency, h)
+        return _PROPAGATE(adjacency, h, self.bias)
 
     def adjacency(self, edge_index: Tensor | SparseTensor, edge_weight: Tensor | None, num_nodes: int,
                   dtype: torch.dtype) -> SparseTensor:

@@ -14,11 +14,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from sparsenn.compiler import einsum
+from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
            "shape_problem"]
+
+_AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
 
 Method = Literal["magnitude", "random"]
 _VALUE_DTYPES = (torch.float32, torch.float64)
@@ -360,7 +362,7 @@ class SparseLinear(nn.Module):
             if x.dtype != dtype:
                 raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
             # Dense whatever the formats: a product of two sparse operands is sparse.
-            out = einsum("bi,oi->bo", x, self.weight, out_format="dense")
+            out = self._affine(x)
         elif isinstance(x, Tensor):
             if x.dim() == 0 or x.shape[-1] != self.in_features:
                 raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
@@ -369,10 +371,17 @@ class SparseLinear(nn.Module):
             flat = x.reshape(-1, self.in_features)
             # Dense whatever the weight's format: one that stores o in a compressed level
             # (csc, coo, dcsr, dcsc) makes the product sparse in o.
-            out = einsum("bi,oi->bo", flat, self.weight, out_format="dense").reshape(*x.shape[:-1], self.out_features)
+            out = self._affine(flat).reshape(*x.shape[:-1], self.out_features)
         else:
             raise TypeError(f"input must be a torch.Tensor or a SparseTensor, got {type(x).__name__}")
-        return out if self.bias is None else out + self.bias
+        return out
+
+    def _affine(self, x: Tensor | SparseTensor) -> Tensor:
+        """``x W^T (+ b)`` for a 2-D input, dense: the bias is added to each output
+        slice by the kernel that finishes it (an epilogue), not in a second pass."""
+        if self.bias is None:
+            return einsum("bi,oi->bo", x, self.weight, out_format="dense")
+        return _AFFINE(x, self.weight, self.bias)
 
     # ------------------------------------------------------------------ conversion
     @classmethod

@@ -18,6 +18,7 @@ from ..equation import broadcast_size_one, normalise
 from ..expression import parse_statement
 from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
+from ..plan.bias import fold_bias
 from ..plan.planner import Plan, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
@@ -106,7 +107,12 @@ class CompiledExpression:
         return stage(self.statement, signature(operands), self.out_format)
 
     def __call__(self, *args, **kwargs):
-        operands = self._bind(args, kwargs)
+        if kwargs or len(args) != len(self.statement.operands):
+            operands = self._bind(args, kwargs)
+        else:
+            operands = list(args)
+        if self._plain is not None:  # one stage over the operands as given
+            return differentiable_evaluate(evaluate, self._plain.stages[0].assignment, operands, self.out_format)
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:
@@ -200,6 +206,7 @@ def plan(equation: str, *operands, out_format=None) -> Plan:
 def _plan(assignment: Assignment, checked: Checked) -> Plan:
     """The plan of a checked call with sparse operands, carrying this call's schedule."""
     infos = operand_infos(checked.operands)
+    assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
     shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
     return replace(shaped.plan, schedule=shaped.schedule)
 
@@ -228,6 +235,8 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
     shown = _plan(assignment, checked)
+    if shown.assignment != assignment:
+        lines.append(f"biases folded into the epilogue: {shown.assignment}")
     lines.append(f"output format: {'dense' if shown.output_format is None else shown.output_format}")
     if shown.anchor is not None:
         lines.append(

@@ -27,6 +27,7 @@ from sparsenn.formats import Format, SparseTensor
 from .. import functions
 from ..blocks import Split, split_call
 from ..notation import Access, Assignment, Term
+from ..plan.bias import fold_bias
 from ..plan.contract import Step
 from ..plan.planner import Request, contraction_path, operand_infos, path_request, plan_call
 from .cache import LRUCache
@@ -69,6 +70,7 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
     if checked.all_dense:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
+    assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
     path = contraction_path(assignment, infos, checked.dtype, checked.request)
     if path is not None:
         last = path_request(assignment, [i.format for i in infos], checked.request)
