@@ -12,8 +12,9 @@ epilogue, sparsenn against torch.sparse and the unfused paths, fp32.
    attends to 2 global blocks, a window of 3 and 2 random blocks, and the 2 global block
    rows attend to every block. As ``bsr(64,64)`` (one head) and as a rank-4
    ``(1, 4, 4096, 4096)`` tensor in ``dddc(1,1,64,64)`` (4 heads, own random blocks).
-3. ``relu(A @ X + b)`` with A a graph adjacency, X 128 columns, b a bias: one compiled
-   assignment whose epilogue adds ``b[k]`` and applies relu per output slice, against the
+3. ``relu(A @ X + b)`` with A a graph adjacency, X 128 columns, b a bias:
+   ``sparsenn.compile("Y[i,k] = relu(A[i,j] * X[j,k] + b[k])")``, one kernel whose
+   epilogue adds ``b[k]`` and applies relu per output slice, against the
    unfused sparsenn path (``sparsenn.einsum`` then ``+ b`` then ``torch.relu``) and against
    ``torch.sparse.mm`` (CSR) then the same torch ops.
 
@@ -27,12 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -41,10 +38,8 @@ import scipy.io
 import torch
 
 import sparsenn
-from sparsenn.compiler.functions import apply
-from sparsenn.compiler.notation import Access, Assignment, Epilogue, Factor, Reduced, Term
-from sparsenn.compiler.runtime.evaluate import evaluate
-from structured import compare, error_text, machine_info, run_case, section_table, target
+from structured import (compare, error_text, first_build, machine_info, run_case, run_first_build, section_table,
+                        target)
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
@@ -55,8 +50,7 @@ FEATURES = 128
 SECTIONS = {"softmax-graph": "1. Softmax along rows of a graph pattern (CSR) vs torch.sparse.softmax (COO)",
             "softmax-bigbird": "2. Softmax on a BigBird block pattern (L = 4096, blocks of 64) vs torch.sparse.softmax",
             "epilogue": "3. Fused relu(A @ X + b), X with 128 columns"}
-RELU_BIAS = Assignment(("i", "k"), (Term(1.0, (Access(0, ("i", "j")), Access(1, ("j", "k")))),), ("A", "X", "b"),
-                       "sum", Epilogue((Access(2, ("k",)),), apply("relu", apply("add", Reduced(), Factor(0)))))
+RELU_BIAS = sparsenn.compile("Y[i,k] = relu(A[i,j] * X[j,k] + b[k])")
 
 
 # ----------------------------------------------------------------------------------- inputs
@@ -135,15 +129,15 @@ def softmax_case(S: sparsenn.SparseTensor, log: bool, backward: bool, minimum: f
 
 
 def epilogue_case(A: sparsenn.SparseTensor) -> dict:
-    """relu(A @ X + b) as one assignment with an epilogue, against the unfused sparsenn
-    path and torch.sparse.mm (CSR) with torch ops."""
+    """relu(A @ X + b) compiled (one kernel: an epilogue adds b and applies relu), against
+    the unfused sparsenn path and torch.sparse.mm (CSR) with torch ops."""
     g = torch.Generator().manual_seed(2)
     x, b = torch.randn(A.shape[1], FEATURES, generator=g), torch.randn(FEATURES, generator=g)
     csr = A.to_torch()
 
     def fused() -> torch.Tensor:
         with torch.no_grad():
-            return evaluate(RELU_BIAS, [A, x, b], "dense")
+            return RELU_BIAS(A, x, b)
 
     def unfused() -> torch.Tensor:
         with torch.no_grad():
@@ -201,34 +195,11 @@ BUILD_SPECS = ["softmax-graph/power-law 1e5 x ~10/row softmax fwd",
                "epilogue/power-law 1e5 x ~10/row relu(A@X+b)"]
 
 
-def first_build(spec: str) -> dict:
-    """First and second call (ms) of a case's sparsenn function in a fresh process with an empty cache."""
-    with tempfile.TemporaryDirectory() as cache:
-        done = subprocess.run([sys.executable, __file__, "--first-build", spec], capture_output=True, text=True,
-                              env={**os.environ, "SPARSENN_CACHE_DIR": cache})
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def run_first_build(spec: str) -> None:
-    """Subprocess side of first_build: print the first/second call times of one case as JSON."""
-    section, name = spec.split("/", 1)
-    build = next(b for s, n, b in specs(quick=False) if (s, n) == (section, name))
-    ours = build()["ours"]
-    times = []
-    for _ in range(2):
-        start = time.perf_counter()
-        ours()
-        times.append((time.perf_counter() - start) * 1e3)
-    print(json.dumps({"first_ms": times[0], "second_ms": times[1], "threads": torch.get_num_threads()}))
-
-
 def build_times(reps: int) -> dict[str, dict]:
     """Median first/second call ms of each BUILD_SPECS case over reps fresh processes."""
     out = {}
     for spec in BUILD_SPECS:
-        runs = [first_build(spec) for _ in range(reps)]
+        runs = [first_build(spec, __file__) for _ in range(reps)]
         errors = [r for r in runs if "error" in r]
         out[spec] = errors[0] if errors else {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"first build {spec}: {out[spec]}", flush=True)
@@ -269,7 +240,7 @@ def main() -> None:
     parser.add_argument("--first-build", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_build:
-        return run_first_build(args.first_build)
+        return run_first_build(args.first_build, specs)
     info = machine_info()
     print(json.dumps(info), flush=True)
     csr_note = torch_csr_note()

@@ -251,20 +251,22 @@ def run_case(section: str, name: str, build: Callable[[], dict], threads: list[i
         return [{**base, "unavailable": error_text(error)}]
 
 
-def first_build(spec: str) -> dict:
-    """First and second call (ms) of a case's sparsenn function in a fresh process with an empty cache."""
+def first_build(spec: str, script: str = __file__) -> dict:
+    """First and second call (ms) of a case's sparsenn function, run by ``script``'s
+    ``--first-build`` in a fresh process with an empty kernel cache."""
     with tempfile.TemporaryDirectory() as cache:
-        done = subprocess.run([sys.executable, __file__, "--first-build", spec], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, script, "--first-build", spec], capture_output=True, text=True,
                               env={**os.environ, "SPARSENN_CACHE_DIR": cache})
     if done.returncode:
         return {"error": (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1][:200]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_first_build(spec: str) -> None:
-    """Subprocess side of first_build: print the first/second call times of one case as JSON."""
+def run_first_build(spec: str, cases: Callable[..., list] | None = None) -> None:
+    """Subprocess side of first_build: print the first/second call times of one case of
+    ``cases(quick=False)`` (this script's :func:`specs` by default) as JSON."""
     section, name = spec.split("/", 1)
-    build = next(b for s, n, b in specs(quick=False) if (s, n) == (section, name))
+    build = next(b for s, n, b in (cases or specs)(quick=False) if (s, n) == (section, name))
     ours = build()["ours"]
     times = []
     for _ in range(2):
