@@ -575,15 +575,15 @@ def value_magnitude(value, factors):
 def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.Tensor:
     """The assignment's value in float64 from its definition: each term's value where
     all its sparse factors store an entry, reduced, then the epilogue. ``magnitude``:
-    the sum of :func:`value_magnitude` instead (what the rounding error of a sum
-    scales with; no epilogue)."""
+    :func:`value_magnitude` (what rounding errors scale with) summed, or, for a max or
+    min, its largest value; no epilogue."""
     from sparsenn.compiler.functions import IDENTITY, evaluate
 
     dense = [to_dense(op).double() for op in operands]
     output = assignment.output
     sizes = {i: dense[a.operand].shape[m] for a in assignment.accesses for m, i in enumerate(a.indices)}
     out_shape = [sizes[i] for i in output]
-    identity = IDENTITY[assignment.reduction]
+    identity = 0.0 if magnitude else IDENTITY[assignment.reduction]
     out = torch.full(out_shape, identity, dtype=torch.float64)
     for term in assignment.terms:
         space = list(output) + [i for i in term.indices if i not in output]
@@ -606,7 +606,7 @@ def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.
         if assignment.reduction == "sum":
             out = out + (value.sum(reduced) if reduced else value)
         elif value.numel():
-            combine = torch.amax if assignment.reduction == "max" else torch.amin
+            combine = torch.amax if assignment.reduction == "max" or magnitude else torch.amin
             out = combine(value, reduced) if reduced else value
     if assignment.epilogue is not None and not magnitude:
         factors = [_spread(dense[a.operand], a.indices, output) for a in assignment.epilogue.factors]

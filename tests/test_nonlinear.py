@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from _strategies import nonlinear_reference
 
 import sparsenn
 from sparsenn import SparseTensor
@@ -52,54 +53,8 @@ def operand(shape, fmt: str, dtype=torch.float64, seed=0, empty_rows=(1,)):
     return values if fmt == "dense-tensor" else sparsenn.from_dense(values, format=fmt)
 
 
-def stored(op) -> torch.Tensor:
-    """Where ``op`` has entries: its pattern (explicit zeros included), or everywhere."""
-    if isinstance(op, SparseTensor):
-        return op.with_values(torch.ones_like(op.values)).to_dense() != 0
-    return torch.ones(op.shape, dtype=torch.bool)
-
-
-def spread(t: torch.Tensor, indices, space) -> torch.Tensor:
-    order = sorted(range(len(indices)), key=lambda m: space.index(indices[m]))
-    return t.permute(order).reshape([t.shape[indices.index(i)] if i in indices else 1 for i in space])
-
-
-def reference(assignment: Assignment, operands) -> torch.Tensor:
-    """The assignment's value in float64 from its definition: each term's value where
-    all its sparse factors store an entry, reduced; then the epilogue."""
-    dense = [(op.to_dense() if isinstance(op, SparseTensor) else op).double() for op in operands]
-    output = assignment.output
-    sizes = {i: dense[a.operand].shape[m] for a in assignment.accesses for m, i in enumerate(a.indices)}
-    out_shape = [sizes[i] for i in output]
-    identity = {"sum": 0.0, "max": -math.inf, "min": math.inf}[assignment.reduction]
-    out = torch.full(out_shape, identity, dtype=torch.float64)
-    for term in assignment.terms:
-        space = list(output) + [i for i in term.indices if i not in output]
-        full = [sizes[i] for i in space]
-        factors = [spread(dense[a.operand], a.indices, space) for a in term.factors]
-        visited = torch.ones(full, dtype=torch.bool)
-        for a in term.factors:
-            visited = visited & spread(stored(operands[a.operand]), a.indices, space)
-        if term.value is None:
-            value = math.prod(factors, start=torch.ones((), dtype=torch.float64))
-        else:
-            value = sparsenn.compiler.functions.evaluate(term.value, factors)
-        value = (term.coefficient * value).expand(full)
-        value = torch.where(visited, value, torch.tensor(identity, dtype=torch.float64))
-        reduced = tuple(range(len(output), len(space)))
-        if assignment.reduction == "sum":
-            out = out + (value.sum(reduced) if reduced else value)
-        elif value.numel():
-            combine = torch.amax if assignment.reduction == "max" else torch.amin
-            out = combine(value, reduced) if reduced else value
-    if assignment.epilogue is not None:
-        factors = [spread(dense[a.operand], a.indices, output) for a in assignment.epilogue.factors]
-        out = sparsenn.compiler.functions.evaluate(assignment.epilogue.value, factors, reduced=out).expand(out_shape)
-    return out
-
-
 def assert_matches(got, assignment, operands, dtype):
-    expected = reference(assignment, operands)
+    expected = nonlinear_reference(assignment, operands)
     dense = got.to_dense() if isinstance(got, SparseTensor) else got
     assert dense.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-10
