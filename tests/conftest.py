@@ -8,6 +8,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import sparsenn
+from _machines import AVX2
+from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import launcher
 
 settings.register_profile(
@@ -26,3 +29,13 @@ def _poisoned_outputs():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launcher, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
         yield
+
+
+@pytest.fixture
+def avx2_host(monkeypatch):
+    """Plans made while this is active are scheduled for :data:`_machines.AVX2`, whatever
+    the host is (tiles and register blocks depend on the machine model)."""
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
+    sparsenn.compiler.clear_caches()
+    yield
+    sparsenn.compiler.clear_caches()

@@ -16,21 +16,11 @@ from sparsenn.compiler.backend import abi, jit
 from sparsenn.compiler.backend.c import array_name
 from sparsenn.compiler.backend.codegen import ASSEMBLY_HEADER, KERNEL_HEADER, generate_source
 from sparsenn.compiler.loops import ir
-from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import api
 
+pytestmark = pytest.mark.usefixtures("avx2_host")
+
 SIZES = {"i": 30, "j": 20, "k": 25}
-
-# The machine model of the plans below, whatever the host is.
-AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
-
-
-@pytest.fixture(autouse=True)
-def avx2_host(monkeypatch):
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
 
 
 def matrix(rows: int, cols: int, seed: int, fmt: str = "csr") -> SparseTensor:

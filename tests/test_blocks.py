@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _machines import AVX2, AVX512
 
 import sparsenn
 from sparsenn import SparseTensor
@@ -14,19 +15,7 @@ from sparsenn.compiler.plan.schedule import DotTile, RegisterTile, schedule
 from sparsenn.compiler.plan.target import Target
 from sparsenn.formats import parse_format
 
-
-AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
-AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
-
-
-@pytest.fixture(autouse=True)
-def avx2_host(monkeypatch):
-    """Plans made here are scheduled for :data:`AVX2` whatever the host is (tiles and
-    register blocks depend on the machine model)."""
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
+pytestmark = pytest.mark.usefixtures("avx2_host")
 
 
 def block_sparse(shape, block, density=0.4, dtype=torch.float64, seed=0):
@@ -166,7 +155,6 @@ def test_gradients_through_a_block_sddmm():
 
 
 # ----------------------------------------------------------------------------- register tiles
-
 
 
 def split_schedule(equation, operands, target):

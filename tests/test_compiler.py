@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from _machines import AVX2
 
 import sparsenn
 from sparsenn import SparseTensor
@@ -23,19 +24,6 @@ from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import api
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
-
-# The machine model of tests that read schedule decisions: an AVX2 core with a 1 MiB L2,
-# whatever the host is.
-AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
-
-
-@pytest.fixture
-def avx2_host(monkeypatch):
-    """Plans made while this is active are scheduled for :data:`AVX2`."""
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    clear_caches()
-    yield
-    clear_caches()
 
 
 def random_dense(shape, density, dtype=torch.float64, seed=0):
@@ -367,11 +355,11 @@ def test_outputs_stored_once_skip_zeroing():
         assert not api.plan(equation, *operands, out_format="dense").kernel.overwrites_output, equation
         check(equation, operands, out_format="dense")
     # A sum's first term stores, the second adds.
-    x, b = torch.randn(19, dtype=torch.float64), torch.randn(23, dtype=torch.float64)
-    expression = sparsenn.compile("y[i] = A[i,j] * x[j] + b[i]")
-    stores = re.findall(r"out\[i\d+\] (\+?=) ", expression.explain(a, x, b))
+    x, c = torch.randn(19, dtype=torch.float64), torch.randn(23, 19, dtype=torch.float64)
+    expression = sparsenn.compile("y[i] = A[i,j] * x[j] + C[i,j] * x[j]")
+    stores = re.findall(r"out\[i\d+\] (\+?=) ", expression.explain(a, x, c))
     assert stores == ["=", "=", "+=", "+="]  # each nest twice: for a team and for one thread
-    torch.testing.assert_close(expression(a, x, b), a.to_dense() @ x + b)
+    torch.testing.assert_close(expression(a, x, c), a.to_dense() @ x + c @ x)
 
 
 @pytest.mark.parametrize("out_format", ["csr", "dc", "dcsr"])

@@ -15,20 +15,11 @@ from sparsenn import SparseTensor
 from sparsenn.compiler.expression import Call, Product, Reduction, Sum, Tensor, parse_statement
 from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from sparsenn.compiler.notation import NotationError, parse_expression
-from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.program import StageResult, UserOperand, plain, stage
 
-AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+pytestmark = pytest.mark.usefixtures("avx2_host")
+
 CSR = sparsenn.parse_format("csr", 2)
-
-
-@pytest.fixture(autouse=True)
-def avx2_host(monkeypatch):
-    """Plans made here are scheduled for :data:`AVX2` whatever the host is."""
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
 
 
 # ---------------------------------------------------------------------- grammar

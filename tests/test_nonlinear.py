@@ -17,23 +17,14 @@ from sparsenn import SparseTensor
 from sparsenn.compiler.autograd import differentiable_evaluate
 from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS, apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Epilogue, Factor, Reduced, Term
-from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime.api import _plan
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.compiler.runtime.validate import check_call
 
-AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+pytestmark = pytest.mark.usefixtures("avx2_host")
+
 FORMATS = ("csr", "csc", "coo", "dcsr", "bsr(2,3)", "nm(2,3)", "dense-tensor")
 UNARY = tuple(name for name in PUBLIC_FUNCTIONS if FUNCTIONS[name].arity == 1)
-
-
-@pytest.fixture(autouse=True)
-def avx2_host(monkeypatch):
-    """Plans made here are scheduled for :data:`AVX2` whatever the host is."""
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
 
 
 def operand(shape, fmt: str, dtype=torch.float64, seed=0, empty_rows=(1,)):
@@ -321,3 +312,18 @@ def test_operands_sharing_a_pattern_anchor_a_sampled_result():
     checked = check_call(assignment, [P.with_values(P.values * 2), P, G], "csr")
     assert _plan(assignment, checked).anchor == 0
     assert _plan(assignment, check_call(assignment, [copy, P, G], "csr")).anchor is None
+
+
+def test_biases_fold_into_the_epilogue_of_a_dense_result():
+    """``A X + b``: the bias term becomes the epilogue (one nest, fused per row); not
+    when the result is sparse or every term is a bias."""
+    A, X = operand((6, 9), "csr"), operand((9, 40), "dense-tensor", seed=1)
+    b = operand((40,), "dense-tensor", seed=2, empty_rows=())
+    affine = sparsenn.compile("Y[i,k] = A[i,j] * X[j,k] + 2 * b[k]")
+    text = affine.explain(A, X, b)
+    assert "biases folded into the epilogue" in text and "epilogue fused after loop j" in text
+    torch.testing.assert_close(affine(A, X, b), A.to_dense() @ X + 2 * b)
+    S = operand((6, 40), "csr", seed=3)
+    sparse_sum = sparsenn.compile("Y[i,k] = A[i,j] * B[j,k] + S[i,k]")
+    assert "folded" not in sparse_sum.explain(A, operand((9, 40), "csr"), S)
+    assert "folded" not in sparsenn.compile("Y[i,k] = C[i,k] + b[k]").explain(X.T.contiguous()[:6], b)

@@ -274,10 +274,9 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
     split = Assignment(_split_access(assignment.output, sizes), terms, assignment.operand_names,
                        assignment.reduction, epilogue)
     out_sizes = {}
-    for term in assignment.terms:
-        for a in term.factors:
-            for m, i in enumerate(a.indices):
-                out_sizes[i] = shapes[a.operand][m]
+    for a in assignment.accesses:
+        for m, i in enumerate(a.indices):
+            out_sizes[i] = shapes[a.operand][m]
     out_shape = tuple(out_sizes[i] for i in assignment.output)
     out_blocks = tuple(sizes.get(i, 1) for i in assignment.output)
     stored, stored_layout, final, split_request = None, None, None, request

@@ -446,10 +446,9 @@ def schedule(
     indices in that operand's storage order (reading it so re-lays nothing out)."""
     target = Target.host() if target is None else target
     dims: dict[str, int] = {}
-    for term in assignment.terms:
-        for access in term.factors:
-            for m, index in enumerate(access.indices):
-                dims[index] = infos[access.operand].shape[m]
+    for access in assignment.accesses:  # an output index may be the epilogue's only
+        for m, index in enumerate(access.indices):
+            dims[index] = infos[access.operand].shape[m]
     if output_format is None:
         layout = assignment.output if sampled_by is None else sampled_by
         sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)

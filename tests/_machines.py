@@ -1,0 +1,7 @@
+"""Explicit machine models for tests that plan: tiles, register blocks and vector widths
+depend on the Target, so these tests never read the host's."""
+
+from sparsenn.compiler.plan.target import Target
+
+AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
+AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
