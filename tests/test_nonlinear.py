@@ -326,4 +326,4 @@ def test_biases_fold_into_the_epilogue_of_a_dense_result():
     S = operand((6, 40), "csr", seed=3)
     sparse_sum = sparsenn.compile("Y[i,k] = A[i,j] * B[j,k] + S[i,k]")
     assert "folded" not in sparse_sum.explain(A, operand((9, 40), "csr"), S)
-    assert "folded" not in sparsenn.compile("Y[i,k] = C[i,k] + b[k]").explain(X.T.contiguous()[:6], b)
+    assert "folded" not in sparsenn.compile("Y[i,k] = C[i,k] + b[k]").explain(X, b)
