@@ -11,9 +11,16 @@ other factors of ``f``'s term, contracted onto ``f``'s indices:
   that iterates the pattern — plus a zero-valued copy of the pattern, so the result has
   exactly ``X``'s stored positions and its values line up with ``X.values``.
 
-All contributions for one operand form one sum-of-products expression, compiled and
-scheduled like any other. Only the gradients that are needed are built and run.
-Higher-order gradients are not supported.
+A term with a value tree ``v`` over its factors contributes ``dOut * dv/dT_f``, the
+derivative tree built by :func:`~.functions.derivative` and read at the same points
+(all the term's factors, so the term's pattern); under a max or min, only where ``v``
+equals the result, split equally between ties (as ``torch.amax``). An epilogue
+``Out = e(R)`` runs, when gradients are needed, as ``R`` and then ``e`` as an
+elementwise term over ``R``, so each has the gradient above.
+
+All contributions for one operand form one expression, compiled and scheduled like
+any other. Only the gradients that are needed are built and run. Higher-order
+gradients are not supported.
 """
 
 from __future__ import annotations
