@@ -319,8 +319,8 @@ def test_block_sddmm_gets_a_dot_tile_sized_from_the_target(target, cols):
     formats = [op.format if isinstance(op, SparseTensor) else None for op in operands]
     split = split_call(parse_einsum("ij,ik,jk->ij", 3), formats, [tuple(op.shape) for op in operands], mask.format)
     views = split.operands(operands)
-    sampled_by = ("i", "j", "i'", "j'")  # the mask's storage order: values are written at its positions
-    sched = schedule(split.assignment, [operand_info(op) for op in views], None, 4, target, sampled_by=sampled_by)
+    # values are written at the mask's positions (operand 0), read in its storage order i, j, i', j'
+    sched = schedule(split.assignment, [operand_info(op) for op in views], None, 4, target, anchor=0)
     (nest,) = sched.nests
     assert nest.order[-3:] == ("i'", "j'", "k")
     assert nest.dot_tile == DotTile("i'", "j'", 4, cols)
@@ -440,3 +440,31 @@ def test_tiled_kernels_written_for_the_widest_vectors_are_correct_on_any_host(mo
     w = torch.randn(4, 21, 40, dtype=torch.float64)
     torch.testing.assert_close(sparsenn.einsum("et,td,edh->eth", SparseTensor.from_dense(gate, format="csr"), q[:30], w,
                                                out_format="dense"), torch.einsum("et,td,edh->eth", gate, q[:30], w))
+
+
+# ----------------------------------------------------------------------------- seven-index orders
+
+
+def attention_blocks(length: int, density: float, seed: int = 0) -> SparseTensor:
+    """A (1, 1, L, L) pattern of 64x64 blocks, ones as values, as BigBird's scores."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.rand(1, 1, length // 64, length // 64, generator=g) < density
+    dense = blocks.repeat_interleave(64, -2).repeat_interleave(64, -1).float()
+    return SparseTensor.from_dense(dense, format="dddc(1,1,64,64)")
+
+
+@pytest.mark.parametrize("length, density", [(1024, 0.5), (2048, 0.06)])
+def test_seven_index_block_products_read_the_blocks_as_stored(length, density):
+    """Split rank-4 block products have seven indices, past the exhaustive search: the
+    candidates include the sparse operand's storage order, so the block SpMM keeps
+    ``b,h,i,j,i',j',d`` with its register tile instead of re-storing the scores every
+    call, and the block SDDMM writes in place on its mask (never re-stored)."""
+    mask = attention_blocks(length, density)
+    v = torch.randn(1, 1, length, 64)
+    for equation, operands, out_format in [("bhij,bhjd->bhid", [mask, v], None),
+                                           ("bhij,bhid,bhjd->bhij", [mask, v, v], mask.format)]:
+        plan = sparsenn.compiler.runtime.api.plan(equation, *operands, out_format=out_format)
+        (nest,) = plan.schedule.nests
+        assert nest.order == ("b", "h", "i", "j", "i'", "j'", "d") and not plan.schedule.transposes
+        if out_format is not None:
+            assert plan.anchor == 0

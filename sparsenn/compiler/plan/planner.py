@@ -228,8 +228,7 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
 
     def scheduled(fmt: Format | None, anchor: int | None = None) -> Schedule:  # each output scheduled once
         if (fmt, anchor) not in schedules:
-            sampled_by = None if anchor is None else tuple(assignment.output[m] for m in formats[anchor].mode_order)
-            schedules[fmt, anchor] = schedule(assignment, infos, fmt, itemsize, sampled_by=sampled_by)
+            schedules[fmt, anchor] = schedule(assignment, infos, fmt, itemsize, anchor=anchor)
         return schedules[fmt, anchor]
 
     output, requested = _requested(assignment, formats, request)

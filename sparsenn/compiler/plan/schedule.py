@@ -251,8 +251,11 @@ class Schedule:
         return None
 
 
-def _orders(indices: Sequence[str], cost_of) -> list[tuple[str, ...]]:
-    """Candidate orders: all permutations up to EXHAUSTIVE_LIMIT, else a greedy build."""
+def _orders(indices: Sequence[str], cost_of, leads: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
+    """Candidate orders: all permutations up to EXHAUSTIVE_LIMIT, else a greedy build
+    and, for each of ``leads`` (the sparse operands' storage orders), that order first
+    and the rest as the greedy build has them: a greedy choice of the first loops can
+    miss the order that reads every sparse operand as it is stored."""
     if len(indices) <= EXHAUSTIVE_LIMIT:
         return list(itertools.permutations(indices))
     order: list[str] = []
@@ -261,7 +264,19 @@ def _orders(indices: Sequence[str], cost_of) -> list[tuple[str, ...]]:
         best = min(rest, key=lambda i: cost_of(tuple(order + [i] + [r for r in rest if r != i])))
         order.append(best)
         rest.remove(best)
-    return [tuple(order)]
+    candidates = [tuple(order)]
+    for lead in leads:
+        lead = [i for i in lead if i in indices]
+        candidate = tuple(lead) + tuple(i for i in order if i not in lead)
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+def _storage_orders(term: Term, infos: Sequence[OperandInfo]) -> list[tuple[str, ...]]:
+    """Each sparse factor's indices in its storage order."""
+    return [tuple(a.indices[m] for m in infos[a.operand].format.mode_order)
+            for a in term.factors if infos[a.operand].format is not None]
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -438,24 +453,24 @@ def schedule(
     output_format: Format | None,
     itemsize: int = 4,
     target: Target | None = None,
-    sampled_by: tuple[str, ...] | None = None,
+    anchor: int | None = None,
 ) -> Schedule:
     """Choose loop orders, workspace, tiles and every code decision for ``assignment``
-    on ``target`` (the host by default; see module doc). ``sampled_by``: for a dense
-    schedule whose values are written at an anchor operand's positions, the output
-    indices in that operand's storage order (reading it so re-lays nothing out)."""
+    on ``target`` (the host by default; see module doc). ``anchor``: for a dense
+    schedule whose values are written at that operand's positions, the operand: its
+    storage order is the output's layout, and it is read in that order, never
+    re-stored (its positions are the output's)."""
     target = Target.host() if target is None else target
     dims: dict[str, int] = {}
     for access in assignment.accesses:  # an output index may be the epilogue's only
         for m, index in enumerate(access.indices):
             dims[index] = infos[access.operand].shape[m]
     if output_format is None:
-        layout = assignment.output if sampled_by is None else sampled_by
-        sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
+        sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
         tiled = any(n.register_tile or n.dot_tile for n in sched.nests)
         if tiled and target.widest_vector_bytes > target.vector_bytes:
             target = replace(target, vector_bytes=target.widest_vector_bytes)  # see the module doc
-            sched = _schedule_dense(assignment, infos, dims, itemsize, target, layout)
+            sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
@@ -512,10 +527,27 @@ def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> 
     return p if p > 0 else None
 
 
-def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: tuple[str, ...]) -> Schedule:
+def _anchored_orders(term: Term, candidates: list[tuple[str, ...]], anchor: int, infos, dims,
+                     layout: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The candidates reading the anchor in its storage order; if none does (a greedy
+    search), the best one with the anchor's indices moved to its front in that order."""
+    def natural(order) -> bool:
+        return all(f.natural for f in nest_cost(term, order, infos, dims, layout)[2] if f.operand == anchor)
+
+    kept = [o for o in candidates if natural(o)]
+    if kept:
+        return kept
+    held = layout  # the anchor's indices in its storage order
+    return [tuple(held) + tuple(i for i in candidates[0] if i not in held)]
+
+
+def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: int | None) -> Schedule:
     nests, transposes, reasons, total, leaf_total = [], [], [], 0.0, 0.0
     nest_factors = []
     output_order, costliest = assignment.output, -1.0
+    layout = assignment.output
+    if anchor is not None:
+        layout = tuple(assignment.output[m] for m in infos[anchor].format.mode_order)
     for t, term in enumerate(assignment.terms):
         indices = _nest_indices(term, assignment.output)
 
@@ -524,7 +556,9 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, layout: t
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
-        candidates = _orders(indices, cost_of)
+        candidates = _orders(indices, cost_of, _storage_orders(term, infos))
+        if anchor is not None:
+            candidates = _anchored_orders(term, candidates, anchor, infos, dims, layout)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         _, leaves, factors = nest_cost(term, best, infos, dims, layout)
@@ -581,7 +615,8 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
         leaf_total = 0.0
         for t, term in enumerate(assignment.terms):
             local = [i for i in _nest_indices(term, assignment.output) if i not in shared]
-            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims)[0])
+            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims)[0],
+                                 _storage_orders(term, infos))
             costs = {o: nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
             order = min(candidates, key=lambda o: costs[o])
             _, leaves, factors = nest_cost(term, shared + order, infos, dims)
