@@ -312,15 +312,23 @@ class BlockSparseAttention(nn.Module):
             if key.shape[:2] != query.shape[:2]:
                 raise ValueError(f"key and value must have the query's batch and length (BigBird's pattern "
                                  f"is square), got query {tuple(query.shape)} and key {tuple(key.shape)}")
-        batch, length = query.shape[:2]
-        padding = None if key_padding_mask is None else self._check_padding(key_padding_mask, batch, length)
-        q, k, v = self._project(query, key, value)
-        if length <= self.dense_up_to:
-            out, weights = self._dense(q, k, v, padding, need_weights)
-        else:
-            out, weights = self._sparse(q, k, v, padding, need_weights)
+        out, weights = self.attend(*self._project(query, key, value), key_padding_mask, need_weights)
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
+               need_weights: bool = False) -> tuple[Tensor, SparseTensor | None]:
+        """The attention alone, on projected heads: ``q, k, v`` of shape
+        ``(batch, heads, L, head_dim)`` -> ``(output of that shape, weights or None)``."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or t.shape != q.shape or t.shape[1] != self.num_heads:
+                raise ValueError(f"q, k and v must be tensors of one shape (batch, {self.num_heads}, L, head_dim); "
+                                 f"{name} is {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        batch, _, length, _ = q.shape
+        padding = None if key_padding_mask is None else self._check_padding(key_padding_mask, batch, length)
+        if length <= self.dense_up_to:
+            return self._dense(q, k, v, padding, need_weights)
+        return self._sparse(q, k, v, padding, need_weights)
 
     def _sparse(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
                 need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
@@ -355,7 +363,7 @@ class BlockSparseAttention(nn.Module):
         no unpadded key gives zero, as in the sparse path."""
         if not self._warned_dense:
             warnings.warn(f"BlockSparseAttention: a sequence of {q.shape[2]} tokens (at most {self.dense_up_to}) "
-                          f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=3)
+                          f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=4)
             self._warned_dense = True
         scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-1, -2)
         if padding is not None:
