@@ -1,0 +1,375 @@
+"""BlockSparseAttention: BigBird's block-sparse multi-head attention (Zaheer et al. 2020,
+ITC variant), computed by compiled sparse einsums.
+
+With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks of ``s``
+(the sequence padded to ``L' = ceil(L / s) * s``):
+
+* ``Q, K, V = x W_q + b_q, x W_k + b_k, x W_v + b_v``, split into heads (einops);
+* ``M`` is a blocked ``(batch, H, L', L')`` pattern of ones (``dddc(1,1,s,s)``): block
+  row ``r`` holds the global blocks, the window around ``r`` and random blocks, a global
+  block row holds every block; key blocks that are wholly padding are left out;
+* ``S = M ⊙ (Q / sqrt(d)) Kᵀ`` (block SDDMM, the scale folded into ``Q``), plus ``-inf``
+  at padded keys inside stored blocks;
+* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
+* ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
+
+Backward: ``dQ = dS K / sqrt(d)`` and ``dK = dSᵀ (Q / sqrt(d))`` (block SpMMs of the
+sampled gradient ``dS``), the softmax's and ``P V``'s gradients by the compiler's
+autograd. A query row with no unpadded key in its blocks is empty: its output is zero.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import warnings
+from dataclasses import dataclass
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from sparsenn.compiler import einsum
+from sparsenn.compiler.functions import apply
+from sparsenn.compiler.notation import Access, Assignment, Factor, Term
+from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.formats import SparseTensor, from_coo, from_dense
+from sparsenn.functional import softmax
+
+__all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
+
+_SCORE_INDICES = ("b", "h", "i", "j")
+# Out[b,h,i,j] = S[b,h,i,j] + bias[b,j] on S's pattern: -inf at padded keys.
+_KEY_BIAS = Assignment(_SCORE_INDICES, (Term(1.0, (Access(0, _SCORE_INDICES), Access(1, ("b", "j"))),
+                                             apply("add", Factor(0), Factor(1))),), ("S", "bias"))
+
+
+@dataclass(frozen=True)
+class BlockPattern:
+    """Block-level sparsity of attention: query block ``r`` attends to the key blocks
+    ``cols[rows[r]:rows[r + 1]]`` (sorted, int64), for ``num_blocks`` blocks."""
+
+    num_blocks: int
+    rows: Tensor
+    cols: Tensor
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored blocks."""
+        return self.cols.numel()
+
+    def to_dense(self) -> Tensor:
+        """``(num_blocks, num_blocks)`` bool block mask (quadratic: for inspection and tests)."""
+        mask = torch.zeros(self.num_blocks, self.num_blocks, dtype=torch.bool)
+        row_of = torch.repeat_interleave(torch.arange(self.num_blocks), self.rows.diff())
+        mask[row_of, self.cols] = True
+        return mask
+
+
+def _global_blocks(num_blocks: int, num_global: int) -> Tensor:
+    """The first ``ceil(g / 2)`` and the last ``floor(g / 2)`` blocks (ITC: first and last)."""
+    first = torch.arange((num_global + 1) // 2)
+    return torch.cat([first, torch.arange(num_blocks - num_global // 2, num_blocks)])
+
+
+def bigbird_pattern(num_blocks: int, num_global: int, num_window: int, num_random: int,
+                    generator: torch.Generator) -> BlockPattern:
+    """BigBird's block pattern in O(num_blocks · (g + w + r)) time and memory.
+
+    Block row ``r`` holds the global blocks, the window ``r - w//2 .. r - w//2 + w - 1``
+    (clipped) and ``num_random`` distinct blocks drawn uniformly from the rest (Floyd's
+    sampling, vectorised over rows); a global block row holds every block. Requires
+    ``num_blocks > g + w + r`` (else the pattern is dense)."""
+    if num_blocks <= num_global + num_window + num_random:
+        raise ValueError(f"{num_blocks} blocks are too few for a sparse pattern with {num_global} global, "
+                         f"{num_window} window and {num_random} random blocks")
+    n = num_blocks
+    glob = _global_blocks(n, num_global)
+    window = (torch.arange(n)[:, None] - num_window // 2 + torch.arange(num_window)).clamp(0, n - 1)
+    fixed = torch.cat([glob.expand(n, -1), window], 1).sort(1).values
+    duplicate = torch.cat([torch.zeros(n, 1, dtype=torch.bool), fixed[:, 1:] == fixed[:, :-1]], 1)
+    fixed = fixed.masked_fill(duplicate, n)  # n: past every block, never counted as taken
+    free = n - (fixed < n).sum(1)
+    # Floyd: ranks among the free blocks, distinct per row, then mapped past the taken ones.
+    ranks = torch.empty(n, num_random, dtype=torch.long)
+    for t in range(num_random):
+        top = free - num_random + t
+        draw = (torch.rand(n, generator=generator, dtype=torch.float64) * (top + 1)).long().clamp(max=top)
+        taken = (ranks[:, :t] == draw[:, None]).any(1)
+        ranks[:, t] = torch.where(taken, top, draw)
+    randoms = ranks
+    for c in range(fixed.shape[1]):  # fixed is sorted: skip the taken blocks in increasing order
+        randoms = randoms + (randoms >= fixed[:, c:c + 1]).long()
+    row_cols = torch.cat([fixed, randoms], 1)
+    is_global = torch.zeros(n, dtype=torch.bool)
+    is_global[glob] = True
+    keep = (row_cols < n) & ~is_global[:, None]
+    keys = torch.cat([(torch.arange(n)[:, None] * n + row_cols)[keep],
+                      (glob[:, None] * n + torch.arange(n)).flatten()]).sort().values
+    counts = torch.bincount(keys // n, minlength=n)
+    cols = keys % n
+    return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), cols)
+
+
+class _SampledScores(torch.autograd.Function):
+    """Values of ``S = M ⊙ (Q Kᵀ)`` (+ ``bias[b, j]``) on the pattern of the ones-mask
+    ``M``; backward ``dQ = dS K``, ``dK = dSᵀ Q`` as block SpMMs."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, mask: SparseTensor, bias: Tensor | None) -> Tensor:
+        scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
+        if bias is not None:
+            scores = evaluate(_KEY_BIAS, [scores, bias], mask.format)
+        ctx.save_for_backward(q, k)
+        ctx.mask = mask
+        return scores.values
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k = ctx.saved_tensors
+        d_scores = ctx.mask.with_values(grad.contiguous())
+        dq = einsum("bhij,bhjd->bhid", d_scores, k, out_format="dense") if ctx.needs_input_grad[0] else None
+        dk = einsum("bhij,bhid->bhjd", d_scores, q, out_format="dense") if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int >= minimum (TypeError/ValueError naming it otherwise)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class BlockSparseAttention(nn.Module):
+    """Multi-head attention on BigBird's block-sparse pattern, shaped like
+    ``nn.MultiheadAttention`` (same projection parameters: ``in_proj_weight``,
+    ``in_proj_bias``, ``out_proj``).
+
+    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False)``:
+    self-attention when key and value are omitted; key and value must have the query's
+    length (the pattern is square). ``key_padding_mask``: bool ``(batch, L)``, True at
+    keys to ignore. Returns ``(output, weights)``; ``weights`` is None, or with
+    ``need_weights`` the attention probabilities after dropout, per head, as a
+    ``(batch, heads, L, L)`` SparseTensor (blocked ``dddc(1,1,s,s)`` when ``L`` is a
+    multiple of ``block_size``, else element-wise ``dddc`` trimmed to ``L``).
+
+    The random blocks come from ``seed`` (drawn from torch's generator when None): the
+    same pattern in eval mode, redrawn at every forward in training unless
+    ``fixed_pattern``. A sequence of at most ``(g + w + r) · block_size`` tokens has no
+    sparse pattern; it gets exact dense attention (with a one-time warning).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, block_size: int = 64, num_global_blocks: int = 2,
+                 num_window_blocks: int = 3, num_random_blocks: int = 2, dropout: float = 0.0, bias: bool = True,
+                 batch_first: bool = True, seed: int | None = None, fixed_pattern: bool = False) -> None:
+        super().__init__()
+        self.embed_dim = _count("embed_dim", embed_dim, 1)
+        self.num_heads = _count("num_heads", num_heads, 1)
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.block_size = _count("block_size", block_size, 1)
+        self.num_global_blocks = _count("num_global_blocks", num_global_blocks, 0)
+        self.num_window_blocks = _count("num_window_blocks", num_window_blocks, 1)
+        self.num_random_blocks = _count("num_random_blocks", num_random_blocks, 0)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.dropout = float(dropout)
+        self.batch_first = bool(batch_first)
+        self.fixed_pattern = bool(fixed_pattern)
+        self.seed = int(torch.randint(2**62, ())) if seed is None else _count("seed", seed, 0)
+        self.head_dim = embed_dim // num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if bias:
+            nn.init.zeros_(self.out_proj.bias)
+        self._training_generator = torch.Generator().manual_seed(self.seed)
+        self._patterns: dict[int, BlockPattern] = {}
+        self._warned_dense = False
+
+    @property
+    def dense_up_to(self) -> int:
+        """Longest sequence computed as dense attention (its pattern would hold every block)."""
+        return (self.num_global_blocks + self.num_window_blocks + self.num_random_blocks) * self.block_size
+
+    def extra_repr(self) -> str:
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, block_size={self.block_size}, "
+                f"global={self.num_global_blocks}, window={self.num_window_blocks}, random={self.num_random_blocks}, "
+                f"dropout={self.dropout}, seed={self.seed}, fixed_pattern={self.fixed_pattern}, "
+                f"dense attention for L <= {self.dense_up_to}")
+
+    # ------------------------------------------------------------------ pattern
+    def pattern(self, seq_len: int) -> BlockPattern:
+        """The fixed (eval-mode) block pattern for ``seq_len`` tokens, drawn from ``seed``."""
+        n = -(-_count("seq_len", seq_len, self.dense_up_to + 1) // self.block_size)
+        if n not in self._patterns:
+            generator = torch.Generator().manual_seed(self.seed)
+            self._patterns[n] = bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks,
+                                                self.num_random_blocks, generator)
+        return self._patterns[n]
+
+    def _forward_pattern(self, seq_len: int) -> BlockPattern:
+        """Redrawn in training (unless ``fixed_pattern``), else :meth:`pattern`."""
+        if self.training and not self.fixed_pattern:
+            n = -(-seq_len // self.block_size)
+            return bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks,
+                                   self._training_generator)
+        return self.pattern(seq_len)
+
+    def attention_mask(self, seq_len: int, key_padding_mask: Tensor | None = None) -> Tensor:
+        """Dense bool mask, True where a query may attend, of the eval-mode computation:
+        ``(1, 1, L, L)``, or ``(batch, 1, L, L)`` with a key padding mask. Quadratic in
+        ``L``: for inspection and tests (e.g. as ``scaled_dot_product_attention``'s
+        ``attn_mask``)."""
+        if seq_len <= self.dense_up_to:
+            mask = torch.ones(seq_len, seq_len, dtype=torch.bool)
+        else:
+            s = self.block_size
+            mask = self.pattern(seq_len).to_dense().repeat_interleave(s, 0).repeat_interleave(s, 1)
+            mask = mask[:seq_len, :seq_len]
+        if key_padding_mask is None:
+            return mask[None, None]
+        padding = self._check_padding(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0,
+                                      seq_len)
+        return mask[None, None] & ~padding[:, None, None, :]
+
+    def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
+        """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
+        length; key blocks that are wholly padding (per batch element) left out."""
+        n, s, heads = pattern.num_blocks, self.block_size, self.num_heads
+        row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
+        if padding is None:
+            cols = pattern.cols.repeat(batch * heads)
+            counts = pattern.rows.diff().repeat(batch * heads)
+        else:
+            keep = ~padding.view(batch, n, s).all(2)[:, pattern.cols]  # (batch, stored blocks)
+            cols = torch.cat([pattern.cols[keep[b]].repeat(heads) for b in range(batch)])
+            per_row = torch.zeros(batch, n, dtype=torch.long).index_add_(1, row_of, keep.long())
+            counts = per_row.repeat_interleave(heads, 0).flatten()
+        index = torch.int32 if batch * heads * n * n < 2**31 else torch.int64
+        pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
+        levels = [None] * 8
+        pos_levels, crd_levels = list(levels), list(levels)
+        pos_levels[3], crd_levels[3] = pos, cols.to(index)
+        length = n * s
+        return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", pos_levels, crd_levels,
+                            torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
+
+    # ------------------------------------------------------------------ forward
+    def _check_padding(self, key_padding_mask: object, batch: int, seq_len: int) -> Tensor:
+        """The (batch, L) bool key padding mask (TypeError/ValueError otherwise)."""
+        if not isinstance(key_padding_mask, Tensor):
+            raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore the key), "
+                            f"got dtype {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (batch, seq_len):
+            raise ValueError(f"key_padding_mask must have shape (batch, L) = {(batch, seq_len)}, "
+                             f"got {tuple(key_padding_mask.shape)}")
+        return key_padding_mask
+
+    def _check_input(self, name: str, x: object) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got dtype {x.dtype}")
+        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            layout = "(batch, L, embed_dim)" if self.batch_first else "(L, batch, embed_dim)"
+            raise ValueError(f"{name} must have shape {layout} with embed_dim={self.embed_dim}, "
+                             f"got {tuple(x.shape)}")
+        return x if self.batch_first else x.transpose(0, 1)
+
+    def _project(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """Q, K, V as (batch, heads, L, head_dim)."""
+        if key is None:
+            q, k, v = nn.functional.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, -1)
+        else:
+            w = self.in_proj_weight.chunk(3)
+            b = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+            q, k, v = (nn.functional.linear(x, w_, b_) for x, w_, b_ in zip((query, key, value), w, b))
+        return tuple(rearrange(t, "b l (h d) -> b h l d", h=self.num_heads) for t in (q, k, v))
+
+    def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
+                key_padding_mask: Tensor | None = None,
+                need_weights: bool = False) -> tuple[Tensor, SparseTensor | None]:
+        query = self._check_input("query", query)
+        if (key is None) != (value is None):
+            raise ValueError("give both key and value, or neither (self-attention)")
+        if key is not None:
+            key, value = self._check_input("key", key), self._check_input("value", value)
+            if key.shape[:2] != value.shape[:2]:
+                raise ValueError(f"key and value must have the same batch and length, got key "
+                                 f"{tuple(key.shape)} and value {tuple(value.shape)}")
+            if key.shape[:2] != query.shape[:2]:
+                raise ValueError(f"key and value must have the query's batch and length (BigBird's pattern "
+                                 f"is square), got query {tuple(query.shape)} and key {tuple(key.shape)}")
+        out, weights = self.attend(*self._project(query, key, value), key_padding_mask, need_weights)
+        out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))
+        return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
+               need_weights: bool = False) -> tuple[Tensor, SparseTensor | None]:
+        """The attention alone, on projected heads: ``q, k, v`` of shape
+        ``(batch, heads, L, head_dim)`` -> ``(output of that shape, weights or None)``."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4 or t.shape != q.shape or t.shape[1] != self.num_heads:
+                raise ValueError(f"q, k and v must be tensors of one shape (batch, {self.num_heads}, L, head_dim); "
+                                 f"{name} is {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        batch, _, length, _ = q.shape
+        padding = None if key_padding_mask is None else self._check_padding(key_padding_mask, batch, length)
+        if length <= self.dense_up_to:
+            return self._dense(q, k, v, padding, need_weights)
+        return self._sparse(q, k, v, padding, need_weights)
+
+    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
+                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
+        """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length."""
+        batch, _, length, _ = q.shape
+        pattern = self._forward_pattern(length)
+        extra = pattern.num_blocks * self.block_size - length
+        if extra:
+            q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
+            tail = torch.ones(batch, extra, dtype=torch.bool)
+            padding = torch.cat([torch.zeros(batch, length, dtype=torch.bool) if padding is None else padding, tail], 1)
+        mask = self._mask(pattern, batch, padding, q.dtype)
+        bias = None
+        if padding is not None:
+            bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
+        scores = mask.with_values(_SampledScores.apply(q * (1.0 / math.sqrt(self.head_dim)), k, mask, bias))
+        probs = softmax(scores, -1)
+        probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
+        out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
+        if not need_weights:
+            return out, None
+        if not extra:
+            return out, probs
+        indices, values = probs.coords()
+        inside = (indices[2] < length) & (indices[3] < length)
+        return out, from_coo(indices[:, inside], values[inside], (batch, self.num_heads, length, length),
+                             format="dddc")
+
+    def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
+               need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
+        """Exact dense attention, for sequences too short for a sparse pattern; a row with
+        no unpadded key gives zero, as in the sparse path."""
+        if not self._warned_dense:
+            warnings.warn(f"BlockSparseAttention: a sequence of {q.shape[2]} tokens (at most {self.dense_up_to}) "
+                          f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=4)
+            self._warned_dense = True
+        scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-1, -2)
+        if padding is not None:
+            scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, -1)
+        if padding is not None:
+            probs = probs.masked_fill(padding.all(1)[:, None, None, None], 0.0)
+        probs = nn.functional.dropout(probs, self.dropout, self.training)
+        return probs @ v, (from_dense(probs, format="dddc") if need_weights else None)
