@@ -327,3 +327,30 @@ def test_biases_fold_into_the_epilogue_of_a_dense_result():
     sparse_sum = sparsenn.compile("Y[i,k] = A[i,j] * B[j,k] + S[i,k]")
     assert "folded" not in sparse_sum.explain(A, operand((9, 40), "csr"), S)
     assert "folded" not in sparsenn.compile("Y[i,k] = C[i,k] + b[k]").explain(X, b)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64))
+@pytest.mark.parametrize("fmt", ("csr", "bsr(1,64)"))
+def test_exp_is_within_two_ulps_with_the_special_values_exact(dtype, fmt):
+    """The kernels' own (vectorisable) exp against torch's over the whole range, scalar
+    (csr rows) and vectorised (dense block rows): overflow to inf, underflow to 0,
+    subnormal results, NaN and infinities."""
+    special = [0.0, -0.0, 1e-30, 1.0, -1.0, 88.72, 88.73, 89.0, -87.5, -103.9, -104.0, 709.7, 709.8, -744.0,
+               -745.2, 1e4, -1e4, math.inf, -math.inf, math.nan]
+    x = torch.cat([torch.linspace(-110, 95, 20000, dtype=torch.float64),
+                   torch.linspace(-750, 715, 20000, dtype=torch.float64), torch.tensor(special + [0.0] * 44)])
+    x = x.to(dtype).reshape(-1, 64)
+    everywhere = torch.ones(x.shape, dtype=torch.bool).nonzero().T
+    S = SparseTensor.from_coo(everywhere, x.reshape(-1), x.shape, format=fmt)
+    exp = Assignment(("i", "j"), (Term(1.0, (Access(0, ("i", "j")),), apply("exp", Factor(0))),), ("S",))
+    got = evaluate(exp, [S], None).to_dense().reshape(-1)
+    exact = torch.exp(x.reshape(-1).double())
+    rounded = exact.to(dtype)
+    info = torch.finfo(dtype)
+    normal = torch.isfinite(rounded) & (rounded.abs() >= info.tiny)
+    assert ((got.double() - exact).abs() <= 2 * info.eps * exact.abs())[normal].all()
+    tiny = (rounded.abs() < info.tiny) & (rounded != 0)
+    assert ((got.double() - exact).abs() <= info.tiny * info.eps)[tiny].all()  # subnormal: one of its ulps
+    other = ~normal & ~tiny
+    assert torch.equal(got[other].isnan(), rounded[other].isnan())
+    assert torch.equal(got[other & ~rounded.isnan()], rounded[other & ~rounded.isnan()])

@@ -145,14 +145,55 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
 static inline V sn_neg(V x) { return -x; }
 static inline V sn_abs(V x) { return std::abs(x); }
 static inline V sn_relu(V x) { return x < V(0) ? V(0) : x; }
-static inline V sn_sigmoid(V x) { return V(1) / (V(1) + std::exp(-x)); }
-static inline V sn_silu(V x) { return x / (V(1) + std::exp(-x)); }
+/* exp(x) = 2^n e^r, n = round(x / ln 2) (adding and subtracting 1.5 * 2^mantissa bits:
+   floor does not vectorise), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
+   polynomial (float) or Pade form (double), 2^n as two normal powers of two so that
+   subnormal results round once more at most: branch-free arithmetic the compiler
+   vectorises (libm's exp is a call per value). Within 2 ulps of the exact value for
+   normal results; inf above the overflow bound, 0 below the underflow one, NaN kept. */
+template <class T> static inline T sn_pow2(int64_t n) {
+  typedef typename std::conditional<sizeof(T) == 8, int64_t, int32_t>::type Bits;
+  const Bits bits = (Bits)(n + (sizeof(T) == 8 ? 1023 : 127)) << (sizeof(T) == 8 ? 52 : 23);
+  return __builtin_bit_cast(T, bits);
+}
+static inline float sn_exp_of(float x) {
+  const float high = 88.72283935546875f, low = -103.97208404541016f;
+  const float clamped = x > high ? high : (x < low ? low : x);
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded by 1.5 * 2^23
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const int32_t k = (int32_t)n, half = k >> 1;
+  const float y = (p * r * r + r + 1.0f) * sn_pow2<float>(half) * sn_pow2<float>(k - half);
+  return x > high ? std::numeric_limits<float>::infinity() : (x < low ? 0.0f : y);
+}
+static inline double sn_exp_of(double x) {
+  const double high = 709.782712893384, low = -745.1332191019412;
+  const double clamped = x > high ? high : (x < low ? low : x);
+  const double n = (clamped * 1.4426950408889634073599 + 6755399441055744.0) - 6755399441055744.0;  // 1.5 * 2^52
+  double r = clamped - n * 6.93145751953125e-1;
+  r = r - n * 1.42860682030941723212e-6;
+  const double rr = r * r;
+  const double p = r * ((1.26177193074810590878e-4 * rr + 3.02994407707441961300e-2) * rr + 9.99999999999999999910e-1);
+  const double q = ((3.00198505138664455042e-6 * rr + 2.52448340349684104192e-3) * rr + 2.27265548208155028766e-1) * rr
+                   + 2.00000000000000000009e0;
+  const int64_t k = (int64_t)n, half = k >> 1;
+  const double y = (1.0 + 2.0 * p / (q - p)) * sn_pow2<double>(half) * sn_pow2<double>(k - half);
+  return x > high ? std::numeric_limits<double>::infinity() : (x < low ? 0.0 : y);
+}
+static inline V sn_exp(V x) { return sn_exp_of(x); }
+static inline V sn_sigmoid(V x) { return V(1) / (V(1) + sn_exp(-x)); }
+static inline V sn_silu(V x) { return x / (V(1) + sn_exp(-x)); }
 static inline V sn_tanh(V x) { return std::tanh(x); }
-static inline V sn_exp(V x) { return std::exp(x); }
 static inline V sn_log(V x) { return std::log(x); }
 static inline V sn_sqrt(V x) { return std::sqrt(x); }
 static inline V sn_normal_cdf(V x) { return V(0.5) * (V(1) + std::erf(x * V(0.70710678118654752440))); }
-static inline V sn_normal_pdf(V x) { return std::exp(V(-0.5) * x * x) * V(0.39894228040143267794); }
+static inline V sn_normal_pdf(V x) { return sn_exp(V(-0.5) * x * x) * V(0.39894228040143267794); }
 static inline V sn_gelu(V x) { return x * sn_normal_cdf(x); }
 static inline V sn_max(V a, V b) { return (a > b || a != a) ? a : b; }
 static inline V sn_min(V a, V b) { return (a < b || a != a) ? a : b; }
