@@ -142,6 +142,19 @@ def test_training_redraws_the_pattern_and_eval_keeps_it():
     assert torch.equal(pattern_of(m(x, need_weights=True)[1]), fixed[0])
 
 
+def test_a_fixed_pattern_keeps_its_mask_between_calls():
+    """The eval-mode mask is built once per pattern and shape (its index arrays then find
+    their plans cached); a redrawn pattern gets a new one."""
+    m = layer().eval()
+    x = torch.randn(1, 64, EMBED)
+    first = m(x, need_weights=True)[1]
+    second = m(x, need_weights=True)[1]
+    assert all(a is b for a, b in zip(first.pos + first.crd, second.pos + second.crd))
+    m.train()
+    third = m(x, need_weights=True)[1]
+    assert not all(a is b for a, b in zip(first.pos + first.crd, third.pos + third.crd))
+
+
 def test_training_pattern_matches_sdpa():
     m = layer().train()
     x = torch.randn(BATCH, 32, EMBED)

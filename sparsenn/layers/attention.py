@@ -194,6 +194,7 @@ class BlockSparseAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
         self._training_generator = torch.Generator().manual_seed(self.seed)
         self._patterns: dict[int, BlockPattern] = {}
+        self._last_mask: tuple | None = None  # (pattern, batch, dtype, mask) of the last unpadded call
         self._warned_dense = False
 
     @property
@@ -241,6 +242,19 @@ class BlockSparseAttention(nn.Module):
         padding = self._check_padding(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0,
                                       seq_len)
         return mask[None, None] & ~padding[:, None, None, :]
+
+    def _mask_for(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
+        """:meth:`_mask`, kept from the last call without padding when the pattern (the
+        eval-mode one, or a fixed one) and shapes repeat: the kernels then also find its
+        index arrays' plans and re-stored copies cached."""
+        if padding is not None:
+            return self._mask(pattern, batch, padding, dtype)
+        last = self._last_mask
+        if last is not None and last[0] is pattern and last[1:3] == (batch, dtype):
+            return last[3]
+        mask = self._mask(pattern, batch, None, dtype)
+        self._last_mask = (pattern, batch, dtype, mask)
+        return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
         """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
@@ -340,7 +354,7 @@ class BlockSparseAttention(nn.Module):
             q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
             tail = torch.ones(batch, extra, dtype=torch.bool)
             padding = torch.cat([torch.zeros(batch, length, dtype=torch.bool) if padding is None else padding, tail], 1)
-        mask = self._mask(pattern, batch, padding, q.dtype)
+        mask = self._mask_for(pattern, batch, padding, q.dtype)
         bias = None
         if padding is not None:
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
