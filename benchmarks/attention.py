@@ -16,9 +16,10 @@ pattern for all heads and batch elements, against:
 * FlexAttention with a ``BlockMask`` (inference, where it runs on this torch).
 
 Forward under no_grad, and forward+backward (``out.backward(g)`` with a fixed ``g``, the
-gradients of q, k, v). Peak memory: ``ru_maxrss`` growth of one call in a fresh
-subprocess, after the inputs exist and a call at the smallest length has loaded the
-kernels (so it counts the call's own allocations). Timing, ratios (alternative time /
+gradients of q, k, v). Peak memory: the peak resident set of one call in a fresh
+subprocess above its resident set before the call (Linux ``/proc/self/status`` VmHWM,
+reset through ``/proc/self/clear_refs``), after the inputs exist and a call at the
+smallest length has loaded the kernels (so it counts the call's own allocations). Timing, ratios (alternative time /
 sparsenn time, > 1: sparsenn faster), machine information and first-build times as in
 ``structured.py``, whose helpers this script uses.
 """
@@ -29,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -190,9 +190,18 @@ def run_memory(spec: str) -> None:
     step(fns[name], args, backward)()  # load kernels and libraries
     fns, args = implementations(batch, length, block, backward)
     call = step(fns[name], args, backward)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
     call()
-    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    print((_status_kib("VmHWM") - before) / 1024)
+
+
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 def memory_table(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
@@ -201,7 +210,7 @@ def memory_table(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     for backward in (False, True):
         block, batch = args.blocks[0], args.batches[0]
         lines += ["", f"Peak memory, {'forward+backward' if backward else 'forward'}, batch {batch}, block {block} "
-                  f"(MiB of ru_maxrss growth in one call)", "",
+                  f"(MiB of peak resident set growth in one call)", "",
                   "| L | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
         for length in args.lengths:
             values = {n: peak_memory(n, batch, length, block, backward, args.threads[-1]) for n in names}
