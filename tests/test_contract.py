@@ -7,6 +7,7 @@ import itertools
 import math
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -290,11 +291,20 @@ def test_long_chains_are_planned_greedily():
     torch.testing.assert_close(_run_steps(equation, steps, tensors), torch.einsum(equation, *tensors))
 
 
-def test_outer_products_of_small_sparse_operands_are_searched():
+def test_outer_products_of_small_sparse_operands_are_searched(monkeypatch):
     # Five operands: the cheapest tree starts with ea x gc, both sparse (an outer product
-    # of their nonzeros), as the exhaustive search finds too.
+    # of their nonzeros), as the exhaustive search finds too. The tree search is tested
+    # whatever the fused kernel would cost (its order search, over 8 indices, finds
+    # an order cheaper than every tree here).
     equation = "ea,fb,gc,hd,abcd->efgh"
     assignment = parse_einsum(equation, 5)
+
+    def unfused(*args, costed=schedule):  # the whole expression in one kernel: never (pairs as they are)
+        planned = costed(*args)
+        return replace(planned, cost=math.inf) if args[0] is assignment else planned
+
+    monkeypatch.setattr(contract, "schedule", unfused)
+    monkeypatch.setitem(globals(), "schedule", unfused)  # _exhaustive's too
     infos = _infos(equation, [64, 64, 8, 32, 128])
     steps = best_path(assignment, infos, 4)
     assert steps is not None and (steps[0].left, steps[0].right) == (0, 2)
