@@ -38,8 +38,8 @@ import scipy.io
 import torch
 
 import sparsenn
-from structured import (compare, error_text, first_build, machine_info, run_case, run_first_build, section_table,
-                        target)
+from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case, run_first_build,
+                        section_table, target)
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
@@ -223,13 +223,7 @@ def markdown(info: dict, rows: list[dict], builds: dict, csr_note: str, quick: b
            "check: sparsenn's result against torch, max |diff| <= 1e-3 x max |ref|."]
     for section, title in SECTIONS.items():
         out += ["", f"## {title}", "", *section_table([r for r in rows if r["section"] == section])]
-    out += ["", "## First build (first call in a fresh process, empty SPARSENN_CACHE_DIR)", "",
-            "| case | threads | first call ms | second call ms |", "|---|---:|---:|---:|"]
-    for spec, b in builds.items():
-        cells = (f"| error: {b['error']} | " if "error" in b
-                 else f"{b['threads']:.0f} | {b['first_ms']:.0f} | {b['second_ms']:.2f}")
-        out.append(f"| {spec} | {cells} |")
-    return "\n".join(out) + "\n"
+    return "\n".join(out + first_build_table(builds)) + "\n"
 
 
 def main() -> None:

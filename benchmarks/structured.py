@@ -349,13 +349,18 @@ def markdown(info: dict, rows: list[dict], builds: dict, quick: bool) -> str:
            f"check: sparsenn's result against torch, max |diff| <= {RTOL:g} x max |ref|."]
     for section, title in SECTIONS.items():
         out += ["", f"## {title}", "", *section_table([r for r in rows if r["section"] == section])]
-    out += ["", "## First build (first call in a fresh process, empty SPARSENN_CACHE_DIR)", "",
-            "| case | threads | first call ms | second call ms |", "|---|---:|---:|---:|"]
+    return "\n".join(out + first_build_table(builds)) + "\n"
+
+
+def first_build_table(builds: dict[str, dict]) -> list[str]:
+    """The report's first-build section: per case, threads and first/second call ms."""
+    out = ["", "## First build (first call in a fresh process, empty SPARSENN_CACHE_DIR)", "",
+           "| case | threads | first call ms | second call ms |", "|---|---:|---:|---:|"]
     for spec, b in builds.items():
         cells = (f"| error: {b['error']} | " if "error" in b
                  else f"{b['threads']:.0f} | {b['first_ms']:.0f} | {b['second_ms']:.2f}")
         out.append(f"| {spec} | {cells} |")
-    return "\n".join(out) + "\n"
+    return out
 
 
 BUILD_SPECS = ["spmm/bsr(32,32)", "sddmm/bsr(32,32)", "bsr-linear/bsr(32,32) 4096->4096 b=256 fwd+bwd",
