@@ -21,7 +21,7 @@ from sparsenn.formats import (
 )
 from sparsenn.formats.arithmetic import install_arithmetic
 from sparsenn.compiler.operators import ARITHMETIC
-from sparsenn.layers import SparseGCNConv, SparseLinear
+from sparsenn.layers import GateOutput, SparseGCNConv, SparseLinear, SparseMoE, SparseMoEGate
 from sparsenn.convert import ConversionReport, convert
 from sparsenn.functional import log_softmax, softmax
 
@@ -47,6 +47,9 @@ __all__ = [
     "CompilerNotFoundError",
     "SparseLinear",
     "SparseGCNConv",
+    "SparseMoEGate",
+    "SparseMoE",
+    "GateOutput",
     "convert",
     "ConversionReport",
     "softmax",

@@ -3,5 +3,6 @@ forward and backward run as compiled sparse einsums (no per-layer kernels)."""
 
 from .gcn import SparseGCNConv, gcn_norm
 from .linear import SparseLinear
+from .moe import GateOutput, SparseMoE, SparseMoEGate
 
-__all__ = ["SparseLinear", "SparseGCNConv", "gcn_norm"]
+__all__ = ["SparseLinear", "SparseGCNConv", "gcn_norm", "SparseMoEGate", "SparseMoE", "GateOutput"]
