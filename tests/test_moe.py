@@ -185,6 +185,12 @@ def test_aux_and_z_losses_match_their_formulas():
     assert gate.router.weight.grad.abs().sum() > 0
 
 
+def test_no_tokens():
+    moe = SparseMoE(8, 16, 4)
+    y = moe(torch.randn(0, 8))
+    assert y.shape == (0, 8) and moe.aux_loss == 0 and moe.z_loss == 0
+
+
 def test_noise_only_in_training_and_gumbel_keeps_softmax_weights():
     x = torch.randn(50, 6)
     for noise in ("jitter", "gumbel"):

@@ -195,9 +195,10 @@ class SparseMoEGate(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
         num_tokens, experts = tokens.shape[0], chosen.reshape(-1)
-        fraction = torch.bincount(experts, minlength=self.num_experts).to(probs.dtype) / max(num_tokens * self.k, 1)
-        aux_loss = self.num_experts * (fraction * probs.mean(0)).sum()
-        z_loss = torch.logsumexp(logits, -1).square().mean()
+        count = max(num_tokens, 1)  # no tokens: both losses 0
+        fraction = torch.bincount(experts, minlength=self.num_experts).to(probs.dtype) / (count * self.k)
+        aux_loss = self.num_experts * (fraction * probs.sum(0) / count).sum()
+        z_loss = torch.logsumexp(logits, -1).square().sum() / count
         keep = torch.ones_like(experts, dtype=torch.bool)
         if self.capacity_factor is not None:
             limit = capacity(num_tokens, self.num_experts, self.k, self.capacity_factor)
