@@ -136,6 +136,27 @@ def test_no_python_loop_over_experts_and_explain_shows_the_gathered_tile():
     assert text.count("stored rows of factor 0") == 2
 
 
+def test_ddp_without_find_unused_parameters_trains_with_an_empty_expert(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        moe = layer(experts=4, k=1, bias=True)
+        with torch.no_grad():
+            moe.gate.router.weight.zero_()
+            moe.gate.router.weight[0, 0], moe.gate.router.weight[1, 0] = -5.0, 5.0
+        model = DistributedDataParallel(moe, find_unused_parameters=False)
+        x = torch.randn(16, 12)
+        for _ in range(2):  # DDP raises on the second step if a parameter got no gradient in the first
+            model.zero_grad()
+            model(x).square().sum().backward()
+        assert all(p.grad is not None for p in moe.parameters())
+        assert torch.count_nonzero(moe.w1.grad[2:]) == 0 and torch.count_nonzero(moe.b2.grad[2:]) == 0
+    finally:
+        dist.destroy_process_group()
+
+
 def reference_capacity(probs_chosen: torch.Tensor, experts: torch.Tensor, limit: int) -> torch.Tensor:
     """Per expert, keep the `limit` routing choices of highest probability (ties: lower token)."""
     keep = torch.zeros(experts.numel(), dtype=torch.bool)
