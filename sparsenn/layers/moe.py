@@ -126,7 +126,6 @@ def dispatch(gates: SparseTensor) -> Dispatch:
     if gates.ndim != 2 or gates.format != CSR:
         raise ValueError(f"gates must be a T × E csr SparseTensor, got {gates.format} of shape {gates.shape}")
     tokens, experts = gates.shape
-    index = gates.index_dtype
     row_pos, expert = gates.pos[1].long(), gates.crd[1].long()
     token = torch.repeat_interleave(torch.arange(tokens), row_pos.diff())
     order = torch.sort(expert, stable=True).indices  # expert-major, tokens ascending within an expert
@@ -135,6 +134,7 @@ def dispatch(gates: SparseTensor) -> Dispatch:
     slot = torch.empty_like(expert)
     slot[order] = torch.arange(expert.numel()) - (torch.cumsum(counts, 0) - counts)[expert[order]]
     flat = expert * cap + slot  # ascending within a token row: experts are sorted there
+    index = gates.index_dtype if max(experts * cap, tokens) < 2**31 else torch.int64
     ones = gates.values.new_ones(expert.numel()).detach()
     slot_pos = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(index)
     gather_pos = torch.cat([counts.new_zeros(1), torch.cumsum(torch.bincount(flat, minlength=experts * cap), 0)])
@@ -142,7 +142,7 @@ def dispatch(gates: SparseTensor) -> Dispatch:
         slots=SparseTensor((experts, cap), "csr", (None, slot_pos), (None, slot[order].to(index)), ones, check=False),
         gather=SparseTensor((experts * cap, tokens), "csr", (None, gather_pos.to(index)), (None, token[order].to(index)),
                             ones, check=False),
-        combine=SparseTensor((tokens, experts * cap), "csr", (None, gates.pos[1]), (None, flat.to(index)),
+        combine=SparseTensor((tokens, experts * cap), "csr", (None, gates.pos[1].to(index)), (None, flat.to(index)),
                              gates.values, check=False),
         capacity=cap)
 
