@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,7 +96,8 @@ def grouped_mm(layer: sparsenn.SparseMoE) -> Forward:
     return forward
 
 
-def step(layer: sparsenn.SparseMoE, forward: Forward, x: torch.Tensor, grad: torch.Tensor | None) -> Callable[[], object]:
+def step(layer: sparsenn.SparseMoE, forward: Forward, x: torch.Tensor,
+         grad: torch.Tensor | None) -> Callable[[], object]:
     """One forward under no_grad (grad None), or zero_grad + forward + backward of grad."""
     if grad is None:
         def fwd() -> torch.Tensor:

@@ -140,8 +140,8 @@ def dispatch(gates: SparseTensor) -> Dispatch:
     gather_pos = torch.cat([counts.new_zeros(1), torch.cumsum(torch.bincount(flat, minlength=experts * cap), 0)])
     return Dispatch(
         slots=SparseTensor((experts, cap), "csr", (None, slot_pos), (None, slot[order].to(index)), ones, check=False),
-        gather=SparseTensor((experts * cap, tokens), "csr", (None, gather_pos.to(index)), (None, token[order].to(index)),
-                            ones, check=False),
+        gather=SparseTensor((experts * cap, tokens), "csr", (None, gather_pos.to(index)),
+                            (None, token[order].to(index)), ones, check=False),
         combine=SparseTensor((tokens, experts * cap), "csr", (None, gates.pos[1].to(index)), (None, flat.to(index)),
                              gates.values, check=False),
         capacity=cap)
