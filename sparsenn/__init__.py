@@ -21,7 +21,7 @@ from sparsenn.formats import (
 )
 from sparsenn.formats.arithmetic import install_arithmetic
 from sparsenn.compiler.operators import ARITHMETIC
-from sparsenn.layers import BlockSparseAttention, SparseGCNConv, SparseLinear
+from sparsenn.layers import BlockSparseAttention, GateOutput, SparseGCNConv, SparseLinear, SparseMoE, SparseMoEGate
 from sparsenn.convert import ConversionReport, convert
 from sparsenn.functional import log_softmax, softmax
 
@@ -48,6 +48,9 @@ __all__ = [
     "SparseLinear",
     "SparseGCNConv",
     "BlockSparseAttention",
+    "SparseMoEGate",
+    "SparseMoE",
+    "GateOutput",
     "convert",
     "ConversionReport",
     "softmax",
