@@ -3,19 +3,21 @@
 
 One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order:
 
-1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``.
+1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``
+   (with a bias, the compiled ``Y[b,o] = X[b,i] * W[o,i] + bias[o]``).
 2. ``runtime/api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated
    letters) into the core notation (``equation.py``), parses it (``notation.py``,
    cached; terms may apply the scalar functions of ``functions.py`` to their factors,
-   reduce by max or min, and end in an epilogue) and hands it to ``autograd.py``, which records the call when gradients are
-   needed (backward passes are einsums too) and calls ``runtime/evaluate.py``.
+   reduce by max or min, and end in an epilogue) and hands it to ``autograd.py``,
+   which records the call when gradients are needed (backward passes are einsums too)
+   and calls ``runtime/evaluate.py``.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
    and the call resolves to the same call over split indices when an operand is blocked
    or n:m (``blocks.py``: block and in-block coordinates, the operands viewed so),
    ``torch.einsum`` (all dense), pairwise contractions (``plan/contract.py``) or one
-   kernel.
+   kernel, biases folded into its epilogue (``plan/bias.py``).
 4. ``plan/planner.py``: the result's format from the operands' formats and
    ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
    loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles,

@@ -59,7 +59,8 @@ class _Spec:
 Extra = tuple
 
 
-def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, result) -> tuple[Assignment, list, object]:
+def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
+                         result) -> tuple[Assignment, list, object]:
     """The assignment, operand list and out_format computing d(loss)/d(operand)."""
     template = spec.templates[operand]
     if template is not None and template.format.is_dense:

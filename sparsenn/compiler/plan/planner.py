@@ -183,8 +183,9 @@ def _find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested
     That holds when every term reads the operand at the output's indices and no other
     factor is sparse at an output index (so nothing narrows the pattern further), but
     for operands sharing the anchor's pattern read at the same indices: SDDMM, sampled
-    gradients, ``P * (dP - G)`` of a softmax's backward. Values are then written in place and nothing is assembled. Only
-    for a sparse ``output``, and when a format is ``requested``, an operand of that format."""
+    gradients, ``P * (dP - G)`` of a softmax's backward. Values are then written in
+    place and nothing is assembled. Only for a sparse ``output``, and when a format is
+    ``requested``, an operand of that format."""
     if output is None:
         return None
     out = assignment.output
