@@ -13,9 +13,8 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 * ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
 
-Backward: ``dQ = dS K / sqrt(d)`` and ``dK = dSᵀ (Q / sqrt(d))`` (block SpMMs of the
-sampled gradient ``dS``), the softmax's and ``P V``'s gradients by the compiler's
-autograd. A query row with no unpadded key in its blocks is empty: its output is zero.
+Backward: every gradient is the compiler's (``dQ = dS K``, ``dK = dSᵀ Q`` as products
+over the scores' pattern, which the mask shares). A query row with no unpadded key in its blocks is empty: its output is zero.
 """
 
 from __future__ import annotations
@@ -29,19 +28,14 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from sparsenn.compiler import einsum
-from sparsenn.compiler.functions import apply
-from sparsenn.compiler.notation import Access, Assignment, Factor, Term
-from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import SparseTensor, from_coo, from_dense
 from sparsenn.functional import softmax
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
-_SCORE_INDICES = ("b", "h", "i", "j")
-# Out[b,h,i,j] = S[b,h,i,j] + bias[b,j] on S's pattern: -inf at padded keys.
-_KEY_BIAS = Assignment(_SCORE_INDICES, (Term(1.0, (Access(0, _SCORE_INDICES), Access(1, ("b", "j"))),
-                                             apply("add", Factor(0), Factor(1))),), ("S", "bias"))
+# The scores of unpadded keys, -inf at padded ones (``bias``), on S's pattern.
+_KEY_BIAS = compile_expression("T<S>[b,h,i,j] = S[b,h,i,j] + bias[b,j]")
 
 
 @dataclass(frozen=True)
@@ -109,28 +103,6 @@ def bigbird_pattern(num_blocks: int, num_global: int, num_window: int, num_rando
     counts = torch.bincount(keys // n, minlength=n)
     cols = keys % n
     return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), cols)
-
-
-class _SampledScores(torch.autograd.Function):
-    """Values of ``S = M ⊙ (Q Kᵀ)`` (+ ``bias[b, j]``) on the pattern of the ones-mask
-    ``M``; backward ``dQ = dS K``, ``dK = dSᵀ Q`` as block SpMMs."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, mask: SparseTensor, bias: Tensor | None) -> Tensor:
-        scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
-        if bias is not None:
-            scores = evaluate(_KEY_BIAS, [scores, bias], mask.format)
-        ctx.save_for_backward(q, k)
-        ctx.mask = mask
-        return scores.values
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k = ctx.saved_tensors
-        d_scores = ctx.mask.with_values(grad.contiguous())
-        dq = einsum("bhij,bhjd->bhid", d_scores, k, out_format="dense") if ctx.needs_input_grad[0] else None
-        dk = einsum("bhij,bhid->bhjd", d_scores, q, out_format="dense") if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None
 
 
 def _count(name: str, value: object, minimum: int) -> int:
@@ -358,7 +330,9 @@ class BlockSparseAttention(nn.Module):
         bias = None
         if padding is not None:
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-        scores = mask.with_values(_SampledScores.apply(q * (1.0 / math.sqrt(self.head_dim)), k, mask, bias))
+        scores = einsum("bhij,bhid,bhjd->bhij", mask, q * (1.0 / math.sqrt(self.head_dim)), k)
+        if bias is not None:
+            scores = _KEY_BIAS(scores, bias)
         probs = softmax(scores, -1)
         probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
         out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
