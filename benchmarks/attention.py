@@ -42,7 +42,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import sparsenn
-from structured import compare, error_text, machine_info, run_case, section_table, target
+from structured import compare, error_text, machine_info, run_case, section_table, target, write_report
 
 HEADS, HEAD_DIM = 4, 64
 GLOBAL, WINDOW, RANDOM = 2, 3, 2
@@ -300,12 +300,9 @@ def main() -> None:
         builds[block] = errors[0] if errors else {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         print(f"first build block {block}: {builds[block]}", flush=True)
     stem = "attention_quick" if args.quick else "attention"  # --quick with explicit sizes: still _quick
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(markdown(info, rows, memory_lines, builds, args.quick))
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "command": sys.argv, "rows": rows,
-                                                      "memory": memory_rows, "first_build": builds,
-                                                      "unavailable": alts_missing}, indent=1))
-    print(f"wrote {args.out / stem}.md and .json")
+    write_report(args.out, stem, markdown(info, rows, memory_lines, builds, args.quick),
+                 {"machine": info, "command": sys.argv, "rows": rows, "memory": memory_rows, "first_build": builds,
+                  "unavailable": alts_missing})
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import sparsenn
 from sparsenn.compiler import einsum
 from sparsenn.layers.moe import dispatch
-from structured import compare, error_text, fmt_targets, machine_info, median_times, target
+from structured import compare, error_text, fmt_targets, machine_info, median_times, target, write_report
 
 D_MODEL, D_HIDDEN, TOKENS = 512, 2048, 4096
 Forward = Callable[[torch.Tensor], torch.Tensor]
@@ -305,11 +305,8 @@ def main() -> None:
     build_ms = first_build()
     print(f"first build: {build_ms}", flush=True)
     stem = "moe_quick" if args.quick else "moe"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(markdown(info, rows, build_ms, args.quick))
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "command": sys.argv, "quick": args.quick,
-                                                      "rows": rows, "first_build": build_ms}, indent=1))
-    print(f"wrote {args.out / stem}.md and .json")
+    write_report(args.out, stem, markdown(info, rows, build_ms, args.quick),
+                 {"machine": info, "command": sys.argv, "quick": args.quick, "rows": rows, "first_build": build_ms})
 
 
 if __name__ == "__main__":

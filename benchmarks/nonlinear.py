@@ -39,7 +39,7 @@ import torch
 
 import sparsenn
 from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case, run_first_build,
-                        section_table, target)
+                        section_table, target, write_report)
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
@@ -242,12 +242,9 @@ def main() -> None:
             for row in run_case(section, name, build, args.threads, args.quick)]
     builds = build_times(reps=1 if args.quick else 3)
     stem = "nonlinear_quick" if args.quick else "nonlinear"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(markdown(info, rows, builds, csr_note, args.quick))
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "command": sys.argv, "quick": args.quick,
-                                                      "torch_csr_softmax": csr_note, "rows": rows,
-                                                      "first_build": builds}, indent=1))
-    print(f"wrote {args.out / stem}.md and .json")
+    write_report(args.out, stem, markdown(info, rows, builds, csr_note, args.quick),
+                 {"machine": info, "command": sys.argv, "quick": args.quick, "torch_csr_softmax": csr_note,
+                  "rows": rows, "first_build": builds})
 
 
 if __name__ == "__main__":

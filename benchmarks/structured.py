@@ -394,11 +394,16 @@ def main() -> None:
             for row in run_case(section, name, build, args.threads, args.quick)]
     builds = build_times(reps=1 if args.quick else 3)
     stem = "structured_quick" if args.quick else "structured"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{stem}.md").write_text(markdown(info, rows, builds, args.quick))
-    (args.out / f"{stem}.json").write_text(json.dumps({"machine": info, "command": sys.argv, "quick": args.quick,
-                                                      "rows": rows, "first_build": builds}, indent=1))
-    print(f"wrote {args.out / stem}.md and .json")
+    write_report(args.out, stem, markdown(info, rows, builds, args.quick),
+                 {"machine": info, "command": sys.argv, "quick": args.quick, "rows": rows, "first_build": builds})
+
+
+def write_report(out: Path, stem: str, text: str, raw: dict) -> None:
+    """``out/stem.md`` (the report) and ``out/stem.json`` (its raw data)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.md").write_text(text)
+    (out / f"{stem}.json").write_text(json.dumps(raw, indent=1))
+    print(f"wrote {out / stem}.md and .json")
 
 
 if __name__ == "__main__":
