@@ -1,17 +1,8 @@
 """The text of :func:`sparsenn.compile`: index notation with functions, explicit
 reductions and an output mask, parsed into an expression tree.
 
-Grammar (``{}``: repeated, ``[]``: optional; names are ``[A-Za-z_][A-Za-z0-9_]*``)::
-
-    statement = name [ "<" name ">" ] "[" [ indices ] "]" "=" sum
-    sum       = product { ("+" | "-") product }
-    product   = unary { ("*" | "/") unary }
-    unary     = ("-" | "+") unary | atom
-    atom      = number | access | call | reduction | "(" sum ")"
-    access    = name "[" [ indices ] "]"
-    call      = function "(" sum { "," sum } ")"
-    reduction = ("sum" | "max" | "min") "[" indices "]" "(" sum ")"
-    indices   = name { "," name }
+The grammar (EBNF) is in :func:`~.runtime.api.compile_expression`'s docstring, the
+users' reference; the parser below has one method per rule.
 
 ``function`` is one of :data:`~.functions.PUBLIC_FUNCTIONS`; those names and the
 reductions' cannot name tensors. Products are distributed over sums, so a parsed

@@ -141,7 +141,7 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
     :class:`SparseTensor` s, passed in order of first appearance in the text or by name;
     ``out_format`` as for :func:`einsum` (None with a mask).
 
-    Grammar (``{}``: repeated, ``[]``: optional)::
+    Grammar (``{}``: repeated, ``[]``: optional; names are ``[A-Za-z_][A-Za-z0-9_]*``)::
 
         statement = name [ "<" name ">" ] "[" [ indices ] "]" "=" sum
         sum       = product { ("+" | "-") product }
