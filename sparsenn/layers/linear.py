@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.layers.pattern import PatternBuffers
 
 __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
            "shape_problem"]
@@ -34,19 +35,6 @@ def check_sparsity(sparsity: object, name: str = "sparsity") -> float:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name} must be in [0, 1) (the fraction of weights removed), got {sparsity}")
     return value
-
-
-def _wraps(pattern: SparseTensor | None, fmt: Format, arrays: tuple[Tensor | None, ...]) -> bool:
-    """Whether ``pattern`` is ``fmt`` over exactly these (unedited) index arrays."""
-    if pattern is None or pattern.format != fmt:
-        return False
-    if any(a is not b for a, b in zip(pattern.pos + pattern.crd, arrays)):
-        return False
-    try:
-        pattern.check_unmodified()
-    except ValueError:
-        return False
-    return True
 
 
 def check_weight_format(format: str | Format) -> Format:
@@ -292,40 +280,24 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ pattern storage
     def _set_pattern(self, fmt: Format, pos: tuple[Tensor | None, ...], crd: tuple[Tensor | None, ...]) -> None:
-        """Store ``fmt`` and register its index arrays as buffers (replacing earlier ones)."""
-        for name in getattr(self, "_pattern_names", ()):
-            delattr(self, name)
-        names = []
-        for kind, arrays in (("pos", pos), ("crd", crd)):
-            for level, array in enumerate(arrays):
-                if array is not None:
-                    name = f"weight_{kind}{level}"
-                    self.register_buffer(name, array)
-                    names.append(name)
-        self._format = fmt
-        self._pattern_names = tuple(names)
-
-    def _arrays(self, kind: str) -> tuple[Tensor | None, ...]:
-        return tuple(self._buffers.get(f"weight_{kind}{level}") for level in range(len(self._format.levels)))
+        """Register ``fmt``'s index arrays as the pattern buffers (replacing earlier ones)."""
+        if "_weight_pattern" not in self.__dict__:
+            self._weight_pattern = PatternBuffers("weight", (self.out_features, self.in_features), fmt)
+        self._weight_pattern.register(self, fmt, pos, crd)
 
     @property
     def format(self) -> Format:
         """Storage format of the weight."""
-        return self._format
+        return self._weight_pattern.format
 
     @property
     def weight(self) -> SparseTensor:
         """The ``(out_features, in_features)`` weight; its ``values`` are ``weight_values``.
 
-        The pattern is wrapped once and reused while the buffers are the same, unedited
-        tensors (``load_state_dict`` and ``.to()`` edit or replace them)."""
-        pos, crd = self._arrays("pos"), self._arrays("crd")
-        pattern = self.__dict__.get("_pattern")
-        if not _wraps(pattern, self._format, pos + crd):
-            pattern = SparseTensor((self.out_features, self.in_features), self._format, pos, crd,
-                                   self.weight_values.detach(), check=False)
-            self.__dict__["_pattern"] = pattern
-        return pattern.with_values(self.weight_values)
+        Its pattern is checked in O(levels) while the buffers are unchanged, and in full
+        (ValueError naming the buffer) after they were edited, replaced, emptied or partly
+        loaded (see :mod:`sparsenn.layers.pattern`)."""
+        return self._weight_pattern.tensor(self)
 
     @property
     def nnz(self) -> int:
@@ -440,12 +412,12 @@ class SparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, sparsity={self.sparsity:.3f}, "
-                f"nnz={self.nnz}, format={self._format}, bias={self.bias is not None}")
+                f"nnz={self.nnz}, format={self.format}, bias={self.bias is not None}")
 
     # ------------------------------------------------------------------ state_dict
     def get_extra_state(self) -> dict[str, Any]:
         """The weight's format and shape, saved beside the pattern buffers."""
-        return {"format": str(self._format), "shape": (self.out_features, self.in_features)}
+        return {"format": str(self.format), "shape": (self.out_features, self.in_features)}
 
     def set_extra_state(self, state: Any) -> None:
         """Checked and applied in ``_load_from_state_dict`` (the pattern must change with it)."""
@@ -453,50 +425,28 @@ class SparseLinear(nn.Module):
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
-        """Adopt the saved pattern (its format and nnz may differ from this layer's), validated
-        in full before anything is copied; then load values and bias as usual."""
-        extra = state_dict.get(prefix + "_extra_state")
-        if isinstance(extra, Mapping) and "format" in extra:
-            problem = self._adopt_pattern(extra, state_dict, prefix)
+        """Adopt a whole saved pattern (its format and nnz may differ from this layer's),
+        validated in full before anything is copied; then load values and bias as usual.
+        A state dict holding part of the pattern (``strict=False`` with a buffer left out)
+        is loaded as torch would, and the next forward raises naming the missing buffer."""
+        pattern = self._weight_pattern
+        saved = pattern.saved_format(state_dict, prefix)
+        if isinstance(saved, str):
+            error_msgs.append(f"{prefix or 'SparseLinear'}: {saved}")
+            return
+        if saved is not None:
+            try:
+                check_weight_format(saved)
+            except ValueError as exc:
+                error_msgs.append(f"{prefix or 'SparseLinear'}: saved weight format is invalid: {exc}")
+                return
+        present, missing = pattern.split_keys(state_dict, prefix, saved)
+        if saved is not None and not missing:
+            problem = pattern.adopt(self, state_dict, prefix, saved)
             if problem is not None:
                 error_msgs.append(f"{prefix or 'SparseLinear'}: {problem}")
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-
-    def _adopt_pattern(self, extra: Mapping[str, Any], state_dict: Mapping[str, Any], prefix: str) -> str | None:
-        """Re-register pattern buffers (and resize ``weight_values``) to the saved ones.
-
-        Returns a description of what is wrong, or None. Leaves the layer unchanged when
-        keys are missing (the usual missing-key report follows)."""
-        shape = (self.out_features, self.in_features)
-        if tuple(extra.get("shape", ())) != shape:
-            return f"saved weight shape {tuple(extra.get('shape', ()))} differs from this layer's {shape}"
-        try:
-            fmt = parse_format(extra["format"], 2)
-        except ValueError as exc:
-            return f"saved weight format is invalid: {exc}"
-        arrays: dict[str, Tensor] = {}
-        for kind in ("pos", "crd"):
-            for level, lvl in enumerate(fmt.levels):
-                needed = lvl.has_pos if kind == "pos" else lvl.has_crd
-                key = f"{prefix}weight_{kind}{level}"
-                if needed:
-                    if key not in state_dict:
-                        return None
-                    arrays[f"weight_{kind}{level}"] = state_dict[key]
-        values = state_dict.get(prefix + "weight_values")
-        if values is None:
-            return None
-        pos = tuple(arrays.get(f"weight_pos{level}") for level in range(len(fmt.levels)))
-        crd = tuple(arrays.get(f"weight_crd{level}") for level in range(len(fmt.levels)))
-        try:
-            check_weight_format(fmt)
-            SparseTensor(shape, fmt, pos, crd, values.detach(), check=True)
-        except (TypeError, ValueError) as exc:
-            return f"saved weight pattern is invalid: {exc}"
-        self._set_pattern(fmt, tuple(None if p is None else torch.empty_like(p) for p in pos),
-                          tuple(None if c is None else torch.empty_like(c) for c in crd))
-        if self.weight_values.shape != values.shape:
-            self.weight_values.data = self.weight_values.new_empty(values.shape)
-        return None
+        if pattern.is_partial(present, missing):
+            pattern.mark_unloaded(self, missing, present, saved)

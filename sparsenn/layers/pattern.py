@@ -1,0 +1,198 @@
+"""Pattern buffers: the index arrays of a module's fixed-pattern sparse weight, kept as
+buffers ``{name}_pos{l}`` / ``{name}_crd{l}`` next to the parameter ``{name}_values``.
+
+Buffers are public module state: ``load_state_dict``, ``to_empty``, ``.to()``, assignment
+and in-place edits can change them. Kernels trust a pattern's structure (sorted, unique,
+in-range coordinates), so before one reads them :meth:`PatternBuffers.tensor` checks that
+the buffers are the tensors last validated, unmodified (their data pointer and torch's
+in-place version counter; O(number of levels)), and validates them in full otherwise,
+raising a ValueError that names the buffer. An edit that leaves a valid pattern is adopted:
+the buffers are the weight's structure, as a parameter is its values.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.tensor import array_version
+
+__all__ = ["PatternBuffers"]
+
+_ARRAY = re.compile(r"\b(pos|crd)\[(\d+)\]")
+
+
+def _token(array: Tensor | None) -> tuple | None:
+    """What identifies a buffer's current contents: the object and its data version."""
+    return None if array is None else (id(array), array_version(array))
+
+
+class PatternBuffers:
+    """The buffers holding the pattern of the ``shape`` weight ``name`` of a module.
+
+    ``format`` is the weight's storage format; the buffer names follow its levels
+    (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
+    submodule): it owns no tensors but the validated SparseTensor over the buffers.
+    """
+
+    def __init__(self, name: str, shape: tuple[int, int], fmt: Format) -> None:
+        self.name, self.shape, self.format = name, shape, fmt
+        self._checked: SparseTensor | None = None  # over the buffers as last validated
+        self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
+
+    @property
+    def values_name(self) -> str:
+        return f"{self.name}_values"
+
+    def buffer_names(self, fmt: Format | None = None) -> tuple[str, ...]:
+        """Names of the pattern buffers of format ``fmt`` (default: the current one)."""
+        fmt = self.format if fmt is None else fmt
+        return tuple(f"{self.name}_{kind}{level}" for kind in ("pos", "crd") for level, lvl in enumerate(fmt.levels)
+                     if (lvl.has_pos if kind == "pos" else lvl.has_crd))
+
+    def register(self, module: nn.Module, fmt: Format, pos: tuple[Tensor | None, ...],
+                 crd: tuple[Tensor | None, ...]) -> None:
+        """Register ``fmt``'s index arrays as buffers of ``module``, replacing the old ones."""
+        for name in self.buffer_names():
+            if name in module._buffers:
+                delattr(module, name)
+        self.format = fmt
+        for kind, arrays in (("pos", pos), ("crd", crd)):
+            for level, array in enumerate(arrays):
+                if array is not None:
+                    module.register_buffer(f"{self.name}_{kind}{level}", array)
+        self._checked, self._unloaded = None, {}
+
+    def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
+        levels = range(len(self.format.levels))
+        buffers = module._buffers
+        return (tuple(buffers.get(f"{self.name}_pos{level}") for level in levels),
+                tuple(buffers.get(f"{self.name}_crd{level}") for level in levels))
+
+    def tensor(self, module: nn.Module) -> SparseTensor:
+        """The weight as a SparseTensor over the buffers, its values the parameter.
+
+        O(levels) while the buffers are unchanged since the last call; validated in full
+        (ValueError naming the buffer) after they were edited, replaced or partly loaded.
+        Buffers created under ``torch.inference_mode`` carry no version counter, so they
+        are validated at every call."""
+        values = module._parameters.get(self.values_name)
+        checked = self._checked
+        if checked is not None and values is not None and values.shape == checked.values.shape:
+            pos, crd = self._arrays(module)
+            arrays = tuple(a for a in pos + crd if a is not None)
+            if (len(arrays) == len(checked._index_arrays)
+                    and all(a is b and not a.is_inference() for a, b in zip(arrays, checked._index_arrays))
+                    and all(array_version(a) == v for a, v in zip(arrays, checked._versions))):
+                return checked.with_values(values)
+        return self._validate(module, values).with_values(values)
+
+    def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
+        """Check the buffers in full; remember them as validated."""
+        owner = type(module).__name__
+        for name, (token, why) in list(self._unloaded.items()):
+            if _token(module._buffers.get(name, module._parameters.get(name))) == token:
+                raise ValueError(f"{owner}: {name} was not loaded: {why}")
+            del self._unloaded[name]  # set again since the load
+        if not isinstance(values, Tensor):
+            raise ValueError(f"{owner}: the parameter {self.values_name} is missing")
+        pos, crd = self._arrays(module)
+        try:
+            checked = SparseTensor(self.shape, self.format, pos, crd, values.detach(), check=True)
+        except (TypeError, ValueError) as exc:
+            detail = _ARRAY.sub(lambda m: f"{self.name}_{m[1]}{m[2]}", str(exc))
+            detail = re.sub(r"^values\b", self.values_name, detail)
+            raise ValueError(f"{owner}: the {self.format} pattern of the {self.shape} {self.name} is invalid"
+                             f"{self._changes(pos + crd)}: {detail}. The pattern buffers are the weight's "
+                             f"structure ({', '.join(self.buffer_names())}); load a whole pattern with "
+                             "load_state_dict or build a new layer") from None
+        self._checked = checked
+        return checked
+
+    def _changes(self, arrays: tuple[Tensor | None, ...]) -> str:
+        """`` after weight_crd1 was modified in place``: what changed since the last validation."""
+        checked = self._checked
+        if checked is None:
+            return ""
+        recorded = dict(zip(map(id, checked._index_arrays), checked._versions))
+        changes = []
+        for level_name, old, new in zip(self._level_names(), checked.pos + checked.crd, arrays):
+            if old is None and new is None:
+                continue
+            if new is None:
+                changes.append(f"{level_name} was removed")
+            elif new is not old:
+                changes.append(f"{level_name} was replaced")
+            elif array_version(new) != recorded[id(old)] or new.is_inference():
+                changes.append(f"{level_name} was modified in place")
+        return f" after {' and '.join(changes)}" if changes else ""
+
+    def _level_names(self) -> tuple[str, ...]:
+        """``name_pos{l}`` for every level, then ``name_crd{l}`` (absent ones included)."""
+        levels = range(len(self.format.levels))
+        return tuple(f"{self.name}_{kind}{level}" for kind in ("pos", "crd") for level in levels)
+
+    # ------------------------------------------------------------------ loading
+    def saved_format(self, state_dict: Mapping[str, Any], prefix: str) -> Format | str | None:
+        """The format recorded in the module's ``_extra_state`` (None when there is none),
+        or a description of why the saved record is unusable."""
+        extra = state_dict.get(prefix + "_extra_state")
+        if not isinstance(extra, Mapping) or "format" not in extra:
+            return None
+        if tuple(extra.get("shape", ())) != self.shape:
+            return f"saved {self.name} shape {tuple(extra.get('shape', ()))} differs from this layer's {self.shape}"
+        try:
+            return parse_format(extra["format"], len(self.shape))
+        except (TypeError, ValueError) as exc:
+            return f"saved {self.name} format is invalid: {exc}"
+
+    def split_keys(self, state_dict: Mapping[str, Any], prefix: str,
+                   saved: Format | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The pattern's keys (buffers of format ``saved``, default the current one, and
+        values; without ``prefix``) present in and missing from ``state_dict``."""
+        keys = self.buffer_names(saved) + (self.values_name,)
+        return (tuple(key for key in keys if prefix + key in state_dict),
+                tuple(key for key in keys if prefix + key not in state_dict))
+
+    def is_partial(self, present: tuple[str, ...], missing: tuple[str, ...]) -> bool:
+        """Whether a state dict with these keys holds part of a pattern (not all of it,
+        not its values alone, not nothing)."""
+        return bool(present) and bool(missing) and present != (self.values_name,)
+
+    def adopt(self, module: nn.Module, state_dict: Mapping[str, Any], prefix: str, fmt: Format) -> str | None:
+        """Validate the saved whole pattern of format ``fmt`` and re-register this module's
+        buffers (and resize its values) to receive it; a description of the problem, or
+        None. Nothing changes when the saved pattern is invalid."""
+        arrays = {name: state_dict[prefix + name] for name in self.buffer_names(fmt)}
+        levels = range(len(fmt.levels))
+        pos = tuple(arrays.get(f"{self.name}_pos{level}") for level in levels)
+        crd = tuple(arrays.get(f"{self.name}_crd{level}") for level in levels)
+        values = state_dict[prefix + self.values_name]
+        try:
+            SparseTensor(self.shape, fmt, pos, crd, values.detach(), check=True)
+        except (TypeError, ValueError, AttributeError) as exc:
+            return f"saved {self.name} pattern is invalid: {exc}"
+        self.register(module, fmt, tuple(None if p is None else torch.empty_like(p) for p in pos),
+                      tuple(None if c is None else torch.empty_like(c) for c in crd))
+        parameter = module._parameters[self.values_name]
+        if parameter.shape != values.shape:
+            parameter.data = parameter.new_empty(values.shape)
+        return None
+
+    def mark_unloaded(self, module: nn.Module, missing: tuple[str, ...], loaded: tuple[str, ...],
+                      saved: Format | None) -> None:
+        """After loading part of a pattern: the next :meth:`tensor` raises, naming a
+        missing buffer, until the whole pattern is loaded or the buffer set again."""
+        names = self.buffer_names() + (self.values_name,)
+        stale = names if saved is not None and saved != self.format else tuple(n for n in names if n in missing)
+        why = (f"load_state_dict got {', '.join(loaded) or 'none'} of the {self.name}'s pattern but not "
+               f"{', '.join(missing)}, so it would mix two patterns; load a state dict holding the whole "
+               f"pattern ({', '.join(self.buffer_names(saved) + (self.values_name,))})")
+        for name in stale:
+            self._unloaded[name] = (_token(module._buffers.get(name, module._parameters.get(name))), why)
+        self._checked = None
