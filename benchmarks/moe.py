@@ -141,7 +141,7 @@ def breakdown(layer: sparsenn.SparseMoE, x: torch.Tensor) -> dict[str, Callable[
 # ----------------------------------------------------------------------------------- cases
 def build(experts: int, k: int, backward: bool) -> dict:
     torch.manual_seed(0)
-    layer = sparsenn.SparseMoE(D_MODEL, D_HIDDEN, experts, k)
+    layer = sparsenn.SparseMoE(D_MODEL, D_HIDDEN, experts, k=k)
     x = torch.randn(TOKENS, D_MODEL)
     grad = torch.randn(TOKENS, D_MODEL) if backward else None
     impls = {"sparsenn": layer.forward, "dense all-experts": dense_all(layer),

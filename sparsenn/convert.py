@@ -1,6 +1,7 @@
 """convert(): replace the ``nn.Linear`` layers of a model by :class:`SparseLinear`.
 
-Each converted layer keeps ``round((1 - sparsity) * out * in)`` of its weights (largest
+Like ``torch.ao.quantization.convert`` it returns the model (``return_report=True``:
+``(model, report)``). Each converted layer keeps ``round((1 - sparsity) * out * in)`` of its weights (largest
 magnitude, or random; whole blocks for ``bsr``/``bsc``, n of every m inputs for
 ``nm(n,m)``) and its bias, so the converted model computes what the *masked* dense model
 computes, and trains through compiled sparse einsums.
@@ -13,10 +14,11 @@ import fnmatch
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from sparsenn.formats import Format
 from sparsenn.layers.linear import SparseLinear, check_weight_format, layer_nnz, resolve_sparsity, shape_problem
@@ -97,7 +99,7 @@ class ConversionReport:
 
 
 class Converted(NamedTuple):
-    """``(model, report)`` returned by :func:`convert`."""
+    """``(model, report)`` returned by :func:`convert` with ``return_report=True``."""
 
     model: nn.Module
     report: ConversionReport
@@ -154,9 +156,22 @@ def _disable_fused_encoder_path(module: nn.Module, args: tuple) -> None:
     tensors instead of calling the (now sparse) linear layers. Changes nothing else."""
 
 
-def convert(model: nn.Module, sparsity: float | None = None, method: str = "magnitude", format: str | Format = "csr",
-            include: type | tuple[type, ...] = (nn.Linear,), exclude: Exclude = None, min_features: int = 0,
-            inplace: bool = True, skip_slower: bool = False) -> Converted:
+@overload
+def convert(model: nn.Module, *, sparsity: float | None = ..., method: str = ..., format: str | Format = ...,
+            include: type | tuple[type, ...] = ..., exclude: Exclude = ..., min_features: int = ...,
+            inplace: bool = ..., skip_slower: bool = ..., return_report: Literal[False] = ...) -> nn.Module: ...
+
+
+@overload
+def convert(model: nn.Module, *, sparsity: float | None = ..., method: str = ..., format: str | Format = ...,
+            include: type | tuple[type, ...] = ..., exclude: Exclude = ..., min_features: int = ...,
+            inplace: bool = ..., skip_slower: bool = ..., return_report: Literal[True]) -> Converted: ...
+
+
+def convert(model: nn.Module, *, sparsity: float | None = None, method: str = "magnitude",
+            format: str | Format = "csr", include: type | tuple[type, ...] = (nn.Linear,), exclude: Exclude = None,
+            min_features: int = 0, inplace: bool = True, skip_slower: bool = False,
+            return_report: bool = False) -> nn.Module | Converted:
     """Replace matching ``nn.Linear`` submodules of ``model`` by :class:`SparseLinear`.
 
     Args:
@@ -176,11 +191,15 @@ def convert(model: nn.Module, sparsity: float | None = None, method: str = "magn
         skip_slower: keep dense a layer that the break-even model
             (:func:`predicted_speedup`, fitted to ``benchmarks/layers.py``) predicts to be
             slower sparse than dense for a forward+backward step at batch 64.
+        return_report: return ``Converted(model, report)`` instead of the model alone.
 
-    Returns ``Converted(model, report)``; ``report`` lists every matching layer with its
-    shape, kept nnz, format and the decision with its reason. Linear layers whose parent
-    reads their weight directly instead of calling them (``nn.MultiheadAttention.out_proj``)
-    are kept dense. A converted ``nn.TransformerEncoderLayer`` gets a no-op forward
+    Returns the converted model (``model`` itself when ``inplace``), or with
+    ``return_report`` a ``Converted(model, report)``; ``report`` lists every matching layer
+    with its shape, kept nnz, format and the decision with its reason. Kept dense: linear
+    layers whose parent reads their weight directly instead of calling them
+    (``nn.MultiheadAttention.out_proj``), layers whose weight or bias is tied to another
+    module's parameter (an LM head sharing its embedding's weight: a sparse copy would
+    untie them) and parametrized weights (``torch.nn.utils.parametrize``). A converted ``nn.TransformerEncoderLayer`` gets a no-op forward
     pre-hook and ``nn.TransformerEncoder.use_nested_tensor`` is set False, so that torch's
     fused inference path, which reads the dense ``linear1``/``linear2`` weights, is not
     taken.
@@ -202,6 +221,7 @@ def convert(model: nn.Module, sparsity: float | None = None, method: str = "magn
     sparse_versions: dict[int, nn.Module] = {}  # id of a converted Linear -> its SparseLinear
     references: list[tuple[nn.Module, str, nn.Module]] = []  # (parent, attribute, Linear), shared ones repeated
     decided: set[int] = set()
+    owners = _parameter_owners(model)
     parents = dict(model.named_modules(remove_duplicate=False))
     for name, module in model.named_modules(remove_duplicate=False):
         if not name or not isinstance(module, types):
@@ -211,8 +231,8 @@ def convert(model: nn.Module, sparsity: float | None = None, method: str = "magn
         if id(module) in decided:
             continue  # a shared layer: decided under its first name
         decided.add(id(module))
-        decision = _decide(name, module, parents[parent_name], sparsity, method, fmt, excluded, min_features,
-                           skip_slower)
+        decision = _decide(name, module, parents[parent_name], owners, sparsity, method, fmt, excluded,
+                           min_features, skip_slower)
         decisions.append(decision)
         if decision.converted:
             sparse_versions[id(module)] = SparseLinear.from_dense(module, sparsity, method, fmt)
@@ -226,16 +246,46 @@ def convert(model: nn.Module, sparsity: float | None = None, method: str = "magn
                 module.register_forward_pre_hook(_disable_fused_encoder_path)
         if isinstance(module, nn.TransformerEncoder) and _has_sparse(module):
             module.use_nested_tensor = False
-    return Converted(model, ConversionReport(tuple(decisions)))
+    if return_report:
+        return Converted(model, ConversionReport(tuple(decisions)))
+    return model
 
 
-def _decide(name: str, module: nn.Linear, parent: nn.Module, sparsity: float, method: str, fmt: Format,
-            excluded: Callable[[str, nn.Module], str | None], min_features: int, skip_slower: bool) -> LayerDecision:
+def _parameter_owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """For every parameter (by id): the ``(module, qualified name)`` of each of its places."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            owners.setdefault(id(param), []).append((module, f"{module_name}.{param_name}".lstrip(".")))
+    return owners
+
+
+def _tie(module: nn.Linear, owners: dict[int, list[tuple[nn.Module, str]]]) -> str | None:
+    """Why ``module``'s parameters are tied to another module's, or None. The same Linear
+    reached under two names is not a tie: it is replaced by one SparseLinear everywhere."""
+    for param_name in ("weight", "bias"):
+        param = module._parameters.get(param_name)
+        if param is None:
+            continue
+        others = sorted({name for owner, name in owners.get(id(param), ()) if owner is not module})
+        if others:
+            return (f"{param_name} is tied to {', '.join(others)} (a sparse copy would untie them); "
+                    "exclude the layer or untie the parameters to convert it")
+    return None
+
+
+def _decide(name: str, module: nn.Linear, parent: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]],
+            sparsity: float, method: str, fmt: Format, excluded: Callable[[str, nn.Module], str | None],
+            min_features: int, skip_slower: bool) -> LayerDecision:
     """Whether (and why) one Linear layer is converted."""
     out_features, in_features = module.weight.shape
     reason = excluded(name, module)
     if reason is None and isinstance(parent, nn.MultiheadAttention):
         reason = "nn.MultiheadAttention reads out_proj.weight directly instead of calling out_proj"
+    if reason is None and parametrize.is_parametrized(module):
+        reason = "its parameters are parametrized (torch.nn.utils.parametrize); a sparse copy would drop that"
+    if reason is None:
+        reason = _tie(module, owners)
     if reason is None and module.weight.dtype not in (torch.float32, torch.float64):
         reason = f"dtype {module.weight.dtype} (sparse layers support float32 and float64)"
     if reason is None and module.weight.device.type != "cpu":

@@ -10,7 +10,7 @@ from torch import nn
 
 import sparsenn
 from sparsenn import SparseLinear
-from sparsenn.convert import ConversionReport, predicted_speedup
+from sparsenn.convert import ConversionReport, Converted, predicted_speedup
 
 
 def masked_dense(model: nn.Module) -> nn.Module:
@@ -36,7 +36,7 @@ def test_mlp_outputs_match_masked_dense_and_it_trains():
     torch.manual_seed(0)
     model = mlp()
     original = copy.deepcopy(model)
-    converted, report = sparsenn.convert(model, sparsity=0.75)
+    converted, report = sparsenn.convert(model, sparsity=0.75, return_report=True)
     assert converted is model and count(model, SparseLinear) == 3 and count(model, nn.Linear) == 0
     assert [d.name for d in report.layers] == ["1.0", "2.0", "3"]
     assert report["1.0"].nnz == 36 * 32 // 4 and report["1.0"].format == "csr" and report["1.0"].converted
@@ -73,7 +73,7 @@ def test_classifier_head_exclude_and_copy():
     torch.manual_seed(1)
     model = SmallNet()
     converted, report = sparsenn.convert(model, sparsity=0.5, exclude=["classifier.3"], inplace=False,
-                                         format="csc", method="random")
+                                         format="csc", method="random", return_report=True)
     assert count(model, SparseLinear) == 0  # inplace=False leaves the original alone
     assert isinstance(converted.classifier[1], SparseLinear) and isinstance(converted.classifier[3], nn.Linear)
     assert isinstance(converted.features[0], nn.Conv2d)
@@ -86,7 +86,7 @@ def test_classifier_head_exclude_and_copy():
 def test_transformer_encoder_layer_train_and_fused_eval_paths():
     torch.manual_seed(2)
     layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
-    model, report = sparsenn.convert(layer, sparsity=0.8)
+    model, report = sparsenn.convert(layer, sparsity=0.8, return_report=True)
     assert isinstance(model.linear1, SparseLinear) and isinstance(model.linear2, SparseLinear)
     assert type(model.self_attn.out_proj) is not SparseLinear
     assert "MultiheadAttention reads out_proj.weight" in report["self_attn.out_proj"].reason
@@ -106,7 +106,7 @@ def test_transformer_encoder_with_padding_mask_in_eval():
         nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True), 2,
         enable_nested_tensor=False)
     encoder.use_nested_tensor = True  # as torch sets it when its layers qualify
-    model, report = sparsenn.convert(encoder, sparsity=0.5)
+    model, report = sparsenn.convert(encoder, sparsity=0.5, return_report=True)
     assert len(report.converted) == 4 and model.use_nested_tensor is False
     reference = masked_dense(model).eval()
     model.eval()
@@ -124,7 +124,7 @@ def test_nested_module_dict_predicate_and_min_features():
         "heads": nn.ModuleDict({"small": nn.Linear(20, 2), "big": nn.Linear(20, 30)}),
     })
     _, report = sparsenn.convert(model, sparsity=0.9, min_features=10,
-                                 exclude=lambda name, module: module.out_features == 20)
+                                 exclude=lambda name, module: module.out_features == 20, return_report=True)
     assert {d.name: d.converted for d in report.layers} == {
         "encoder.0": True, "encoder.2": False, "heads.small": False, "heads.big": True}
     assert report["encoder.2"].reason == "excluded by the exclude predicate"
@@ -138,7 +138,7 @@ def test_nested_module_dict_predicate_and_min_features():
 def test_exclude_glob_covers_a_subtree_and_shared_layers_convert_once():
     shared = nn.Linear(8, 8)
     model = nn.Sequential(shared, nn.ReLU(), shared, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
-    _, report = sparsenn.convert(model, sparsity=0.5, exclude="3")
+    _, report = sparsenn.convert(model, sparsity=0.5, exclude="3", return_report=True)
     assert [d.name for d in report.layers] == ["0", "3.0", "3.1"]
     assert report["3.1"].reason == "excluded by '3' (matches 3)"
     assert isinstance(model[0], SparseLinear) and model[0] is model[2]
@@ -152,7 +152,7 @@ def test_skip_slower_keeps_small_low_sparsity_layers_dense():
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2048))
     big = nn.Linear(2048, 2048)
     model.append(big)
-    _, report = sparsenn.convert(model, sparsity=0.99, skip_slower=True)
+    _, report = sparsenn.convert(model, sparsity=0.99, skip_slower=True, return_report=True)
     assert not report["0"].converted and "skip_slower" in report["0"].reason
     assert report["2"].converted and "modelled sparse speedup" in report["2"].reason
     assert isinstance(model[2], SparseLinear) and isinstance(model[0], nn.Linear)
@@ -160,7 +160,7 @@ def test_skip_slower_keeps_small_low_sparsity_layers_dense():
 
 def test_unsupported_dtype_is_kept_dense_with_a_reason():
     model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4))
-    _, report = sparsenn.convert(model, sparsity=0.5)
+    _, report = sparsenn.convert(model, sparsity=0.5, return_report=True)
     assert not report["0"].converted and "bfloat16" in report["0"].reason and report["1"].converted
 
 
@@ -192,7 +192,7 @@ def test_blocked_format_keeps_layers_the_block_does_not_divide_dense():
     model = nn.ModuleDict({"body": nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 64)),
                            "side": nn.Linear(50, 100)})
     original = copy.deepcopy(model)
-    converted, report = sparsenn.convert(model, sparsity=0.5, format="bsr(32,32)")
+    converted, report = sparsenn.convert(model, sparsity=0.5, format="bsr(32,32)", return_report=True)
     assert converted is model and [d.converted for d in report.layers] == [True, True, False]
     assert report["body.0"].format == "bsr(32,32)" and report["body.0"].nnz == 3 * 32 * 32  # 3 of 6 blocks
     assert report["side"].format == "dense" and report["side"].reason == "block (32,32) does not divide 100×50"
@@ -211,8 +211,8 @@ def test_blocked_format_keeps_layers_the_block_does_not_divide_dense():
 
 def test_blocked_converted_model_gradients_match_masked_dense():
     torch.manual_seed(7)
-    model, _ = sparsenn.convert(nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4)), sparsity=0.5,
-                                format="bsr(4,4)")
+    model = sparsenn.convert(nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 4)), sparsity=0.5,
+                             format="bsr(4,4)")
     reference = masked_dense(model)
     x = torch.randn(6, 8)
     model(x).square().sum().backward()
@@ -227,7 +227,7 @@ def test_nm_format_implies_the_sparsity_and_reports_it():
     torch.manual_seed(6)
     model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
     original = copy.deepcopy(model)
-    _, report = sparsenn.convert(model, format="nm(2,4)")
+    _, report = sparsenn.convert(model, format="nm(2,4)", return_report=True)
     assert [d.converted for d in report.layers] == [True, True, False]
     assert report["0"].format == "nm(2,4)" and report["0"].nnz == 64 and report["0"].sparsity == 0.5
     assert report["4"].reason == "groups of 4 inputs (nm(2,4)) do not divide in_features = 6"
@@ -244,10 +244,69 @@ def test_nm_format_implies_the_sparsity_and_reports_it():
 
 
 def test_default_sparsity_is_unchanged_for_unstructured_formats():
-    _, report = sparsenn.convert(nn.Sequential(nn.Linear(20, 10)))
+    _, report = sparsenn.convert(nn.Sequential(nn.Linear(20, 10)), return_report=True)
     assert report["0"].nnz == 20 and report["0"].format == "csr"
 
 
 def test_model_must_be_a_module():
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         sparsenn.convert(lambda x: x)
+
+
+class TinyLM(nn.Module):
+    """An embedding, a body and an LM head sharing the embedding's weight (as GPT-2's)."""
+
+    def __init__(self, vocab: int = 50, d: int = 16):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, 32), nn.GELU(), nn.Linear(32, d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens)))
+
+
+def test_returns_the_model_like_torch_ao_convert():
+    torch.manual_seed(8)
+    model = mlp()
+    converted = sparsenn.convert(model, sparsity=0.5)
+    assert converted is model and isinstance(converted[3], SparseLinear)
+    assert converted(torch.randn(2, 6, 6)).shape == (2, 5)
+    copied = sparsenn.convert(mlp(), sparsity=0.5, inplace=False, return_report=True)
+    assert isinstance(copied, Converted) and len(copied.report) == 3
+    with pytest.raises(TypeError, match="positional"):
+        sparsenn.convert(mlp(), 0.5)  # sparsity and everything after the model are keyword-only
+
+
+def test_a_head_tied_to_the_embedding_stays_dense_and_tied():
+    torch.manual_seed(9)
+    model = TinyLM()
+    tokens = torch.randint(0, 50, (3, 7))
+    converted, report = sparsenn.convert(model, sparsity=0.5, return_report=True)
+    assert not report["head"].converted
+    assert report["head"].reason.startswith("weight is tied to embed.weight (a sparse copy would untie them)")
+    assert report["body.0"].converted and report["body.2"].converted
+    assert converted.head.weight is converted.embed.weight  # still tied
+    converted(tokens).sum().backward()
+    assert converted.embed.weight.grad is not None
+    assert "dense: weight is tied to embed.weight" in str(report)
+    copied = sparsenn.convert(TinyLM(), sparsity=0.5, inplace=False)  # deepcopy keeps the tie
+    assert copied.head.weight is copied.embed.weight and isinstance(copied.head, nn.Linear)
+
+
+def test_linears_sharing_a_parameter_stay_dense_but_one_shared_linear_converts():
+    first, second = nn.Linear(8, 8), nn.Linear(8, 8)
+    second.bias = first.bias
+    shared = nn.Linear(8, 8)
+    model = nn.Sequential(first, second, shared, shared)
+    _, report = sparsenn.convert(model, sparsity=0.5, return_report=True)
+    assert "bias is tied to 1.bias" in report["0"].reason and "bias is tied to 0.bias" in report["1"].reason
+    assert report["2"].converted and model[2] is model[3] and isinstance(model[2], SparseLinear)
+
+
+def test_a_parametrized_weight_stays_dense():
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)), nn.Linear(8, 4))
+    _, report = sparsenn.convert(model, sparsity=0.5, return_report=True)
+    assert not report["0"].converted and "parametrized" in report["0"].reason
+    assert report["1"].converted

@@ -36,8 +36,8 @@ def dense_moe(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
 
 def layer(d=12, h=20, experts=4, k=2, bias=False, dtype=torch.float32, seed=0, **gate):
     torch.manual_seed(seed)
-    gate_module = SparseMoEGate(d, experts, k, dtype=dtype, **gate) if gate else None
-    moe = SparseMoE(d, h, experts, k, gate=gate_module, bias=bias, dtype=dtype)
+    gate_module = SparseMoEGate(d, experts, k=k, dtype=dtype, **gate) if gate else None
+    moe = SparseMoE(d, h, experts, k=k, gate=gate_module, bias=bias, dtype=dtype)
     if bias:
         with torch.no_grad():
             moe.b1.normal_()

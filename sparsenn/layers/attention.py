@@ -137,7 +137,7 @@ class BlockSparseAttention(nn.Module):
     sparse pattern; it gets exact dense attention (with a one-time warning).
     """
 
-    def __init__(self, embed_dim: int, num_heads: int, block_size: int = 64, num_global_blocks: int = 2,
+    def __init__(self, embed_dim: int, num_heads: int, *, block_size: int = 64, num_global_blocks: int = 2,
                  num_window_blocks: int = 3, num_random_blocks: int = 2, dropout: float = 0.0, bias: bool = True,
                  batch_first: bool = True, seed: int | None = None, fixed_pattern: bool = False) -> None:
         super().__init__()

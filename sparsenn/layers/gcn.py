@@ -4,10 +4,13 @@ propagated through a compiled sparse-times-dense einsum."""
 from __future__ import annotations
 
 import numbers
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import SparseTensor
@@ -68,7 +71,10 @@ class SparseGCNConv(nn.Module):
     backward is faster than einsum's.
 
     Args:
-        in_channels, out_channels: feature sizes.
+        in_channels, out_channels: feature sizes; ``in_channels=-1`` (as in PyG) leaves the
+            weight uninitialised (``nn.parameter.UninitializedParameter``) until the first
+            forward sets ``in_channels`` from ``x`` and initialises it; run one forward
+            before building the optimizer. Every later argument is keyword-only.
         improved: self-loop weight 2 instead of 1.
         cached: normalise on the first call and reuse that adjacency afterwards (for a
             fixed graph, transductive learning); :meth:`reset_cache` forgets it.
@@ -79,21 +85,35 @@ class SparseGCNConv(nn.Module):
 
     ``forward(x, edge_index, edge_weight=None)``: ``x`` is a dense ``(N, in_channels)``
     tensor or a SparseTensor (sparse features such as bag-of-words: ``X Wᵀ`` is then a
-    sparse-times-dense product too); the graph is an ``edge_index`` ``(2, E)`` integer tensor or an ``(N, N)``
-    SparseTensor adjacency ``A[source, target]`` (as built by ``sparsenn.from_edge_index``),
-    whose values are the edge weights. Gradients flow to ``x``, the parameters, and
+    sparse-times-dense product too). The graph is one of
+
+    * an ``edge_index`` ``(2, E)`` integer tensor, with optional ``edge_weight`` ``(E,)``;
+    * PyG's ``adj_t``: a torch ``sparse_csr`` or ``sparse_coo`` ``(N, N)`` tensor holding
+      the *transposed* adjacency ``adj_t[target, source]`` (what
+      ``torch_geometric.transforms.ToSparseTensor`` produces), values the edge weights;
+    * an ``(N, N)`` SparseTensor adjacency ``A[source, target]`` (as built by
+      ``sparsenn.from_edge_index``), values the edge weights.
+
+    Self-loops are added as for ``edge_index`` in every case: a node's existing loop keeps
+    its weight (PyG's ``adj_t`` path instead adds the fill value to it, so the two differ
+    on graphs with self-loops). Gradients flow to ``x``, the parameters, and
     ``edge_weight`` (or the adjacency's values) when they require grad.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, improved: bool = False, cached: bool = False,
+    def __init__(self, in_channels: int, out_channels: int, *, improved: bool = False, cached: bool = False,
                  add_self_loops: bool | None = None, normalize: bool = True, bias: bool = True,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            if value <= 0 and not (name == "in_channels" and value == -1):
+                raise ValueError(f"{name} must be positive{' or -1 (lazy)' if name == 'in_channels' else ''}, "
+                                 f"got {value}")
+        for name, flag in (("improved", improved), ("cached", cached), ("add_self_loops", add_self_loops),
+                           ("normalize", normalize), ("bias", bias)):
+            if not isinstance(flag, bool) and not (name == "add_self_loops" and flag is None):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if add_self_loops is None:
             add_self_loops = normalize
         if add_self_loops and not normalize:
@@ -104,7 +124,10 @@ class SparseGCNConv(nn.Module):
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.improved, self.cached = bool(improved), bool(cached)
         self.add_self_loops, self.normalize = bool(add_self_loops), bool(normalize)
-        self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, dtype=dtype))
+        if self.in_channels == -1:
+            self.weight = nn.parameter.UninitializedParameter(dtype=dtype)
+        else:
+            self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, dtype=dtype))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_channels, dtype=dtype))
         else:
@@ -113,8 +136,10 @@ class SparseGCNConv(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Glorot-uniform weight and zero bias (as PyG), and forget the cached adjacency."""
-        nn.init.xavier_uniform_(self.weight)
+        """Glorot-uniform weight (once initialised) and zero bias (as PyG), and forget the
+        cached adjacency."""
+        if not is_lazy(self.weight):
+            nn.init.xavier_uniform_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
         self.reset_cache()
@@ -130,6 +155,17 @@ class SparseGCNConv(nn.Module):
     def forward(self, x: Tensor | SparseTensor, edge_index: Tensor | SparseTensor,
                 edge_weight: Tensor | None = None) -> Tensor:
         """``Â X Wᵀ + b`` with ``Â`` the (normalised) adjacency of the graph; see the class docstring."""
+        num_nodes, dtype = self._checked_features(x)
+        adjacency = self.adjacency(edge_index, edge_weight, num_nodes, dtype)
+        if isinstance(x, SparseTensor):
+            # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
+            return self._propagate(adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
+        if self.out_channels <= self.in_channels:
+            return self._propagate(adjacency, F.linear(x, self.weight))
+        return F.linear(einsum("ts,si->ti", adjacency, x), self.weight, self.bias)
+
+    def _checked_features(self, x: object) -> tuple[int, torch.dtype]:
+        """``(num_nodes, dtype)`` of valid node features ``x``; initialises a lazy weight."""
         if isinstance(x, SparseTensor):
             shape, dtype = x.shape, x.dtype
         elif isinstance(x, Tensor) and x.layout == torch.strided:
@@ -137,17 +173,62 @@ class SparseGCNConv(nn.Module):
         else:
             raise TypeError(f"x must be a dense torch.Tensor or a SparseTensor of node features, got "
                             f"{type(x).__name__}{'' if not isinstance(x, Tensor) else f' with layout {x.layout}'}")
-        if len(shape) != 2 or shape[1] != self.in_channels:
+        if len(shape) != 2:
+            raise ValueError(f"x must have shape (num_nodes, in_channels), got {shape}")
+        if is_lazy(self.weight):
+            self._initialise(shape[1])
+        if shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
         if dtype != self.weight.dtype:
             raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
-        adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
-        if isinstance(x, SparseTensor):
-            # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
-            return self._propagate(adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
-        if self.out_channels <= self.in_channels:
-            return self._propagate(adjacency, F.linear(x, self.weight))
-        return F.linear(einsum("ts,si->ti", adjacency, x), self.weight, self.bias)
+        return shape[0], dtype
+
+    def _initialise(self, in_channels: int) -> None:
+        """Materialise a lazy weight for ``in_channels`` inputs and initialise it."""
+        if in_channels <= 0:
+            raise ValueError(f"x must have at least one feature to initialise in_channels=-1, got {in_channels}")
+        self.in_channels = in_channels
+        with torch.no_grad():
+            self.weight.materialize((self.out_channels, in_channels))
+            nn.init.xavier_uniform_(self.weight)
+
+    # ------------------------------------------------------------------ state_dict of a lazy layer
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        """An uninitialised weight is saved uninitialised (as torch's and PyG's lazy layers
+        do), as a new object unless ``keep_vars``: initialising the layer later must not
+        change a state dict taken before."""
+        if not is_lazy(self.weight):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            return
+        destination[prefix + "weight"] = (self.weight if keep_vars
+                                          else nn.parameter.UninitializedParameter(dtype=self.weight.dtype))
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict,
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        """A saved initialised weight initialises a lazy layer (``in_channels`` from its
+        shape); a saved uninitialised one makes this layer lazy again (as PyG)."""
+        key = prefix + "weight"
+        saved = state_dict.get(key)
+        if isinstance(saved, Tensor) and is_lazy(saved):
+            self.in_channels = -1
+            self.weight = nn.parameter.UninitializedParameter(dtype=self.weight.dtype)
+            state_dict = {k: v for k, v in state_dict.items() if k != key}
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+            missing_keys.remove(key)
+            return
+        if isinstance(saved, Tensor) and saved.dim() == 2 and is_lazy(self.weight):
+            if saved.shape[0] != self.out_channels:
+                error_msgs.append(f"size mismatch for {key}: the saved weight has shape {tuple(saved.shape)}, "
+                                  f"this layer has out_channels={self.out_channels}")
+                return
+            self.in_channels = saved.shape[1]
+            self.weight.materialize((self.out_channels, self.in_channels))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def _propagate(self, adjacency: SparseTensor, h: Tensor) -> Tensor:
         """``Â H (+ b)``: the bias is added to each output row by the kernel that
@@ -195,6 +276,11 @@ class SparseGCNConv(nn.Module):
                 raise TypeError(f"adjacency values have dtype {edge_index.dtype} but x has {dtype}")
             indices, values = edge_index.coords()
             return indices[0], indices[1], values
+        if isinstance(edge_index, Tensor) and edge_index.layout != torch.strided:
+            return SparseGCNConv._transposed_adjacency(edge_index, edge_weight, num_nodes, dtype)
+        if type(edge_index).__module__.startswith("torch_sparse"):
+            raise TypeError("a torch_sparse.SparseTensor adj_t is not supported; pass "
+                            "adj_t.to_torch_sparse_csr_tensor() (PyG's torch.sparse layout) instead")
         if not isinstance(edge_index, Tensor):
             raise TypeError(f"edge_index must be a (2, E) integer tensor or a SparseTensor, "
                             f"got {type(edge_index).__name__}")
@@ -220,3 +306,21 @@ class SparseGCNConv(nn.Module):
             if edge_weight.dtype != dtype:
                 raise TypeError(f"edge_weight has dtype {edge_weight.dtype} but x has {dtype}")
         return edge_index[0], edge_index[1], edge_weight
+
+    @staticmethod
+    def _transposed_adjacency(adj_t: Tensor, edge_weight: Tensor | None, num_nodes: int,
+                              dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """``(source, target, weight)`` of PyG's ``adj_t[target, source]`` (torch CSR or COO)."""
+        if adj_t.layout not in (torch.sparse_csr, torch.sparse_coo):
+            raise TypeError(f"a torch sparse adj_t must have layout torch.sparse_csr or torch.sparse_coo (PyG's "
+                            f"transposed adjacency), got {adj_t.layout}")
+        if edge_weight is not None:
+            raise ValueError("edge_weight must be None when the graph is a sparse adj_t (its values are the "
+                             "edge weights)")
+        if tuple(adj_t.shape) != (num_nodes, num_nodes):
+            raise ValueError(f"adj_t has shape {tuple(adj_t.shape)}, expected ({num_nodes}, {num_nodes}) for x with "
+                             "that many rows")
+        if adj_t.dtype != dtype:
+            raise TypeError(f"adj_t values have dtype {adj_t.dtype} but x has {dtype}")
+        indices, values = SparseTensor.from_torch(adj_t).coords()
+        return indices[1], indices[0], values

@@ -212,7 +212,7 @@ class SparseLinear(nn.Module):
 
     Args:
         in_features, out_features: sizes of the input and output features.
-        bias: learn an additive bias.
+        bias: learn an additive bias (keyword-only, as every argument after the sizes).
         sparsity: fraction of weights removed for ``pattern="random"`` (default 0.9; for
             ``nm(n,m)`` None or ``1 - n/m``); must be None for a given pattern, whose size
             fixes the sparsity.
@@ -233,16 +233,19 @@ class SparseLinear(nn.Module):
     inputs each output keeps; the bias uses the same bound.
 
     Inputs: a dense tensor ``(..., in_features)`` (leading dims flattened and restored), or a
-    rank-2 SparseTensor ``(batch, in_features)`` (sparse activations); the output is always a
-    dense tensor ``(..., out_features)``.
+    rank-2 SparseTensor or torch sparse tensor (COO, CSR, CSC, BSR, BSC; converted by
+    ``sparsenn.from_torch``) ``(batch, in_features)`` of sparse activations; the output is
+    always a dense tensor ``(..., out_features)``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, sparsity: float | None = None,
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True, sparsity: float | None = None,
                  format: str | Format = "csr", pattern: str | Tensor = "random",
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if dtype not in _VALUE_DTYPES:
             raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -327,26 +330,37 @@ class SparseLinear(nn.Module):
         ``(1, batch)``), so a batch-major input is transposed once per call while the
         output of another SparseLinear (or of elementwise ops on it, which keep its
         strides) is read as it is."""
+        x = self._checked_input(x)
+        if isinstance(x, SparseTensor):
+            # Dense whatever the formats: a product of two sparse operands is sparse.
+            return self._affine(x)
+        # Dense whatever the weight's format: one that stores o in a compressed level
+        # (csc, coo, dcsr, dcsc) makes the product sparse in o.
+        return self._affine(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def _checked_input(self, x: object) -> Tensor | SparseTensor:
+        """``x`` validated against the layer; a torch sparse tensor (COO, CSR, CSC, BSR,
+        BSC) becomes a SparseTensor of its natural format (``sparsenn.from_torch``)."""
         dtype = self.weight_values.dtype
+        if isinstance(x, Tensor) and x.layout != torch.strided:
+            if x.dim() != 2:
+                raise ValueError(f"a torch sparse input must have shape (batch, {self.in_features}), got "
+                                 f"{tuple(x.shape)} ({x.layout})")
+            try:
+                x = SparseTensor.from_torch(x)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"torch sparse input ({x.layout}) cannot be converted: {exc}") from None
         if isinstance(x, SparseTensor):
             if x.ndim != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"sparse input must have shape (batch, {self.in_features}), got {x.shape}")
-            if x.dtype != dtype:
-                raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
-            # Dense whatever the formats: a product of two sparse operands is sparse.
-            out = self._affine(x)
         elif isinstance(x, Tensor):
             if x.dim() == 0 or x.shape[-1] != self.in_features:
                 raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-            if x.dtype != dtype:
-                raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
-            flat = x.reshape(-1, self.in_features)
-            # Dense whatever the weight's format: one that stores o in a compressed level
-            # (csc, coo, dcsr, dcsc) makes the product sparse in o.
-            out = self._affine(flat).reshape(*x.shape[:-1], self.out_features)
         else:
             raise TypeError(f"input must be a torch.Tensor or a SparseTensor, got {type(x).__name__}")
-        return out
+        if x.dtype != dtype:
+            raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
+        return x
 
     def _affine(self, x: Tensor | SparseTensor) -> Tensor:
         """``x W^T (+ b)`` for a 2-D input, dense: the bias is added to each output

@@ -160,7 +160,7 @@ class SparseMoEGate(nn.Module):
     Returns a :class:`GateOutput`.
     """
 
-    def __init__(self, d_model: int, num_experts: int, k: int = 2, noise: Noise = "none",
+    def __init__(self, d_model: int, num_experts: int, *, k: int = 2, noise: Noise = "none",
                  capacity_factor: float | None = None, normalize: bool = True,
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -228,7 +228,7 @@ class SparseMoE(nn.Module):
     ``find_unused_parameters`` is not needed.
     """
 
-    def __init__(self, d_model: int, d_hidden: int, num_experts: int, k: int = 2, activation: str = "gelu",
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, *, k: int = 2, activation: str = "gelu",
                  gate: SparseMoEGate | None = None, bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.d_model = _check_int("d_model", d_model, 1)
@@ -237,7 +237,7 @@ class SparseMoE(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
         if gate is None:
-            gate = SparseMoEGate(d_model, num_experts, k, dtype=dtype)
+            gate = SparseMoEGate(d_model, num_experts, k=k, dtype=dtype)
         elif not isinstance(gate, SparseMoEGate):
             raise TypeError(f"gate must be a SparseMoEGate or None, got {type(gate).__name__}")
         elif (gate.d_model, gate.num_experts, gate.k) != (self.d_model, self.num_experts, k):
