@@ -320,6 +320,9 @@ class SparseLinear(nn.Module):
         The pattern is wrapped once and reused while the buffers are the same, unedited
         tensors (``load_state_dict`` and ``.to()`` edit or replace them)."""
         pos, crd = self._arrays("pos"), self._arrays("crd")
+        if torch.compiler.is_compiling():  # the traced op validates the buffers it is given
+            return SparseTensor((self.out_features, self.in_features), self._format, pos, crd, self.weight_values,
+                                check=False)
         pattern = self.__dict__.get("_pattern")
         if not _wraps(pattern, self._format, pos + crd):
             pattern = SparseTensor((self.out_features, self.in_features), self._format, pos, crd,
