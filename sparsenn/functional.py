@@ -28,6 +28,7 @@ import torch
 from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
 from sparsenn.formats import SparseTensor
 
 __all__ = ["softmax", "log_softmax"]
@@ -74,9 +75,24 @@ def _kernels(rank: int, dim: int) -> _Kernels:
     )
 
 
-def _sampled(assignment: Assignment, pattern: SparseTensor, operands: list) -> torch.Tensor:
-    """Values of ``assignment`` on ``pattern``'s stored positions, in storage order."""
-    return evaluate(assignment, operands, pattern.format).values
+def _kernel(rank: int, dim: int, name: str) -> Assignment:
+    return getattr(_kernels(rank, dim), name)
+
+
+register_kernels("softmax", _kernel)
+
+
+def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_format) -> torch.Tensor | SparseTensor:
+    """Kernel ``kernel`` of softmax along ``dim`` of tensors shaped like ``pattern``; while
+    traced, a ``sparsenn::evaluate`` op naming it (``compiler/runtime/ops.py``)."""
+    if tracing():
+        return traced_evaluate(None, operands, out_format, ("kernel", "softmax", pattern.ndim, dim, kernel))
+    return evaluate(_kernel(pattern.ndim, dim, kernel), operands, out_format)
+
+
+def _sampled(kernel: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor:
+    """Values of kernel ``kernel`` on ``pattern``'s stored positions, in storage order."""
+    return _run(kernel, pattern, dim, operands, pattern.format).values
 
 
 class _Softmax(torch.autograd.Function):
@@ -84,18 +100,17 @@ class _Softmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
-        kernels = _kernels(pattern.ndim, dim)
         s = pattern.with_values(values)
-        m = evaluate(kernels.max, [s], "dense")
+        m = _run("max", s, dim, [s], "dense")
         if log:
-            z = evaluate(kernels.sum_exp, [s, m], "dense")
-            out = _sampled(kernels.shift, s, [s, m, torch.log(z)])
+            z = _run("sum_exp", s, dim, [s, m], "dense")
+            out = _sampled("shift", s, dim, [s, m, torch.log(z)])
         else:
-            e = s.with_values(_sampled(kernels.exp, s, [s, m]))
-            z = evaluate(kernels.row_sum, [e], "dense")
-            out = _sampled(kernels.normalise, s, [e, z])
+            e = s.with_values(_sampled("exp", s, dim, [s, m]))
+            z = _run("row_sum", s, dim, [e], "dense")
+            out = _sampled("normalise", s, dim, [e, z])
         ctx.save_for_backward(out)
-        ctx.pattern, ctx.kernels, ctx.log = pattern, kernels, log
+        ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
         return out
 
     @staticmethod
@@ -103,14 +118,17 @@ class _Softmax(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("sparsenn.softmax: higher-order gradients (create_graph=True) are not supported")
         (out,) = ctx.saved_tensors
-        kernels, pattern = ctx.kernels, ctx.pattern
-        d_out, result = pattern.with_values(grad.contiguous()), pattern.with_values(out)
+        pattern, dim = ctx.pattern, ctx.dim
+        # _share, not with_values: both are values of this pattern, and a traced backward
+        # may not inspect tensors as with_values' checks do.
+        d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
+        result = pattern._share(pattern.shape, pattern.format, out)
         if ctx.log:
-            g = evaluate(kernels.row_sum, [d_out], "dense")
-            d_values = _sampled(kernels.log_softmax_grad, pattern, [d_out, result, g])
+            g = _run("row_sum", pattern, dim, [d_out], "dense")
+            d_values = _sampled("log_softmax_grad", pattern, dim, [d_out, result, g])
         else:
-            g = evaluate(kernels.dot, [d_out, result], "dense")
-            d_values = _sampled(kernels.softmax_grad, pattern, [d_out, result, g])
+            g = _run("dot", pattern, dim, [d_out, result], "dense")
+            d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
         return d_values, None, None, None
 
 

@@ -34,6 +34,7 @@ from sparsenn.formats import SparseTensor
 
 from .functions import apply, derivative
 from .notation import Access, Apply, Assignment, Constant, Factor, Reduced, Term, Value
+from .runtime.ops import traced_evaluate, tracing
 
 __all__ = ["differentiable_evaluate"]
 
@@ -194,6 +195,12 @@ def _without_epilogue(assignment: Assignment) -> tuple[Assignment, Assignment, t
     return reduced, Assignment(assignment.output, (Term(1.0, factors, _substituted(epilogue.value)),), names), read
 
 
+@torch.compiler.assume_constant_result
+def _epilogue_reads(assignment: Assignment) -> tuple[int, ...]:
+    """The operands an epilogue reads (:func:`_without_epilogue`), a constant for tracers."""
+    return _without_epilogue(assignment)[2]
+
+
 def _substituted(value: Value) -> Value:
     """An epilogue's value as a term's: the reduced value is factor 0, epilogue factor
     ``k`` is ``k + 1``."""
@@ -232,34 +239,66 @@ class _SparseEinsum(torch.autograd.Function):
             *tensors, result = tensors
         operands = spec.rebuild(tensors)
         grad_out = spec.result.with_values(grad.contiguous()) if spec.result is not None else grad.contiguous()
-        grads = []
-        read = {a.operand for a in spec.assignment.accesses}
-        for n, needed in enumerate(ctx.needs_input_grad[1:]):
-            if not needed or n not in read:  # an operand no factor reads gets no gradient
-                grads.append(None)
-                continue
-            assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
-            g = spec.evaluate(assignment, inputs, out_format)
-            template = spec.templates[n]
-            if isinstance(g, SparseTensor):
-                g = g.values
-                assert g.shape == tensors[n].shape, "sampled gradient lost positions of its pattern"
-            elif template is not None:  # a dense-format SparseTensor: values in storage order
-                g = g.permute(template.format.mode_order).reshape(-1)
-            grads.append(g)
+        wanted = [n for n, needed in enumerate(ctx.needs_input_grad[1:]) if needed]
+        grads: list = [None] * len(tensors)
+        for n, g in zip(wanted, _gradients(spec, operands, grad_out, result, wanted)):
+            grads[n] = g
         return (None, *grads)
+
+
+def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
+    """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
+    values (sparse) or like it (dense); None for an operand no factor reads."""
+    read = {a.operand for a in spec.assignment.accesses}
+    grads = []
+    for n in wanted:
+        if n not in read:
+            grads.append(None)
+            continue
+        assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
+        g = spec.evaluate(assignment, inputs, out_format)
+        template = spec.templates[n]
+        if isinstance(g, SparseTensor):
+            g = g.values
+            assert g.shape == template.values.shape, "sampled gradient lost positions of its pattern"
+        elif template is not None:  # a dense-format SparseTensor: values in storage order
+            g = g.permute(template.format.mode_order).reshape(-1)
+        grads.append(g)
+    return grads
+
+
+def operand_gradients(assignment: Assignment, operands: Sequence, out_format, grad_out, result,
+                      wanted: Sequence[int]) -> list:
+    """The gradients :class:`_SparseEinsum` computes, for a call recorded outside torch's
+    autograd (a traced ``sparsenn::evaluate`` op): ``grad_out`` and ``result`` shaped as
+    the call's result."""
+    from .runtime.evaluate import evaluate
+
+    templates = [op if isinstance(op, SparseTensor) else None for op in operands]
+    spec = _Spec(assignment, None, templates, out_format, evaluate)
+    return _gradients(spec, list(operands), grad_out, result, wanted)
 
 
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
     dense operand or sparse operand's values require grad. An epilogue is then run as a
     second, elementwise assignment over the saved reduced values (see
-    :func:`_without_epilogue`)."""
+    :func:`_without_epilogue`). Under a tracer each evaluation is one
+    ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
+    traced = tracing()
+    if traced:
+        evaluate = traced_evaluate
     if not torch.is_grad_enabled() or not any(
         (op.values if isinstance(op, SparseTensor) else op).requires_grad
         for op in operands if isinstance(op, (SparseTensor, torch.Tensor))
     ):
         return evaluate(assignment, operands, out_format)
+    if traced:  # each op's autograd formula records its gradients
+        if assignment.epilogue is None:
+            return evaluate(assignment, operands, out_format)
+        pre = evaluate(assignment, operands, "dense", ("reduced",))
+        return evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
+                        ("epilogue",))
     if assignment.epilogue is not None:
         reduced, apply_epilogue, read = _without_epilogue(assignment)
         pre = differentiable_evaluate(evaluate, reduced, operands, "dense")

@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
     """What identifies an index array's contents: its data address (changed when the
     array or its ``.data`` is replaced) and its in-place modification counter (None for
-    inference-mode tensors, which torch does not version). None for no array."""
-    if array is None:
+    inference-mode tensors, which torch does not version). None for no array, and while
+    ``torch.compile``/``torch.export`` trace (arrays are fake; the traced op validates the
+    real ones, ``compiler/runtime/ops.py``)."""
+    if array is None or torch.compiler.is_compiling():
         return None
     return array.data_ptr(), None if array.is_inference() else array._version
 
@@ -158,6 +160,8 @@ class SparseTensor(Constructors):
         replaced) since construction, or ``values`` no longer has one entry per stored
         position. With the attributes immutable, this is all that can break the
         structure a kernel trusts; it costs O(number of levels)."""
+        if torch.compiler.is_compiling():  # fake arrays: the traced op checks the real ones
+            return
         for array, version in zip(self._index_arrays, self._versions):
             if (array.data_ptr(), None if array.is_inference() else array._version) != version:
                 raise ValueError("index arrays of this SparseTensor were modified in place or replaced after "

@@ -13,13 +13,14 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from sparsenn.compiler import compile_expression, einsum
-from sparsenn.formats import SparseTensor
+from sparsenn.formats import SparseTensor, parse_format
 
 __all__ = ["SparseGCNConv", "gcn_norm"]
 
 _PROPAGATE = compile_expression("Y[t,o] = A[t,s] * H[s,o] + bias[o]", out_format="dense")
 
 _VALUE_DTYPES = (torch.float32, torch.float64)
+_CSR = parse_format("csr", 2)  # parsed here: traced code must not build formats
 
 
 def gcn_norm(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: bool = False,
@@ -51,6 +52,42 @@ def gcn_norm(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, imp
     inv_sqrt = degree.pow(-0.5)
     inv_sqrt = inv_sqrt.masked_fill(torch.isinf(inv_sqrt), 0.0)
     return torch.stack([source, target]), inv_sqrt[source] * weight * inv_sqrt[target]
+
+
+def _adjacency(source: Tensor, target: Tensor, weight: Tensor | None, num_nodes: int, improved: bool,
+               add_self_loops: bool, normalize: bool, dtype: torch.dtype) -> SparseTensor:
+    """The CSR propagation matrix ``Â[target, source]`` of validated edges."""
+    edges = torch.stack([source, target])
+    if normalize:
+        edges, weight = gcn_norm(edges, weight, num_nodes, improved, add_self_loops, dtype)
+    elif weight is None:
+        weight = torch.ones(edges.shape[1], dtype=dtype)
+    return SparseTensor.from_coo(edges.flip(0), weight, (num_nodes, num_nodes), format="csr",
+                                 index_dtype=_adjacency_index_dtype(edges.shape[1], num_nodes))
+
+
+def _adjacency_index_dtype(num_edges: int, num_nodes: int) -> torch.dtype:
+    """int32 unless the nodes or the stored entries (at most the edges plus a self-loop
+    per node) could reach 2**31: known before the entries are."""
+    return torch.int32 if num_edges + 2 * num_nodes < 2**31 - 1 else torch.int64
+
+
+@torch.library.custom_op("sparsenn::gcn_adjacency", mutates_args=())
+def _adjacency_op(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: bool,
+                  add_self_loops: bool, normalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pos, crd, values)`` of :func:`_adjacency` for a traced :class:`SparseGCNConv`."""
+    source, target, weight = SparseGCNConv._edges(edge_index, edge_weight, num_nodes, dtype)
+    adjacency = _adjacency(source, target, weight, num_nodes, improved, add_self_loops, normalize, dtype)
+    return adjacency.pos[1].clone(), adjacency.crd[1].clone(), adjacency.values.clone()
+
+
+@_adjacency_op.register_fake
+def _(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: bool, add_self_loops: bool,
+      normalize: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    stored = torch.library.get_ctx().new_dynamic_size()
+    index = _adjacency_index_dtype(edge_index.shape[1], num_nodes)
+    return (edge_index.new_empty(num_nodes + 1, dtype=index), edge_index.new_empty(stored, dtype=index),
+            edge_index.new_empty(stored, dtype=dtype))
 
 
 class SparseGCNConv(nn.Module):
@@ -247,16 +284,21 @@ class SparseGCNConv(nn.Module):
                 raise ValueError(f"the cached adjacency has {cached.shape[0]} nodes but x has {num_nodes} rows; "
                                  "call reset_cache() before using another graph")
             return cached
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            # Its size depends on the data: one opaque op, computed per call (an eager
+            # call before tracing fills the cache, which the traced program then reads).
+            if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided:
+                raise NotImplementedError("a traced SparseGCNConv takes the graph as an edge_index tensor (a "
+                                          "sparse adj_t or SparseTensor adjacency only in eager mode)")
+            pos, crd, values = torch.ops.sparsenn.gcn_adjacency(
+                edge_index, edge_weight, num_nodes, self.improved, self.add_self_loops, self.normalize, dtype)
+            return SparseTensor((num_nodes, num_nodes), _CSR, (None, pos), (None, crd), values, check=False)
         source, target, weight = self._edges(edge_index, edge_weight, num_nodes, dtype)
         if self.cached and weight is not None and weight.requires_grad:
             raise ValueError("cached=True cannot cache an adjacency whose edge weights require grad "
                              "(the cache would hold a stale autograd graph); use cached=False")
-        edges = torch.stack([source, target])
-        if self.normalize:
-            edges, weight = gcn_norm(edges, weight, num_nodes, self.improved, self.add_self_loops, dtype)
-        elif weight is None:
-            weight = torch.ones(edges.shape[1], dtype=dtype)
-        adjacency = SparseTensor.from_coo(edges.flip(0), weight, (num_nodes, num_nodes), format="csr")
+        adjacency = _adjacency(source, target, weight, num_nodes, self.improved, self.add_self_loops,
+                               self.normalize, dtype)
         if self.cached:
             self._cached_adjacency = adjacency
         return adjacency

@@ -1,0 +1,354 @@
+"""The compiler as ``torch.library`` custom ops, for ``torch.compile``, ``torch.export``
+and ``torch.jit.trace``.
+
+A tracer cannot run the planner (Python objects, data-dependent validation, ctypes), so
+while tracing, :func:`traced_evaluate` replaces each evaluation of an assignment by
+``sparsenn::evaluate(call, tensors)``:
+
+* ``call`` encodes a :class:`CallSpec` (the assignment, each operand's layout — dense, or
+  a sparse format and index dtype — the requested format and whose pattern the result
+  has), computed once per traced call site from constants only;
+* ``tensors`` are the operands' index arrays, values and dense tensors, flattened, and
+  ``shapes`` the sparse operands' shapes (symbolic under dynamic shapes).
+
+Its kernel rebuilds the :class:`SparseTensor` s (index arrays validated once per version,
+so a module whose pattern buffers were edited raises instead of crashing) and evaluates
+as in eager mode; its fake kernel derives the result's shape from the spec; its autograd
+formula is ``sparsenn::evaluate_backward``, which runs the compiler's own gradient
+expressions (:mod:`..autograd`). A dense result is returned contiguous, a sparse one as
+its values on the pattern of operand ``CallSpec.anchor``.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sparsenn.formats import Format, SparseTensor
+from sparsenn.formats.tensor import array_version
+
+from ..notation import Assignment
+from .cache import LRUCache
+from .evaluate import evaluate
+
+__all__ = ["CallSpec", "Layout", "derived", "register_kernels", "traced_evaluate", "tracing"]
+
+
+def tracing() -> bool:
+    """Whether a tracer (``torch.compile``/``torch.export`` or ``torch.jit.trace``) is
+    recording the current call."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A sparse operand's structure, all but its shape and arrays: ``shares`` is the
+    earlier operand whose index arrays it uses (then only its values are passed), or None."""
+
+    format: Format
+    index_dtype: torch.dtype
+    shares: int | None = None
+
+    @property
+    def num_arrays(self) -> int:
+        """Index arrays passed for it: one per ``pos``/``crd`` its levels store."""
+        if self.shares is not None:
+            return 0
+        return sum(int(level.has_pos) + int(level.has_crd) for level in self.format.levels)
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """One traced evaluation: ``assignment`` over operands of ``layouts`` (None: dense),
+    ``out_format`` requested; the result is dense when ``anchor`` is None, else values
+    on operand ``anchor``'s pattern."""
+
+    assignment: Assignment
+    layouts: tuple[Layout | None, ...]
+    out_format: object
+    anchor: int | None
+
+    def encode(self) -> str:
+        return "sparsenn-call:" + base64.b64encode(pickle.dumps(self)).decode("ascii")
+
+
+class _SpecUnpickler(pickle.Unpickler):
+    """Rebuilds only sparsenn's own plain data (and torch dtypes): a call string comes
+    from a traced or exported program, which must not run arbitrary code when loaded."""
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("sparsenn.") or (module, name) in {("torch", "float32"), ("torch", "float64"),
+                                                                 ("torch", "int32"), ("torch", "int64"),
+                                                                 ("builtins", "frozenset"), ("builtins", "set")}:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"sparsenn call strings cannot reference {module}.{name}")
+
+
+@functools.lru_cache(maxsize=1024)
+def decode(call: str) -> CallSpec:
+    """The :class:`CallSpec` a ``sparsenn::evaluate`` call string encodes."""
+    prefix = "sparsenn-call:"
+    if not isinstance(call, str) or not call.startswith(prefix):
+        raise ValueError(f"not a sparsenn call string: {call!r:.60}")
+    spec = _SpecUnpickler(io.BytesIO(base64.b64decode(call[len(prefix):]))).load()
+    if not isinstance(spec, CallSpec):
+        raise ValueError("a sparsenn call string must encode a CallSpec")
+    return spec
+
+
+_TABLES: dict[str, Callable[..., Assignment]] = {}
+
+
+def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
+    """Make ``kernel(*args)`` (an assignment built from constants, e.g. one of a
+    function's kernels) nameable as ``("kernel", table, *args)`` by traced code, which
+    cannot pass assignments it did not read from a module attribute."""
+    _TABLES[table] = kernel
+
+
+def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
+    """The assignment a traced call runs: ``assignment`` itself (``derive == ()``), the
+    reduction or the epilogue of ``assignment`` run apart when training (``("reduced",)``,
+    ``("epilogue",)``; see ``autograd._without_epilogue``), or a registered kernel
+    (``("kernel", table, *args)``)."""
+    from ..autograd import _without_epilogue
+
+    if not derive:
+        return assignment
+    if derive[0] == "reduced":
+        return _without_epilogue(assignment)[0]
+    if derive[0] == "epilogue":
+        return _without_epilogue(assignment)[1]
+    return _TABLES[derive[1]](*derive[2:])
+
+
+@torch.compiler.assume_constant_result
+def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) -> tuple[str, int | None]:
+    """The call string and anchor of the assignment ``derived(assignment, derive)`` over
+    operands described by ``fields``: three per operand, ``format, index_dtype, shares``
+    (a None format: dense). Constant per call site: the tracer runs it once and
+    records the string (it passes frozen dataclasses only as separate arguments read
+    from module attributes, hence the flat fields and ``derive``)."""
+    layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
+    target = derived(assignment, derive)
+    spec = CallSpec(target, layouts, out_format, _anchor(target, layouts))
+    return spec.encode(), spec.anchor
+
+
+def _anchor(assignment: Assignment, layouts: tuple[Layout | None, ...]) -> int | None:
+    """The operand whose pattern a sparse result takes: the first sparse one read at
+    exactly the output's indices (a sampled product, an elementwise map), None when no
+    operand is (the result is then dense, or assembled — which tracing cannot express,
+    see :func:`_check_result`)."""
+    for access in assignment.accesses:
+        layout = layouts[access.operand]
+        if layout is not None and access.indices == assignment.output:
+            return access.operand if layout.shares is None else layout.shares
+    return None
+
+
+def _describe(operands: Sequence) -> list:
+    """The operands' fields of the call string (constants only: traced code reads the
+    layout of a SparseTensor, never its arrays' contents)."""
+    parts: list[tuple] = []
+    for n, op in enumerate(operands):
+        if not isinstance(op, SparseTensor):
+            parts.append((None, None, None))
+            continue
+        shares = None
+        for m in range(n):
+            other = operands[m]
+            if isinstance(other, SparseTensor) and other.format == op.format and all(
+                    (a is None and b is None) or a is b for a, b in zip(op.pos + op.crd, other.pos + other.crd)):
+                shares = m if parts[m][2] is None else parts[m][2]
+                break
+        parts.append((op.format, op.index_dtype, shares))
+    return [field for part in parts for field in part]
+
+
+def _flatten(operands: Sequence, shares: Sequence[int | None]) -> list[Tensor]:
+    """A dense operand; a sparse one's index arrays (unless it ``shares`` an earlier
+    one's) and values."""
+    tensors: list[Tensor] = []
+    for op, shared in zip(operands, shares):
+        if not isinstance(op, SparseTensor):
+            tensors.append(op)
+            continue
+        if shared is None:
+            tensors += [a for a in op.pos + op.crd if a is not None]
+        tensors.append(op.values)
+    return tensors
+
+
+def _differentiable_slots(spec: CallSpec) -> list[int]:
+    """Position in the flattened tensors of each operand's values or dense tensor."""
+    slots, at = [], 0
+    for layout in spec.layouts:
+        at += 0 if layout is None else layout.num_arrays
+        slots.append(at)
+        at += 1
+    return slots
+
+
+_patterns: LRUCache[SparseTensor] = LRUCache("traced patterns", 256)
+
+
+def _shapes(operands: Sequence) -> list[int]:
+    """The sparse operands' shapes, concatenated."""
+    return [n for op in operands if isinstance(op, SparseTensor) for n in op.shape]
+
+
+def _split_shapes(spec: CallSpec, shapes: Sequence[int]) -> list[tuple[int, ...] | None]:
+    """Per operand, its shape from ``shapes`` if sparse, else None."""
+    split, at = [], 0
+    for layout in spec.layouts:
+        rank = None if layout is None else layout.format.rank
+        split.append(None if rank is None else tuple(shapes[at:at + rank]))
+        at += rank or 0
+    return split
+
+
+def _rebuild(spec: CallSpec, tensors: Sequence[Tensor], shapes: Sequence[int]) -> list:
+    """The operands of a call from its flattened tensors. A pattern is validated the
+    first time its arrays (identity and version) are seen; the cache keeps those arrays
+    alive, so an address cannot be reused by other contents while the entry exists."""
+    operands: list = []
+    at = 0
+    for layout, shape in zip(spec.layouts, _split_shapes(spec, shapes)):
+        if layout is None:
+            operands.append(tensors[at])
+            at += 1
+            continue
+        if layout.shares is not None:
+            operands.append(operands[layout.shares].with_values(tensors[at]))
+            at += 1
+            continue
+        arrays = tuple(tensors[at:at + layout.num_arrays])
+        values = tensors[at + layout.num_arrays]
+        at += layout.num_arrays + 1
+        key = (layout.format, shape, tuple(array_version(a) for a in arrays), tuple(a.dtype for a in arrays))
+        pattern = _patterns.get(key)
+        if pattern is None:
+            pos, crd = _levels(layout.format, arrays)
+            pattern = SparseTensor(shape, layout.format, pos, crd, values)
+            _patterns.put(key, pattern)
+        operands.append(pattern.with_values(values))
+    return operands
+
+
+def _levels(fmt: Format, arrays: Sequence[Tensor]) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
+    """``pos`` and ``crd`` per storage level from the arrays :func:`_flatten` passed."""
+    present = iter(arrays)
+    pos = tuple(next(present) if level.has_pos else None for level in fmt.levels)
+    crd = tuple(next(present) if level.has_crd else None for level in fmt.levels)
+    return pos, crd
+
+
+def _check_result(spec: CallSpec, operands: Sequence, result) -> Tensor:
+    """The op's output: the dense result, or the values of a result on the anchor's pattern."""
+    if spec.anchor is None:
+        if isinstance(result, SparseTensor):
+            raise NotImplementedError(
+                f"sparsenn: {spec.assignment} has a sparse result whose pattern is computed from the data; "
+                "torch.compile / torch.export / torch.jit.trace can only record sparse results sampled on an "
+                "operand's pattern (ask for out_format='dense', or run this call eagerly)")
+        return result.contiguous()
+    anchor = operands[spec.anchor]
+    if not isinstance(result, SparseTensor) or any(
+            not (a is b or (a is not None and b is not None and torch.equal(a, b)))
+            for a, b in zip(result.pos + result.crd, anchor.pos + anchor.crd)):
+        raise NotImplementedError(
+            f"sparsenn: the result of {spec.assignment} does not have the pattern of operand {spec.anchor}; "
+            "traced programs can only record sparse results sampled on an operand's pattern")
+    return result.values
+
+
+@torch.library.custom_op("sparsenn::evaluate", mutates_args=())
+def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
+    """``evaluate(assignment, operands, out_format)`` of the encoded call."""
+    spec = decode(call)
+    operands = _rebuild(spec, tensors, shapes)
+    return _check_result(spec, operands, evaluate(spec.assignment, operands, spec.out_format))
+
+
+@evaluate_op.register_fake
+def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
+    spec = decode(call)
+    slots = _differentiable_slots(spec)
+    dtype = tensors[slots[0]].dtype
+    if spec.anchor is not None:
+        return tensors[slots[spec.anchor]].new_empty(tensors[slots[spec.anchor]].shape, dtype=dtype)
+    sizes = {}
+    sparse_shapes = _split_shapes(spec, shapes)
+    for access in spec.assignment.accesses:
+        shape = sparse_shapes[access.operand]
+        sizes.update(zip(access.indices, tensors[slots[access.operand]].shape if shape is None else shape))
+    return tensors[slots[0]].new_empty([sizes[i] for i in spec.assignment.output], dtype=dtype)
+
+
+@torch.library.custom_op("sparsenn::evaluate_backward", mutates_args=())
+def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
+                         needed: list[bool]) -> list[Tensor]:
+    """The gradients of the encoded call with respect to each operand ``needed`` (its
+    values, or the dense tensor), from the compiler's gradient expressions."""
+    from ..autograd import operand_gradients
+
+    spec = decode(call)
+    operands = _rebuild(spec, tensors, shapes)
+    grad_out = grad.contiguous() if spec.anchor is None else operands[spec.anchor].with_values(grad.contiguous())
+    if spec.anchor is not None:
+        result = operands[spec.anchor].with_values(result)
+    wanted = [n for n, need in enumerate(needed) if need]
+    grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)
+    return [g if g is not None else torch.zeros_like(tensors[slot])
+            for g, slot in zip(grads, (_differentiable_slots(spec)[n] for n in wanted))]
+
+
+@evaluate_backward_op.register_fake
+def _evaluate_backward_fake(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
+                            needed: list[bool]) -> list[Tensor]:
+    slots = _differentiable_slots(decode(call))
+    return [torch.empty_like(tensors[slots[n]]) for n, need in enumerate(needed) if need]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    call, tensors, shapes = inputs
+    slots = _differentiable_slots(decode(call))
+    ctx.call, ctx.shapes = call, shapes
+    ctx.slots = slots
+    ctx.needed = [tensors[slot].requires_grad for slot in slots]
+    ctx.save_for_backward(*tensors, output)
+
+
+def _backward(ctx, grad: Tensor):
+    *tensors, output = ctx.saved_tensors
+    grads: list[Tensor | None] = [None] * len(tensors)
+    if any(ctx.needed):
+        computed = iter(evaluate_backward_op(ctx.call, list(tensors), ctx.shapes, grad, output, ctx.needed))
+        for slot, need in zip(ctx.slots, ctx.needed):
+            if need:
+                grads[slot] = next(computed)
+    return None, grads, None
+
+
+evaluate_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_format, derive: tuple = ()):
+    """``evaluate(derived(assignment, derive), operands, out_format)`` as one
+    ``sparsenn::evaluate`` op (differentiable through ``sparsenn::evaluate_backward``); a
+    sparse result keeps the anchor operand's pattern."""
+    fields = _describe(operands)
+    call, anchor = _encoded(assignment, derive, out_format, *fields)
+    result = evaluate_op(call, _flatten(operands, fields[2::3]), _shapes(operands))
+    if anchor is None:
+        return result
+    pattern = operands[anchor]
+    return pattern._share(pattern.shape, pattern.format, result)  # the op's values: no checks to trace
