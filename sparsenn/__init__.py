@@ -1,5 +1,7 @@
 """sparsenn: sparse deep learning for PyTorch through one sparse einsum compiler."""
 
+from dataclasses import replace
+
 from sparsenn.compiler import (
     CompiledExpression,
     CompilerNotFoundError,
@@ -12,12 +14,14 @@ from sparsenn.compiler import compile_expression as compile
 from sparsenn.formats import (
     Format,
     SparseTensor,
+    cat,
     from_coo,
     from_dense,
     from_edge_index,
     from_scipy,
     from_torch,
     parse_format,
+    stack,
 )
 from sparsenn.formats.arithmetic import install_arithmetic
 from sparsenn.compiler.operators import ARITHMETIC
@@ -25,7 +29,7 @@ from sparsenn.layers import BlockSparseAttention, GateOutput, SparseGCNConv, Spa
 from sparsenn.convert import ConversionReport, convert
 from sparsenn.functional import log_softmax, softmax
 
-install_arithmetic(ARITHMETIC)  # SparseTensor's + - * @ run through the compiler
+install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @ and sum run through the compiler
 
 __version__ = "0.1.0"
 
@@ -38,6 +42,8 @@ __all__ = [
     "from_scipy",
     "from_edge_index",
     "from_coo",
+    "stack",
+    "cat",
     "einsum",
     "compile",
     "explain",

@@ -1,7 +1,8 @@
-"""Which functions compute ``SparseTensor``'s operators (``+``, ``-``, ``*``, ``@``).
+"""Which functions compute ``SparseTensor``'s operators (``+``, ``-``, ``*``, ``@``) and
+reductions (``sum``).
 
 Storage does not compute: the sparse einsum compiler (a layer above ``formats``)
-supplies the four operations when ``sparsenn`` is imported, through
+supplies the operations when ``sparsenn`` is imported, through
 :func:`install_arithmetic`. ``formats`` never imports the compiler.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["Arithmetic", "install_arithmetic", "arithmetic"]
 
@@ -18,12 +20,15 @@ Binary = Callable[[object, object], object]
 @dataclass(frozen=True)
 class Arithmetic:
     """``add(a, b) = a + b``, ``subtract(a, b) = a - b``, ``multiply(a, b) = a * b``
-    (elementwise, or scaling by a number) and ``matmul(a, b) = a @ b``."""
+    (elementwise, or scaling by a number), ``matmul(a, b) = a @ b`` and
+    ``einsum(equation, *operands, out_format=None)``, the compiler's einsum (None until
+    installed)."""
 
     add: Binary
     subtract: Binary
     multiply: Binary
     matmul: Binary
+    einsum: Callable[..., Any] | None = None
 
 
 _installed: list[Arithmetic] = []
@@ -36,11 +41,12 @@ def install_arithmetic(operations: Arithmetic) -> None:
     _installed[:] = [operations]
 
 
-def arithmetic() -> Arithmetic:
-    """The installed operations; RuntimeError if none were installed."""
-    if not _installed:
+def arithmetic(need_einsum: bool = False) -> Arithmetic:
+    """The installed operations; RuntimeError if none were installed (or, with
+    ``need_einsum``, none with an einsum)."""
+    if not _installed or (need_einsum and _installed[0].einsum is None):
         raise RuntimeError(
-            "SparseTensor arithmetic (+, -, *, @) is computed by the sparse einsum compiler, which "
+            "SparseTensor arithmetic (+, -, *, @) is computed by the sparse einsum compiler (sum too), which "
             "installs it when sparsenn is imported; none is installed (import sparsenn first)"
         )
     return _installed[0]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from sparsenn.formats import export
+from sparsenn.formats import export, indexing
 from sparsenn.formats.arithmetic import arithmetic
 from sparsenn.formats.construct import Constructors
 from sparsenn.formats.format import Format, parse_format
@@ -126,6 +126,16 @@ class SparseTensor(Constructors):
         """Number of logical modes."""
         return len(self.shape)
 
+    def dim(self) -> int:
+        """Number of logical modes (as ``torch.Tensor.dim``)."""
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> torch.Size | int:
+        """``torch.Size(shape)``, or the size of dimension ``dim`` (negative counts from the end)."""
+        if dim is None:
+            return torch.Size(self.shape)
+        return self.shape[_dimension(dim, self.ndim)]
+
     @property
     def dtype(self) -> torch.dtype:
         """dtype of ``values`` (float32 or float64)."""
@@ -221,11 +231,66 @@ class SparseTensor(Constructors):
             raise ValueError(f"values has length {values.numel()}, expected {self.nnz}")
         return self._share(self.shape, self.format, values)
 
-    def to(self, dtype: torch.dtype) -> SparseTensor:
-        """Convert ``values`` to float32 or float64; index arrays are shared."""
-        if dtype not in VALUE_DTYPES:
-            raise TypeError(f"SparseTensor values must be float32 or float64, got {dtype}")
-        return self if dtype == self.dtype else self.with_values(self.values.to(dtype))
+    def to(self, *args, **kwargs) -> SparseTensor:
+        """``torch.Tensor.to``'s signatures: ``to(dtype)``, ``to(device, dtype)``,
+        ``to(other)`` (a tensor or SparseTensor), with ``non_blocking`` and ``copy``.
+
+        Converts ``values`` to any of the value dtypes (``VALUE_DTYPES``), differentiably;
+        index arrays are shared unless ``copy=True``. SparseTensors live on the CPU only
+        (ValueError for another device). Returns ``self`` when nothing changes."""
+        copy = kwargs.pop("copy", False)
+        if args and isinstance(args[0], SparseTensor):
+            args = (args[0].values,) + args[1:]
+        try:
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except (RuntimeError, TypeError) as exc:
+            raise TypeError(f"SparseTensor.to() takes torch.Tensor.to's arguments: {exc}") from None
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"SparseTensor arrays live on the CPU only; cannot move to {device}")
+        if memory_format is not None:
+            raise TypeError("SparseTensor.to() takes no memory_format (a SparseTensor has no strides)")
+        if dtype is not None and dtype not in VALUE_DTYPES:
+            raise TypeError(f"SparseTensor values must be one of {', '.join(map(str, VALUE_DTYPES))}, got {dtype}")
+        result = self.clone() if copy else self
+        if dtype is None or dtype == self.dtype:
+            return result
+        return result.with_values(result.values.to(dtype))
+
+    def clone(self) -> SparseTensor:
+        """A copy with its own index arrays and ``values.clone()`` (differentiable, as
+        ``torch.Tensor.clone``)."""
+        pos = tuple(None if a is None else a.clone() for a in self.pos)
+        crd = tuple(None if a is None else a.clone() for a in self.crd)
+        return SparseTensor(self.shape, self.format, pos, crd, self.values.clone(), check=False,
+                            index_dtype=self.index_dtype)
+
+    def detach(self) -> SparseTensor:
+        """The same tensor with ``values.detach()`` (index arrays and storage shared)."""
+        return self._share(self.shape, self.format, self.values.detach())
+
+    # ------------------------------------------------------------ reductions and indexing
+    def sum(self, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Tensor:
+        """Sum of the stored values over ``dim`` (every dimension when None), as a dense
+        tensor: the compiled einsum ``"ij->i"`` (for ``dim=1`` of a matrix), differentiable
+        with respect to ``values``. ``keepdim`` keeps the summed dimensions with size 1."""
+        if dim is None:
+            dims = set(range(self.ndim))
+        else:
+            given = (dim,) if isinstance(dim, int) else tuple(dim)
+            dims = {_dimension(d, self.ndim) for d in given}
+            if len(dims) != len(given):
+                raise ValueError(f"sum: dim {dim} repeats a dimension")
+        letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"[:self.ndim]
+        kept = "".join(letter for mode, letter in enumerate(letters) if mode not in dims)
+        result = arithmetic(need_einsum=True).einsum(f"{letters}->{kept}", self, out_format="dense")
+        if keepdim:
+            result = result.reshape(tuple(1 if mode in dims else n for mode, n in enumerate(self.shape)))
+        return result
+
+    def __getitem__(self, key: int | slice) -> SparseTensor:
+        """``S[i]`` (rank - 1) or ``S[a:b:c]`` along the first dimension, exactly the stored
+        entries there, in the same format family (see :mod:`sparsenn.formats.indexing`)."""
+        return indexing.select(self, key)
 
     def permute(self, *dims: int | Sequence[int]) -> SparseTensor:
         """Reorder logical modes: result mode ``k`` is mode ``dims[k]`` of this tensor.
@@ -329,6 +394,16 @@ class SparseTensor(Constructors):
         and ``bsr_array``; other formats give ``csr_array``.
         """
         return export.to_scipy(self)
+
+
+def _dimension(dim: object, ndim: int) -> int:
+    """``dim`` as an index in ``range(ndim)`` (negative counts from the end), as torch checks it."""
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    index = operator.index(dim)
+    if not -ndim <= index < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return index % ndim
 
 
 from_dense = SparseTensor.from_dense
