@@ -37,12 +37,16 @@ class PatternBuffers:
 
     ``format`` is the weight's storage format; the buffer names follow its levels
     (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
-    submodule): it owns no tensors but the validated SparseTensor over the buffers.
+    submodule); it holds the SparseTensor last validated over the buffers and a record
+    of those buffers (object, data pointer, version counter).
     """
 
     def __init__(self, name: str, shape: tuple[int, int], fmt: Format) -> None:
         self.name, self.shape, self.format = name, shape, fmt
+        self._names = self.buffer_names()
         self._checked: SparseTensor | None = None  # over the buffers as last validated
+        self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
+        self._versioned = False  # every recorded buffer has a version counter (none is an inference tensor)
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
 
     @property
@@ -66,7 +70,8 @@ class PatternBuffers:
             for level, array in enumerate(arrays):
                 if array is not None:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
-        self._checked, self._unloaded = None, {}
+        self._names = self.buffer_names()
+        self._checked, self._record, self._unloaded = None, (), {}
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
         levels = range(len(self.format.levels))
@@ -77,21 +82,22 @@ class PatternBuffers:
     def tensor(self, module: nn.Module) -> SparseTensor:
         """The weight as a SparseTensor over the buffers, its values the parameter.
 
-        O(levels) while the buffers are unchanged since the last call; validated in full
-        (ValueError naming the buffer) after they were edited, replaced or partly loaded.
-        Buffers created under ``torch.inference_mode`` carry no version counter, so they
-        are validated at every call."""
+        O(levels) while the buffers are the tensors last validated, with the same data
+        pointers and in-place version counters; validated in full (ValueError naming the
+        buffer) after they were edited, replaced or partly loaded. Buffers created under
+        ``torch.inference_mode`` carry no version counter: they are validated at every call."""
         values = module._parameters.get(self.values_name)
         if torch.compiler.is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
             pos, crd = self._arrays(module)
             return SparseTensor(self.shape, self.format, pos, crd, values, check=False)
         checked = self._checked
-        if checked is not None and values is not None and values.shape == checked.values.shape:
-            pos, crd = self._arrays(module)
-            arrays = tuple(a for a in pos + crd if a is not None)
-            if (len(arrays) == len(checked._index_arrays)
-                    and all(a is b and not a.is_inference() for a, b in zip(arrays, checked._index_arrays))
-                    and all(array_version(a) == v for a, v in zip(arrays, checked._versions))):
+        if checked is not None and self._versioned and values is not None and values.shape == checked.values.shape:
+            buffers = module._buffers
+            for name, (array, address, version) in zip(self._names, self._record):
+                current = buffers.get(name)
+                if current is not array or current.data_ptr() != address or current._version != version:
+                    break
+            else:
                 return checked.with_values(values)
         return self._validate(module, values).with_values(values)
 
@@ -111,34 +117,27 @@ class PatternBuffers:
             detail = _ARRAY.sub(lambda m: f"{self.name}_{m[1]}{m[2]}", str(exc))
             detail = re.sub(r"^values\b", self.values_name, detail)
             raise ValueError(f"{owner}: the {self.format} pattern of the {self.shape} {self.name} is invalid"
-                             f"{self._changes(pos + crd)}: {detail}. The pattern buffers are the weight's "
-                             f"structure ({', '.join(self.buffer_names())}); load a whole pattern with "
+                             f"{self._changes(module)}: {detail}. The pattern buffers are the weight's "
+                             f"structure ({', '.join(self._names)}); load a whole pattern with "
                              "load_state_dict or build a new layer") from None
+        arrays = tuple(module._buffers[name] for name in self._names)
         self._checked = checked
+        self._record = tuple((a, a.data_ptr(), None if a.is_inference() else a._version) for a in arrays)
+        self._versioned = all(version is not None for _, _, version in self._record)
         return checked
 
-    def _changes(self, arrays: tuple[Tensor | None, ...]) -> str:
+    def _changes(self, module: nn.Module) -> str:
         """`` after weight_crd1 was modified in place``: what changed since the last validation."""
-        checked = self._checked
-        if checked is None:
-            return ""
-        recorded = dict(zip(map(id, checked._index_arrays), checked._versions))
         changes = []
-        for level_name, old, new in zip(self._level_names(), checked.pos + checked.crd, arrays):
-            if old is None and new is None:
-                continue
-            if new is None:
-                changes.append(f"{level_name} was removed")
-            elif new is not old:
-                changes.append(f"{level_name} was replaced")
-            elif array_version(new) != recorded[id(old)] or new.is_inference():
-                changes.append(f"{level_name} was modified in place")
+        for name, (array, address, version) in zip(self._names, self._record):
+            current = module._buffers.get(name)
+            if current is None:
+                changes.append(f"{name} was removed")
+            elif current is not array:
+                changes.append(f"{name} was replaced")
+            elif version is None or (current.data_ptr(), current._version) != (address, version):
+                changes.append(f"{name} was modified in place")
         return f" after {' and '.join(changes)}" if changes else ""
-
-    def _level_names(self) -> tuple[str, ...]:
-        """``name_pos{l}`` for every level, then ``name_crd{l}`` (absent ones included)."""
-        levels = range(len(self.format.levels))
-        return tuple(f"{self.name}_{kind}{level}" for kind in ("pos", "crd") for level in levels)
 
     # ------------------------------------------------------------------ loading
     def saved_format(self, state_dict: Mapping[str, Any], prefix: str) -> Format | str | None:
