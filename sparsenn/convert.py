@@ -1,10 +1,10 @@
 """convert(): replace the ``nn.Linear`` layers of a model by :class:`SparseLinear`.
 
 Like ``torch.ao.quantization.convert`` it returns the model (``return_report=True``:
-``(model, report)``). Each converted layer keeps ``round((1 - sparsity) * out * in)`` of its weights (largest
-magnitude, or random; whole blocks for ``bsr``/``bsc``, n of every m inputs for
-``nm(n,m)``) and its bias, so the converted model computes what the *masked* dense model
-computes, and trains through compiled sparse einsums.
+``(model, report)``). Each converted layer keeps ``round((1 - sparsity) * out * in)`` of
+its weights (largest magnitude, or random; whole blocks for ``bsr``/``bsc``, n of every m
+inputs for ``nm(n,m)``) and its bias, so the converted model computes what the *masked*
+dense model computes, and trains through compiled sparse einsums.
 """
 
 from __future__ import annotations
@@ -199,10 +199,10 @@ def convert(model: nn.Module, *, sparsity: float | None = None, method: str = "m
     layers whose parent reads their weight directly instead of calling them
     (``nn.MultiheadAttention.out_proj``), layers whose weight or bias is tied to another
     module's parameter (an LM head sharing its embedding's weight: a sparse copy would
-    untie them) and parametrized weights (``torch.nn.utils.parametrize``). A converted ``nn.TransformerEncoderLayer`` gets a no-op forward
-    pre-hook and ``nn.TransformerEncoder.use_nested_tensor`` is set False, so that torch's
-    fused inference path, which reads the dense ``linear1``/``linear2`` weights, is not
-    taken.
+    untie them) and parametrized weights (``torch.nn.utils.parametrize``). A converted
+    ``nn.TransformerEncoderLayer`` gets a no-op forward pre-hook and
+    ``nn.TransformerEncoder.use_nested_tensor`` is set False, so that torch's fused
+    inference path, which reads the dense ``linear1``/``linear2`` weights, is not taken.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -102,6 +102,7 @@ def test_sum_of_a_rank_3_tensor_and_bad_dims():
     S = sparsenn.from_dense(dense, "csf")
     torch.testing.assert_close(S.sum((0, 2)), dense.sum((0, 2)))
     torch.testing.assert_close(S.sum(1, keepdim=True), dense.sum(1, keepdim=True))
+    torch.testing.assert_close(S.sum(torch.tensor(2)), dense.sum(2))  # any integer-like dim
     with pytest.raises(ValueError, match="repeats a dimension"):
         S.sum((1, -2))
     with pytest.raises(IndexError, match="Dimension out of range"):

@@ -276,7 +276,7 @@ class SparseTensor(Constructors):
         if dim is None:
             dims = set(range(self.ndim))
         else:
-            given = (dim,) if isinstance(dim, int) else tuple(dim)
+            given = (dim,) if hasattr(type(dim), "__index__") else tuple(dim)
             dims = {_dimension(d, self.ndim) for d in given}
             if len(dims) != len(given):
                 raise ValueError(f"sum: dim {dim} repeats a dimension")
