@@ -26,7 +26,9 @@ import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,7 +36,11 @@ from torch import Tensor
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
 
+from ..expression import Statement
 from ..notation import Assignment
+
+if TYPE_CHECKING:
+    from ..program import Program
 from .cache import LRUCache
 from .evaluate import evaluate
 
@@ -66,14 +72,29 @@ class Layout:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One traced evaluation: ``assignment`` over operands of ``layouts`` (None: dense),
+    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement``,
+    run as its staged program) over operands of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment
+    assignment: Assignment | Statement
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
+
+    def program(self) -> Program:
+        """The stages of a statement for these layouts' formats."""
+        from ..program import stage  # program -> autograd -> this module
+
+        return stage(self.assignment, tuple(None if lay is None else lay.format for lay in self.layouts),
+                     self.out_format)
+
+    def run(self, operands: Sequence):
+        if isinstance(self.assignment, Statement):
+            from ..program import run
+
+            return run(self.program(), operands)
+        return evaluate(self.assignment, operands, self.out_format)
 
     def encode(self) -> str:
         return "sparsenn-call:" + base64.b64encode(pickle.dumps(self)).decode("ascii")
@@ -114,13 +135,16 @@ def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
 
 
 def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
-    """The assignment a traced call runs: ``assignment`` itself (``derive == ()``), the
+    """The assignment a traced call runs: ``assignment`` itself (``derive == ()``, or a
+    statement with ``("program",)``), the
     reduction or the epilogue of ``assignment`` run apart when training (``("reduced",)``,
     ``("epilogue",)``; see ``autograd._without_epilogue``), or a registered kernel
     (``("kernel", table, *args)``)."""
     from ..autograd import _without_epilogue
 
     if not derive:
+        return assignment
+    if derive[0] == "program":
         return assignment
     if derive[0] == "reduced":
         return _without_epilogue(assignment)[0]
@@ -131,15 +155,28 @@ def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
 
 @torch.compiler.assume_constant_result
 def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) -> tuple[str, int | None]:
-    """The call string and anchor of the assignment ``derived(assignment, derive)`` over
+    """The call string and anchor of the assignment ``derived(assignment, derive)`` (or
+    of a statement's program) over
     operands described by ``fields``: three per operand, ``format, index_dtype, shares``
     (a None format: dense). Constant per call site: the tracer runs it once and
     records the string (it passes frozen dataclasses only as separate arguments read
     from module attributes, hence the flat fields and ``derive``)."""
     layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
     target = derived(assignment, derive)
-    spec = CallSpec(target, layouts, out_format, _anchor(target, layouts))
+    anchor = _statement_anchor(target, layouts) if isinstance(target, Statement) else _anchor(target, layouts)
+    spec = CallSpec(target, layouts, out_format, anchor)
     return spec.encode(), spec.anchor
+
+
+def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...]) -> int | None:
+    """A masked statement's result has its mask's pattern; others must be dense."""
+    if statement.mask is not None:
+        return statement.operands.index(statement.mask)
+    if any(layout is not None for layout in layouts):
+        raise NotImplementedError(
+            "sparsenn: a traced compiled expression with sparse operands needs an output mask (P<S>[...] = ...) "
+            "or a single stage; run it eagerly or give its result a mask")
+    return None
 
 
 def _anchor(assignment: Assignment, layouts: tuple[Layout | None, ...]) -> int | None:
@@ -275,7 +312,7 @@ def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
     """``evaluate(assignment, operands, out_format)`` of the encoded call."""
     spec = decode(call)
     operands = _rebuild(spec, tensors, shapes)
-    return _check_result(spec, operands, evaluate(spec.assignment, operands, spec.out_format))
+    return _check_result(spec, operands, spec.run(operands))
 
 
 @evaluate_op.register_fake
@@ -287,10 +324,26 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tenso
         return tensors[slots[spec.anchor]].new_empty(tensors[slots[spec.anchor]].shape, dtype=dtype)
     sizes = {}
     sparse_shapes = _split_shapes(spec, shapes)
-    for access in spec.assignment.accesses:
-        shape = sparse_shapes[access.operand]
-        sizes.update(zip(access.indices, tensors[slots[access.operand]].shape if shape is None else shape))
-    return tensors[slots[0]].new_empty([sizes[i] for i in spec.assignment.output], dtype=dtype)
+    for operand, indices in _user_accesses(spec):
+        shape = sparse_shapes[operand]
+        sizes.update(zip(indices, tensors[slots[operand]].shape if shape is None else shape))
+    output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
+    return tensors[slots[0]].new_empty([sizes[i] for i in output], dtype=dtype)
+
+
+def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``(operand, indices)`` of every read of a call's operands."""
+    if not isinstance(spec.assignment, Statement):
+        return [(a.operand, a.indices) for a in spec.assignment.accesses]
+    from ..program import UserOperand
+
+    reads = []
+    for step in spec.program().stages:
+        for access in step.assignment.accesses:
+            source = step.inputs[access.operand]
+            if isinstance(source, UserOperand):
+                reads.append((source.n, access.indices))
+    return reads
 
 
 @torch.library.custom_op("sparsenn::evaluate_backward", mutates_args=())
@@ -306,16 +359,41 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if spec.anchor is not None:
         result = operands[spec.anchor].with_values(result)
     wanted = [n for n, need in enumerate(needed) if need]
-    grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)
-    return [g if g is not None else torch.zeros_like(tensors[slot])
-            for g, slot in zip(grads, (_differentiable_slots(spec)[n] for n in wanted))]
+    if isinstance(spec.assignment, Statement):
+        grads = _program_gradients(spec, operands, grad_out, wanted)
+    else:
+        grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)
+    slots = _differentiable_slots(spec)
+    return [torch.zeros(tensors[slots[n]].shape, dtype=tensors[slots[n]].dtype) if g is None else g.contiguous()
+            for g, n in zip(grads, wanted)]
 
 
 @evaluate_backward_op.register_fake
 def _evaluate_backward_fake(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
                             needed: list[bool]) -> list[Tensor]:
     slots = _differentiable_slots(decode(call))
-    return [torch.empty_like(tensors[slots[n]]) for n, need in enumerate(needed) if need]
+    return [tensors[slots[n]].new_empty(tensors[slots[n]].shape) for n, need in enumerate(needed) if need]
+
+
+_autograd_thread: ThreadPoolExecutor | None = None
+
+
+def _program_gradients(spec: CallSpec, operands: list, grad_out, wanted: list[int]) -> list:
+    """A staged program's gradients, recorded by torch's autograd as in eager mode on a
+    thread of its own: an op's kernel runs below autograd, and that state is per thread."""
+    global _autograd_thread
+
+    def gradients():
+        leaves = [op.values if isinstance(op, SparseTensor) else op for op in operands]
+        leaves = [leaf.detach().requires_grad_(n in wanted) for n, leaf in enumerate(leaves)]
+        rebuilt = [op.with_values(leaf) if isinstance(op, SparseTensor) else leaf for op, leaf in zip(operands, leaves)]
+        out = spec.run(rebuilt)
+        out, grad = (out.values, grad_out.values) if isinstance(out, SparseTensor) else (out, grad_out)
+        return torch.autograd.grad(out, [leaves[n] for n in wanted], grad, allow_unused=True)
+
+    if _autograd_thread is None:
+        _autograd_thread = ThreadPoolExecutor(1, thread_name_prefix="sparsenn-autograd")
+    return list(_autograd_thread.submit(gradients).result())
 
 
 def _setup_context(ctx, inputs, output) -> None:
