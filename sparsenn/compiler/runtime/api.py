@@ -54,6 +54,8 @@ def einsum(equation: str, *operands, out_format=None):
     The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
     """
     equation, operands = normalise(equation, operands)
+    if tracing():  # parsed by the op's call string, not in traced code
+        return traced_evaluate(None, operands, out_format, ("einsum", equation, len(operands)))
     try:
         return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
     except ValueError:

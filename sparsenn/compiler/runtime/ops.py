@@ -134,18 +134,21 @@ def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
     _TABLES[table] = kernel
 
 
-def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
-    """The assignment a traced call runs: ``assignment`` itself (``derive == ()``, or a
-    statement with ``("program",)``), the
-    reduction or the epilogue of ``assignment`` run apart when training (``("reduced",)``,
-    ``("epilogue",)``; see ``autograd._without_epilogue``), or a registered kernel
-    (``("kernel", table, *args)``)."""
-    from ..autograd import _without_epilogue
+def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignment | Statement:
+    """What a traced call runs, named by constants:
 
-    if not derive:
+    * ``()``: ``assignment``; ``("program",)``: the statement ``assignment``'s program;
+    * ``("einsum", equation, num_operands)``: the parsed equation;
+    * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
+      run apart when training (``autograd._without_epilogue``);
+    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels`."""
+    from ..autograd import _without_epilogue  # autograd -> this module
+    from .api import parse  # api -> this module
+
+    if not derive or derive[0] == "program":
         return assignment
-    if derive[0] == "program":
-        return assignment
+    if derive[0] == "einsum":
+        return parse(*derive[1:])
     if derive[0] == "reduced":
         return _without_epilogue(assignment)[0]
     if derive[0] == "epilogue":
@@ -163,20 +166,42 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     from module attributes, hence the flat fields and ``derive``)."""
     layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
     target = derived(assignment, derive)
-    anchor = _statement_anchor(target, layouts) if isinstance(target, Statement) else _anchor(target, layouts)
+    if isinstance(target, Statement):
+        anchor = _statement_anchor(target, layouts, out_format)
+    else:
+        anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
     return spec.encode(), spec.anchor
 
 
-def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...]) -> int | None:
+def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
     """A masked statement's result has its mask's pattern; others must be dense."""
     if statement.mask is not None:
         return statement.operands.index(statement.mask)
-    if any(layout is not None for layout in layouts):
+    spec = CallSpec(statement, layouts, out_format, None)
+    if _result_format(spec.program(), [None if lay is None else lay.format for lay in layouts]) is not None:
         raise NotImplementedError(
-            "sparsenn: a traced compiled expression with sparse operands needs an output mask (P<S>[...] = ...) "
-            "or a single stage; run it eagerly or give its result a mask")
+            "sparsenn: a traced compiled expression must have a dense result or an output mask (P<S>[...] = ...); "
+            f"{statement.output}[...] would be sparse with a pattern computed from the data")
     return None
+
+
+def _result_format(program: Program, formats: list[Format | None]) -> Format | None:
+    """The format of a program's result (None: dense), stage by stage as evaluation
+    decides it: the requested ``out_format``, else inferred from the inputs' formats."""
+    from ..plan.infer import result_format
+    from ..program import UserOperand
+
+    results: list[Format | None] = []
+    for step in program.stages:
+        inputs = [formats[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in step.inputs]
+        if step.out_format == "dense":
+            results.append(None)
+        elif isinstance(step.out_format, Format):
+            results.append(step.out_format)
+        else:
+            results.append(result_format(step.assignment, inputs))
+    return results[-1]
 
 
 def _anchor(assignment: Assignment, layouts: tuple[Layout | None, ...]) -> int | None:
