@@ -28,6 +28,7 @@ from sparsenn.compiler.operators import ARITHMETIC
 from sparsenn.layers import BlockSparseAttention, GateOutput, SparseGCNConv, SparseLinear, SparseMoE, SparseMoEGate
 from sparsenn.convert import ConversionReport, convert
 from sparsenn.functional import log_softmax, softmax
+from sparsenn.precompile import Precompiled, precompile
 
 install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @ and sum run through the compiler
 
@@ -61,4 +62,6 @@ __all__ = [
     "ConversionReport",
     "softmax",
     "log_softmax",
+    "precompile",
+    "Precompiled",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -358,3 +359,24 @@ def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
     shipped = set(zipfile.ZipFile(wheel).namelist())
     headers = [f.name for f in jit.RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")]
     assert headers and {f"sparsenn/compiler/backend/runtime/{name}" for name in headers} <= shipped
+
+
+def test_each_build_is_logged(cache: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = sum_source()
+    with caplog.at_level(logging.INFO, logger="sparsenn"):
+        jit.load_library(source, "logged")
+        jit._libraries.clear()  # as in a new process
+        jit.load_library(source, "logged")  # loaded from the cache, not built
+    built = [r for r in caplog.records if "built kernel logged" in r.getMessage()]
+    assert len(built) == 1 and built[0].name.startswith("sparsenn.")
+
+
+def test_a_warm_cache_needs_no_compiler(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = sum_source()
+    jit.load_library(source, "warm")
+    jit._libraries.clear()  # as in a new process
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    monkeypatch.setenv("PATH", "")
+    assert call_sum(jit.load_library(source, "warm")) == EXPECTED_SUM
+    with pytest.raises(jit.CompilerNotFoundError):
+        jit.load_library(sum_source(), "cold")

@@ -16,7 +16,6 @@ offsets ``i_{r-1} % m``, padded with explicit zeros.
 
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -104,22 +103,25 @@ class Format:
         object.__setattr__(self, "levels", levels)
         object.__setattr__(self, "mode_order", mode_order)
         object.__setattr__(self, "block", block)
+        # Derived once, here rather than lazily: traced code (torch.compile) reads them.
+        last = levels[-1] if levels else None
+        object.__setattr__(self, "_nm", (last.count, block[-1]) if isinstance(last, Grouped) and block else None)
+        object.__setattr__(self, "_is_dense", block is None and all(level.locatable for level in levels))
 
     @property
     def rank(self) -> int:
         """Number of logical modes."""
         return len(self.mode_order)
 
-    @functools.cached_property
+    @property
     def nm(self) -> tuple[int, int] | None:
         """``(n, m)`` of an ``nm(n,m)`` format, else None."""
-        last = self.levels[-1] if self.levels else None
-        return (last.count, self.block[-1]) if isinstance(last, Grouped) and self.block is not None else None
+        return self._nm
 
-    @functools.cached_property
+    @property
     def is_dense(self) -> bool:
         """True when every level is dense and there is no block."""
-        return self.block is None and all(level.locatable for level in self.levels)
+        return self._is_dense
 
     def in_mode_order(self, order: tuple[int, ...], exact: bool = False) -> Format:
         """The (unblocked) format a copy re-stored in mode order ``order`` takes: the same

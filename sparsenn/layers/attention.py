@@ -29,7 +29,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum
-from sparsenn.formats import SparseTensor, from_coo, from_dense
+from sparsenn.formats import SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
@@ -105,6 +105,72 @@ def bigbird_pattern(num_blocks: int, num_global: int, num_window: int, num_rando
     return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), cols)
 
 
+def _at_key_blocks(array: Tensor) -> tuple[Tensor | None, ...]:
+    """Per storage level of ``dddc(1,1,s,s)``: ``array`` at the key-block level (3)."""
+    return (None, None, None, array, None, None, None, None)
+
+
+def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
+               dtype: torch.dtype) -> SparseTensor:
+    """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
+    length; key blocks that are wholly padding (per batch element) left out."""
+    n, s = pattern.num_blocks, block_size
+    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
+    if padding is None:
+        cols = pattern.cols.repeat(batch * heads)
+        counts = pattern.rows.diff().repeat(batch * heads)
+    else:
+        keep = ~padding.view(batch, n, s).all(2)[:, pattern.cols]  # (batch, stored blocks)
+        cols = torch.cat([pattern.cols[keep[b]].repeat(heads) for b in range(batch)])
+        per_row = torch.zeros(batch, n, dtype=torch.long).index_add_(1, row_of, keep.long())
+        counts = per_row.repeat_interleave(heads, 0).flatten()
+    index = _mask_index_dtype(batch, heads, n)
+    pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
+    length = n * s
+    return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
+                        _at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
+
+
+def _mask_index_dtype(batch: int, heads: int, num_blocks: int) -> torch.dtype:
+    return torch.int32 if batch * heads * num_blocks * num_blocks < 2**31 else torch.int64
+
+
+def _pattern_blocks(num_blocks: int, num_global: int, num_window: int, num_random: int) -> int:
+    """Blocks :func:`bigbird_pattern` stores, whatever the random draw: every block in a
+    global row, else the distinct global and window blocks plus ``num_random``."""
+    glob = set(range((num_global + 1) // 2)) | set(range(num_blocks - num_global // 2, num_blocks))
+    total = len(glob) * num_blocks
+    for r in range(num_blocks):
+        if r not in glob:
+            window = {min(max(r - num_window // 2 + c, 0), num_blocks - 1) for c in range(num_window)}
+            total += len(glob | window) + num_random
+    return total
+
+
+@torch.library.custom_op("sparsenn::bigbird_mask", mutates_args=())
+def _bigbird_mask_op(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int,
+                     heads: int, block_size: int, padding: Tensor | None,
+                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pos, crd, values)`` of :func:`block_mask` of the pattern drawn from ``seed``,
+    for a traced :class:`BlockSparseAttention`."""
+    generator = torch.Generator().manual_seed(int(seed))
+    pattern = bigbird_pattern(num_blocks, num_global, num_window, num_random, generator)
+    mask = block_mask(pattern, batch, heads, block_size, padding, dtype)
+    return mask.pos[3], mask.crd[3], mask.values
+
+
+@_bigbird_mask_op.register_fake
+def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int, heads: int,
+      block_size: int, padding: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    if padding is None:  # every (batch, head) stores the whole pattern
+        blocks = batch * heads * _pattern_blocks(num_blocks, num_global, num_window, num_random)
+    else:  # wholly padded key blocks are left out
+        blocks = torch.library.get_ctx().new_dynamic_size()
+    index = _mask_index_dtype(batch, heads, num_blocks)
+    return (seed.new_empty(batch * heads * num_blocks + 1, dtype=index), seed.new_empty(blocks, dtype=index),
+            seed.new_empty(blocks * block_size * block_size, dtype=dtype))
+
+
 def _count(name: str, value: object, minimum: int) -> int:
     """``value`` as an int >= minimum (TypeError/ValueError naming it otherwise)."""
     if isinstance(value, bool):
@@ -166,6 +232,7 @@ class BlockSparseAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
         self._training_generator = torch.Generator().manual_seed(self.seed)
         self._patterns: dict[int, BlockPattern] = {}
+        self._mask_format = parse_format(f"dddc(1,1,{block_size},{block_size})", 4)  # traced code reads it
         self._last_mask: tuple | None = None  # (pattern, batch, dtype, mask) of the last unpadded call
         self._warned_dense = False
 
@@ -229,26 +296,24 @@ class BlockSparseAttention(nn.Module):
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
-        length; key blocks that are wholly padding (per batch element) left out."""
-        n, s, heads = pattern.num_blocks, self.block_size, self.num_heads
-        row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
-        if padding is None:
-            cols = pattern.cols.repeat(batch * heads)
-            counts = pattern.rows.diff().repeat(batch * heads)
+        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks."""
+        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype)
+
+    def _traced_mask(self, length: int, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
+        """The mask of :meth:`_mask_for` while traced: one ``sparsenn::bigbird_mask`` op
+        drawing the pattern from ``seed`` (a fresh one per call when random blocks are
+        redrawn in training)."""
+        n = -(-length // self.block_size)
+        if self.training and not self.fixed_pattern:
+            seed = torch.randint(2**62, ())
         else:
-            keep = ~padding.view(batch, n, s).all(2)[:, pattern.cols]  # (batch, stored blocks)
-            cols = torch.cat([pattern.cols[keep[b]].repeat(heads) for b in range(batch)])
-            per_row = torch.zeros(batch, n, dtype=torch.long).index_add_(1, row_of, keep.long())
-            counts = per_row.repeat_interleave(heads, 0).flatten()
-        index = torch.int32 if batch * heads * n * n < 2**31 else torch.int64
-        pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
-        levels = [None] * 8
-        pos_levels, crd_levels = list(levels), list(levels)
-        pos_levels[3], crd_levels[3] = pos, cols.to(index)
-        length = n * s
-        return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", pos_levels, crd_levels,
-                            torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
+            seed = torch.tensor(self.seed)
+        pos, crd, values = torch.ops.sparsenn.bigbird_mask(
+            n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks, seed, batch, self.num_heads,
+            self.block_size, padding, dtype)
+        length = n * self.block_size
+        return SparseTensor((batch, self.num_heads, length, length), self._mask_format, _at_key_blocks(pos),
+                            _at_key_blocks(crd), values, check=False)
 
     # ------------------------------------------------------------------ forward
     def _check_padding(self, key_padding_mask: object, batch: int, seq_len: int) -> Tensor:
@@ -320,13 +385,19 @@ class BlockSparseAttention(nn.Module):
                 need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
         """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length."""
         batch, _, length, _ = q.shape
-        pattern = self._forward_pattern(length)
-        extra = pattern.num_blocks * self.block_size - length
+        traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
+        extra = -(-length // self.block_size) * self.block_size - length
         if extra:
             q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
             tail = torch.ones(batch, extra, dtype=torch.bool)
             padding = torch.cat([torch.zeros(batch, length, dtype=torch.bool) if padding is None else padding, tail], 1)
-        mask = self._mask_for(pattern, batch, padding, q.dtype)
+        if traced:
+            if need_weights and extra:
+                raise NotImplementedError("a traced BlockSparseAttention returns weights only for lengths that are "
+                                          f"multiples of block_size ({self.block_size}), got {length}")
+            mask = self._traced_mask(length, batch, padding, q.dtype)
+        else:
+            mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
         bias = None
         if padding is not None:
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))

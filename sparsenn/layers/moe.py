@@ -119,6 +119,10 @@ def _keep_within_capacity(experts: Tensor, probs: Tensor, num_experts: int, limi
     return keep
 
 
+_UNTRACEABLE = ("the routing decides the sizes of the expert panels (data-dependent shapes), so torch.compile runs the "
+                "gate and the experts eagerly")
+
+
 def dispatch(gates: SparseTensor) -> Dispatch:
     """The expert-major panels of a ``T × E`` CSR gate (see module doc); O(T·k) index work."""
     if not isinstance(gates, SparseTensor):
@@ -181,6 +185,7 @@ class SparseMoEGate(nn.Module):
         self.noise, self.capacity_factor, self.normalize = noise, capacity_factor, bool(normalize)
         self.router = nn.Linear(self.d_model, self.num_experts, bias=False, dtype=dtype)
 
+    @torch.compiler.disable(reason=_UNTRACEABLE)
     def forward(self, x: Tensor) -> GateOutput:
         tokens = _check_input(x, self.d_model, self.router.weight.dtype)
         if self.training and self.noise == "jitter":
@@ -258,6 +263,7 @@ class SparseMoE(nn.Module):
         nn.init.uniform_(self.w1, -self.d_model ** -0.5, self.d_model ** -0.5)
         nn.init.uniform_(self.w2, -self.d_hidden ** -0.5, self.d_hidden ** -0.5)
 
+    @torch.compiler.disable(reason=_UNTRACEABLE)
     def experts(self, x: Tensor, gates: SparseTensor) -> Tensor:
         """``Σ_e gates[t,e] FFN_e(x_t)`` for tokens ``x`` ``(T, d_model)`` and a ``T × E`` csr gate."""
         if gates.shape != (x.shape[0], self.num_experts):
@@ -275,6 +281,8 @@ class SparseMoE(nn.Module):
         return y
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_tracing():
+            raise RuntimeError(f"torch.jit.trace cannot record SparseMoE: {_UNTRACEABLE}")
         routed = self.gate(x)
         self.aux_loss, self.z_loss, self.dropped = routed.aux_loss, routed.z_loss, routed.dropped
         return self.experts(x.reshape(-1, self.d_model), routed.gates).view(x.shape)

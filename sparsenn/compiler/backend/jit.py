@@ -2,9 +2,12 @@
 
 Kernels are C++17 sources with ``extern "C"`` entry points that may include the runtime
 headers shipped in ``runtime/`` (:data:`RUNTIME_HEADERS`). Each is built once per
-(source, runtime headers, flags, compiler, CPU) into a private cache directory, with a
-checksum beside it, and loaded with :class:`ctypes.CDLL` (which releases the GIL
-during calls).
+(source, runtime headers, CPU) into a private cache directory, with a checksum beside
+it, and loaded with :class:`ctypes.CDLL` (which releases the GIL during calls). Loading
+a cached kernel never runs the compiler, so a cache warmed on a build machine (e.g. by
+:func:`sparsenn.precompile`) serves one without a compiler; after changing compilers,
+clear the cache to rebuild with the new one. Each build is logged (logger ``sparsenn``,
+INFO).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.resources
+import logging
 import os
 import pathlib
 import platform
@@ -25,6 +29,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -43,12 +48,15 @@ CXX_FLAGS = (
 # entries into gathers and short dense loops into versioned vector loops, both slower.
 GCC_FLAGS = ("-fvect-cost-model=very-cheap",)
 # Bump when the cache layout or build procedure changes, to invalidate old entries.
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 BUILD_TIMEOUT_S = 600
 # The runtime headers (``*.h``) kernels may include, e.g. ``#include "sparsenn_kernel.h"``.
 RUNTIME_HEADERS = importlib.resources.files(__package__) / "runtime"
 _MAX_NAME_LEN = 40
 _MAX_LOG_CHARS = 4000
+
+
+_log = logging.getLogger(__name__)
 
 
 class KernelBuildError(RuntimeError):
@@ -60,6 +68,7 @@ class CompilerNotFoundError(RuntimeError):
 
 
 _libraries: dict[str, ctypes.CDLL] = {}  # source text -> loaded library
+builds = 0  # kernels this process compiled (not loaded from the cache)
 _build_lock = threading.Lock()
 _dir_lock = threading.Lock()
 _resolved_dir: tuple[str | None, pathlib.Path] | None = None  # ($SPARSENN_CACHE_DIR, dir)
@@ -214,10 +223,10 @@ def _runtime_headers() -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in files}
 
 
-def _cache_key(source: str, compiler: tuple[str, ...], headers: dict[str, bytes]) -> str:
+def _cache_key(source: str, headers: dict[str, bytes]) -> str:
+    """What a built kernel depends on, all known without a compiler."""
     digest = hashlib.sha256()
-    compiler_id = _compiler_version(compiler)
-    texts = [FORMAT_VERSION, " ".join(compiler_flags(compiler_id)), compiler_id, _cpu_identity(), source]
+    texts = [FORMAT_VERSION, _cpu_identity(), source]
     parts = [text.encode() for text in texts]
     for name, contents in headers.items():
         parts += [name.encode(), contents]
@@ -237,15 +246,19 @@ def _sanitise(name: str) -> str:
 
 def _load_or_build(source: str, name: str) -> ctypes.CDLL:
     """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
-    compiler, headers = _compiler(), _runtime_headers()
-    key = _cache_key(source, compiler, headers)
+    headers = _runtime_headers()
+    key = _cache_key(source, headers)
     root = cache_dir()
     so_path = root / f"{name}_{key[:24]}.so"
     with _file_lock(root / f"{key}.lock"):
         lib = _load_cached(so_path)
         if lib is None:
-            _build(source, headers, so_path, compiler, key)
+            started = time.perf_counter()
+            _build(source, headers, so_path, _compiler(), key)
             lib = ctypes.CDLL(str(so_path))
+            global builds
+            builds += 1
+            _log.info("sparsenn: built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
     return lib
 
 

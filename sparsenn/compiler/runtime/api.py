@@ -23,6 +23,7 @@ from ..plan.planner import Plan, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .cache import LRUCache
 from .evaluate import evaluate, split_of
+from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "parse", "describe_schedule", "CompiledExpression"]
@@ -53,6 +54,8 @@ def einsum(equation: str, *operands, out_format=None):
     The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
     """
     equation, operands = normalise(equation, operands)
+    if tracing():  # parsed by the op's call string, not in traced code
+        return traced_evaluate(None, operands, out_format, ("einsum", equation, len(operands)))
     try:
         return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
     except ValueError:
@@ -113,6 +116,8 @@ class CompiledExpression:
             operands = list(args)
         if self._plain is not None:  # one stage over the operands as given
             return differentiable_evaluate(evaluate, self._plain.stages[0].assignment, operands, self.out_format)
+        if tracing():  # the whole program as one op
+            return traced_evaluate(self.statement, operands, self.out_format, ("program",))
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:

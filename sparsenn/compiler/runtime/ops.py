@@ -26,7 +26,9 @@ import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -34,7 +36,11 @@ from torch import Tensor
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
 
+from ..expression import Statement
 from ..notation import Assignment
+
+if TYPE_CHECKING:
+    from ..program import Program
 from .cache import LRUCache
 from .evaluate import evaluate
 
@@ -66,14 +72,29 @@ class Layout:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One traced evaluation: ``assignment`` over operands of ``layouts`` (None: dense),
+    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement``,
+    run as its staged program) over operands of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment
+    assignment: Assignment | Statement
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
+
+    def program(self) -> Program:
+        """The stages of a statement for these layouts' formats."""
+        from ..program import stage  # program -> autograd -> this module
+
+        return stage(self.assignment, tuple(None if lay is None else lay.format for lay in self.layouts),
+                     self.out_format)
+
+    def run(self, operands: Sequence):
+        if isinstance(self.assignment, Statement):
+            from ..program import run
+
+            return run(self.program(), operands)
+        return evaluate(self.assignment, operands, self.out_format)
 
     def encode(self) -> str:
         return "sparsenn-call:" + base64.b64encode(pickle.dumps(self)).decode("ascii")
@@ -113,15 +134,21 @@ def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
     _TABLES[table] = kernel
 
 
-def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
-    """The assignment a traced call runs: ``assignment`` itself (``derive == ()``), the
-    reduction or the epilogue of ``assignment`` run apart when training (``("reduced",)``,
-    ``("epilogue",)``; see ``autograd._without_epilogue``), or a registered kernel
-    (``("kernel", table, *args)``)."""
-    from ..autograd import _without_epilogue
+def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignment | Statement:
+    """What a traced call runs, named by constants:
 
-    if not derive:
+    * ``()``: ``assignment``; ``("program",)``: the statement ``assignment``'s program;
+    * ``("einsum", equation, num_operands)``: the parsed equation;
+    * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
+      run apart when training (``autograd._without_epilogue``);
+    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels`."""
+    from ..autograd import _without_epilogue  # autograd -> this module
+    from .api import parse  # api -> this module
+
+    if not derive or derive[0] == "program":
         return assignment
+    if derive[0] == "einsum":
+        return parse(*derive[1:])
     if derive[0] == "reduced":
         return _without_epilogue(assignment)[0]
     if derive[0] == "epilogue":
@@ -131,15 +158,50 @@ def derived(assignment: Assignment | None, derive: tuple) -> Assignment:
 
 @torch.compiler.assume_constant_result
 def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) -> tuple[str, int | None]:
-    """The call string and anchor of the assignment ``derived(assignment, derive)`` over
+    """The call string and anchor of the assignment ``derived(assignment, derive)`` (or
+    of a statement's program) over
     operands described by ``fields``: three per operand, ``format, index_dtype, shares``
     (a None format: dense). Constant per call site: the tracer runs it once and
     records the string (it passes frozen dataclasses only as separate arguments read
     from module attributes, hence the flat fields and ``derive``)."""
     layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
     target = derived(assignment, derive)
-    spec = CallSpec(target, layouts, out_format, _anchor(target, layouts))
+    if isinstance(target, Statement):
+        anchor = _statement_anchor(target, layouts, out_format)
+    else:
+        anchor = _anchor(target, layouts)
+    spec = CallSpec(target, layouts, out_format, anchor)
     return spec.encode(), spec.anchor
+
+
+def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
+    """A masked statement's result has its mask's pattern; others must be dense."""
+    if statement.mask is not None:
+        return statement.operands.index(statement.mask)
+    spec = CallSpec(statement, layouts, out_format, None)
+    if _result_format(spec.program(), [None if lay is None else lay.format for lay in layouts]) is not None:
+        raise NotImplementedError(
+            "sparsenn: a traced compiled expression must have a dense result or an output mask (P<S>[...] = ...); "
+            f"{statement.output}[...] would be sparse with a pattern computed from the data")
+    return None
+
+
+def _result_format(program: Program, formats: list[Format | None]) -> Format | None:
+    """The format of a program's result (None: dense), stage by stage as evaluation
+    decides it: the requested ``out_format``, else inferred from the inputs' formats."""
+    from ..plan.infer import result_format
+    from ..program import UserOperand
+
+    results: list[Format | None] = []
+    for step in program.stages:
+        inputs = [formats[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in step.inputs]
+        if step.out_format == "dense":
+            results.append(None)
+        elif isinstance(step.out_format, Format):
+            results.append(step.out_format)
+        else:
+            results.append(result_format(step.assignment, inputs))
+    return results[-1]
 
 
 def _anchor(assignment: Assignment, layouts: tuple[Layout | None, ...]) -> int | None:
@@ -270,15 +332,21 @@ def _check_result(spec: CallSpec, operands: Sequence, result) -> Tensor:
     return result.values
 
 
-@torch.library.custom_op("sparsenn::evaluate", mutates_args=())
+# Defined with the low-level API: torch.library.custom_op's Python wrappers cost about
+# 10 µs per call, a third of a small layer's own overhead.
+_library = torch.library.Library("sparsenn", "FRAGMENT")
+_library.define("evaluate(str call, Tensor[] tensors, SymInt[] shapes) -> Tensor")
+_library.define("evaluate_backward(str call, Tensor[] tensors, SymInt[] shapes, Tensor grad, Tensor result, "
+                "bool[] needed) -> Tensor[]")
+
+
 def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
     """``evaluate(assignment, operands, out_format)`` of the encoded call."""
     spec = decode(call)
     operands = _rebuild(spec, tensors, shapes)
-    return _check_result(spec, operands, evaluate(spec.assignment, operands, spec.out_format))
+    return _check_result(spec, operands, spec.run(operands))
 
 
-@evaluate_op.register_fake
 def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
     spec = decode(call)
     slots = _differentiable_slots(spec)
@@ -287,13 +355,28 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tenso
         return tensors[slots[spec.anchor]].new_empty(tensors[slots[spec.anchor]].shape, dtype=dtype)
     sizes = {}
     sparse_shapes = _split_shapes(spec, shapes)
-    for access in spec.assignment.accesses:
-        shape = sparse_shapes[access.operand]
-        sizes.update(zip(access.indices, tensors[slots[access.operand]].shape if shape is None else shape))
-    return tensors[slots[0]].new_empty([sizes[i] for i in spec.assignment.output], dtype=dtype)
+    for operand, indices in _user_accesses(spec):
+        shape = sparse_shapes[operand]
+        sizes.update(zip(indices, tensors[slots[operand]].shape if shape is None else shape))
+    output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
+    return tensors[slots[0]].new_empty([sizes[i] for i in output], dtype=dtype)
 
 
-@torch.library.custom_op("sparsenn::evaluate_backward", mutates_args=())
+def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """``(operand, indices)`` of every read of a call's operands."""
+    if not isinstance(spec.assignment, Statement):
+        return [(a.operand, a.indices) for a in spec.assignment.accesses]
+    from ..program import UserOperand
+
+    reads = []
+    for step in spec.program().stages:
+        for access in step.assignment.accesses:
+            source = step.inputs[access.operand]
+            if isinstance(source, UserOperand):
+                reads.append((source.n, access.indices))
+    return reads
+
+
 def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
                          needed: list[bool]) -> list[Tensor]:
     """The gradients of the encoded call with respect to each operand ``needed`` (its
@@ -306,16 +389,40 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if spec.anchor is not None:
         result = operands[spec.anchor].with_values(result)
     wanted = [n for n, need in enumerate(needed) if need]
-    grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)
-    return [g if g is not None else torch.zeros_like(tensors[slot])
-            for g, slot in zip(grads, (_differentiable_slots(spec)[n] for n in wanted))]
+    if isinstance(spec.assignment, Statement):
+        grads = _program_gradients(spec, operands, grad_out, wanted)
+    else:
+        grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)
+    slots = _differentiable_slots(spec)
+    return [torch.zeros(tensors[slots[n]].shape, dtype=tensors[slots[n]].dtype) if g is None else g.contiguous()
+            for g, n in zip(grads, wanted)]
 
 
-@evaluate_backward_op.register_fake
 def _evaluate_backward_fake(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
                             needed: list[bool]) -> list[Tensor]:
     slots = _differentiable_slots(decode(call))
-    return [torch.empty_like(tensors[slots[n]]) for n, need in enumerate(needed) if need]
+    return [tensors[slots[n]].new_empty(tensors[slots[n]].shape) for n, need in enumerate(needed) if need]
+
+
+_autograd_thread: ThreadPoolExecutor | None = None
+
+
+def _program_gradients(spec: CallSpec, operands: list, grad_out, wanted: list[int]) -> list:
+    """A staged program's gradients, recorded by torch's autograd as in eager mode on a
+    thread of its own: an op's kernel runs below autograd, and that state is per thread."""
+    global _autograd_thread
+
+    def gradients():
+        leaves = [op.values if isinstance(op, SparseTensor) else op for op in operands]
+        leaves = [leaf.detach().requires_grad_(n in wanted) for n, leaf in enumerate(leaves)]
+        rebuilt = [op.with_values(leaf) if isinstance(op, SparseTensor) else leaf for op, leaf in zip(operands, leaves)]
+        out = spec.run(rebuilt)
+        out, grad = (out.values, grad_out.values) if isinstance(out, SparseTensor) else (out, grad_out)
+        return torch.autograd.grad(out, [leaves[n] for n in wanted], grad, allow_unused=True)
+
+    if _autograd_thread is None:
+        _autograd_thread = ThreadPoolExecutor(1, thread_name_prefix="sparsenn-autograd")
+    return list(_autograd_thread.submit(gradients).result())
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -331,14 +438,19 @@ def _backward(ctx, grad: Tensor):
     *tensors, output = ctx.saved_tensors
     grads: list[Tensor | None] = [None] * len(tensors)
     if any(ctx.needed):
-        computed = iter(evaluate_backward_op(ctx.call, list(tensors), ctx.shapes, grad, output, ctx.needed))
+        computed = iter(torch.ops.sparsenn.evaluate_backward(ctx.call, list(tensors), ctx.shapes, grad, output,
+                                                             ctx.needed))
         for slot, need in zip(ctx.slots, ctx.needed):
             if need:
                 grads[slot] = next(computed)
     return None, grads, None
 
 
-evaluate_op.register_autograd(_backward, setup_context=_setup_context)
+_library.impl("evaluate", evaluate_op, "CPU")
+_library.impl("evaluate_backward", evaluate_backward_op, "CPU")
+torch.library.register_fake("sparsenn::evaluate", _evaluate_fake, lib=_library)
+torch.library.register_fake("sparsenn::evaluate_backward", _evaluate_backward_fake, lib=_library)
+torch.library.register_autograd("sparsenn::evaluate", _backward, setup_context=_setup_context, lib=_library)
 
 
 def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_format, derive: tuple = ()):
@@ -347,7 +459,7 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     sparse result keeps the anchor operand's pattern."""
     fields = _describe(operands)
     call, anchor = _encoded(assignment, derive, out_format, *fields)
-    result = evaluate_op(call, _flatten(operands, fields[2::3]), _shapes(operands))
+    result = torch.ops.sparsenn.evaluate(call, _flatten(operands, fields[2::3]), _shapes(operands))
     if anchor is None:
         return result
     pattern = operands[anchor]

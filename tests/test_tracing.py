@@ -1,0 +1,239 @@
+"""torch.compile, torch.export and torch.jit.trace of sparsenn layers: each compiled
+assignment is one ``sparsenn::evaluate`` custom op (``compiler/runtime/ops.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import sparsenn
+from sparsenn.compiler.runtime import ops
+from sparsenn.layers.linear import _AFFINE
+
+pytestmark = pytest.mark.usefixtures("avx2_host")
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * max(1.0, expected.abs().max().item()))
+
+
+def _gradients(model: nn.Module, output: torch.Tensor) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(output.square().sum(), params))
+
+
+def _compiled_matches(model: nn.Module, *inputs, backend: str = "inductor", **kwargs) -> None:
+    """``torch.compile(model, fullgraph=True)`` gives eager's outputs and gradients
+    (``backend="aot_eager"``: traced and differentiated the same way, without inductor's
+    code generation, to keep the suite fast)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    expected, actual = model(*inputs, **kwargs), compiled(*inputs, **kwargs)
+    if isinstance(expected, tuple):
+        expected, actual = expected[0], actual[0]
+    _assert_close(actual, expected)
+    for got, want in zip(_gradients(model, actual), _gradients(model, expected)):
+        _assert_close(got, want)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(sparsenn.SparseLinear(48, 32, sparsity=0.8), nn.ReLU(),
+                         sparsenn.SparseLinear(32, 8, sparsity=0.8, format="bsr(8,8)"))
+
+
+class _GCN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = sparsenn.SparseGCNConv(12, 16), sparsenn.SparseGCNConv(16, 4)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        return self.conv2(torch.relu(self.conv1(x, edge_index)), edge_index)
+
+
+def _graph() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(30, 12), torch.randint(0, 30, (2, 90))
+
+
+def test_compile_fullgraph_sparse_linear_forward_and_backward():
+    _compiled_matches(_mlp(), torch.randn(5, 48))
+
+
+def test_compile_fullgraph_gcn_forward_and_backward():
+    torch.manual_seed(2)
+    _compiled_matches(_GCN(), *_graph())
+
+
+def test_compile_reads_an_adjacency_cached_by_an_eager_call():
+    torch.manual_seed(3)
+    conv = sparsenn.SparseGCNConv(12, 4, cached=True)
+    x, edge_index = _graph()
+    expected = conv(x, edge_index)  # fills the cache
+    torch._dynamo.reset()
+    _assert_close(torch.compile(conv, fullgraph=True)(x, edge_index), expected)
+
+
+@pytest.mark.parametrize("training, length, padded", [(False, 128, False), (False, 120, True), (True, 128, False)])
+def test_compile_fullgraph_block_sparse_attention(training, length, padded):
+    torch.manual_seed(4)
+    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_window_blocks=3, num_random_blocks=1,
+                                              seed=0, fixed_pattern=training).train(training)
+    x = torch.randn(2, length, 32)
+    padding = None
+    if padded:
+        padding = torch.zeros(2, length, dtype=torch.bool)
+        padding[1, 70:] = True
+    _compiled_matches(attention, x, backend="inductor" if padded else "aot_eager", key_padding_mask=padding)
+
+
+def test_compiled_attention_redraws_random_blocks_in_training():
+    torch.manual_seed(5)
+    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=2, seed=0).train()
+    x = torch.randn(1, 256, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
+    first, second = compiled(x, need_weights=True)[1], compiled(x, need_weights=True)[1]
+    assert first.nnz == second.nnz
+    assert not torch.equal(first.crd[3], second.crd[3])
+
+
+def test_compile_fullgraph_einsum_and_softmax():
+    torch.manual_seed(6)
+    dense = torch.randn(20, 30) * (torch.rand(20, 30) < 0.3)
+    A = sparsenn.from_dense(dense, format="csr")
+
+    class Scores(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.A, self.w = A, nn.Parameter(torch.randn(30, 6))
+            self.scale = nn.Parameter(torch.ones(A.nnz))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = sparsenn.einsum("ij,jk->ik", self.A, self.w * x)
+            return h.sum() + sparsenn.softmax(self.A.with_values(self.A.values * self.scale), dim=-1).values
+
+    _compiled_matches(Scores(), torch.randn(30, 6), backend="aot_eager")
+
+
+def test_compile_fullgraph_expression_with_epilogue_trains():
+    torch.manual_seed(7)
+    relu_affine = sparsenn.compile("Y[i,k] = relu(A[i,j] * X[j,k] + b[k])")
+    A = sparsenn.from_dense(torch.randn(16, 24) * (torch.rand(16, 24) < 0.3), format="csr")
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.A, self.values, self.b = A, nn.Parameter(A.values.clone()), nn.Parameter(torch.randn(5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return relu_affine(self.A.with_values(self.values), x, self.b)
+
+    _compiled_matches(Layer(), torch.randn(24, 5), backend="aot_eager")
+
+
+def test_no_graph_break_without_fullgraph():
+    """A graph normalised per call is an op with a data-dependent size (Dynamo breaks
+    there unless fullgraph=True); a cached adjacency is read as a constant."""
+    from torch._dynamo.utils import counters
+
+    gcn = _GCN()
+    gcn.conv1.cached = gcn.conv2.cached = True
+    x, edge_index = _graph()
+    for model, inputs in ((_mlp(), (torch.randn(5, 48),)), (gcn, (x, edge_index))):
+        expected = model(*inputs)
+        torch._dynamo.reset()
+        counters.clear()
+        _assert_close(torch.compile(model)(*inputs), expected)
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_export_sparse_linear_mlp_and_gcn():
+    mlp, x = _mlp().eval(), torch.randn(5, 48)
+    with torch.no_grad():
+        program = torch.export.export(mlp, (x,))
+        _assert_close(program.module()(x), mlp(x))
+        gcn, inputs = _GCN().eval(), _graph()
+        program = torch.export.export(gcn, inputs)
+        _assert_close(program.module()(*inputs), gcn(*inputs))
+    assert "sparsenn.evaluate" in str(program.graph)
+
+
+def test_jit_trace_records_the_ops_and_generalises_over_values():
+    mlp = _mlp().eval()
+    with torch.no_grad(), pytest.warns(torch.jit.TracerWarning):
+        traced = torch.jit.trace(mlp, (torch.randn(5, 48),))
+    assert "sparsenn::evaluate" in str(traced.inlined_graph)
+    other = torch.randn(5, 48)
+    with torch.no_grad():
+        _assert_close(traced(other), mlp(other))
+
+
+def test_jit_trace_refuses_moe_and_compile_runs_it_eagerly():
+    torch.manual_seed(8)
+    moe = sparsenn.SparseMoE(16, 32, 4, k=2)
+    x = torch.randn(10, 16)
+    with pytest.raises(RuntimeError, match="cannot record SparseMoE"):
+        torch.jit.trace(moe, (x,))
+    torch._dynamo.reset()
+    _assert_close(torch.compile(moe)(x), moe(x))
+
+
+def test_opcheck_evaluate_and_its_gradient():
+    layer = _mlp()[0]
+    x, weight, bias = torch.randn(4, 48), layer.weight, layer.bias
+    weight = weight.with_values(weight.values.detach().requires_grad_())
+    operands = [x.requires_grad_(), weight, bias.detach().requires_grad_()]
+    fields = ops._describe(operands)
+    call, anchor = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    assert anchor is None
+    torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)))
+
+
+def test_a_call_string_cannot_load_arbitrary_objects():
+    import base64
+    import pickle
+
+    evil = "sparsenn-call:" + base64.b64encode(pickle.dumps(print)).decode()
+    with pytest.raises(pickle.UnpicklingError, match="cannot reference builtins.print"):
+        ops.decode(evil)
+    with pytest.raises(ValueError, match="not a sparsenn call string"):
+        ops.decode("garbage")
+
+
+def test_traced_op_validates_the_buffers_it_is_given():
+    layer = sparsenn.SparseLinear(16, 8, sparsity=0.5).eval()
+    x = torch.randn(3, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        compiled(x)
+        crd = next(b for name, b in layer.named_buffers() if "crd" in name)
+        crd[0] = 10**6
+        with pytest.raises(ValueError, match="crd"):
+            compiled(x)
+
+
+def test_compile_in_a_fresh_process():
+    """The first call in a new process is traced before any eager call (caches empty)."""
+    script = textwrap.dedent("""
+        import torch, sparsenn
+        from torch import nn
+        torch.manual_seed(0)
+        model = nn.Sequential(sparsenn.SparseLinear(24, 16, sparsity=0.8), nn.ReLU(), sparsenn.SparseLinear(16, 4))
+        conv = sparsenn.SparseGCNConv(4, 3)
+        x, edges = torch.randn(6, 24), torch.randint(0, 6, (2, 12))
+        run = torch.compile(lambda x, e: conv(model(x), e), fullgraph=True)
+        out = run(x, edges)
+        torch.testing.assert_close(out, conv(model(x), edges))
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
