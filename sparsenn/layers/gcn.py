@@ -212,7 +212,7 @@ class SparseGCNConv(nn.Module):
                             f"{type(x).__name__}{'' if not isinstance(x, Tensor) else f' with layout {x.layout}'}")
         if len(shape) != 2:
             raise ValueError(f"x must have shape (num_nodes, in_channels), got {shape}")
-        if is_lazy(self.weight):
+        if self.in_channels == -1:  # lazy (a plain int test: tracers take it as a constant)
             self._initialise(shape[1])
         if shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
