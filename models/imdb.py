@@ -15,7 +15,9 @@ import hashlib
 import itertools
 import json
 import operator
+import os
 import re
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -212,9 +214,11 @@ class IMDBDataModule(L.LightningDataModule):
     def _cache_file(self, paths: dict[str, Path]) -> Path | None:
         if self.cache_dir is None:
             return None
-        key = {"files": {split: [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for split, p in paths.items()},
+        files = {split: [str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns]
+                 for split, path in paths.items()}
+        key = {"files": files,
                "settings": [self.max_length, self.vocab_size_limit, self.min_freq, self.val_size, self.seed],
-               "format": 1}
+               "tokenizer": WordTokenizer._WORD.pattern}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
         return self.cache_dir / f"imdb-{digest}.pt"
 
@@ -244,9 +248,10 @@ class IMDBDataModule(L.LightningDataModule):
         encoded["test"] = self._encode([texts[i] for i in order], [labels[i] for i in order])
         if cache is not None:
             cache.parent.mkdir(parents=True, exist_ok=True)
-            partial = cache.with_suffix(".partial")
+            descriptor, partial = tempfile.mkstemp(dir=cache.parent, prefix=cache.stem, suffix=".partial")
+            os.close(descriptor)
             torch.save({"words": self.tokenizer.words, **encoded}, partial)
-            partial.replace(cache)
+            os.replace(partial, cache)  # atomic: concurrent runs each write their own file
         self.datasets = {split: TensorDataset(*tensors) for split, tensors in encoded.items()}
 
     def _encode(self, texts: list[str], labels: list[int]) -> tuple[Tensor, Tensor, Tensor]:

@@ -144,6 +144,7 @@ def test_data_module_cache_round_trip(fixture_dir, tmp_path):
     first = IMDBDataModule(str(fixture_dir), **settings)
     first.setup()
     assert len(list((tmp_path / "cache").glob("imdb-*.pt"))) == 1
+    assert not list((tmp_path / "cache").glob("*.partial"))
     cached = IMDBDataModule(str(fixture_dir), **settings)
     cached.setup()
     assert cached.tokenizer.words == first.tokenizer.words
@@ -247,18 +248,16 @@ def test_tiny_config_trains_with_a_decreasing_loss(fixture_dir, tmp_path):
     assert logits.shape == (32, 2)
 
 
-def test_checkpoint_round_trip_predicts_bit_identically(tmp_path):
-    model = tiny_model()
-    trainer = L.Trainer(max_epochs=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, default_root_dir=tmp_path)
-    trainer.strategy.connect(model)
-    trainer.save_checkpoint(tmp_path / "tiny.ckpt")
+def test_checkpoint_round_trip_predicts_bit_identically(fixture_dir, tmp_path):
+    cli = tiny_cli(f"--data.init_args.data_dir={fixture_dir}", f"--trainer.default_root_dir={tmp_path}",
+                   "--trainer.max_steps=2", "--trainer.limit_val_batches=0")
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    cli.trainer.save_checkpoint(tmp_path / "tiny.ckpt")
     loaded = BigBirdClassifier.load_from_checkpoint(tmp_path / "tiny.ckpt")
-    ids, padding = random_batch()
-    model.eval()
+    ids, padding, _ = cli.datamodule.datasets["test"].tensors
     with torch.no_grad():
-        assert torch.equal(model(ids, padding), loaded.eval()(ids, padding))
-    for mine, theirs in zip(model.layers, loaded.layers):
+        assert torch.equal(cli.model.eval()(ids, padding), loaded.eval()(ids, padding))
+    for mine, theirs in zip(cli.model.layers, loaded.layers):
         assert torch.equal(mine.attention.pattern(48).to_dense(), theirs.attention.pattern(48).to_dense())
 
 
@@ -319,7 +318,8 @@ def test_dense_model_shares_the_sparse_models_weights():
         own = dense(ids, padding)
     variants = dense.inference_variants()
     torch.testing.assert_close(variants["dense attention, full (nn.MultiheadAttention)"](ids, padding), own)
-    torch.testing.assert_close(variants["sparsenn"](ids, padding), sparse.inference_variants()["sparsenn"](ids, padding))
+    expected = sparse.inference_variants()["sparsenn"](ids, padding)
+    torch.testing.assert_close(variants["sparsenn"](ids, padding), expected)
 
 
 def test_bench_protocol_with_a_longer_sequence(fixture_dir, tmp_path):
