@@ -65,8 +65,8 @@ class SparsennTrainer(L.Trainer):
         settings = BenchSettings(tuple(threads), warmup, repeats, first_call)
         if ckpt_path is not None:
             _load_weights(model, ckpt_path)
-        else:
-            print(f"bench: no --ckpt_path, so {type(model).__name__} is benchmarked with its initial (untrained) "
+        elif self.global_step == 0:
+            print(f"bench: no ckpt_path given: {type(model).__name__} is benchmarked with its initial, untrained "
                   "weights")
         datamodule.prepare_data()
         datamodule.setup("test")
@@ -96,16 +96,19 @@ def _load_weights(model: L.LightningModule, ckpt_path: str) -> None:
 
 
 class SavePredictions(BasePredictionWriter):
-    """Saves the predictions of ``sparsenn predict`` with ``torch.save`` to ``path`` (a list,
-    one entry per batch); under several processes, rank ``r`` writes ``<path>.rank<r>``."""
+    """Saves the predictions of ``sparsenn predict`` with ``torch.save`` to ``path`` (default:
+    ``<trainer.default_root_dir>/predictions.pt``) as a list with one entry per batch; under
+    several processes, rank ``r`` writes ``<path>.rank<r>``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None = None) -> None:
         super().__init__(write_interval="epoch")
-        self.path = Path(path)
+        self.path = None if path is None else Path(path)
 
     def write_on_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, predictions: Sequence[Any],
                            batch_indices: Sequence[Any]) -> None:
-        path = self.path if trainer.world_size == 1 else self.path.with_name(f"{self.path.name}.rank{trainer.global_rank}")
+        path = Path(trainer.default_root_dir) / "predictions.pt" if self.path is None else self.path
+        if trainer.world_size > 1:
+            path = path.with_name(f"{path.name}.rank{trainer.global_rank}")
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(list(predictions), path)
         print(f"saved {len(predictions)} batch(es) of predictions to {path}")
@@ -154,7 +157,14 @@ class SparsennCLI(LightningCLI):
             self._parser(self.subcommand).error(f"invalid config: {exc}")
 
     def bench(self, **kwargs: Any) -> None:
-        """The ``bench`` subcommand: :meth:`SparsennTrainer.bench`, its result kept in ``bench_result``."""
+        """The ``bench`` subcommand: :meth:`SparsennTrainer.bench`, its result kept in ``bench_result``;
+        a model without the bench protocol is a usage error."""
+        from models.bench import check_benchmarkable
+
+        try:
+            check_benchmarkable(self.model)
+        except TypeError as exc:
+            self._parser("bench").error(str(exc))
         self.bench_result = self.trainer.bench(**kwargs)
 
 
