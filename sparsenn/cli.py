@@ -33,7 +33,8 @@ from lightning.pytorch.cli import LightningCLI
 if TYPE_CHECKING:
     from models.bench import BenchResult
 
-__all__ = ["main", "SparsennCLI", "SparsennTrainer", "SavePredictions", "TorchThreads", "MainJobStep", "MAIN_JOB", "run_main_job"]
+__all__ = ["main", "SparsennCLI", "SparsennTrainer", "SavePredictions", "TorchThreads", "MainJobStep", "MAIN_JOB",
+           "run_main_job"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BENCH_JSON, BENCH_PNG = "bench.json", "bench.png"
@@ -141,7 +142,7 @@ class SparsennCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, run: bool = True, **kwargs: Any) -> None:
         kwargs.setdefault("parser_kwargs", {"description": __doc__.split("\n\n")[0].replace("\n", " ")})
-        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # like the checkpoint, config.yaml is the last run's
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})  # config.yaml, like model.ckpt, is the last run's
         super().__init__(model_class=None, datamodule_class=None, trainer_class=SparsennTrainer,
                          args=None if args is None else _resolved_config_args(args), run=run, **kwargs)
 
