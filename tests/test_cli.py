@@ -151,6 +151,9 @@ def test_print_config_and_help(capsys, monkeypatch):
         runpy.run_module("sparsenn", run_name="__main__")
     assert exit_info.value.code == 0
     assert "{fit,validate,test,predict,bench}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--help"])
+    assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
 
 
 def test_config_paths_resolve_from_the_repository(tmp_path, monkeypatch, capsys):

@@ -279,3 +279,17 @@ def test_bench_protocol_and_settings_are_checked():
                          ({"threads": (0,)}, "positive"), ({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup")):
         with pytest.raises(ValueError, match=message):
             BenchSettings(**bad)
+
+
+@pytest.mark.parametrize("encoder_format", ["csr", "bsr(16,16)"])
+def test_autoencoder_state_reloads_the_saved_pattern_exactly(tmp_path, encoder_format):
+    torch.manual_seed(0)
+    saved = SparseAutoencoder(hidden_features=64, encoder_format=encoder_format).eval()
+    torch.save(saved.state_dict(), tmp_path / "state.pt")
+    torch.manual_seed(1)  # another random pattern, replaced by the saved one on load
+    loaded = SparseAutoencoder(hidden_features=64, encoder_format=encoder_format).eval()
+    assert not torch.equal(loaded.encoder.mask(), saved.encoder.mask())
+    loaded.load_state_dict(torch.load(tmp_path / "state.pt"))
+    images = torch.rand(16, 784)
+    with torch.no_grad():
+        assert torch.equal(loaded(images), saved(images))
