@@ -2,6 +2,7 @@
 checkpoints that reload sparse layers exactly, bad configs, the main job, and DDP training."""
 
 import json
+import logging
 import os
 import runpy
 import subprocess
@@ -14,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from models import GCN, SparseAutoencoder
-from sparsenn.cli import MAIN_JOB, MainJobStep, SparsennCLI, main, run_main_job
+from sparsenn.cli import MAIN_JOB, MainJobStep, SparsennCLI, _show_sparsenn_logs, main, run_main_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GCN_TINY = str(ROOT / "configs" / "gcn_cora_tiny.yaml")
@@ -154,6 +155,16 @@ def test_print_config_and_help(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--help"])
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
+
+
+def test_kernel_build_logs_are_shown(monkeypatch, capsys):
+    logger = logging.getLogger("sparsenn")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "level", logging.NOTSET)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    _show_sparsenn_logs()
+    logger.info("built kernel spmm_csr")
+    assert "sparsenn: built kernel spmm_csr" in capsys.readouterr().err
 
 
 def test_config_paths_resolve_from_the_repository(tmp_path, monkeypatch, capsys):
