@@ -176,15 +176,18 @@ def test_config_paths_resolve_from_the_repository(tmp_path, monkeypatch, capsys)
 
 def test_main_job_trains_benches_and_charts_every_step(tmp_path, capsys):
     assert all((ROOT / step.config).is_file() for step in MAIN_JOB)
-    steps = [MainJobStep(GCN_TINY, fit_args=("--trainer.max_epochs=2",)), MainJobStep(AE_TINY, fit_args=None)]
+    steps = [MainJobStep(GCN_TINY, overrides=("--trainer.max_epochs=2",)),
+             MainJobStep(AE_TINY, overrides=("--model.init_args.hidden_features=16",), train=False)]
     results = run_main_job(tmp_path, steps, bench={"threads": (1,), "warmup": 1, "repeats": 2, "first_call": False})
     assert [r.name for r in results] == ["gcn_cora_tiny", "autoencoder_mnist_tiny"] and all(r.ok for r in results)
     assert (tmp_path / "gcn_cora_tiny" / "checkpoints" / "model.ckpt").is_file()
     assert not (tmp_path / "autoencoder_mnist_tiny" / "checkpoints").exists()  # benchmarked untrained
+    assert "Tensor[32, 784]" in results[1].inputs
     assert len(json.loads((tmp_path / "bench.json").read_text())) == 2
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
     assert "gcn_cora_tiny: trained in" in printed and "PyG GCNConv" in printed
+    assert "autoencoder_mnist_tiny: trained" not in printed
 
 
 DDP_SCRIPT = """
