@@ -229,7 +229,7 @@ class MainJobStep:
 
 MAIN_JOB = (
     MainJobStep("configs/gcn_cora.yaml"),
-    MainJobStep("configs/autoencoder_mnist.yaml", overrides=("--trainer.max_epochs=1",)),
+    MainJobStep("configs/autoencoder_mnist.yaml", overrides=("--trainer.max_epochs=2",)),  # dense, then pruned
     # BigBird (issue #20) joins here once models/bigbird.py and its configs are on main: its config with the
     # sequence length set to 4096, benchmarked with its BlockSparseAttention, train=False if training is too long.
 )

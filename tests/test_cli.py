@@ -221,3 +221,29 @@ def test_ddp_on_cpu_ends_with_identical_weights_on_both_ranks(tmp_path):
     for key in rank0:
         if isinstance(rank0[key], torch.Tensor):
             assert torch.equal(rank0[key], rank1[key]), key
+
+
+class EncoderValues(Callback):
+    """The encoder's stored values at the first step after pruning (epoch 1)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.current_epoch == 1 and batch_idx == 0:
+            self.after_pruning = pl_module.encoder.weight_values.detach().clone()
+
+
+def test_autoencoder_trained_dense_then_pruned_keeps_training_and_reloads_exactly(tmp_path):
+    cli = SparsennCLI(["--config", AE_TINY, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=2",
+                       "--trainer.limit_train_batches=3", "--model.init_args.dense_epochs=1"], run=False)
+    values = EncoderValues()
+    cli.trainer.callbacks.append(values)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    model = cli.model.eval()
+    assert model.encoder.sparsity == pytest.approx(0.9, abs=0.01)
+    assert not torch.equal(model.encoder.weight_values, values.after_pruning)  # the new optimizer trains it
+    reloaded = SparseAutoencoder.load_from_checkpoint(tmp_path / "checkpoints" / "model.ckpt").eval()
+    images = torch.rand(4, 784)
+    with torch.no_grad():
+        assert torch.equal(reloaded(images), model(images))
+    with pytest.raises(ValueError, match="max_epochs 1 <= dense_epochs 1"):
+        SparsennCLI(["fit", "--config", AE_TINY, f"--trainer.default_root_dir={tmp_path}",
+                     "--model.init_args.dense_epochs=1"])

@@ -293,3 +293,24 @@ def test_autoencoder_state_reloads_the_saved_pattern_exactly(tmp_path, encoder_f
     images = torch.rand(16, 784)
     with torch.no_grad():
         assert torch.equal(loaded(images), saved(images))
+
+
+def test_dense_then_pruned_autoencoder_checks_its_settings_and_reloads_pruned_states(tmp_path):
+    with pytest.raises(ValueError, match=r"block \(16,16\) does not divide 250"):
+        SparseAutoencoder(hidden_features=250, encoder_format="bsr(16,16)", dense_epochs=1)
+    with pytest.raises(ValueError, match="sparsity must be in"):
+        SparseAutoencoder(sparsity=1.5, dense_epochs=1)
+    with pytest.raises(ValueError, match="dense_epochs must be an int >= 0"):
+        SparseAutoencoder(dense_epochs=-1)
+    torch.manual_seed(0)
+    model = SparseAutoencoder(hidden_features=64, encoder_format="bsr(16,16)", dense_epochs=2).eval()
+    assert isinstance(model.encoder, torch.nn.Linear) and model.pruning_pending
+    model.prune()
+    assert isinstance(model.encoder, sparsenn.SparseLinear) and not model.pruning_pending
+    kept = model.encoder.to_dense().weight != 0
+    assert model.encoder.sparsity == pytest.approx(0.9, abs=0.01) and kept.float().mean() <= 0.11
+    fresh = SparseAutoencoder(hidden_features=64, encoder_format="bsr(16,16)", dense_epochs=2).eval()
+    fresh.load_state_dict(model.state_dict())
+    images = torch.rand(8, 784)
+    with torch.no_grad():
+        assert torch.equal(fresh(images), model(images))
