@@ -15,10 +15,11 @@ from pathlib import Path
 
 import lightning as L
 import torch_geometric.transforms as T
-import sparsenn
 from torch.utils.data import DataLoader
 from torch_geometric.data import Data
 from torch_geometric.datasets import Planetoid
+
+import sparsenn
 
 __all__ = ["PLANETOID_ROOT", "PLANETOID_NAMES", "load_planetoid", "PlanetoidDataModule"]
 
@@ -90,11 +91,14 @@ class PlanetoidDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Load the graph once (later stages reuse it)."""
-        self.graph
+        self._load()
 
     @property
     def graph(self) -> Data:
         """The graph: ``x`` (a SparseTensor when ``sparse_features``), ``edge_index``, ``y`` and the masks."""
+        return self._load()
+
+    def _load(self) -> Data:
         if self._data is None:
             data = load_planetoid(self.name, self.root, self.normalize_features)
             if self.sparse_features:

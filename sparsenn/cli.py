@@ -269,6 +269,10 @@ def _main_job_command(argv: Sequence[str]) -> int:
     parser.add_argument("--repeats", type=int, help="timed calls per variant (default: bench's)")
     parser.add_argument("--warmup", type=int, help="untimed calls per variant (default: bench's)")
     args = parser.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.warmup is not None and args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     overrides = {key: value for key, value in (("repeats", args.repeats), ("warmup", args.warmup))
                  if value is not None}
     results = run_main_job(args.output_dir, bench=overrides)

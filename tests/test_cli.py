@@ -155,6 +155,9 @@ def test_print_config_and_help(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--help"])
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--repeats", "0"])
+    assert exit_info.value.code == 2 and "--repeats must be >= 1" in capsys.readouterr().err
 
 
 def test_kernel_build_logs_are_shown(monkeypatch, capsys):
