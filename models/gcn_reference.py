@@ -1,6 +1,6 @@
 """The same two-layer GCN for inference, computed by other libraries from a trained
-:class:`models.gcn.GCN`'s weights: PyG's ``GCNConv`` and a plain ``torch.sparse`` CSR
-product. Used to check sparsenn's outputs and to benchmark against."""
+:class:`models.gcn.GCN`'s weights: PyG's ``GCNConv``, plain ``torch.sparse`` CSR products
+and dense PyTorch. Used to check sparsenn's outputs and to benchmark against."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch_geometric.nn import GCNConv
 
 from .gcn import GCN
 
-__all__ = ["PyGGCN", "TorchCSRGCN", "normalized_adjacency_csr"]
+__all__ = ["PyGGCN", "TorchCSRGCN", "DenseGCN", "normalized_adjacency_csr"]
 
 
 class PyGGCN(nn.Module):
@@ -53,24 +53,27 @@ def normalized_adjacency_csr(edge_index: Tensor, num_nodes: int, dtype: torch.dt
     return coo.coalesce().to_sparse_csr()
 
 
+def _frozen_weights(trained: GCN) -> list[Tensor]:
+    """``[W_1, b_1, W_2, b_2]`` of a GCN with the default normalisation and biases, detached copies."""
+    for layer in (trained.conv1, trained.conv2):
+        if layer.improved or not layer.normalize or not layer.add_self_loops or layer.bias is None:
+            raise ValueError(f"only GCN layers with the default normalisation and a bias are supported, got {layer}")
+    return [t.detach().clone() for t in (trained.conv1.weight, trained.conv1.bias,
+                                         trained.conv2.weight, trained.conv2.bias)]
+
+
 class TorchCSRGCN(nn.Module):
     r"""The same GCN written directly with ``torch.sparse.mm`` on a CSR ``Â`` (inference only):
-    ``Â relu(Â X W_1ᵀ + b_1) W_2ᵀ + b_2``. The adjacency is built on each call, or once when the
-    trained model used ``cached=True``. Only unweighted graphs with self-loops added and
+    ``Â relu(Â X W_1ᵀ + b_1) W_2ᵀ + b_2``, where ``X W_1ᵀ`` is ``torch.sparse.mm`` too when the
+    features ``X`` are a torch sparse CSR tensor. The adjacency is built on each call, or once when
+    the trained model used ``cached=True``. Only unweighted graphs with self-loops added and
     symmetric normalisation (the GCN defaults) are supported.
     """
 
     def __init__(self, trained: GCN) -> None:
         super().__init__()
-        for layer in (trained.conv1, trained.conv2):
-            if layer.improved or not layer.normalize or not layer.add_self_loops or layer.bias is None:
-                raise ValueError(f"TorchCSRGCN supports GCN layers with the default normalisation and a bias, "
-                                 f"got {layer}")
+        self.weight1, self.bias1, self.weight2, self.bias2 = _frozen_weights(trained)
         self.cached = trained.conv1.cached
-        self.weight1 = nn.Parameter(trained.conv1.weight.detach().clone(), requires_grad=False)
-        self.bias1 = nn.Parameter(trained.conv1.bias.detach().clone(), requires_grad=False)
-        self.weight2 = nn.Parameter(trained.conv2.weight.detach().clone(), requires_grad=False)
-        self.bias2 = nn.Parameter(trained.conv2.bias.detach().clone(), requires_grad=False)
         self._adjacency: Tensor | None = None
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
@@ -79,5 +82,27 @@ class TorchCSRGCN(nn.Module):
             adjacency = normalized_adjacency_csr(edge_index, x.shape[0], x.dtype)
             if self.cached:
                 self._adjacency = adjacency
-        hidden = F.relu(torch.sparse.mm(adjacency, x @ self.weight1.T) + self.bias1)
+        projected = torch.sparse.mm(x, self.weight1.T) if x.layout == torch.sparse_csr else x @ self.weight1.T
+        hidden = F.relu(torch.sparse.mm(adjacency, projected) + self.bias1)
         return torch.sparse.mm(adjacency, hidden @ self.weight2.T) + self.bias2
+
+
+class DenseGCN(nn.Module):
+    r"""The same GCN in dense PyTorch (inference only): ``Â relu(Â X W_1ᵀ + b_1) W_2ᵀ + b_2``
+    with ``Â`` a dense ``(N, N)`` matrix (built on each call, or once when the trained model
+    used ``cached=True``) and dense features."""
+
+    def __init__(self, trained: GCN) -> None:
+        super().__init__()
+        self.weight1, self.bias1, self.weight2, self.bias2 = _frozen_weights(trained)
+        self.cached = trained.conv1.cached
+        self._adjacency: Tensor | None = None
+
+    def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
+        adjacency = self._adjacency
+        if adjacency is None:
+            adjacency = normalized_adjacency_csr(edge_index, x.shape[0], x.dtype).to_dense()
+            if self.cached:
+                self._adjacency = adjacency
+        hidden = F.relu(torch.addmm(self.bias1, adjacency, x @ self.weight1.T))
+        return torch.addmm(self.bias2, adjacency, hidden @ self.weight2.T)

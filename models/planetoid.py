@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader
 from torch_geometric.data import Data
 from torch_geometric.datasets import Planetoid
 
+import sparsenn
+
 __all__ = ["PLANETOID_ROOT", "PLANETOID_NAMES", "load_planetoid", "PlanetoidDataModule"]
 
 PLANETOID_ROOT = Path(__file__).resolve().parent / "data" / "planetoid"
@@ -47,7 +49,10 @@ def load_planetoid(name: str, root: str | Path | None = None, normalize_features
                if not (raw_dir / f"ind.{name.lower()}.{suffix}").is_file()]
     if missing:
         shipped = f" (shipped here: {', '.join(PLANETOID_NAMES)})" if root is None else ""
-        raise ValueError(f"Planetoid dataset {name!r}: raw files missing in {raw_dir}: {', '.join(missing)}{shipped}")
+        raise FileNotFoundError(
+            f"Planetoid dataset {name!r}: raw files missing in {raw_dir}: {', '.join(missing)}{shipped}. "
+            f"Obtain them from https://github.com/kimiyoung/planetoid/tree/master/data (folder data/) and put them "
+            f"in {raw_dir}, or set the data module's root to the folder holding {name}/raw/")
     transform = T.NormalizeFeatures() if normalize_features else None
     with tempfile.TemporaryDirectory(prefix="sparsenn-planetoid-") as workdir:
         shutil.copytree(raw_dir, Path(workdir) / name / "raw")
@@ -65,43 +70,52 @@ class PlanetoidDataModule(L.LightningDataModule):
 
     Training, validation and testing see the same graph and differ only in which mask the
     model reads (``train_mask``, ``val_mask``, ``test_mask``).
+
+    Args:
+        name: ``"Cora"`` or ``"CiteSeer"`` (shipped), or another Planetoid graph under ``root``.
+        root: folder holding ``<name>/raw/ind.<name>.*`` (default: the shipped files).
+        normalize_features: divide each node's features by their sum.
+        sparse_features: serve the node features ``x`` as a CSR :class:`sparsenn.SparseTensor`
+            (bag-of-words: 1.3 % of Cora's entries are nonzero) instead of a dense tensor.
     """
 
-    def __init__(self, name: str = "Cora", root: str | Path | None = None, normalize_features: bool = True) -> None:
+    def __init__(self, name: str = "Cora", root: str | None = None, normalize_features: bool = True,
+                 sparse_features: bool = True) -> None:
         super().__init__()
-        self.name, self.root, self.normalize_features = name, root, normalize_features
-        self.data: Data | None = None
-
-    @classmethod
-    def from_data(cls, name: str, data: Data) -> PlanetoidDataModule:
-        """A data module serving the already loaded graph ``data`` of dataset ``name``
-        (see :func:`load_planetoid`)."""
-        for key in ("x", "edge_index", "y", "train_mask", "val_mask", "test_mask"):
-            if getattr(data, key, None) is None:
-                raise ValueError(f"graph has no {key!r}; expected a Planetoid graph from load_planetoid()")
-        module = cls(name)
-        module.data = data
-        return module
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type(name).__name__}")
+        self.save_hyperparameters()
+        self.name, self.root = name, root
+        self.normalize_features, self.sparse_features = bool(normalize_features), bool(sparse_features)
+        self._data: Data | None = None
 
     def setup(self, stage: str | None = None) -> None:
         """Load the graph once (later stages reuse it)."""
-        self._graph()
+        self._load()
 
-    def _graph(self) -> Data:
-        if self.data is None:
-            self.data = load_planetoid(self.name, self.root, self.normalize_features)
-        return self.data
+    @property
+    def graph(self) -> Data:
+        """The graph: ``x`` (a SparseTensor when ``sparse_features``), ``edge_index``, ``y`` and the masks."""
+        return self._load()
+
+    def _load(self) -> Data:
+        if self._data is None:
+            data = load_planetoid(self.name, self.root, self.normalize_features)
+            if self.sparse_features:
+                data.x = sparsenn.from_dense(data.x, format="csr")
+            self._data = data
+        return self._data
 
     @property
     def num_features(self) -> int:
-        return int(self._graph().num_features)
+        return int(self.graph.x.shape[1])
 
     @property
     def num_classes(self) -> int:
-        return int(self._graph().y.max()) + 1
+        return int(self.graph.y.max()) + 1
 
     def _loader(self) -> DataLoader:
-        return DataLoader([self._graph()], batch_size=None, collate_fn=_single_graph)
+        return DataLoader([self.graph], batch_size=None, collate_fn=_single_graph)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader()

@@ -129,10 +129,10 @@ def declared_dependencies() -> set[str]:
 
 
 def test_every_third_party_import_is_a_declared_dependency() -> None:
-    """``import yaml`` in the CLI needs ``pyyaml`` in pyproject's dependencies."""
+    """``import lightning`` in the CLI needs ``lightning`` in pyproject's dependencies."""
     top_level = {n.split(".")[0] for p in sorted(PACKAGE.rglob("*.py")) for n in imported_modules(p)}
     third_party = sorted(top_level - set(sys.stdlib_module_names) - {"sparsenn", "__future__"} - REPOSITORY_PACKAGES)
-    assert "yaml" in third_party and "torch" in third_party
+    assert "lightning" in third_party and "torch" in third_party
     distributions = packages_distributions()
     declared = declared_dependencies()
     undeclared = {

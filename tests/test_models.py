@@ -1,117 +1,63 @@
-"""The reference GCN path: Planetoid data, training and benchmarking through the CLI entry point."""
+"""The reference models and their data: Planetoid and MNIST data modules (MNIST on small idx
+fixtures written here), the GCN and the sparse autoencoder, their inference variants and the
+bench runner."""
 
-import json
-import runpy
-import sys
-from pathlib import Path
+import gzip
+import struct
 
 import pytest
 import torch
 from torch_geometric.data import Data
 
-from models import GCN, PlanetoidDataModule, feature_dropout, load_planetoid, normalized_adjacency_csr
-from sparsenn.cli import BENCH_FILE, METRICS_FILE, WEIGHTS_FILE, CommandError, _first_call_ms, load_config, main
+import sparsenn
+from models import (
+    GCN,
+    MNISTDataModule,
+    PlanetoidDataModule,
+    SparseAutoencoder,
+    feature_dropout,
+    load_planetoid,
+    normalized_adjacency_csr,
+    read_idx,
+)
+from models.bench import BenchSettings, check_benchmarkable, format_table, memoized_conversion, run_bench, write_chart
 
-ROOT = Path(__file__).resolve().parents[1]
-CORA = str(ROOT / "configs" / "gcn_cora.yaml")
-EPOCHS = 15
 
-
+# ------------------------------------------------------------------------------- Planetoid
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A GCN trained for a few epochs on Cora through ``main(["train", ...])``."""
-    out = tmp_path_factory.mktemp("gcn_cora")
-    threads_before = torch.get_num_threads()
-    assert main(["train", "--config", CORA, "--output-dir", str(out), "--max-epochs", str(EPOCHS)]) == 0
-    assert torch.get_num_threads() == threads_before
-    return out
+def cora():
+    module = PlanetoidDataModule("Cora")
+    module.setup("fit")
+    return module
 
 
-def test_train_lowers_the_loss_and_beats_chance(trained):
-    metrics = json.loads((trained / METRICS_FILE).read_text())
-    losses = metrics["train_loss"]
-    assert len(losses) == EPOCHS and metrics["threads"] == 1  # the config's train_threads
-    assert losses[-1] < losses[0] - 0.1
-    assert metrics["test_acc"] > 0.5 and metrics["val_acc"] > 0.5  # 7 classes: chance is about 0.14
-    state = torch.load(trained / WEIGHTS_FILE, weights_only=True)
-    assert state["conv1.weight"].shape == (16, 1433) and state["conv2.weight"].shape == (7, 16)
-
-
-def test_bench_outputs_match_pyg_and_torch_sparse(trained, capsys):
-    threads_before = torch.get_num_threads()
-    argv = ["bench", "--config", CORA, "--output-dir", str(trained), "--threads", "1", "2",
-            "--warmup", "1", "--repeats", "2", "--no-cold-start"]
-    assert main(argv) == 0
-    assert torch.get_num_threads() == threads_before
-    result = json.loads((trained / BENCH_FILE).read_text())
-    assert result["ok"]
-    assert set(result["max_abs_diff"]) == {"PyG GCNConv", "torch.sparse CSR"}
-    assert all(diff < 1e-4 for diff in result["max_abs_diff"].values())
-    assert len(set(result["test_acc"].values())) == 1
-    assert set(result["timings_ms"]) == {"1", "2"}
-    assert all(ms > 0 for row in result["timings_ms"].values() for ms in row.values())
-    assert result["first_call"] is None
-    printed = capsys.readouterr().out
-    assert "PyG GCNConv" in printed and "outputs agree" in printed
-
-
-def test_first_call_runs_in_a_fresh_process_with_an_empty_kernel_cache(trained):
-    first = _first_call_ms(CORA, trained, threads=1)
-    assert first["kernels_built"] >= 1
-    assert first["first_ms"] > 0 and first["threads"] == 1
-
-
-def test_bench_without_weights_is_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--config", CORA, "--output-dir", str(tmp_path), "--no-cold-start"])
-    assert exit_info.value.code == 2
-    assert "no trained weights" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("text, message", [
-    ("model: gcn\nhidden: 16\n", "unknown key(s) hidden"),
-    ("model: gcn\nhidden_channels: 16.5\n", "hidden_channels must be int"),
-    ("model: gcn\ncached: 1\n", "cached must be bool"),
-    ("model: gcn\ndropout: 1.0\n", "dropout must be in [0, 1)"),
-    ("model: transformer\n", "model must be one of gcn"),
-    ("model: gcn\nbench: {threads: []}\n", "bench.threads must be a non-empty list"),
-    ("model: gcn\nbench: {repeat: 3}\n", "unknown key(s) repeat"),
-    ("- just a list\n", "expected a mapping"),
-    ("model: [gcn\n", "not valid YAML"),
-])
-def test_bad_config_is_rejected_naming_the_key(tmp_path, capsys, text, message):
-    path = tmp_path / "bad.yaml"
-    path.write_text(text)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--config", str(path), "--output-dir", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_config_defaults_and_command_line_overrides(tmp_path, capsys):
-    config = load_config(CORA)
-    assert (config.dataset, config.hidden_channels, config.max_epochs, config.lr) == ("Cora", 16, 200, 0.01)
-    assert load_config(ROOT / "configs" / "gcn_citeseer.yaml").dataset == "CiteSeer"
-    with pytest.raises(CommandError, match="not found"):
-        load_config(tmp_path / "missing.yaml")
-    with pytest.raises(SystemExit):
-        main(["run", "--config", CORA, "--output-dir", str(tmp_path), "--repeats", "0"])
-    assert "bench.repeats must be >= 1" in capsys.readouterr().err
-
-
-def test_planetoid_public_splits():
-    cora = PlanetoidDataModule("Cora")
+def test_planetoid_public_split_with_sparse_bag_of_words_features(cora):
+    graph = cora.graph
     assert (cora.num_features, cora.num_classes) == (1433, 7)
-    data = load_planetoid("CiteSeer")
-    assert (data.num_nodes, int(data.y.max()) + 1) == (3327, 6)
-    assert [int(m.sum()) for m in (data.train_mask, data.val_mask, data.test_mask)] == [120, 500, 1000]
-    torch.testing.assert_close(data.x.sum(1)[data.x.sum(1) > 0], torch.ones(int((data.x.sum(1) > 0).sum())))
-    with pytest.raises(ValueError, match="PubMed.*raw files missing.*shipped here: Cora, CiteSeer"):
+    assert isinstance(graph.x, sparsenn.SparseTensor) and str(graph.x.format) == str(sparsenn.parse_format("csr", 2))
+    assert 0.01 < graph.x.density < 0.015  # bag of words: 1.3 % of Cora's entries
+    dense = load_planetoid("Cora")
+    torch.testing.assert_close(graph.x.to_dense(), dense.x, rtol=0, atol=0)
+    assert [int(m.sum()) for m in (graph.train_mask, graph.val_mask, graph.test_mask)] == [140, 500, 1000]
+    assert next(iter(cora.train_dataloader())) is graph
+
+
+def test_planetoid_dense_features_and_citeseer():
+    module = PlanetoidDataModule("CiteSeer", sparse_features=False)
+    data = module.graph
+    assert isinstance(data.x, torch.Tensor) and (data.num_nodes, module.num_classes) == (3327, 6)
+    rows = data.x.sum(1)
+    torch.testing.assert_close(rows[rows > 0], torch.ones(int((rows > 0).sum())))  # normalize_features
+
+
+def test_missing_planetoid_files_name_the_path_and_the_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"PubMed.*raw files missing.*shipped here: Cora, CiteSeer.*"
+                                                r"github.com/kimiyoung/planetoid"):
         load_planetoid("PubMed")
-    served = PlanetoidDataModule.from_data("CiteSeer", data)
-    assert next(iter(served.train_dataloader())) is data
-    with pytest.raises(ValueError, match="graph has no 'train_mask'"):
-        PlanetoidDataModule.from_data("CiteSeer", Data(x=data.x, edge_index=data.edge_index, y=data.y))
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "Cora" / "raw")):
+        PlanetoidDataModule("Cora", root=str(tmp_path)).setup("fit")
+    with pytest.raises(TypeError, match="name must be a str"):
+        PlanetoidDataModule(3)
 
 
 def test_normalized_adjacency_matches_pyg_gcn_norm():
@@ -134,18 +80,237 @@ def test_feature_dropout_keeps_zeros_and_scales_the_kept_features():
     torch.testing.assert_close(y[kept], x[kept] / 0.75)
     assert abs(kept.sum() / (x != 0).sum() - 0.75) < 0.03  # about 3000 Bernoulli(0.75) draws: sd 0.008
     assert feature_dropout(x, 0.25, training=False) is x and feature_dropout(x, 0.0) is x
+    sparse = sparsenn.from_dense(x, format="csr")
+    dropped = feature_dropout(sparse, 0.25)
+    assert dropped.nnz == sparse.nnz  # same pattern: dropped features are stored zeros
+    kept = dropped.values != 0
+    torch.testing.assert_close(dropped.values[kept], sparse.values[kept] / 0.75)
+    assert abs(float(kept.float().mean()) - 0.75) < 0.03
 
 
-def test_gcn_model_rejects_bad_hyperparameters():
+def test_gcn_rejects_bad_hyperparameters_and_mismatched_features(cora):
     with pytest.raises(ValueError, match="dropout"):
         GCN(8, 3, dropout=1.5)
     with pytest.raises(ValueError, match="lr"):
         GCN(8, 3, lr=0.0)
+    with pytest.raises(ValueError, match=r"x must have shape \(num_nodes, 3703\)"):
+        GCN(3703, 6)(cora.graph.x, cora.graph.edge_index)
 
 
-def test_python_dash_m_sparsenn_is_the_cli(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["sparsenn", "--help"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("sparsenn", run_name="__main__")
-    assert exit_info.value.code == 0
-    assert "{train,bench,run}" in capsys.readouterr().out
+def test_gcn_sparse_and_dense_features_give_the_same_logits(cora):
+    torch.manual_seed(0)
+    model = GCN(1433, 7, hidden_channels=16).eval()
+    graph = cora.graph
+    with torch.no_grad():
+        sparse = model(graph.x, graph.edge_index)
+        dense = model(graph.x.to_dense(), graph.edge_index)
+    torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_gcn_inference_variants_agree_and_score_the_test_nodes(cora):
+    torch.manual_seed(0)
+    model = GCN(1433, 7, hidden_channels=16).eval()
+    (x, edge_index), target = model.bench_batch(cora)
+    assert int((target >= 0).sum()) == 1000 and bool((target[~cora.graph.test_mask] == -1).all())
+    variants = model.inference_variants()
+    assert list(variants) == ["sparsenn", "torch.sparse", "dense", "PyG GCNConv"]
+    with torch.no_grad():
+        outputs = {name: call(x, edge_index) for name, call in variants.items()}
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["sparsenn"], rtol=1e-4, atol=1e-5, msg=name)
+    name, value = model.bench_metric(outputs["sparsenn"], target)
+    expected = float((outputs["sparsenn"].argmax(1) == cora.graph.y)[cora.graph.test_mask].float().mean())
+    assert name == "accuracy" and value == pytest.approx(expected)
+
+
+def test_memoized_conversion_converts_once_per_input_object():
+    calls = []
+    convert = memoized_conversion(lambda t: calls.append(t) or t * 2)
+    a, b = torch.ones(3), torch.ones(3)
+    assert torch.equal(convert(a), 2 * a) and convert(a) is convert(a)
+    convert(b)
+    assert len(calls) == 2
+
+
+# ----------------------------------------------------------------------------------- MNIST
+def _write_idx(path, array: torch.Tensor, code: int = 0x08, compress: bool = True) -> None:
+    header = bytes([0, 0, code, array.dim()]) + b"".join(struct.pack(">I", n) for n in array.shape)
+    dtype = {0x08: ">u1", 0x0C: ">i4", 0x0D: ">f4"}[code]
+    raw = header + array.numpy().astype(dtype).tobytes()
+    if compress:
+        path.write_bytes(gzip.compress(raw))
+    else:
+        path.write_bytes(raw)
+
+
+@pytest.fixture
+def mnist_dir(tmp_path):
+    """100 training and 20 test 28 x 28 images with labels, as (gzipped) idx files."""
+    generator = torch.Generator().manual_seed(0)
+    for prefix, count, compress in (("train", 100, True), ("t10k", 20, False)):
+        images = torch.randint(0, 256, (count, 28, 28), generator=generator, dtype=torch.uint8)
+        labels = torch.randint(0, 10, (count,), generator=generator, dtype=torch.uint8)
+        suffix = ".gz" if compress else ""
+        _write_idx(tmp_path / f"{prefix}-images-idx3-ubyte{suffix}", images, compress=compress)
+        _write_idx(tmp_path / f"{prefix}-labels-idx1-ubyte{suffix}", labels, compress=compress)
+    return tmp_path
+
+
+def test_read_idx_parses_every_type_code(tmp_path):
+    values = torch.arange(-6, 6, dtype=torch.int32).reshape(3, 4)
+    _write_idx(tmp_path / "ints.gz", values, code=0x0C)
+    assert torch.equal(read_idx(tmp_path / "ints.gz"), values)
+    floats = torch.linspace(-1, 1, 10).reshape(2, 5)
+    _write_idx(tmp_path / "floats", floats, code=0x0D, compress=False)
+    assert torch.equal(read_idx(tmp_path / "floats"), floats)
+
+
+@pytest.mark.parametrize("raw, message", [
+    (b"\x00\x00\x08", "not an idx file"),
+    (b"\x01\x02\x08\x01" + struct.pack(">I", 2) + b"ab", "not an idx file"),
+    (b"\x00\x00\x08\x02" + struct.pack(">I", 2), "truncated idx header"),
+    (b"\x00\x00\x08\x01" + struct.pack(">I", 5) + b"abc", "an idx file of shape (5,)"),
+])
+def test_read_idx_rejects_malformed_files_naming_them(tmp_path, raw, message):
+    path = tmp_path / "bad-idx"
+    path.write_bytes(raw)
+    with pytest.raises(ValueError, match=str(path)) as info:
+        read_idx(path)
+    assert message in str(info.value)
+    broken_gzip = tmp_path / "bad.gz"
+    broken_gzip.write_bytes(b"not gzip at all")
+    with pytest.raises(ValueError, match="cannot read it as an idx file"):
+        read_idx(broken_gzip)
+
+
+def test_mnist_data_module_on_a_fixture(mnist_dir):
+    module = MNISTDataModule(str(mnist_dir), batch_size=16, val_size=10)
+    module.setup("fit")
+    images, labels = next(iter(module.train_dataloader()))
+    assert images.shape == (16, 784) and images.dtype == torch.float32 and labels.dtype == torch.int64
+    assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0
+    assert sum(len(b[0]) for b in module.train_dataloader()) == 90
+    assert sum(len(b[0]) for b in module.val_dataloader()) == 10
+    test_images = torch.cat([b[0] for b in module.test_dataloader()])  # uncompressed files are read too
+    raw = read_idx(mnist_dir / "t10k-images-idx3-ubyte")
+    assert torch.equal(test_images, raw.reshape(20, 784).float() / 255)
+    with pytest.raises(ValueError, match="val_size 100 leaves no training images"):
+        MNISTDataModule(str(mnist_dir), val_size=100).setup("fit")
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        MNISTDataModule(batch_size=0)
+
+
+def test_missing_mnist_files_name_the_path_and_the_source(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "t10k-images-idx3-ubyte.gz")) as info:
+        MNISTDataModule(str(tmp_path)).setup("test")
+    assert "yann.lecun.com/exdb/mnist" in str(info.value)
+
+
+def test_shipped_mnist_has_the_official_shapes():
+    images, labels = read_idx(MNISTDataModule().data_dir / "t10k-images-idx3-ubyte.gz"), None
+    labels = read_idx(MNISTDataModule().data_dir / "t10k-labels-idx1-ubyte.gz")
+    assert images.shape == (10000, 28, 28) and images.dtype == torch.uint8
+    assert torch.bincount(labels.long()).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+# ----------------------------------------------------------------------------- autoencoder
+@pytest.mark.parametrize("encoder_format", ["csr", "bsr(16,16)", "dense"])
+def test_autoencoder_variants_agree(mnist_dir, encoder_format):
+    torch.manual_seed(0)
+    model = SparseAutoencoder(hidden_features=64, encoder_format=encoder_format).eval()
+    if encoder_format != "dense":
+        assert isinstance(model.encoder, sparsenn.SparseLinear) and model.encoder.sparsity == pytest.approx(0.9, 0.02)
+    module = MNISTDataModule(str(mnist_dir), batch_size=8, val_size=10)
+    (images,), target = model.bench_batch(module)
+    assert images.shape == (8, 784) and target is images
+    variants = model.inference_variants()
+    assert list(variants) == ["sparsenn", "torch.sparse", "dense"]
+    with torch.no_grad():
+        outputs = {name: call(images) for name, call in variants.items()}
+    for name, out in outputs.items():
+        torch.testing.assert_close(out, outputs["sparsenn"], rtol=1e-4, atol=1e-5, msg=name)
+    name, value = model.bench_metric(outputs["sparsenn"], target)
+    assert name == "mse" and value == pytest.approx(float(((outputs["sparsenn"] - images) ** 2).mean()))
+
+
+def test_autoencoder_rejects_bad_settings():
+    with pytest.raises(ValueError, match="unknown weight format 'nope'"):
+        SparseAutoencoder(encoder_format="nope")
+    with pytest.raises(ValueError, match=r"block \(16,16\) does not divide 250"):
+        SparseAutoencoder(hidden_features=250, encoder_format="bsr(16,16)")
+    with pytest.raises(ValueError, match="lr must be positive"):
+        SparseAutoencoder(lr=-1.0)
+
+
+# ----------------------------------------------------------------------------------- bench
+def test_run_bench_times_every_variant_and_checks_agreement(mnist_dir, tmp_path):
+    torch.manual_seed(0)
+    model = SparseAutoencoder(hidden_features=32)
+    module = MNISTDataModule(str(mnist_dir), batch_size=8, val_size=10)
+    threads_before = torch.get_num_threads()
+    result = run_bench(model, module, BenchSettings(threads=(1, 2), warmup=1, repeats=2, first_call=False), "tiny")
+    assert torch.get_num_threads() == threads_before and not model.training
+    assert result.ok and result.first_call is None and result.metric_name == "mse"
+    assert [v.name for v in result.variants] == ["sparsenn", "torch.sparse", "dense"]
+    assert all(set(v.median_ms) == {1, 2} and all(ms > 0 for ms in v.median_ms.values()) for v in result.variants)
+    assert len({v.metric for v in result.variants}) <= 2  # the same reconstructions up to rounding
+    table = format_table(result)
+    assert "torch.sparse" in table and "outputs agree" in table and "2 threads" in table
+    assert write_chart([result, result], tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_reports_a_disagreeing_variant(mnist_dir):
+    class Broken(SparseAutoencoder):
+        def inference_variants(self):
+            variants = super().inference_variants()
+            return {**variants, "dense": lambda x: variants["dense"](x) + 1e-2}
+
+    torch.manual_seed(0)
+    result = run_bench(Broken(hidden_features=32), MNISTDataModule(str(mnist_dir), batch_size=8, val_size=10),
+                       BenchSettings(threads=(1,), warmup=0, repeats=1, first_call=False))
+    assert not result.ok and [v.agrees for v in result.variants] == [True, True, False]
+    assert "DISAGREE" in format_table(result)
+
+
+def test_bench_protocol_and_settings_are_checked():
+    with pytest.raises(TypeError, match="Data cannot be benchmarked: it has no bench_batch, inference_variants"):
+        check_benchmarkable(Data())
+    for bad, message in (({"threads": ()}, "non-empty"), ({"threads": (1, 1)}, "distinct"),
+                         ({"threads": (0,)}, "positive"), ({"repeats": 0}, "repeats"), ({"warmup": -1}, "warmup")):
+        with pytest.raises(ValueError, match=message):
+            BenchSettings(**bad)
+
+
+@pytest.mark.parametrize("encoder_format", ["csr", "bsr(16,16)"])
+def test_autoencoder_state_reloads_the_saved_pattern_exactly(tmp_path, encoder_format):
+    torch.manual_seed(0)
+    saved = SparseAutoencoder(hidden_features=64, encoder_format=encoder_format).eval()
+    torch.save(saved.state_dict(), tmp_path / "state.pt")
+    torch.manual_seed(1)  # another random pattern, replaced by the saved one on load
+    loaded = SparseAutoencoder(hidden_features=64, encoder_format=encoder_format).eval()
+    assert not torch.equal(loaded.encoder.mask(), saved.encoder.mask())
+    loaded.load_state_dict(torch.load(tmp_path / "state.pt"))
+    images = torch.rand(16, 784)
+    with torch.no_grad():
+        assert torch.equal(loaded(images), saved(images))
+
+
+def test_dense_then_pruned_autoencoder_checks_its_settings_and_reloads_pruned_states(tmp_path):
+    with pytest.raises(ValueError, match=r"block \(16,16\) does not divide 250"):
+        SparseAutoencoder(hidden_features=250, encoder_format="bsr(16,16)", dense_epochs=1)
+    with pytest.raises(ValueError, match="sparsity must be in"):
+        SparseAutoencoder(sparsity=1.5, dense_epochs=1)
+    with pytest.raises(ValueError, match="dense_epochs must be an int >= 0"):
+        SparseAutoencoder(dense_epochs=-1)
+    torch.manual_seed(0)
+    model = SparseAutoencoder(hidden_features=64, encoder_format="bsr(16,16)", dense_epochs=2).eval()
+    assert isinstance(model.encoder, torch.nn.Linear) and model.pruning_pending
+    model.prune()
+    assert isinstance(model.encoder, sparsenn.SparseLinear) and not model.pruning_pending
+    kept = model.encoder.to_dense().weight != 0
+    assert model.encoder.sparsity == pytest.approx(0.9, abs=0.01) and kept.float().mean() <= 0.11
+    fresh = SparseAutoencoder(hidden_features=64, encoder_format="bsr(16,16)", dense_epochs=2).eval()
+    fresh.load_state_dict(model.state_dict())
+    images = torch.rand(8, 784)
+    with torch.no_grad():
+        assert torch.equal(fresh(images), model(images))
