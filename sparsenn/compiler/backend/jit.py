@@ -258,7 +258,7 @@ def _load_or_build(source: str, name: str) -> ctypes.CDLL:
             lib = ctypes.CDLL(str(so_path))
             global builds
             builds += 1
-            _log.info("sparsenn: built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
+            _log.info("built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
     return lib
 
 
