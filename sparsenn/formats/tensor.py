@@ -24,7 +24,7 @@ from sparsenn.formats.arithmetic import arithmetic
 from sparsenn.formats.construct import Constructors
 from sparsenn.formats.format import Format, parse_format
 from sparsenn.formats.pack import logical_coords, pack, unpack
-from sparsenn.formats.validate import VALUE_DTYPES, check_array, choose_index_dtype, validate
+from sparsenn.formats.validate import VALUE_DTYPE_NAMES, VALUE_DTYPES, check_array, choose_index_dtype, validate
 
 if TYPE_CHECKING:
     import scipy.sparse
@@ -57,9 +57,10 @@ class SparseTensor(Constructors):
     ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed, singleton and
     grouped levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when
     every dimension, level size and position count is below 2**31, else int64),
-    None for other levels. ``values`` is a 1-D float32/float64 tensor with one
-    entry per position of the last storage level (dense inner levels, e.g. BSR
-    blocks, and the padding of ``nm(n,m)`` groups store explicit zeros).
+    None for other levels. ``values`` is a 1-D float32, float64, bfloat16 or float16
+    tensor with one entry per position of the last storage level (dense inner
+    levels, e.g. BSR blocks, and the padding of ``nm(n,m)`` groups store explicit
+    zeros).
     ``values`` may require grad; it is never copied or detached.
 
     A SparseTensor is immutable (its attributes cannot be reassigned; in-place edits of
@@ -128,7 +129,7 @@ class SparseTensor(Constructors):
 
     @property
     def dtype(self) -> torch.dtype:
-        """dtype of ``values`` (float32 or float64)."""
+        """dtype of ``values`` (float32, float64, bfloat16 or float16)."""
         return self.values.dtype
 
     @property
@@ -222,9 +223,9 @@ class SparseTensor(Constructors):
         return self._share(self.shape, self.format, values)
 
     def to(self, dtype: torch.dtype) -> SparseTensor:
-        """Convert ``values`` to float32 or float64; index arrays are shared."""
+        """Convert ``values`` to another value dtype (``VALUE_DTYPES``); index arrays are shared."""
         if dtype not in VALUE_DTYPES:
-            raise TypeError(f"SparseTensor values must be float32 or float64, got {dtype}")
+            raise TypeError(f"SparseTensor values must be {VALUE_DTYPE_NAMES}, got {dtype}")
         return self if dtype == self.dtype else self.with_values(self.values.to(dtype))
 
     def permute(self, *dims: int | Sequence[int]) -> SparseTensor:
