@@ -217,10 +217,12 @@ class _Printer:
     def stmt(self, s: ir.Stmt) -> None:
         if isinstance(s, (ir.Decl, ir.Assign, ir.Incr)):
             self.line(_simple(s, self.stored) + ";")
-        elif isinstance(s, ir.VectorStore):
-            self.line(f"sn_store({_expr(ir.Address(s.array, s.offset), self.stored)[0]}, {print_expr(s.value, self.stored)});")
-        elif isinstance(s, ir.Prefetch):
-            self.line(f"sn_prefetch({_expr(ir.Address(s.array, s.offset), self.stored)[0]}, {print_expr(s.size, self.stored)});")
+        elif isinstance(s, (ir.VectorStore, ir.Prefetch)):
+            at = _expr(ir.Address(s.array, s.offset), self.stored)[0]
+            if isinstance(s, ir.VectorStore):
+                self.line(f"sn_store({at}, {print_expr(s.value, self.stored)});")
+            else:
+                self.line(f"sn_prefetch({at}, {print_expr(s.size, self.stored)});")
         elif isinstance(s, ir.Effect):
             self.line(_EFFECTS[s.name].format(*(_arg(a, self.stored) for a in s.args)))
         elif isinstance(s, ir.Block):

@@ -1,9 +1,10 @@
 """C++ generation: wraps a lowered loop nest into a translation unit.
 
 The unit defines the kernel's value type, storage type (16-bit values: see
-:mod:`.precision`), index type and vector width, includes the runtime headers (``runtime/sparsenn_kernel.h``, and ``runtime/sparsenn_assembly.h`` when
-it assembles a sparse output; the JIT puts them on the include path) and defines the
-``extern "C"`` entry points of :mod:`.abi` around the lowered body.
+:mod:`.precision`), index type and vector width, includes the runtime headers
+(``runtime/sparsenn_kernel.h``, and ``runtime/sparsenn_assembly.h`` when it assembles a
+sparse output; the JIT puts them on the include path) and defines the ``extern "C"``
+entry points of :mod:`.abi` around the lowered body.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):
             ctype = "I" if kind in ("pos", "crd") else "S" if stored else "V"
-            inputs.append(f"    const {ctype}* __restrict__ {array_name(ir.Array(kind, s, level))} = (const {ctype}*)arrays[{n}];")
+            name = array_name(ir.Array(kind, s, level))
+            inputs.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
             n += 1
     unpack = list(inputs)
     if kernel.dense_output:
