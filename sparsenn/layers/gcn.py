@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
 
 __all__ = ["SparseGCNConv", "gcn_norm"]
@@ -176,9 +177,9 @@ class SparseGCNConv(nn.Module):
                             f"{type(x).__name__}{'' if not isinstance(x, Tensor) else f' with layout {x.layout}'}")
         if len(shape) != 2 or shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
-        if dtype != self.weight.dtype:
+        if autocast_dtype(dtype) != autocast_dtype(self.weight.dtype):
             raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
-        adjacency = self.adjacency(edge_index, edge_weight, shape[0], dtype)
+        adjacency = self.adjacency(edge_index, edge_weight, shape[0], self.weight.dtype)
         if isinstance(x, SparseTensor):
             # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
             return self._propagate(adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
@@ -362,14 +363,14 @@ class SparseLinear(nn.Module):
         if isinstance(x, SparseTensor):
             if x.ndim != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"sparse input must have shape (batch, {self.in_features}), got {x.shape}")
-            if x.dtype != dtype:
+            if autocast_dtype(x.dtype) != autocast_dtype(dtype):
                 raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
             # Dense whatever the formats: a product of two sparse operands is sparse.
             out = self._affine(x)
         elif isinstance(x, Tensor):
             if x.dim() == 0 or x.shape[-1] != self.in_features:
                 raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
-            if x.dtype != dtype:
+            if autocast_dtype(x.dtype) != autocast_dtype(dtype):
                 raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
             flat = x.reshape(-1, self.in_features)
             # Dense whatever the weight's format: one that stores o in a compressed level
