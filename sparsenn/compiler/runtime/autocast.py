@@ -1,11 +1,13 @@
 """Autocast at the compiler's entry points.
 
 Under ``torch.autocast("cpu", dtype=d)`` (and Lightning's ``precision="bf16-mixed"``,
-which enters it) a sparse product follows autocast's policy for ``torch.matmul`` and
-``nn.Linear``, its lower-precision list: every floating operand on the CPU — a dense
-tensor, or a :class:`SparseTensor`'s values — is cast to ``d``, float64 ones excepted
+which enters it) every ``einsum`` and compiled expression — sums of products, so all of
+them are treated alike — follows autocast's policy for ``torch.matmul`` and
+``nn.Linear``, its lower-precision list: every floating operand on the CPU (a dense
+tensor, or a :class:`SparseTensor`'s values) is cast to ``d``, float64 ones excepted
 (torch leaves them as they are), so the result is in ``d`` and the kernels run on 16-bit
-values with float32 arithmetic (``backend/precision.py``). The casts are
+values with float32 arithmetic (``backend/precision.py``). ``sparsenn.softmax`` keeps
+its input's dtype, as ``torch.softmax`` does on the CPU. The casts are
 differentiable: a float32 parameter gets a float32 gradient. Self-contained, so that it
 can become a custom op's ``torch.library.register_autocast`` rule.
 """
