@@ -25,6 +25,8 @@ import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.backend.precision import output_dtype
 from sparsenn.compiler.runtime import api
+from sparsenn.compiler.runtime.evaluate import PathCall, resolve, split_of
+from sparsenn.compiler.runtime.validate import check_call
 
 HALF = [torch.bfloat16, torch.float16]
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -49,27 +51,31 @@ def dense_of(x) -> torch.Tensor:
     return x.to_dense() if isinstance(x, SparseTensor) else x
 
 
-def assert_within_bound(got, reference, magnitude, terms, dtype):
+def assert_within_bound(got, reference, magnitude, terms, dtype, roundings=1):
     """``got`` (16-bit) against ``reference`` (float32 from the same inputs), with the
-    module doc's bound; ``magnitude``: the sums of |products|, ``terms``: how many."""
+    module doc's bound; ``magnitude``: the sums of |products|, ``terms``: how many;
+    ``roundings``: to the storage type, on the way."""
     got = dense_of(got)
     assert got.dtype == dtype and got.shape == reference.shape
     error = (got.float() - reference).abs()
-    bound = UNIT[dtype] * reference.abs() + 3 * (terms + 2) * F32_UNIT * magnitude + FLOOR[dtype]
+    bound = (roundings * UNIT[dtype] * reference.abs() + 3 * (terms + 2) * F32_UNIT * magnitude
+             + roundings * FLOOR[dtype])
     worst = (error - bound).argmax()
     assert bool((error <= bound).all()), (f"error {error.flatten()[worst]} above bound {bound.flatten()[worst]} "
                                           f"at {worst} (got {got.flatten()[worst]}, expected "
                                           f"{reference.flatten()[worst]})")
 
 
-def check_einsum(equation, operands, dtype, out_format=None):
+def check_einsum(equation, operands, dtype, out_format=None, roundings=1):
     """``sparsenn.einsum`` over 16-bit operands against torch.einsum in float32."""
     dense = [dense_of(op).float() for op in operands]
     reference = torch.einsum(equation, *dense)
     magnitude = torch.einsum(equation, *[d.abs() for d in dense])
-    terms = max(1, math.prod(d.numel() for d in dense) // max(reference.numel(), 1))
+    inputs, output = equation.split("->")
+    sizes = {i: n for spec, d in zip(inputs.split(","), dense) for i, n in zip(spec, d.shape)}
+    terms = math.prod(n for i, n in sizes.items() if i not in output)  # products summed per element
     got = sparsenn.einsum(equation, *operands, out_format=out_format)
-    assert_within_bound(got, reference, magnitude, terms, dtype)
+    assert_within_bound(got, reference, magnitude, terms, dtype, roundings)
     return got
 
 
@@ -165,19 +171,35 @@ def test_gathered_register_tiles(dtype, avx2_host):
     check_einsum("et,td,edh->eth", [g, x, w], dtype, out_format="dense")
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("out_format", [None, "dense"])
-def test_dot_tiles_and_vector_reductions(dtype, out_format, avx2_host):
+def block_sddmm_operands(dtype):
     mask = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) < 0.5
     dense = rounded(64, 64, dtype=dtype) * mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
-    blocked = sparsenn.from_dense(dense, format="bsr(16,16)")
-    q, k = rounded(64, 19, dtype=dtype, seed=1), rounded(64, 19, dtype=dtype, seed=2)
-    assert nest("ij,ik,jk->ij", blocked, q, k, out_format=out_format).dot_tile is not None
-    check_einsum("ij,ik,jk->ij", [blocked, q, k], dtype, out_format=out_format)
+    return sparsenn.from_dense(dense, format="bsr(16,16)"), rounded(64, 19, dtype=dtype, seed=1), \
+        rounded(64, 19, dtype=dtype, seed=2)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_dot_tiles_and_vector_reductions(dtype, avx2_host):
+    blocked, q, k = block_sddmm_operands(dtype)
+    assert nest("ij,ik,jk->ij", blocked, q, k).dot_tile is not None
+    check_einsum("ij,ik,jk->ij", [blocked, q, k], dtype)
     a = sparse((23, 19), "csr", dtype)
     x, y = rounded(23, 77, dtype=dtype, seed=3), rounded(19, 77, dtype=dtype, seed=4)
     assert nest("ij,ik,jk->ij", a, x, y).vector_reduction is not None
     check_einsum("ij,ik,jk->ij", [a, x, y], dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_pairwise_contractions_round_their_intermediates(dtype, avx2_host):
+    # A dense block SDDMM runs as (Q Kᵀ) first, a dense intermediate stored in the
+    # operands' dtype as torch.einsum stores it, then the product with the mask: two roundings.
+    blocked, q, k = block_sddmm_operands(dtype)
+    assignment = api.parse("ij,ik,jk->ij", 3)
+    checked = check_call(assignment, [blocked, q, k], "dense")
+    split = split_of(assignment, checked)
+    assert isinstance(resolve(split.assignment, check_call(split.assignment, split.operands(checked.operands),
+                                                            split.request)), PathCall)
+    check_einsum("ij,ik,jk->ij", [blocked, q, k], dtype, out_format="dense", roundings=2)
 
 
 @pytest.mark.parametrize("dtype", HALF)

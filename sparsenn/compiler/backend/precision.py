@@ -14,6 +14,9 @@ A dense output that a kernel *accumulates in* (``out += ...`` across a reduction
 a max, an epilogue or remainder loop reading it back) would be rounded at every step;
 such a kernel writes a float32 array instead, which the launcher rounds once at the
 end (:func:`output_dtype`). A kernel that only stores finished values writes 16 bits.
+A product of three or more factors that runs as pairwise contractions
+(``plan/contract.py``) stores each intermediate in the operands' dtype, as
+``torch.einsum`` does: one more rounding per intermediate.
 """
 
 from __future__ import annotations
