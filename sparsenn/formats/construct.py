@@ -16,6 +16,7 @@ from torch import Tensor
 from sparsenn.formats.format import Format, parse_format
 from sparsenn.formats.pack import Duplicates, pack
 from sparsenn.formats.validate import (
+    VALUE_DTYPE_NAMES,
     VALUE_DTYPES,
     check_arrays,
     check_levels,
@@ -35,13 +36,13 @@ _COMPRESSED_LAYOUTS = {
 
 
 def _check_float(name: str, t: object) -> Tensor:
-    """Check a strided float32/float64 CPU tensor."""
+    """Check a strided CPU tensor of a value dtype (``VALUE_DTYPES``)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise TypeError(f"{name} must be a strided tensor, got layout {t.layout} (use from_torch)")
     if t.dtype not in VALUE_DTYPES:
-        raise TypeError(f"{name} has dtype {t.dtype}; SparseTensor values must be float32 or float64")
+        raise TypeError(f"{name} has dtype {t.dtype}; SparseTensor values must be {VALUE_DTYPE_NAMES}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on device {t.device}; SparseTensor supports the CPU only")
     return t

@@ -24,7 +24,7 @@ from sparsenn.formats.arithmetic import arithmetic
 from sparsenn.formats.construct import Constructors
 from sparsenn.formats.format import Format, parse_format
 from sparsenn.formats.pack import logical_coords, pack, unpack
-from sparsenn.formats.validate import VALUE_DTYPES, check_array, choose_index_dtype, validate
+from sparsenn.formats.validate import VALUE_DTYPE_NAMES, VALUE_DTYPES, check_array, choose_index_dtype, validate
 
 if TYPE_CHECKING:
     import scipy.sparse
@@ -57,9 +57,10 @@ class SparseTensor(Constructors):
     ``pos[l]`` (compressed levels) and ``crd[l]`` (compressed, singleton and
     grouped levels) are 1-D contiguous CPU tensors of ``index_dtype`` (int32 when
     every dimension, level size and position count is below 2**31, else int64),
-    None for other levels. ``values`` is a 1-D float32/float64 tensor with one
-    entry per position of the last storage level (dense inner levels, e.g. BSR
-    blocks, and the padding of ``nm(n,m)`` groups store explicit zeros).
+    None for other levels. ``values`` is a 1-D float32, float64, bfloat16 or float16
+    tensor with one entry per position of the last storage level (dense inner
+    levels, e.g. BSR blocks, and the padding of ``nm(n,m)`` groups store explicit
+    zeros).
     ``values`` may require grad; it is never copied or detached.
 
     A SparseTensor is immutable (its attributes cannot be reassigned; in-place edits of
@@ -138,7 +139,7 @@ class SparseTensor(Constructors):
 
     @property
     def dtype(self) -> torch.dtype:
-        """dtype of ``values`` (float32 or float64)."""
+        """dtype of ``values`` (float32, float64, bfloat16 or float16)."""
         return self.values.dtype
 
     @property
@@ -250,7 +251,7 @@ class SparseTensor(Constructors):
         if memory_format is not None:
             raise TypeError("SparseTensor.to() takes no memory_format (a SparseTensor has no strides)")
         if dtype is not None and dtype not in VALUE_DTYPES:
-            raise TypeError(f"SparseTensor values must be one of {', '.join(map(str, VALUE_DTYPES))}, got {dtype}")
+            raise TypeError(f"SparseTensor values must be {VALUE_DTYPE_NAMES}, got {dtype}")
         result = self.clone() if copy else self
         if dtype is None or dtype == self.dtype:
             return result

@@ -15,7 +15,10 @@ from sparsenn.formats.format import Format
 from sparsenn.formats.level import Grouped
 
 INDEX_DTYPES = (torch.int32, torch.int64)
-VALUE_DTYPES = (torch.float32, torch.float64)
+VALUE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# How errors list them: "float32, float64, bfloat16 or float16".
+VALUE_DTYPE_NAMES = " or ".join(
+    (", ".join(str(d).removeprefix("torch.") for d in VALUE_DTYPES[:-1]), str(VALUE_DTYPES[-1]).removeprefix("torch.")))
 INT32_LIMIT = 2**31
 
 

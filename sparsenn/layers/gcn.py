@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
 
 __all__ = ["SparseGCNConv", "gcn_norm"]
@@ -192,8 +193,8 @@ class SparseGCNConv(nn.Module):
     def forward(self, x: Tensor | SparseTensor, edge_index: Tensor | SparseTensor,
                 edge_weight: Tensor | None = None) -> Tensor:
         """``Â X Wᵀ + b`` with ``Â`` the (normalised) adjacency of the graph; see the class docstring."""
-        num_nodes, dtype = self._checked_features(x)
-        adjacency = self.adjacency(edge_index, edge_weight, num_nodes, dtype)
+        num_nodes = self._checked_features(x)
+        adjacency = self.adjacency(edge_index, edge_weight, num_nodes, self.weight.dtype)
         if isinstance(x, SparseTensor):
             # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
             return self._propagate(adjacency, einsum("si,oi->so", x, self.weight, out_format="dense"))
@@ -201,8 +202,8 @@ class SparseGCNConv(nn.Module):
             return self._propagate(adjacency, F.linear(x, self.weight))
         return F.linear(einsum("ts,si->ti", adjacency, x), self.weight, self.bias)
 
-    def _checked_features(self, x: object) -> tuple[int, torch.dtype]:
-        """``(num_nodes, dtype)`` of valid node features ``x``; initialises a lazy weight."""
+    def _checked_features(self, x: object) -> int:
+        """The number of nodes of valid features ``x``; initialises a lazy weight."""
         if isinstance(x, SparseTensor):
             shape, dtype = x.shape, x.dtype
         elif isinstance(x, Tensor) and x.layout == torch.strided:
@@ -216,9 +217,9 @@ class SparseGCNConv(nn.Module):
             self._initialise(shape[1])
         if shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
-        if dtype != self.weight.dtype:
+        if autocast_dtype(dtype) != autocast_dtype(self.weight.dtype):
             raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
-        return shape[0], dtype
+        return shape[0]
 
     def _initialise(self, in_channels: int) -> None:
         """Materialise a lazy weight for ``in_channels`` inputs and initialise it."""

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.layers.pattern import PatternBuffers
 
@@ -358,7 +359,7 @@ class SparseLinear(nn.Module):
                 raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
         else:
             raise TypeError(f"input must be a torch.Tensor or a SparseTensor, got {type(x).__name__}")
-        if x.dtype != dtype:
+        if autocast_dtype(x.dtype) != autocast_dtype(dtype):  # under autocast, both become its dtype
             raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
         return x
 

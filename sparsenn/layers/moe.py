@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsenn.compiler import einsum, explain
+from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
 
 __all__ = ["GateOutput", "Dispatch", "SparseMoEGate", "SparseMoE", "dispatch", "capacity"]
@@ -93,7 +94,7 @@ def _check_input(x: object, d_model: int, dtype: torch.dtype) -> Tensor:
     """``x`` as ``(T, d_model)`` tokens; TypeError/ValueError naming the problem."""
     if not isinstance(x, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != dtype:
+    if autocast_dtype(x.dtype) != autocast_dtype(dtype):
         raise TypeError(f"input has dtype {x.dtype}, the layer's parameters {dtype}")
     if x.dim() < 1 or x.shape[-1] != d_model:
         raise ValueError(f"input must have shape (..., d_model={d_model}), got {tuple(x.shape)}")

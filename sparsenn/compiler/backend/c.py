@@ -6,6 +6,10 @@ This is the only place that spells the kernel's array names (``s0_crd1``, ``d2``
 ``Chunk``, the workspaces, ``IndexOut``: see ``runtime/sparsenn_assembly.h``) and the
 pragmas; the prelude and entry points around the printed statements come from
 :mod:`.codegen`.
+
+Arrays of 16-bit values (``stored``: their kinds, see :mod:`.precision`) are read
+through ``sn_widen`` and written through ``sn_narrow`` (rounding once); vector loads
+and stores convert by their pointer's type.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ _EFFECTS = {
     "keep_arguments": "res->arrays = arrays;\nres->dims = dims;",
     "count_rows": "res->pos.assign({0} + 1, 0);\nint64_t* __restrict__ sn_pos = res->pos.data();",
     "read_rows": "const int64_t* __restrict__ sn_pos = res->pos.data();\nconst IndexOut sn_out_pos{{out[0], wide}};\n"
-                 "const IndexOut sn_out_crd{{out[1], wide}};\nV* __restrict__ sn_out_val = (V*)out[2];",
+                 "const IndexOut sn_out_crd{{out[1], wide}};\nS* __restrict__ sn_out_val = (S*)out[2];",
     "chunks": "res->chunks.resize({0});",
     "open_chunk": "Chunk& C = res->chunks[{0}];\nC.init(res->rank);",
     "append_crd": "C.crd[{0}].push_back({1});",
@@ -74,14 +78,14 @@ def array_name(array: ir.Array) -> str:
     raise ValueError(f"unknown array kind {array.kind!r}")
 
 
-def _arg(arg: ir.Expr | ir.Array | str) -> str:
+def _arg(arg: ir.Expr | ir.Array | str, stored: frozenset[str]) -> str:
     if isinstance(arg, str):
         return _WORKSPACES[arg]
-    return array_name(arg) if isinstance(arg, ir.Array) else print_expr(arg)
+    return array_name(arg) if isinstance(arg, ir.Array) else print_expr(arg, stored)
 
 
-def _expr(e: ir.Expr) -> tuple[str, int]:
-    """(text, precedence) of ``e``."""
+def _expr(e: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
+    """(text, precedence) of ``e``, reading the arrays of kinds ``stored`` through ``sn_widen``."""
     if isinstance(e, ir.Var):
         return e.name, _ATOM
     if isinstance(e, ir.Const):
@@ -97,30 +101,31 @@ def _expr(e: ir.Expr) -> tuple[str, int]:
     if isinstance(e, ir.VectorZero):
         return "VV{}", _ATOM
     if isinstance(e, ir.Load):
-        return f"{array_name(e.array)}[{print_expr(e.index)}]", _ATOM
+        element = f"{array_name(e.array)}[{print_expr(e.index, stored)}]"
+        return (f"sn_widen({element})" if e.array.kind in stored else element), _ATOM
     if isinstance(e, ir.Elem):
-        return e.base.name + "".join(f"[{print_expr(i)}]" for i in e.index), _ATOM
+        return e.base.name + "".join(f"[{print_expr(i, stored)}]" for i in e.index), _ATOM
     if isinstance(e, ir.Address):
-        return _binary("+", ir.Var(array_name(e.array)), e.offset)
+        return _binary("+", ir.Var(array_name(e.array)), e.offset, stored)
     if isinstance(e, ir.Bin):
-        return _binary(e.op, e.left, e.right)
+        return _binary(e.op, e.left, e.right, stored)
     if isinstance(e, ir.Select):
-        return f"{_wrap(e.cond, 1)} ? {print_expr(e.then)} : {print_expr(e.other)}", 0
+        return f"{_wrap(e.cond, 1, stored)} ? {print_expr(e.then, stored)} : {print_expr(e.other, stored)}", 0
     if isinstance(e, ir.Cast):
-        return f"({_TYPES[e.type]}){_wrap(e.operand, _ATOM)}", 7
+        return f"({_TYPES[e.type]}){_wrap(e.operand, _ATOM, stored)}", 7
     if isinstance(e, ir.VectorLoad):
-        return f"sn_load({_expr(ir.Address(e.array, e.offset))[0]})", _ATOM
+        return f"sn_load({_expr(ir.Address(e.array, e.offset), stored)[0]})", _ATOM
     if isinstance(e, ir.Call):
-        return _call(e), _ATOM
+        return _call(e, stored), _ATOM
     if isinstance(e, ir.Math):
-        return f"sn_{e.function}({', '.join(_arg(a) for a in e.args)})", _ATOM
+        return f"sn_{e.function}({', '.join(_arg(a, stored) for a in e.args)})", _ATOM
     if isinstance(e, ir.RuntimeCall):
-        return _RUNTIME_CALLS[e.op].format(*(_arg(a) for a in e.args)), _ATOM
+        return _RUNTIME_CALLS[e.op].format(*(_arg(a, stored) for a in e.args)), _ATOM
     raise TypeError(f"not an expression: {e!r}")
 
 
-def _call(e: ir.Call) -> str:
-    args = [_arg(a) for a in e.args]
+def _call(e: ir.Call, stored: frozenset[str]) -> str:
+    args = [_arg(a, stored) for a in e.args]
     if e.name in ("min", "max"):
         if len(args) == 2:
             return f"std::{e.name}<int64_t>({args[0]}, {args[1]})"
@@ -129,47 +134,52 @@ def _call(e: ir.Call) -> str:
         crd, lo, hi, value = args
         return f"std::lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
     if e.name == "value_size":
-        return "(int64_t)sizeof(V)"
+        return "(int64_t)sizeof(S)" if stored else "(int64_t)sizeof(V)"
     return f"{_CALLS[e.name]}({', '.join(args)})"
 
 
-def _wrap(e: ir.Expr, at_least: int) -> str:
-    text, prec = _expr(e)
+def _wrap(e: ir.Expr, at_least: int, stored: frozenset[str]) -> str:
+    text, prec = _expr(e, stored)
     return text if prec >= at_least else f"({text})"
 
 
-def _binary(op: str, left: ir.Expr, right: ir.Expr) -> tuple[str, int]:
+def _binary(op: str, left: ir.Expr, right: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
     prec = _PRECEDENCE[op]
     # Left-associative: an equal-precedence right operand keeps its parentheses (so a
     # floating-point product keeps its evaluation order).
-    return f"{_wrap(left, prec)} {op} {_wrap(right, prec + 1)}", prec
+    return f"{_wrap(left, prec, stored)} {op} {_wrap(right, prec + 1, stored)}", prec
 
 
-def print_expr(e: ir.Expr) -> str:
-    return _expr(e)[0]
+def print_expr(e: ir.Expr, stored: frozenset[str] = frozenset()) -> str:
+    """``e`` in C++; the arrays of kinds ``stored`` hold 16-bit values."""
+    return _expr(e, stored)[0]
 
 
-def _decl(d: ir.Decl) -> str:
-    shape = "".join(f"[{n if isinstance(n, int) else print_expr(n)}]" for n in d.shape)
+def _decl(d: ir.Decl, stored: frozenset[str]) -> str:
+    shape = "".join(f"[{n if isinstance(n, int) else print_expr(n, stored)}]" for n in d.shape)
     text = f"{'const ' if d.const else ''}{_TYPES[d.type]} {d.var.name}{shape}"
     if d.init is None:
         return text
     if d.init == "zero":
         return text + " = {}"
     if isinstance(d.init, tuple):
-        return text + f" = {{{', '.join(print_expr(x) for x in d.init)}}}"
-    return text + f" = {print_expr(d.init)}"
+        return text + f" = {{{', '.join(print_expr(x, stored) for x in d.init)}}}"
+    return text + f" = {print_expr(d.init, stored)}"
 
 
-def _simple(s: ir.Stmt) -> str:
+def _simple(s: ir.Stmt, stored: frozenset[str]) -> str:
     """A statement without its semicolon (for a for-loop's init and step)."""
     if isinstance(s, ir.Decl):
-        return _decl(s)
+        return _decl(s, stored)
     if isinstance(s, ir.Assign):
-        target = s.target
+        target, value = s.target, print_expr(s.value, stored)
         if isinstance(target, ir.Load) and target.array.kind in _INDEX_OUTPUTS and s.op == "=":
-            return f"{array_name(target.array)}.put({print_expr(target.index)}, {print_expr(s.value)})"
-        return f"{print_expr(target)} {s.op} {print_expr(s.value)}"
+            return f"{array_name(target.array)}.put({print_expr(target.index, stored)}, {value})"
+        if isinstance(target, ir.Load) and target.array.kind in stored:
+            if s.op != "=":  # a 16-bit array is written once, never accumulated in (see precision.py)
+                raise ValueError(f"internal error: {s.op} into the 16-bit array {array_name(target.array)}")
+            return f"{array_name(target.array)}[{print_expr(target.index, stored)}] = sn_narrow({value})"
+        return f"{print_expr(target, stored)} {s.op} {value}"
     if isinstance(s, ir.Incr):
         return f"++{s.var.name}"
     raise TypeError(f"not a simple statement: {s!r}")
@@ -184,9 +194,10 @@ _PRAGMAS = {
 
 
 class _Printer:
-    def __init__(self, depth: int):
+    def __init__(self, depth: int, stored: frozenset[str]):
         self.lines: list[str] = []
         self.depth = depth
+        self.stored = stored
 
     def line(self, text: str) -> None:
         self.lines += ["  " * self.depth + part for part in text.split("\n")]
@@ -205,13 +216,15 @@ class _Printer:
 
     def stmt(self, s: ir.Stmt) -> None:
         if isinstance(s, (ir.Decl, ir.Assign, ir.Incr)):
-            self.line(_simple(s) + ";")
-        elif isinstance(s, ir.VectorStore):
-            self.line(f"sn_store({_expr(ir.Address(s.array, s.offset))[0]}, {print_expr(s.value)});")
-        elif isinstance(s, ir.Prefetch):
-            self.line(f"sn_prefetch({_expr(ir.Address(s.array, s.offset))[0]}, {print_expr(s.size)});")
+            self.line(_simple(s, self.stored) + ";")
+        elif isinstance(s, (ir.VectorStore, ir.Prefetch)):
+            at = _expr(ir.Address(s.array, s.offset), self.stored)[0]
+            if isinstance(s, ir.VectorStore):
+                self.line(f"sn_store({at}, {print_expr(s.value, self.stored)});")
+            else:
+                self.line(f"sn_prefetch({at}, {print_expr(s.size, self.stored)});")
         elif isinstance(s, ir.Effect):
-            self.line(_EFFECTS[s.name].format(*(_arg(a) for a in s.args)))
+            self.line(_EFFECTS[s.name].format(*(_arg(a, self.stored) for a in s.args)))
         elif isinstance(s, ir.Block):
             if s.scoped:
                 self.open("")
@@ -220,7 +233,7 @@ class _Printer:
             else:
                 self.body(s)
         elif isinstance(s, ir.If):
-            self.open(f"if ({print_expr(s.cond)})")
+            self.open(f"if ({print_expr(s.cond, self.stored)})")
             self.body(s.then)
             if s.other is not None and s.other.stmts:
                 self.close("} else {")
@@ -232,18 +245,18 @@ class _Printer:
                 self.line(f"#pragma omp simd reduction(+:{s.reduction.name})")
             elif s.pragma is not None:
                 self.line(_PRAGMAS[s.pragma])
-            init = "" if s.init is None else _simple(s.init)
-            self.open(f"for ({init}; {print_expr(s.cond)}; {_simple(s.step)})")
+            init = "" if s.init is None else _simple(s.init, self.stored)
+            self.open(f"for ({init}; {print_expr(s.cond, self.stored)}; {_simple(s.step, self.stored)})")
             self.body(s.body)
             self.close()
         elif isinstance(s, ir.While):
-            self.open(f"while ({print_expr(s.cond)})")
+            self.open(f"while ({print_expr(s.cond, self.stored)})")
             self.body(s.body)
             self.close()
         elif isinstance(s, ir.Parallel):
             self.parallel(s)
         elif isinstance(s, ir.Team):
-            self.line(f"#pragma omp parallel num_threads({print_expr(s.threads)})")
+            self.line(f"#pragma omp parallel num_threads({print_expr(s.threads, self.stored)})")
             self.open("")
             self.body(s.body)
             self.close()
@@ -259,7 +272,7 @@ class _Printer:
         elif isinstance(s, ir.Break):
             self.line("break;")
         elif isinstance(s, ir.Return):
-            self.line(f"return {print_expr(s.value)};")
+            self.line(f"return {print_expr(s.value, self.stored)};")
         else:
             raise TypeError(f"not a statement: {s!r}")
 
@@ -275,8 +288,9 @@ class _Printer:
         self.close()
 
 
-def print_block(block: ir.Block, depth: int = 2) -> str:
-    """The C++ statements of ``block`` (its own braces left out), indented ``depth``."""
-    printer = _Printer(depth)
+def print_block(block: ir.Block, depth: int = 2, stored: frozenset[str] = frozenset()) -> str:
+    """The C++ statements of ``block`` (its own braces left out), indented ``depth``;
+    the arrays of kinds ``stored`` hold 16-bit values."""
+    printer = _Printer(depth, stored)
     printer.body(block)
     return "\n".join(printer.lines)

@@ -1,18 +1,22 @@
 """C++ generation: wraps a lowered loop nest into a translation unit.
 
-The unit defines the kernel's value type, index type and vector width, includes the
-runtime headers (``runtime/sparsenn_kernel.h``, and ``runtime/sparsenn_assembly.h`` when
-it assembles a sparse output; the JIT puts them on the include path) and defines the
-``extern "C"`` entry points of :mod:`.abi` around the lowered body.
+The unit defines the kernel's value type, storage type (16-bit values: see
+:mod:`.precision`), index type and vector width, includes the runtime headers
+(``runtime/sparsenn_kernel.h``, and ``runtime/sparsenn_assembly.h`` when it assembles a
+sparse output; the JIT puts them on the include path) and defines the ``extern "C"``
+entry points of :mod:`.abi` around the lowered body.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ..loops import ir
 from .abi import FINISH, RUN, slot_arrays
-from .c import array_name
+from .c import array_name, print_block
+from .precision import c_types, stored_arrays
 
 if TYPE_CHECKING:
     from ..lower.kernel import LoweredKernel
@@ -21,50 +25,60 @@ __all__ = ["generate_source", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
 
 KERNEL_HEADER = "sparsenn_kernel.h"
 ASSEMBLY_HEADER = "sparsenn_assembly.h"
-_CTYPES = {"float32": "float", "float64": "double", "int32": "int32_t", "int64": "int64_t"}
+_INDEX_CTYPES = {"int32": "int32_t", "int64": "int64_t"}
 
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
     """The complete C++ translation unit for ``kernel``, with values of ``value_dtype`` and
-    indices of ``index_dtype`` (``"float32"``, ``"int64"``, ...); its SIMD vectors are
-    ``kernel.vector_bytes`` wide (the Target's)."""
+    indices of ``index_dtype`` (``"float32"``, ``"bfloat16"``, ``"int64"``, ...); its SIMD
+    vectors are ``kernel.vector_bytes`` wide (the Target's)."""
+    dtype = getattr(torch, value_dtype)
+    compute, storage = c_types(dtype)
+    stored = stored_arrays(kernel, dtype)
+    body, fill = kernel.body, kernel.fill
+    if stored:  # printed again, converting where 16-bit arrays are read and written
+        body = print_block(kernel.loops, stored=stored)
+        fill = None if kernel.fill_loops is None else print_block(kernel.fill_loops, stored=stored)
     headers = [KERNEL_HEADER] if kernel.dense_output else [KERNEL_HEADER, ASSEMBLY_HEADER]
     inputs, n = [], 0
     for s, slot in enumerate(kernel.slots):
         for kind, level in slot_arrays(slot):
-            ctype = "I" if kind in ("pos", "crd") else "V"
-            inputs.append(f"    const {ctype}* __restrict__ {array_name(ir.Array(kind, s, level))} = (const {ctype}*)arrays[{n}];")
+            ctype = "I" if kind in ("pos", "crd") else "S" if stored else "V"
+            name = array_name(ir.Array(kind, s, level))
+            inputs.append(f"    const {ctype}* __restrict__ {name} = (const {ctype}*)arrays[{n}];")
             n += 1
     unpack = list(inputs)
     if kernel.dense_output:
-        unpack.append(f"    V* __restrict__ out = (V*)arrays[{n}];")
+        out = "S" if "out" in stored else "V"
+        unpack.append(f"    {out}* __restrict__ out = ({out}*)arrays[{n}];")
         unpack.append("    (void)handle;")
     return (
-        f"#define SN_VALUE {_CTYPES[value_dtype]}\n"
-        f"#define SN_INDEX {_CTYPES[index_dtype]}\n"
+        f"#define SN_VALUE {compute}\n"
+        + ("" if storage is None else f"#define SN_STORAGE {storage}\n")
+        + f"#define SN_INDEX {_INDEX_CTYPES[index_dtype]}\n"
         f"#define SN_VECTOR_BYTES {kernel.vector_bytes}\n"
         + "".join(f'#include "{header}"\n' for header in headers)
         + f"\n{RUN.declaration} {{\n"
         + "  try {\n"
         + "\n".join(unpack)
         + "\n"
-        + kernel.body
+        + body
         + "\n    return 0;\n"
         + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
-        + ("" if kernel.dense_output else _finish(kernel, inputs))
+        + ("" if kernel.dense_output else _finish(fill, inputs))
     )
 
 
-def _finish(kernel: LoweredKernel, inputs: list[str]) -> str:
+def _finish(fill: str | None, inputs: list[str]) -> str:
     """``sn_finish``: copies the chunks' buffers out, or runs a two-phase output's fill
     (``sn_sizes`` and ``sn_free`` are defined in the assembly header)."""
     source, call = "", "sn_fill(r, out, wide, nthreads)"
-    if kernel.fill is not None:
+    if fill is not None:
         call = "sn_fill_phase(r, out, wide, nthreads)"
         source = (
             "\nstatic int sn_fill_phase(Result* res, void* const* out, int wide, int nthreads) {\n"
             "    void* const* arrays = res->arrays;\n    const int64_t* dims = res->dims;\n"
-            + "\n".join(inputs) + "\n" + kernel.fill + "\n    return 0;\n}\n"
+            + "\n".join(inputs) + "\n" + fill + "\n    return 0;\n}\n"
         )
     return source + (
         f"\n{FINISH.declaration} {{\n"

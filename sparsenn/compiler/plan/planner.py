@@ -32,6 +32,7 @@ from sparsenn.formats import Format, SparseTensor, parse_format
 
 from ..backend import abi, jit
 from ..backend.codegen import generate_source
+from ..backend.precision import compute_dtype
 from ..lower.kernel import LoweredKernel, lower
 from ..notation import Assignment
 from ..runtime.cache import LRUCache
@@ -224,7 +225,7 @@ def _requested(assignment: Assignment, formats: Sequence[Format | None],
 def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request: Request, dtype: torch.dtype,
                 index_dtype: torch.dtype) -> ShapePlan:
     formats = tuple(i.format for i in infos)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = compute_dtype(dtype).itemsize  # what the kernels' vectors hold
     schedules: dict[tuple[Format | None, int | None], Schedule] = {}
 
     def scheduled(fmt: Format | None, anchor: int | None = None) -> Schedule:  # each output scheduled once
@@ -314,7 +315,7 @@ def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dty
     key = (assignment, infos, dtype, request)
     hit = _paths.get(key)
     if hit is None:
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = compute_dtype(dtype).itemsize  # what the kernels' vectors hold
         formats = tuple(i.format for i in infos)
         output, requested = _requested(assignment, formats, request)
         anchored = _find_anchor(assignment, infos, requested, output) is not None

@@ -2,7 +2,8 @@
 and :func:`plan`. Each parses its expression (equations are cached), records the call
 for autograd when gradients are needed (``compiler.autograd``) and evaluates it
 (:mod:`runtime.evaluate`); a compiled expression runs the stages of its program
-(:mod:`..program`)."""
+(:mod:`..program`). Under ``torch.autocast`` the operands are cast first
+(:mod:`runtime.autocast`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.bias import fold_bias
 from ..plan.planner import Plan, operand_infos, plan_call
 from ..plan.schedule import Schedule
+from .autocast import autocast_operands
 from .cache import LRUCache
 from .evaluate import evaluate, split_of
 from .ops import traced_evaluate, tracing
@@ -52,8 +54,11 @@ def einsum(equation: str, *operands, out_format=None):
     format, and ``"auto"`` infers, then returns a tensor when the inferred sparse result
     is estimated to be at least 1/8 full (a result type that depends on the data).
     The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
+    Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
+    computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
     equation, operands = normalise(equation, operands)
+    operands = autocast_operands(operands)
     if tracing():  # parsed by the op's call string, not in traced code
         return traced_evaluate(None, operands, out_format, ("einsum", equation, len(operands)))
     try:
@@ -114,6 +119,7 @@ class CompiledExpression:
             operands = self._bind(args, kwargs)
         else:
             operands = list(args)
+        operands = autocast_operands(operands)
         if self._plain is not None:  # one stage over the operands as given
             return differentiable_evaluate(evaluate, self._plain.stages[0].assignment, operands, self.out_format)
         if tracing():  # the whole program as one op

@@ -9,7 +9,9 @@ another mode order is re-stored (:func:`restore.restored_as`), index arrays narr
 than the kernel's are widened. ``Launch.run`` then runs the stages (usually
 none), collects the data pointers, calls ``sn_run`` with the GIL released, and returns
 the dense result (a view in the expression's index order), the anchor's pattern with
-the computed values, or the sparse result the kernel assembled.
+the computed values, or the sparse result the kernel assembled. A 16-bit kernel that
+accumulates in its dense output writes float32, rounded to the values' dtype after it
+(``backend/precision.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from ..backend.abi import EntryPoints
+from ..backend.precision import output_dtype
 from ..functions import IDENTITY
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .restore import restored_as
@@ -83,7 +86,8 @@ class Launch:
     allocation: tuple  # torch.empty arguments of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
     out_shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the values, and of the result
+    out_dtype: torch.dtype  # of the dense array the kernel writes: dtype, or float32 to round after
     index_dtype: torch.dtype
     final_format: Format | None
     run: Callable[[Sequence], torch.Tensor | SparseTensor] = field(init=False, repr=False, compare=False)
@@ -97,6 +101,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
     kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
+    out_dtype = launch.out_dtype
     plan, final = launch.plan, launch.final_format
     assembles, allocate = plan.assembles, _initial(plan.assignment.reduction, plan.kernel.overwrites_output)
     anchor, permutation = plan.anchor, plan.output_permutation
@@ -112,9 +117,11 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         if assembles:
             result = _assembled(launch, arguments, threads)
         else:
-            out = allocate(*allocation, dtype=dtype)
+            out = allocate(*allocation, dtype=out_dtype)
             if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
+            if out_dtype != dtype:
+                out = out.to(dtype)
             if anchor is None:
                 return out if permutation is None else out.permute(permutation)
             result = operands[anchor].with_values(out)
@@ -218,7 +225,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
         runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
         ctypes.c_void_p * (len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
-        index_dtype, shaped.final_format,
+        output_dtype(kernel, dtype), index_dtype, shaped.final_format,
     )
 
 

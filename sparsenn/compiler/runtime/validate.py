@@ -18,13 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.validate import VALUE_DTYPE_NAMES, VALUE_DTYPES
 
 from ..notation import Assignment
 from ..plan.planner import AUTO, DENSE, Request, shared_patterns
 
-__all__ = ["Checked", "FLOAT_DTYPES", "describe_operand", "output_request", "check_call", "call_key"]
-
-FLOAT_DTYPES = (torch.float32, torch.float64)
+__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key"]
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,10 @@ def output_request(out_format, out_shape: tuple[int, ...]) -> Request:
     return fmt
 
 
-def _checked_operand(assignment: Assignment, n: int, op, dtype: torch.dtype | None):
-    """Operand ``n`` checked (``dtype``: the earlier operands'), as kernels read it."""
+def _checked_operand(assignment: Assignment, n: int, op, first: tuple[int, torch.dtype] | None):
+    """Operand ``n`` checked, as kernels read it. Every operand has the dtype of the
+    first (``first``: its number and dtype), as ``torch.matmul`` requires; under
+    autocast the entry point (``runtime/autocast.py``) has cast them to one."""
     if isinstance(op, SparseTensor):
         values = op.values
         try:
@@ -87,15 +88,16 @@ def _checked_operand(assignment: Assignment, n: int, op, dtype: torch.dtype | No
     else:
         raise TypeError(f"{describe_operand(assignment, n)} must be a torch.Tensor or SparseTensor, "
                         f"got {type(op).__name__}")
-    if values.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype}; sparsenn supports float32 "
-                        "and float64")
+    if values.dtype not in VALUE_DTYPES:
+        raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype}; sparsenn supports "
+                        f"{VALUE_DTYPE_NAMES}")
     if values.device.type != "cpu":
         raise ValueError(f"{describe_operand(assignment, n)} is on device {values.device}; sparsenn kernels run "
                          "on the CPU")
-    if dtype is not None and values.dtype != dtype:
+    if first is not None and values.dtype != first[1]:
         raise TypeError(f"{describe_operand(assignment, n)} has dtype {values.dtype} but earlier operands have "
-                        f"{dtype}; convert them to one dtype first")
+                        f"{first[1]} ({describe_operand(assignment, first[0])} first); operands must have one dtype: "
+                        "convert them, or run under torch.autocast")
     if isinstance(op, SparseTensor) and op.format.is_dense:
         return op.to_dense()
     return op
@@ -105,10 +107,10 @@ def check_call(assignment: Assignment, operands: Sequence, out_format) -> Checke
     """Validate a call (see the module doc)."""
     if len(operands) != assignment.num_operands:
         raise ValueError(f"expected {assignment.num_operands} operands, got {len(operands)}")
-    prepared, dtype = [], None
+    prepared, first = [], None
     for n, op in enumerate(operands):
-        op = _checked_operand(assignment, n, op, dtype)
-        dtype = op.values.dtype if isinstance(op, SparseTensor) else op.dtype
+        op = _checked_operand(assignment, n, op, first)
+        first = first or (n, op.values.dtype if isinstance(op, SparseTensor) else op.dtype)
         prepared.append(op)
     sizes: dict[str, tuple[int, int]] = {}
     for access in assignment.accesses:
@@ -137,6 +139,7 @@ def check_call(assignment: Assignment, operands: Sequence, out_format) -> Checke
                          "value); use None or 'dense'")
     widths = {op.index_dtype for op in prepared if isinstance(op, SparseTensor)}
     index_dtype = torch.int64 if torch.int64 in widths else torch.int32
+    dtype = first[1] if first else None
     return Checked(tuple(prepared), dtype, {index: size for index, (size, _) in sizes.items()}, index_dtype, request)
 
 

@@ -4,7 +4,8 @@
    sparsenn_kernel.h, and only by kernels that assemble a sparse output (it doubles
    their build time). Defines the entry points sn_sizes and sn_free; the generated unit
    defines sn_finish around sn_fill. Their signatures and layouts are those of
-   sparsenn/compiler/backend/abi.py (tests/test_abi.py checks). */
+   sparsenn/compiler/backend/abi.py (tests/test_abi.py checks). Values accumulate as V
+   and are rounded to the storage type S (sn_narrow) as they are written out. */
 #ifndef SPARSENN_ASSEMBLY_H
 #define SPARSENN_ASSEMBLY_H
 
@@ -159,7 +160,7 @@ struct FillWS {
     n += fresh;
     e.val += v;
   }
-  int64_t drain(const IndexOut& crd, int64_t at, V* __restrict__ out) {
+  int64_t drain(const IndexOut& crd, int64_t at, S* __restrict__ out) {
     const int64_t k = n;
     if (k == 0) return 0;
     n = 0;
@@ -175,7 +176,7 @@ struct FillWS {
       for (int64_t t = 0; t < k; ++t) {
         const uint32_t x = keys[t];
         crd.put(at + t, x);
-        out[t] = slot[x].val;
+        out[t] = sn_narrow(slot[x].val);
         slot[x].val = V(0);
       }
       return k;
@@ -204,7 +205,7 @@ struct FillWS {
         for (uint64_t word = bits[b]; word; word &= word - 1) {
           const int64_t x = b * 64 + __builtin_ctzll(word);
           crd.put(at + q, x);
-          out[q++] = slot[x].val;
+          out[q++] = sn_narrow(slot[x].val);
           slot[x].val = V(0);
         }
         bits[b] = 0;
@@ -293,13 +294,14 @@ static int sn_fill(Result* r, void* const* out, int wide, int nthreads) {
       }
     }
   }
-  V* val = (V*)out[slot];
+  S* val = (S*)out[slot];
   int64_t off = 0;
   std::vector<int64_t> val_off(nc + 1, 0);
   for (int64_t c = 0; c < nc; ++c) { val_off[c] = off; off += (int64_t)r->chunks[c].val.size(); }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t c = 0; c < nc; ++c)
-    std::copy(r->chunks[c].val.begin(), r->chunks[c].val.end(), val + val_off[c]);
+    std::transform(r->chunks[c].val.begin(), r->chunks[c].val.end(), val + val_off[c],
+                   [](V v) { return sn_narrow(v); });
   return 0;
 }
 

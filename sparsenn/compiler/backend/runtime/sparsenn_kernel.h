@@ -1,9 +1,12 @@
-/* What every generated sparsenn kernel needs: its value and index types, SIMD vectors
-   with unaligned loads and stores, horizontal sums, prefetch and a balanced split of a
-   compressed level. Standard library only (no PyTorch headers: kernels build fast).
+/* What every generated sparsenn kernel needs: its value, storage and index types, SIMD
+   vectors with unaligned loads and stores, horizontal sums, prefetch and a balanced
+   split of a compressed level. Standard library only (no PyTorch headers: kernels
+   build fast).
 
    The including translation unit defines first:
-     SN_VALUE         the value type V (float or double)
+     SN_VALUE         the value type V every computation uses (float or double)
+     SN_STORAGE       optional: the type S of the value arrays (operands' values, dense
+                      operands, outputs), sn_bf16 or sn_f16 with V float; S is V without it
      SN_INDEX         the index type I (int32_t or int64_t)
      SN_VECTOR_BYTES  the SIMD vector width in bytes (a power of two, 8 to 64) */
 #ifndef SPARSENN_KERNEL_H
@@ -33,6 +36,69 @@ static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
               "SN_VECTOR_BYTES must be a power-of-two multiple of sizeof(V)");
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
+
+#ifdef SN_STORAGE
+/* 16-bit storage, float arithmetic. A stored value is widened to float exactly when it
+   is read (sn_widen) and rounded to nearest, ties to even, when it is written
+   (sn_narrow), bit for bit as torch converts: bfloat16 is float's top half, rounded at
+   bit 16 (NaN becomes 0x7fc0); float16 rebases the exponent (subnormals through a
+   float multiply or add that rounds once), overflows to inf and keeps NaN quiet.
+   Branch-free integer arithmetic on the bits, written once for a uint32_t and for a
+   vector of them (VU), so loops over stored values vectorise and sn_load / sn_store
+   convert SN_W lanes at a time. */
+struct sn_bf16 { uint16_t bits; };
+struct sn_f16 { uint16_t bits; };
+typedef SN_STORAGE S;
+static_assert(sizeof(V) == 4, "16-bit storage computes in float");
+typedef uint32_t VU __attribute__((vector_size(SN_VECTOR_BYTES)));
+typedef int32_t VM __attribute__((vector_size(SN_VECTOR_BYTES)));  // a vector comparison's lanes
+
+static inline uint32_t sn_mask(bool c) { return 0u - (uint32_t)c; }
+static inline VU sn_mask(VM c) { return (VU)c; }
+template <class U> static inline U sn_select(U mask, U a, U b) { return (a & mask) | (b & ~mask); }
+
+template <class U> static inline U sn_bf16_widened(U h) { return h << 16; }
+template <class U> static inline U sn_bf16_rounded(U u, U nan) {
+  return sn_select(nan, U{} + 0x7fc0u, (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+template <class U, class F> static inline U sn_f16_widened(U h) {
+  const U magnitude = h & 0x7fffu;
+  const U finite = __builtin_bit_cast(U, __builtin_bit_cast(F, magnitude << 13) * 0x1p112f);
+  return finite | (sn_mask(magnitude >= 0x7c00u) & 0x7f800000u) | ((h & 0x8000u) << 16);
+}
+template <class U, class F> static inline U sn_f16_rounded(U u) {
+  const U a = u & 0x7fffffffu;
+  const U subnormal = __builtin_bit_cast(U, __builtin_bit_cast(F, a) + 0.5f) - 0x3f000000u;
+  const U normal = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;
+  const U large = sn_select(sn_mask(a > 0x7f800000u), U{} + 0x7e00u, U{} + 0x7c00u);  // NaN, or inf
+  const U magnitude = sn_select(sn_mask(a >= 0x47800000u), large,
+                                sn_select(sn_mask(a < 0x38800000u), subnormal, normal));
+  return magnitude | ((u >> 16) & 0x8000u);
+}
+
+constexpr bool sn_is_bf16 = std::is_same<S, sn_bf16>::value;
+static inline V sn_widen(S x) {
+  const uint32_t h = x.bits;
+  return __builtin_bit_cast(V, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<uint32_t, V>(h));
+}
+static inline S sn_narrow(V x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  return S{(uint16_t)(sn_is_bf16 ? sn_bf16_rounded(u, sn_mask(x != x)) : sn_f16_rounded<uint32_t, V>(u))};
+}
+static inline VV sn_load(const S* p) {
+  VU h;
+  for (int l = 0; l < SN_W; ++l) h[l] = p[l].bits;
+  return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
+}
+static inline void sn_store(S* p, VV v) {
+  const VU u = __builtin_bit_cast(VU, v);
+  const VU bits = sn_is_bf16 ? sn_bf16_rounded(u, sn_mask(v != v)) : sn_f16_rounded<VU, VV>(u);
+  for (int l = 0; l < SN_W; ++l) p[l].bits = (uint16_t)bits[l];
+}
+#else
+typedef V S;
+static inline V sn_narrow(V x) { return x; }
+#endif
 
 /* Lanes of a and b picked by constant indices (b's lanes numbered from SN_W). */
 typedef std::conditional<sizeof(V) == 8, int64_t, int32_t>::type sn_lane_index;
@@ -125,7 +191,7 @@ static inline void sn_hsums(const VV (&acc)[R][A], V* out) {
 
 /* Prefetch n bytes from p, a cache line (64 bytes) at a time, into L2 (prefetcht1):
    the L1's few miss buffers would cap the lines in flight. */
-static inline void sn_prefetch(const V* p, int64_t n) {
+static inline void sn_prefetch(const void* p, int64_t n) {
   for (int64_t b = 0; b < n; b += 64) __builtin_prefetch((const char*)p + b, 0, 2);
 }
 
