@@ -237,3 +237,18 @@ def test_compile_in_a_fresh_process():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")
+
+
+def test_a_call_string_cannot_call_sparsenn_functions():
+    import base64
+    import pickle
+
+    from sparsenn.compiler.backend import jit
+
+    class Build:
+        def __reduce__(self):
+            return jit.load_library, ("int main() { return 0; }",)
+
+    evil = "sparsenn-call:" + base64.b64encode(pickle.dumps(Build())).decode()
+    with pytest.raises(pickle.UnpicklingError, match="cannot reference sparsenn.compiler.backend.jit.load_library"):
+        ops.decode(evil)

@@ -38,11 +38,11 @@ from sparsenn.formats.tensor import array_version
 
 from ..expression import Statement
 from ..notation import Assignment
+from .cache import LRUCache
+from .evaluate import evaluate
 
 if TYPE_CHECKING:
     from ..program import Program
-from .cache import LRUCache
-from .evaluate import evaluate
 
 __all__ = ["CallSpec", "Layout", "derived", "register_kernels", "traced_evaluate", "tracing"]
 
@@ -100,16 +100,24 @@ class CallSpec:
         return "sparsenn-call:" + base64.b64encode(pickle.dumps(self)).decode("ascii")
 
 
+_SPEC_MODULES = frozenset({"sparsenn.compiler.notation", "sparsenn.compiler.expression", "sparsenn.formats.format",
+                           "sparsenn.formats.level", __name__})
+_SPEC_BUILTINS = frozenset({("torch", "float32"), ("torch", "float64"), ("torch", "int32"), ("torch", "int64"),
+                            ("builtins", "frozenset"), ("builtins", "set")})
+
+
 class _SpecUnpickler(pickle.Unpickler):
-    """Rebuilds only sparsenn's own plain data (and torch dtypes): a call string comes
-    from a traced or exported program, which must not run arbitrary code when loaded."""
+    """Rebuilds only the plain data classes of a call (notation, formats, this module's)
+    and torch dtypes: a call string comes from a traced or exported program, which must
+    not run arbitrary code (or build a kernel) when loaded."""
 
     def find_class(self, module: str, name: str):
-        if module.startswith("sparsenn.") or (module, name) in {("torch", "float32"), ("torch", "float64"),
-                                                                 ("torch", "int32"), ("torch", "int64"),
-                                                                 ("builtins", "frozenset"), ("builtins", "set")}:
+        if (module, name) in _SPEC_BUILTINS:
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"sparsenn call strings cannot reference {module}.{name}")
+        found = super().find_class(module, name) if module in _SPEC_MODULES else None
+        if not isinstance(found, type):
+            raise pickle.UnpicklingError(f"sparsenn call strings cannot reference {module}.{name}")
+        return found
 
 
 @functools.lru_cache(maxsize=1024)
