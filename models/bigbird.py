@@ -102,7 +102,7 @@ class BigBirdClassifier(L.LightningModule):
     random blocks of layer ``l`` from ``pattern_seed + l`` in eval mode, redrawn at every
     training step); ``"dense"``: ``nn.MultiheadAttention`` over every unpadded key. The two
     have the same parameters, so one's weights load into the other. Trained with AdamW
-    (weight decay on matrices only) on the cross-entropy; logs ``train_loss``,
+    (weight decay on the linear layers' weight matrices only) on the cross-entropy; logs ``train_loss``,
     ``val_loss``/``val_acc`` and ``test_loss``/``test_acc``. Batches are
     ``(token_ids, padding_mask, labels)`` (:class:`models.imdb.IMDBDataModule`).
 
@@ -188,7 +188,7 @@ class BigBirdClassifier(L.LightningModule):
     # ------------------------------------------------------------------ training
     def setup(self, stage: str) -> None:
         """Check that the data module's vocabulary and length fit the embeddings."""
-        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        datamodule = getattr(self.trainer, "datamodule", None)
         vocab = getattr(datamodule, "vocab_size", None) if datamodule is not None else None
         if vocab is not None and vocab > self.hparams.vocab_size:
             raise ValueError(f"the data's vocabulary has {vocab} ids but the model's vocab_size is "
@@ -222,14 +222,18 @@ class BigBirdClassifier(L.LightningModule):
         self.log(f"{split}_acc", (logits.argmax(-1) == labels).float().mean(), prog_bar=True, batch_size=size)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        matrices = [p for n, p in self.named_parameters() if p.dim() >= 2 and "embedding" not in n]
-        others = [p for n, p in self.named_parameters() if not (p.dim() >= 2 and "embedding" not in n)]
-        return torch.optim.AdamW([{"params": matrices, "weight_decay": self.hparams.weight_decay},
-                                  {"params": others, "weight_decay": 0.0}], lr=self.hparams.lr)
+        named = list(self.named_parameters())
+        decayed = {name for name, p in named if p.dim() >= 2 and "embedding" not in name}
+        return torch.optim.AdamW([
+            {"params": [p for name, p in named if name in decayed], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0},
+        ], lr=self.hparams.lr)
 
     # ------------------------------------------------------------------ bench protocol
     def bench_batch(self, datamodule: L.LightningDataModule) -> tuple[tuple[Tensor, Tensor], Tensor]:
-        """``((token_ids, padding_mask), labels)``: the first test batch of ``datamodule``."""
+        """``((token_ids, padding_mask), labels)``: the first test batch of ``datamodule``
+        (shuffled reviews, both classes; at a long ``max_length`` most positions are padding:
+        IMDB's median review has about 180 tokens)."""
         datamodule.setup("test")
         token_ids, padding_mask, labels = next(iter(datamodule.test_dataloader()))
         return (token_ids, padding_mask), labels
@@ -265,6 +269,7 @@ class BigBirdClassifier(L.LightningModule):
 
 
 def _inference(model: nn.Module) -> Callable[..., Tensor]:
+    """``model``'s forward under ``torch.inference_mode``."""
     def run(token_ids: Tensor, padding_mask: Tensor) -> Tensor:
         with torch.inference_mode():
             return model(token_ids, padding_mask)

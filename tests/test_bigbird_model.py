@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 from unittest import mock
 
-import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
