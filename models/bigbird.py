@@ -6,7 +6,6 @@ window and 2 random blocks; AdamW, lr 1e-3), or the same model with dense attent
 from __future__ import annotations
 
 import inspect
-import operator
 from typing import Callable
 
 import lightning as L
@@ -16,6 +15,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 import sparsenn
+from sparsenn.layers.arguments import checked_int
 
 __all__ = ["BigBirdClassifier", "EncoderLayer", "MaskedDenseAttention"]
 
@@ -77,18 +77,6 @@ class EncoderLayer(nn.Module):
         return self.norm2(x + self.dropout(self.ffn(x)))
 
 
-def _int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 class BigBirdClassifier(L.LightningModule):
     r"""Sequence classifier: token and learned positional embeddings, ``num_layers``
     :class:`EncoderLayer`\ s, a final layer norm (pre-LN), the mean of the unpadded
@@ -131,7 +119,7 @@ class BigBirdClassifier(L.LightningModule):
                                      ("max_length", max_length, 1), ("embed_dim", embed_dim, 1),
                                      ("ffn_dim", ffn_dim, 1), ("num_layers", num_layers, 1),
                                      ("num_heads", num_heads, 1), ("pattern_seed", pattern_seed, 0)):
-            _int(name, value, minimum)
+            checked_int(name, value, minimum)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:

@@ -14,7 +14,6 @@ import gzip
 import hashlib
 import itertools
 import json
-import operator
 import os
 import re
 import tempfile
@@ -27,6 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
+
+from sparsenn.layers.arguments import checked_int
 
 __all__ = ["IMDB_URL", "IMDBDataModule", "WordTokenizer", "default_data_dir", "read_imdb_csv", "write_imdb_csv"]
 
@@ -91,18 +92,6 @@ def write_imdb_csv(source: str | Path, data_dir: str | Path) -> None:
             writer.writerows(rows)
 
 
-def _positive_int(name: str, value: object, minimum: int = 1) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 class WordTokenizer:
     """Lower-cased words (letters and digits, with an inner apostrophe: ``don't``) and the
     marks ``!`` and ``?``; HTML line breaks (``<br />``) are spaces. Id 0 is ``<pad>``,
@@ -131,8 +120,8 @@ class WordTokenizer:
     @classmethod
     def fit(cls, texts: Iterable[str], vocab_size: int = 20000, min_freq: int = 2) -> WordTokenizer:
         """The vocabulary of ``texts`` (see the class doc)."""
-        vocab_size = _positive_int("vocab_size", vocab_size, 3)
-        min_freq = _positive_int("min_freq", min_freq)
+        vocab_size = checked_int("vocab_size", vocab_size, 3)
+        min_freq = checked_int("min_freq", min_freq, 1)
         counts = Counter(itertools.chain.from_iterable(map(cls.split, texts)))
         common = [word for word, count in counts.most_common(vocab_size - 2) if count >= min_freq]
         return cls([cls.PAD, cls.UNK, *common])
@@ -144,7 +133,7 @@ class WordTokenizer:
         """``(token_ids, padding_mask)``, both ``(len(texts), max_length)``: the first
         ``max_length`` tokens of each text, then ``<pad>``; the mask is True at padding. A
         text without tokens is one ``<unk>``, so every row has an unpadded position."""
-        max_length = _positive_int("max_length", max_length)
+        max_length = checked_int("max_length", max_length, 1)
         get, unk = self.ids.get, self.UNK_ID
         rows = [[get(token, unk) for token in self.split(text)[:max_length]] or [unk] for text in texts]
         lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
@@ -186,13 +175,13 @@ class IMDBDataModule(L.LightningDataModule):
                  num_workers: int = 0, cache_dir: str | None = None) -> None:
         super().__init__()
         self.data_dir = default_data_dir() if data_dir is None else Path(data_dir)
-        self.max_length = _positive_int("max_length", max_length)
-        self.vocab_size_limit = _positive_int("vocab_size", vocab_size, 3)
-        self.min_freq = _positive_int("min_freq", min_freq)
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.val_size = _positive_int("val_size", val_size)
-        self.seed = _positive_int("seed", seed, 0)
-        self.num_workers = _positive_int("num_workers", num_workers, 0)
+        self.max_length = checked_int("max_length", max_length, 1)
+        self.vocab_size_limit = checked_int("vocab_size", vocab_size, 3)
+        self.min_freq = checked_int("min_freq", min_freq, 1)
+        self.batch_size = checked_int("batch_size", batch_size, 1)
+        self.val_size = checked_int("val_size", val_size, 1)
+        self.seed = checked_int("seed", seed, 0)
+        self.num_workers = checked_int("num_workers", num_workers, 0)
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         self.tokenizer: WordTokenizer | None = None
         self.datasets: dict[str, TensorDataset] = {}

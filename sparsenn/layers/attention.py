@@ -20,7 +20,6 @@ over the scores' pattern, which the mask shares). A query row with no unpadded k
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax
+from sparsenn.layers.arguments import checked_int
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
@@ -173,19 +173,6 @@ def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: 
             seed.new_empty(blocks * block_size * block_size, dtype=dtype))
 
 
-def _count(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int >= minimum (TypeError/ValueError naming it otherwise)."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 class BlockSparseAttention(nn.Module):
     """Multi-head attention on BigBird's block-sparse pattern, shaped like
     ``nn.MultiheadAttention`` (same projection parameters: ``in_proj_weight``,
@@ -209,14 +196,14 @@ class BlockSparseAttention(nn.Module):
                  num_window_blocks: int = 3, num_random_blocks: int = 2, dropout: float = 0.0, bias: bool = True,
                  batch_first: bool = True, seed: int | None = None, fixed_pattern: bool = False) -> None:
         super().__init__()
-        self.embed_dim = _count("embed_dim", embed_dim, 1)
-        self.num_heads = _count("num_heads", num_heads, 1)
+        self.embed_dim = checked_int("embed_dim", embed_dim, 1)
+        self.num_heads = checked_int("num_heads", num_heads, 1)
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        self.block_size = _count("block_size", block_size, 1)
-        self.num_global_blocks = _count("num_global_blocks", num_global_blocks, 0)
-        self.num_window_blocks = _count("num_window_blocks", num_window_blocks, 1)
-        self.num_random_blocks = _count("num_random_blocks", num_random_blocks, 0)
+        self.block_size = checked_int("block_size", block_size, 1)
+        self.num_global_blocks = checked_int("num_global_blocks", num_global_blocks, 0)
+        self.num_window_blocks = checked_int("num_window_blocks", num_window_blocks, 1)
+        self.num_random_blocks = checked_int("num_random_blocks", num_random_blocks, 0)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
             raise TypeError(f"dropout must be a float, got {type(dropout).__name__}")
         if not 0.0 <= dropout < 1.0:
@@ -224,7 +211,7 @@ class BlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
         self.batch_first = bool(batch_first)
         self.fixed_pattern = bool(fixed_pattern)
-        self.seed = int(torch.randint(2**62, ())) if seed is None else _count("seed", seed, 0)
+        self.seed = int(torch.randint(2**62, ())) if seed is None else checked_int("seed", seed, 0)
         self.head_dim = embed_dim // num_heads
         self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
         self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
@@ -252,7 +239,7 @@ class BlockSparseAttention(nn.Module):
     # ------------------------------------------------------------------ pattern
     def pattern(self, seq_len: int) -> BlockPattern:
         """The fixed (eval-mode) block pattern for ``seq_len`` tokens, drawn from ``seed``."""
-        n = -(-_count("seq_len", seq_len, self.dense_up_to + 1) // self.block_size)
+        n = -(-checked_int("seq_len", seq_len, self.dense_up_to + 1) // self.block_size)
         if n not in self._patterns:
             generator = torch.Generator().manual_seed(self.seed)
             self._patterns[n] = bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks,
