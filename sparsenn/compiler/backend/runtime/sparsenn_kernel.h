@@ -85,12 +85,39 @@ static inline S sn_narrow(V x) {
   const uint32_t u = __builtin_bit_cast(uint32_t, x);
   return S{(uint16_t)(sn_is_bf16 ? sn_bf16_rounded(u, sn_mask(x != x)) : sn_f16_rounded<uint32_t, V>(u))};
 }
+/* float16 vectors convert in one instruction where the CPU has one (x86's F16C, 8 or 16
+   lanes; same results, rounding to nearest even). */
+#if defined(__F16C__) && (SN_VECTOR_BYTES == 32 || (SN_VECTOR_BYTES == 64 && defined(__AVX512F__)))
+#define SN_F16_VECTORS 1
+#include <immintrin.h>
+#else
+#define SN_F16_VECTORS 0
+#endif
 static inline VV sn_load(const S* p) {
+#if SN_F16_VECTORS
+  if constexpr (!sn_is_bf16) {
+#if SN_VECTOR_BYTES == 32
+    return (VV)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+#else
+    return (VV)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#endif
+  }
+#endif
   VU h;
   for (int l = 0; l < SN_W; ++l) h[l] = p[l].bits;
   return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
 }
 static inline void sn_store(S* p, VV v) {
+#if SN_F16_VECTORS
+  if constexpr (!sn_is_bf16) {
+#if SN_VECTOR_BYTES == 32
+    _mm_storeu_si128((__m128i*)p, _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+    _mm256_storeu_si256((__m256i*)p, _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    return;
+  }
+#endif
   const VU u = __builtin_bit_cast(VU, v);
   const VU bits = sn_is_bf16 ? sn_bf16_rounded(u, sn_mask(v != v)) : sn_f16_rounded<VU, VV>(u);
   for (int l = 0; l < SN_W; ++l) p[l].bits = (uint16_t)bits[l];
