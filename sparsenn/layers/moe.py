@@ -186,7 +186,7 @@ class SparseMoEGate(nn.Module):
         self.noise, self.capacity_factor, self.normalize = noise, capacity_factor, bool(normalize)
         self.router = nn.Linear(self.d_model, self.num_experts, bias=False, dtype=dtype)
 
-    @torch.compiler.disable(reason=_UNTRACEABLE)
+    @torch.compiler.disable  # see _UNTRACEABLE
     def forward(self, x: Tensor) -> GateOutput:
         tokens = _check_input(x, self.d_model, self.router.weight.dtype)
         if self.training and self.noise == "jitter":
@@ -264,7 +264,7 @@ class SparseMoE(nn.Module):
         nn.init.uniform_(self.w1, -self.d_model ** -0.5, self.d_model ** -0.5)
         nn.init.uniform_(self.w2, -self.d_hidden ** -0.5, self.d_hidden ** -0.5)
 
-    @torch.compiler.disable(reason=_UNTRACEABLE)
+    @torch.compiler.disable  # see _UNTRACEABLE
     def experts(self, x: Tensor, gates: SparseTensor) -> Tensor:
         """``Σ_e gates[t,e] FFN_e(x_t)`` for tokens ``x`` ``(T, d_model)`` and a ``T × E`` csr gate."""
         if gates.shape != (x.shape[0], self.num_experts):
