@@ -10,6 +10,10 @@ A model takes part by implementing the bench protocol (:class:`Benchmarkable`)::
     def bench_metric(self, output: Tensor, target: Tensor) -> tuple[str, float]:
         '''The task metric of one output, e.g. ("accuracy", 0.81) or ("mse", 0.012).'''
 
+and optionally ``bench_baselines() -> frozenset[str]``: variants that compute a different
+function (e.g. full dense attention beside BigBird's), timed as speed baselines but exempt from
+the agreement check.
+
 :func:`run_bench` calls every variant on the same inputs, checks that each output agrees with
 sparsenn's, scores each with the task metric, then times them: ``warmup`` untimed calls, then
 the median of ``repeats`` calls per variant, round-robin, at each torch thread count. The first
@@ -85,13 +89,15 @@ class BenchSettings:
 @dataclasses.dataclass(frozen=True)
 class VariantResult:
     """One variant: median time (ms) per thread count, its task metric, and how far its output
-    is from sparsenn's (``max_abs_diff`` 0 and ``agrees`` True for sparsenn itself)."""
+    is from sparsenn's (``max_abs_diff`` 0 and ``agrees`` True for sparsenn itself); a
+    ``baseline`` computes another function and need not agree."""
 
     name: str
     median_ms: dict[int, float]
     metric: float
     max_abs_diff: float
     agrees: bool
+    baseline: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +122,8 @@ class BenchResult:
 
     @property
     def ok(self) -> bool:
-        """Whether every variant's output agrees with sparsenn's."""
-        return all(v.agrees for v in self.variants)
+        """Whether every variant's output, baselines aside, agrees with sparsenn's."""
+        return all(v.agrees or v.baseline for v in self.variants)
 
     def speedup(self, variant: str, threads: int) -> float:
         """``variant``'s time over sparsenn's at ``threads``: above 1 means sparsenn is faster."""
@@ -214,11 +220,12 @@ def run_bench(model: Any, datamodule: Any, settings: BenchSettings, name: str | 
                 timings[threads] = median_ms(calls, settings.warmup, settings.repeats)
         finally:
             torch.set_num_threads(threads_before)
+    baselines = model.bench_baselines() if hasattr(model, "bench_baselines") else frozenset()
     results = []
     for index, (label, out) in enumerate(outputs.items()):
         diff, agrees = _agreement(outputs[REFERENCE], out)
         results.append(VariantResult(label, {t: row[index] for t, row in timings.items()}, float(metrics[label]),
-                                     diff, agrees))
+                                     diff, agrees, label in baselines))
     first = first_call(model, datamodule, settings.threads[0]) if settings.first_call else None
     title = name or f"{type(model).__name__} on {type(datamodule).__name__}"
     return BenchResult(title, _describe(inputs), metric_name, settings, tuple(results), first)
@@ -300,9 +307,12 @@ def format_table(result: BenchResult) -> str:
     lines.append(header)
     for v in result.variants:
         cells = "".join(f"{f'{v.median_ms[t]:.3f} ms ({result.speedup(v.name, t):.2f}x)':>22}" for t in s.threads)
-        diff = "-" if v.name == REFERENCE else f"{v.max_abs_diff:.1e}" + ("" if v.agrees else " !")
+        diff = "-" if v.name == REFERENCE else f"{v.max_abs_diff:.1e}" + (
+            "" if v.agrees else " (baseline)" if v.baseline else " !")
         lines.append(f"{v.name:<18}{cells}{diff:>12}{v.metric:>10.4f}")
     verdict = "agree" if result.ok else "DISAGREE (marked !)"
+    if any(v.baseline for v in result.variants):
+        verdict += "; baselines compute another function"
     lines.append(f"outputs {verdict} with sparsenn's (rtol {RTOL:g}, atol {ATOL:g} * max|sparsenn|)")
     if result.first_call is not None:
         f = result.first_call

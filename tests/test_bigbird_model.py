@@ -336,3 +336,14 @@ def test_bench_protocol_with_a_longer_sequence(fixture_dir, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # 96 tokens: a sparse pattern, no dense fallback
         cli.model.inference_variants()["sparsenn"](*inputs)
+
+
+def test_full_dense_attention_is_a_baseline_that_need_not_agree():
+    from models.bench import BenchResult, BenchSettings, VariantResult
+
+    assert BigBirdClassifier.bench_baselines(None) == {"dense attention, full (nn.MultiheadAttention)"}
+    variants = (VariantResult("sparsenn", {1: 1.0}, 0.5, 0.0, True),
+                VariantResult("dense attention, full (nn.MultiheadAttention)", {1: 9.0}, 0.5, 0.1, False, True))
+    assert BenchResult("m", "x", "accuracy", BenchSettings(), variants, None).ok
+    assert not BenchResult("m", "x", "accuracy", BenchSettings(), (variants[0], VariantResult(
+        "dense attention, BigBird mask", {1: 3.0}, 0.5, 0.1, False)), None).ok
