@@ -311,9 +311,8 @@ def format_table(result: BenchResult) -> str:
             "" if v.agrees else " (baseline)" if v.baseline else " !")
         lines.append(f"{v.name:<18}{cells}{diff:>12}{v.metric:>10.4f}")
     verdict = "agree" if result.ok else "DISAGREE (marked !)"
-    if any(v.baseline for v in result.variants):
-        verdict += "; baselines compute another function"
-    lines.append(f"outputs {verdict} with sparsenn's (rtol {RTOL:g}, atol {ATOL:g} * max|sparsenn|)")
+    baselines = "; (baseline): another function, timed for comparison" if any(v.baseline for v in result.variants) else ""
+    lines.append(f"outputs {verdict} with sparsenn's (rtol {RTOL:g}, atol {ATOL:g} * max|sparsenn|){baselines}")
     if result.first_call is not None:
         f = result.first_call
         warm = next(v for v in result.variants if v.name == REFERENCE).median_ms.get(f.threads)
