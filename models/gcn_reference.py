@@ -62,7 +62,29 @@ def _frozen_weights(trained: GCN) -> list[Tensor]:
                                          trained.conv2.weight, trained.conv2.bias)]
 
 
-class TorchCSRGCN(nn.Module):
+class _FrozenGCN(nn.Module):
+    """A trained GCN's weights, detached, and its normalised adjacency: built per call, or
+    once when the trained model used ``cached=True``; :meth:`_layout` gives its storage."""
+
+    def __init__(self, trained: GCN) -> None:
+        super().__init__()
+        self.weight1, self.bias1, self.weight2, self.bias2 = _frozen_weights(trained)
+        self.cached = trained.conv1.cached
+        self._adjacency: Tensor | None = None
+
+    def _layout(self, adjacency: Tensor) -> Tensor:
+        return adjacency
+
+    def adjacency(self, edge_index: Tensor, num_nodes: int, dtype: torch.dtype) -> Tensor:
+        adjacency = self._adjacency
+        if adjacency is None:
+            adjacency = self._layout(normalized_adjacency_csr(edge_index, num_nodes, dtype))
+            if self.cached:
+                self._adjacency = adjacency
+        return adjacency
+
+
+class TorchCSRGCN(_FrozenGCN):
     r"""The same GCN written directly with ``torch.sparse.mm`` on a CSR ``Â`` (inference only):
     ``Â relu(Â X W_1ᵀ + b_1) W_2ᵀ + b_2``, where ``X W_1ᵀ`` is ``torch.sparse.mm`` too when the
     features ``X`` are a torch sparse CSR tensor. The adjacency is built on each call, or once when
@@ -70,39 +92,22 @@ class TorchCSRGCN(nn.Module):
     symmetric normalisation (the GCN defaults) are supported.
     """
 
-    def __init__(self, trained: GCN) -> None:
-        super().__init__()
-        self.weight1, self.bias1, self.weight2, self.bias2 = _frozen_weights(trained)
-        self.cached = trained.conv1.cached
-        self._adjacency: Tensor | None = None
-
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        adjacency = self._adjacency
-        if adjacency is None:
-            adjacency = normalized_adjacency_csr(edge_index, x.shape[0], x.dtype)
-            if self.cached:
-                self._adjacency = adjacency
+        adjacency = self.adjacency(edge_index, x.shape[0], x.dtype)
         projected = torch.sparse.mm(x, self.weight1.T) if x.layout == torch.sparse_csr else x @ self.weight1.T
         hidden = F.relu(torch.sparse.mm(adjacency, projected) + self.bias1)
         return torch.sparse.mm(adjacency, hidden @ self.weight2.T) + self.bias2
 
 
-class DenseGCN(nn.Module):
+class DenseGCN(_FrozenGCN):
     r"""The same GCN in dense PyTorch (inference only): ``Â relu(Â X W_1ᵀ + b_1) W_2ᵀ + b_2``
     with ``Â`` a dense ``(N, N)`` matrix (built on each call, or once when the trained model
     used ``cached=True``) and dense features."""
 
-    def __init__(self, trained: GCN) -> None:
-        super().__init__()
-        self.weight1, self.bias1, self.weight2, self.bias2 = _frozen_weights(trained)
-        self.cached = trained.conv1.cached
-        self._adjacency: Tensor | None = None
+    def _layout(self, adjacency: Tensor) -> Tensor:
+        return adjacency.to_dense()
 
     def forward(self, x: Tensor, edge_index: Tensor) -> Tensor:
-        adjacency = self._adjacency
-        if adjacency is None:
-            adjacency = normalized_adjacency_csr(edge_index, x.shape[0], x.dtype).to_dense()
-            if self.cached:
-                self._adjacency = adjacency
+        adjacency = self.adjacency(edge_index, x.shape[0], x.dtype)
         hidden = F.relu(torch.addmm(self.bias1, adjacency, x @ self.weight1.T))
         return torch.addmm(self.bias2, adjacency, hidden @ self.weight2.T)

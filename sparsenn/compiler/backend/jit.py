@@ -246,6 +246,7 @@ def _sanitise(name: str) -> str:
 
 def _load_or_build(source: str, name: str) -> ctypes.CDLL:
     """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
+    global builds
     headers = _runtime_headers()
     key = _cache_key(source, headers)
     root = cache_dir()
@@ -256,7 +257,6 @@ def _load_or_build(source: str, name: str) -> ctypes.CDLL:
             started = time.perf_counter()
             _build(source, headers, so_path, _compiler(), key)
             lib = ctypes.CDLL(str(so_path))
-            global builds
             builds += 1
             _log.info("built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
     return lib
