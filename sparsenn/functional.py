@@ -6,10 +6,11 @@ entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
 ``torch.sparse.softmax``):
 
 * ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
-* softmax: ``E[r,j] = exp(S[r,j] - M[r])`` on ``S``'s pattern, ``Z[r] = sum_j E[r,j]``,
-  ``P[r,j] = E[r,j] / Z[r]`` (each ``exp`` once: it dominates a pass over the pattern);
-* log-softmax: ``Z[r] = sum_j exp(S[r,j] - M[r])``, ``L[r,j] = (S[r,j] - M[r]) - log Z[r]``
-  (``S - M`` first: exact near the max however large ``|S|`` is).
+* ``Z[r] = sum_j exp(S[r,j] - M[r])``;
+* softmax: ``P[r,j] = exp(S[r,j] - M[r]) / Z[r]`` on ``S``'s pattern (the vectorised
+  ``exp`` twice costs less than writing ``exp(S - M)`` to fresh memory and reading it back);
+* log-softmax: ``L[r,j] = (S[r,j] - M[r]) - log Z[r]`` (``S - M`` first: exact near the
+  max however large ``|S|`` is).
 
 Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax and
 ``dS = dL - exp(L) * sum_j dL`` for log-softmax; the sums are compiled sum-reductions,
@@ -40,10 +41,9 @@ class _Kernels:
     row vectors (``M``, ``Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
 
     max: Assignment               # M = max_j S
-    exp: Assignment               # E = exp(S - M), on S's pattern
-    row_sum: Assignment           # sum_j X
-    normalise: Assignment         # P = E / Z, on the pattern
     sum_exp: Assignment           # Z = sum_j exp(S - M)
+    softmax: Assignment           # P = exp(S - M) / Z, on S's pattern
+    row_sum: Assignment           # sum_j X
     shift: Assignment             # L = (S - M) - log Z, on the pattern
     dot: Assignment               # G = sum_j dP * P
     softmax_grad: Assignment      # dS = P * (dP - G), on the pattern
@@ -63,10 +63,9 @@ def _kernels(rank: int, dim: int) -> _Kernels:
     exp_shifted = apply("exp", apply("sub", f0, f1))
     return _Kernels(
         max=assignment(rows, (x,), f0, ("S",), "max"),
-        exp=assignment(full, (x, row1), exp_shifted, ("S", "M")),
-        row_sum=assignment(rows, (x,), None, ("X",)),
-        normalise=assignment(full, (x, row1), apply("div", f0, f1), ("E", "Z")),
         sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
+        softmax=assignment(full, (x, row1, row2), apply("div", exp_shifted, f2), ("S", "M", "Z")),
+        row_sum=assignment(rows, (x,), None, ("X",)),
         shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
         dot=assignment(rows, (x, y), None, ("dP", "P")),
         softmax_grad=assignment(full, (x, y, row2), apply("mul", f1, apply("sub", f0, f2)), ("dP", "P", "G")),
@@ -102,13 +101,11 @@ class _Softmax(torch.autograd.Function):
     def forward(ctx, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
         s = pattern.with_values(values)
         m = _run("max", s, dim, [s], "dense")
+        z = _run("sum_exp", s, dim, [s, m], "dense")
         if log:
-            z = _run("sum_exp", s, dim, [s, m], "dense")
             out = _sampled("shift", s, dim, [s, m, torch.log(z)])
         else:
-            e = s.with_values(_sampled("exp", s, dim, [s, m]))
-            z = _run("row_sum", s, dim, [e], "dense")
-            out = _sampled("normalise", s, dim, [e, z])
+            out = _sampled("softmax", s, dim, [s, m, z])
         ctx.save_for_backward(out)
         ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
         return out

@@ -6,6 +6,7 @@ import copy
 import ctypes
 import dataclasses
 import itertools
+import math
 import re
 
 import numpy as np
@@ -474,6 +475,33 @@ def test_one_thread_and_a_team_run_the_same_nest(equation):
     finally:
         torch.set_num_threads(threads)
     torch.testing.assert_close(results[0], results[1], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("equation", ["bhij,bhjd->bhid", "bhij,bhid,bhjd->bhij"])
+@pytest.mark.parametrize("fmt", ["dddc", "dddc(1,1,4,4)"])
+def test_team_loops_run_as_one_thread_does(equation, fmt):
+    # One batch element of 3 heads: the team shares b, h and the (block) rows as one
+    # range of flattened coordinates, chunks ending mid-head.
+    mask = sp((1, 3, 96, 96), fmt, density=0.3)
+    q, k = torch.randn(1, 3, 96, 16, dtype=torch.float64), torch.randn(1, 3, 96, 16, dtype=torch.float64)
+    operands = [mask, k] if equation == "bhij,bhjd->bhid" else [mask, q, k]
+    plan = api.plan(equation, *operands)
+    assert not plan.schedule.serial and plan.schedule.nests[0].team_loops == 3
+    assert "flat" in plan.source
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(to_dense(check(equation, operands)))
+            results.append(sparsenn.softmax(mask, -1).to_dense())
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(results[0], results[2], atol=1e-12, rtol=0)
+    torch.testing.assert_close(results[1], results[3], atol=1e-12, rtol=0)
+    stored = mask.with_values(torch.ones_like(mask.values)).to_dense() != 0  # blocks store zeros too
+    expected = torch.softmax(mask.to_dense().masked_fill(~stored, -math.inf), -1).nan_to_num(0.0) * stored
+    torch.testing.assert_close(results[1], expected, atol=1e-12, rtol=1e-9)
 
 
 def rows_of_lengths(lengths, cols, dtype, seed=0):

@@ -133,6 +133,23 @@ def test_max_over_the_outer_mode_and_of_a_product(fmt):
     assert_matches(evaluate(scaled, [S, w], None), scaled, [S, w], torch.float64)
 
 
+@pytest.mark.parametrize("reduction", ("max", "min"))
+@pytest.mark.parametrize("fmt", ("dense-tensor", "bsr(4,8)"))
+def test_vectorised_max_min_keep_nan_in_every_lane(reduction, fmt):
+    """A dense innermost reduction runs as an ``omp simd`` reduction: a NaN in any lane
+    (first, middle, last, the scalar tail) gives NaN, as torch.amax / torch.amin."""
+    dense = operand((8, 40), "dense-tensor", seed=3)
+    for row, col in enumerate((0, 5, 15, 16, 31, 39)):
+        dense[row, col] = math.nan
+    S = dense if fmt == "dense-tensor" else sparsenn.from_dense(dense, format=fmt)
+    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), reduction)
+    if fmt == "dense-tensor":
+        assert f"reduction(sn_{reduction}_reduction:" in _plan(assignment, check_call(assignment, [S], None)).source
+    got = evaluate(assignment, [S], None)
+    expected = (torch.amax if reduction == "max" else torch.amin)(dense, 1)
+    torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)
+
+
 def test_max_of_a_rank3_tensor_over_two_indices():
     S = sparsenn.from_dense(operand((3, 4, 5), "dense-tensor", empty_rows=(0,)), format="csf")
     assignment = Assignment(("b",), (Term(1.0, (Access(0, ("b", "i", "j")),), apply("abs", Factor(0))),), ("S",),

@@ -4,6 +4,7 @@ result type that depends on formats only."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import sparsenn
 from sparsenn import SparseLinear, SparseTensor
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.plan.planner import decisions, operand_info, path_request
-from sparsenn.compiler.runtime import api
+from sparsenn.compiler.runtime import api, memory
 from sparsenn.compiler.runtime.cache import LRUCache
 from sparsenn.compiler.runtime.evaluate import resolve
 from sparsenn.compiler.runtime.launcher import Launch
@@ -272,3 +273,16 @@ def test_bad_out_format_names_what_is_wrong():
     a = sp((4, 4), "csr")
     with pytest.raises(TypeError, match=r"out_format must be None, 'dense', a format name or a Format \(or 'auto'\)"):
         sparsenn.einsum("ij,jk->ik", a, a, out_format=3.5)
+
+
+def test_large_outputs_ask_for_huge_pages_over_their_whole_huge_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_MADVISE", lambda start, length, advice: calls.append((start, length, advice)))
+    small = memory.empty(1000, dtype=torch.float32)
+    assert small.shape == (1000,) and calls == []
+    big = memory.filled(-math.inf, 5 * memory.HUGE_PAGE // 8, dtype=torch.float64)
+    assert big.dtype == torch.float64 and bool((big == -math.inf).all())
+    ((start, length, advice),) = calls
+    first, end = big.data_ptr(), big.data_ptr() + big.nbytes
+    assert advice == 14 and start % memory.HUGE_PAGE == 0 and length % memory.HUGE_PAGE == 0
+    assert first <= start < first + memory.HUGE_PAGE and end - memory.HUGE_PAGE < start + length <= end

@@ -249,3 +249,26 @@ def test_independent_innermost_loops_are_marked_simd():
     assert dense_schedule("ij,ij->ij", a, torch.randn(N, N)).nests[0].simd is None  # j filtered by A
     spgemm = sparse_schedule("ij,jk->ik", a, sparse((N, N), "csr", seed=1), out_format="csr")
     assert all(nest.simd is None for nest in spgemm.nests)
+
+
+def test_a_short_outer_loop_shares_the_team_with_the_loops_inside():
+    # Batch 1 of 3 heads: the team shares b, h and the rows i (output loops over dense
+    # levels), not the compressed j; with 300 batch elements b alone is enough.
+    for batch, shared in ((1, ("b", "h", "i")), (300, ("b",))):
+        mask = sparse((batch, 3, 40, 40), "dddc", density=0.2)
+        s = dense_schedule("bhij,bhjd->bhid", mask, torch.randn(batch, 3, 40, 16))
+        (nest,) = s.nests
+        assert nest.order[:4] == ("b", "h", "i", "j")
+        assert nest.order[:nest.team_loops] == shared
+    assert "parallel over b,h,i" in dense_schedule("bhij,bhjd->bhid", sparse((1, 3, 40, 40), "dddc"),
+                                                   torch.randn(1, 3, 40, 16)).describe()
+
+
+def test_team_loops_stop_at_a_held_loop():
+    # Dense rows i of a 1 x 2 x 8 x 64 sampled product: i is the dot tile's row loop,
+    # held by the tile, so the team shares b and h only.
+    mask = sparse((1, 2, 8, 64), "dddc", density=0.5)
+    q, k = torch.randn(1, 2, 8, 32), torch.randn(1, 2, 64, 32)
+    (nest,) = dense_schedule("bhij,bhid,bhjd->bhij", mask, q, k).nests
+    held = {nest.dot_tile and nest.dot_tile.rows, nest.register_tile and nest.register_tile.index}
+    assert nest.team_loops == nest.order.index(next(i for i in nest.order if i in held or i == "j"))

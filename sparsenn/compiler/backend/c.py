@@ -191,6 +191,9 @@ _PRAGMAS = {
     "omp_for": "#pragma omp for schedule(dynamic, 1)",
     "omp_parallel_for": "#pragma omp parallel for num_threads(nthreads)",
 }
+# How an ``omp simd`` reduction combines its lanes, by reduction (the header declares
+# the max and min reductions, which keep a NaN as sn_max and sn_min do).
+_COMBINERS = {"sum": "+", "max": "sn_max_reduction", "min": "sn_min_reduction"}
 
 
 class _Printer:
@@ -242,7 +245,7 @@ class _Printer:
             self.close()
         elif isinstance(s, ir.For):
             if s.pragma == "simd_reduction":
-                self.line(f"#pragma omp simd reduction(+:{s.reduction.name})")
+                self.line(f"#pragma omp simd reduction({_COMBINERS[s.combine]}:{s.reduction.name})")
             elif s.pragma is not None:
                 self.line(_PRAGMAS[s.pragma])
             init = "" if s.init is None else _simple(s.init, self.stored)

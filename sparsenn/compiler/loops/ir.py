@@ -257,8 +257,9 @@ class If(Stmt):
 @dataclass(frozen=True)
 class For(Stmt):
     """``for (init; cond; step) body``. ``init`` None continues a declared variable.
-    ``pragma``: ``simd``, ``simd_reduction`` (of ``reduction``), ``unroll`` (GCC unroll
-    16), ``omp_for`` (a dynamic, one-iteration OpenMP work-sharing loop) or None."""
+    ``pragma``: ``simd``, ``simd_reduction`` (of ``reduction``, combined by ``combine``:
+    ``sum``, ``max`` or ``min``), ``unroll`` (GCC unroll 16), ``omp_for`` (a dynamic,
+    one-iteration OpenMP work-sharing loop) or None."""
 
     init: Stmt | None
     cond: Expr
@@ -266,6 +267,7 @@ class For(Stmt):
     body: Block
     pragma: str | None = None
     reduction: Var | None = None
+    combine: str = "sum"
 
 
 @dataclass(frozen=True)

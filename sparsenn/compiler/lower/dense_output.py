@@ -38,6 +38,7 @@ the plain nest continues from the first coordinate left.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..functions import IDENTITY
 from ..loops import ir
@@ -100,9 +101,10 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         outside = [] if term.value is not None else [k for k, f in enumerate(term.factors)
                                                       if not inner & set(f.indices)]
         acc = lo.fresh("acc")
+        walk.accumulator, walk.combine = acc, reduction
         if reduction == "sum":
             inside = [k for k in range(len(term.factors)) if k not in outside]
-            walk.accumulator, walk.summed = acc, (ir.Const(1.0), inside)
+            walk.summed = ir.Const(1.0), inside
 
         def start(st):
             lo.emit(ir.Decl(acc, "V", ir.Const(IDENTITY[reduction])))
@@ -162,7 +164,8 @@ def _combine(lo: Lowering, target: ir.Expr, value: ir.Expr, reduction: str, once
 
 
 def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
-    """The nest's loops, the outermost in chunks shared by the team if parallel."""
+    """The nest's loops, the outermost (or the team loops, flattened) in chunks shared by
+    the team if parallel."""
     def run():
         if nest.register_block is not None:
             _register_blocked(lo, nest, walk, states, term, offset, coef, once)
@@ -173,11 +176,12 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
         run()
         return
     chunk = ir.Var("sn_chunk")
-    chunk_prologue(lo, lo.dim(nest.order[0]))
+    team = nest.order[:nest.team_loops]
+    chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]))
 
     def body():
-        chunk_bounds(lo, chunk, NCHUNKS, balancing_pos(states, nest.order[0]))
-        walk.bounds[nest.order[0]] = (LO, HI)
+        chunk_bounds(lo, chunk, NCHUNKS, balancing_pos(states, nest.order[0]) if len(team) == 1 else None)
+        walk.bounds[nest.order[0]] = (LO, HI)  # of the flattened coordinates when the team shares several loops
         run()
 
     lo.emit(ir.For(ir.Decl(chunk, "index", ir.Const(0)), ir.lt(chunk, NCHUNKS), ir.Incr(chunk), lo.block(body),

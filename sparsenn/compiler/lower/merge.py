@@ -44,19 +44,19 @@ Merged = Callable[[dict[int, tuple[list, ir.Expr | None]]], None]
 
 def co_iterate(
     lo: Lowering, index: str, states: list, body: Body, bounds=None, reduction: ir.Var | None = None,
-    prefetcher=None, blocked=None, independent: bool = False,
+    prefetcher=None, blocked=None, independent: bool = False, combine: str = "sum",
 ) -> None:
     """Emit loop ``index`` over the factors in ``states`` (their intersection).
 
-    ``reduction``: the body sums into this scalar, so a dense loop carries ``omp simd
-    reduction``; ``independent``: the body writes a different output element per
+    ``reduction``: the body combines into this scalar by ``combine`` (``sum``, ``max``
+    or ``min``), so a dense loop carries ``omp simd reduction``; ``independent``: the body writes a different output element per
     iteration (``omp simd``). ``prefetcher(cursor, state)`` (one iterated level only)
     declares a run-time flag and returns it with the per-position prefetch emitter;
     ``blocked(cursor, prefetch)`` emits a loop over whole blocks of positions first."""
     sparse = filtering(index, states)
     new = list(states)
     if not sparse:
-        _dense_loop(lo, index, states, new, body, bounds, reduction, independent)
+        _dense_loop(lo, index, states, new, body, bounds, reduction, independent, combine)
         return
     cursors = [open_cursor(lo, k, states[k], bounds) for k in sparse]
     if len(cursors) > 1:
@@ -103,16 +103,16 @@ def _fiber(lo: Lowering, index: str, states: list, cursor: Cursor, body: Body, p
         lo.emit(ir.While(ir.lt(cursor.q, cursor.h), loop_body))
 
 
-def _dense_loop(lo, index, states, new, body, bounds, reduction, independent) -> None:
+def _dense_loop(lo, index, states, new, body, bounds, reduction, independent, combine) -> None:
     def step():
         locate(lo, index, states, new)
         body(list(new))
 
     pragma = "simd_reduction" if reduction is not None else "simd" if independent else None
-    _coordinates(lo, index, bounds, step, pragma, reduction)
+    _coordinates(lo, index, bounds, step, pragma, reduction, combine)
 
 
-def _coordinates(lo, index, bounds, step: Callable[[], None], pragma=None, reduction=None) -> None:
+def _coordinates(lo, index, bounds, step: Callable[[], None], pragma=None, reduction=None, combine="sum") -> None:
     """``for i in [lo, hi)`` (the bounds, or ``[0, N)``), its body what ``step`` emits."""
     var = lo.var(index)
     first, last = bounds or (ir.Const(0), lo.dim(index))
@@ -120,7 +120,8 @@ def _coordinates(lo, index, bounds, step: Callable[[], None], pragma=None, reduc
         end = lo.fresh("end")
         lo.emit(ir.Decl(end, "index", last, const=True))
         last = end
-    lo.emit(ir.For(ir.Decl(var, "index", first), ir.lt(var, last), ir.Incr(var), lo.block(step), pragma, reduction))
+    lo.emit(ir.For(ir.Decl(var, "index", first), ir.lt(var, last), ir.Incr(var), lo.block(step), pragma, reduction,
+                   combine))
 
 
 END = ir.Const((1 << 63) - 1)  # the coordinate of an exhausted cursor

@@ -15,7 +15,7 @@ from ..loops import ir
 from ..plan.schedule import Nest
 from . import reductions
 from .context import Lowering
-from .iterators import filtering
+from .iterators import filtering, locate
 from .merge import co_iterate
 from .prefetch import prefetcher, spans
 from .reductions import Summed
@@ -28,8 +28,8 @@ Hook = Callable[[list], None]
 @dataclass
 class NestWalk:
     """What a walk over a nest's loops carries: the nest (its decisions), the leaf,
-    loop bounds (tiles, chunks), wrappers, the accumulator of trailing reductions and
-    its sum, an open register block
+    loop bounds (tiles, chunks), wrappers, the accumulator of trailing reductions, how
+    it combines (``sum``, ``max``, ``min``) and its sum of products, an open register block
     ``(k, start, end)`` from loop position ``block_from``, and ``wrap[j](states,
     inner)``, which emits what encloses loop ``j`` and calls ``inner`` for the loops
     from ``j`` on."""
@@ -40,6 +40,7 @@ class NestWalk:
     bounds: dict = field(default_factory=dict)
     around: dict = field(default_factory=dict)
     accumulator: ir.Var | None = None
+    combine: str = "sum"
     summed: Summed | None = None
     block: tuple | None = None
     block_from: int = 0
@@ -52,6 +53,9 @@ def _prefetched(nest: Nest, index: str) -> tuple[int, ...]:
 
 def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wrapped: bool = False) -> None:
     order, nest = walk.order, walk.nest
+    if position == 0 and nest.team_loops > 1:
+        _team_loops(lo, walk, states)
+        return
     if position in walk.wrap and not wrapped:
         walk.wrap[position](states, lambda: emit_order(lo, walk, states, position, True))
         return
@@ -87,8 +91,31 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
         co_iterate(
             lo, index, states, lambda st: emit_order(lo, walk, st, position + 1), bounds,
             walk.accumulator if innermost else None, declare, blocked,
-            innermost and nest.simd == index,
+            innermost and nest.simd == index, walk.combine,
         )
     if after:
         after(states)
 
+
+
+def _team_loops(lo: Lowering, walk: NestWalk, states: list) -> None:
+    """The loops the team shares as one loop over their flattened coordinates (in the
+    chunk's bounds, those of ``order[0]``), each iteration decomposing its coordinate
+    into the loops' indices and locating the factors' levels there."""
+    team = walk.order[:walk.nest.team_loops]
+    flat = lo.fresh("flat")
+    first, last = walk.bounds[team[0]]
+
+    def step() -> None:
+        rest: ir.Expr = flat
+        for index in reversed(team[1:]):
+            lo.emit(ir.Decl(lo.var(index), "index", ir.Bin("%", rest, lo.dim(index)), const=True))
+            rest = ir.Bin("/", rest, lo.dim(index))
+        lo.emit(ir.Decl(lo.var(team[0]), "index", rest, const=True))
+        located = states
+        for index in team:
+            located, before = list(located), located
+            locate(lo, index, before, located)
+        emit_order(lo, walk, located, len(team))
+
+    lo.emit(ir.For(ir.Decl(flat, "index", first), ir.lt(flat, last), ir.Incr(flat), lo.block(step)))

@@ -134,6 +134,7 @@ class Nest:
     tiles: tuple[Tile, ...] = ()
     parallel: bool = False
     cost: float = 0.0
+    team_loops: int = 1  # a parallel nest's threads share the coordinates of order[:team_loops]
     register_block: Tile | None = None  # innermost output loop blocked into registers
     register_tile: RegisterTile | None = None  # ... and a second output loop with it
     dot_tile: DotTile | None = None  # two output loops around a vector reduction
@@ -150,8 +151,9 @@ class Nest:
     epilogue_at: int | None = None
 
     def describe(self, shared: tuple[str, ...] = ()) -> str:
+        parallel = "parallel" if self.team_loops == 1 else f"parallel over {','.join(self.order[:self.team_loops])}"
         parts = [f"term {self.term}: loop order {','.join(shared + self.order)}",
-                 "parallel" if self.parallel else "serial",
+                 parallel if self.parallel else "serial",
                  "tiles: " + (", ".join(f"{t.index} by {t.size}" for t in self.tiles) or "none")]
         if self.register_block:
             parts.append(f"register block: {self.register_block.index} by {self.register_block.size}")
@@ -506,6 +508,17 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     return replace(nest, **fields)
 
 
+def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims: dict[str, int]) -> int:
+    """:func:`decisions.team_loops` of a parallel dense-output nest, every code decision made."""
+    held = {t.index for t in nest.tiles} | {loop.index for loop in nest.prefetch}
+    held |= {i for i in (nest.register_block and nest.register_block.index,
+                         nest.register_tile and nest.register_tile.index,
+                         *((nest.dot_tile.rows, nest.dot_tile.cols) if nest.dot_tile else ())) if i is not None}
+    if nest.epilogue_at is not None:
+        held |= set(nest.order[nest.epilogue_at:])
+    return decisions.team_loops(nest.order, output, [x.nest_factor() for x in factors], dims, held)
+
+
 def _scalar(assignment: Assignment, t: int) -> bool:
     """Term ``t`` runs without micro-kernels (register blocks and tiles, vector and
     sparse reductions, row blocks): its value is not a product of factors, or the
@@ -590,6 +603,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:
         nests[0] = replace(nests[0], epilogue_at=_epilogue_at(nests[0], assignment.output, nest_factors[0]))
+    nests = [replace(nest, team_loops=_team_loops(nest, factors, assignment.output, dims)) if nest.parallel else nest
+             for nest, factors in zip(nests, nest_factors)]
     wide = target.wide_register_block_vectors
     for nest in nests:
         if nest.register_block is not None and nest.register_tile is None:

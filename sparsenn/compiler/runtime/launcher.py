@@ -30,6 +30,7 @@ from ..backend.abi import EntryPoints
 from ..backend.precision import output_dtype
 from ..functions import IDENTITY
 from ..plan.planner import Plan, ShapePlan, runs_parallel
+from . import memory
 from .restore import restored_as
 
 __all__ = ["Launch", "Assembly", "bind", "uninitialised"]
@@ -42,7 +43,7 @@ def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(*size)`` (sizes as arguments: parsed faster than a shape tuple):
     memory for a kernel that stores every element of its output (the test suite fills
     it with NaN, so an element a kernel skips shows)."""
-    return torch.empty(*size, dtype=dtype)
+    return memory.empty(*size, dtype=dtype)
 
 
 def _initial(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
@@ -50,13 +51,7 @@ def _initial(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
     element, else filled with the reduction's identity (0 for a sum, -inf for a max)."""
     if overwrites:
         return uninitialised
-    if reduction == "sum":
-        return torch.zeros
-    return functools.partial(_filled, IDENTITY[reduction])
-
-
-def _filled(value: float, *size, dtype: torch.dtype) -> torch.Tensor:
-    return torch.full(size, value, dtype=dtype)
+    return functools.partial(memory.filled, IDENTITY[reduction])
 
 
 @dataclass(frozen=True)
@@ -156,7 +151,7 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
         pos[level] = torch.empty(sizes.positions(level), dtype=idx)
         crd[level] = torch.empty(sizes.coordinates[level], dtype=idx)
         parents = sizes.coordinates[level]
-    values = torch.empty(sizes.values, dtype=launch.dtype)
+    values = memory.empty(sizes.values, dtype=launch.dtype)
     arrays = [values if kind == "val" else (pos if kind == "pos" else crd)[level]
               for kind, level in layout.finish_order]
     if entry.finish(handle, (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays]), int(wide),

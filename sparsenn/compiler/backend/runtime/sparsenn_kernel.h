@@ -290,6 +290,11 @@ static inline V sn_normal_pdf(V x) { return sn_exp(V(-0.5) * x * x) * V(0.398942
 static inline V sn_gelu(V x) { return x * sn_normal_cdf(x); }
 static inline V sn_max(V a, V b) { return (a > b || a != a) ? a : b; }
 static inline V sn_min(V a, V b) { return (a < b || a != a) ? a : b; }
+// omp simd reductions combining lanes as sn_max / sn_min do (a NaN lane wins)
+#pragma omp declare reduction(sn_max_reduction : V : omp_out = sn_max(omp_out, omp_in)) \
+    initializer(omp_priv = -std::numeric_limits<V>::infinity())
+#pragma omp declare reduction(sn_min_reduction : V : omp_out = sn_min(omp_out, omp_in)) \
+    initializer(omp_priv = std::numeric_limits<V>::infinity())
 static inline V sn_step(V x) { return x > V(0) ? V(1) : V(0); }
 static inline V sn_sign(V x) { return x > V(0) ? V(1) : x < V(0) ? V(-1) : V(0); }
 static inline V sn_pick(V a, V b) { return a > b ? V(1) : a == b ? V(0.5) : V(0); }
