@@ -180,9 +180,9 @@ def test_planning_cost_is_bounded(equation, sparse_every, monkeypatch):
     100 schedule calls per equation here."""
     calls = []
 
-    def counting(assignment, infos, output_format, itemsize=4):
-        calls.append((assignment, tuple(infos), output_format))
-        return schedule(assignment, infos, output_format, itemsize)
+    def counting(assignment, infos, output_format, itemsize=4, anchor=None):
+        calls.append((assignment, tuple(infos), output_format, anchor))
+        return schedule(assignment, infos, output_format, itemsize, anchor=anchor)
 
     monkeypatch.setattr(contract, "schedule", counting)
     n = len(_lhs(equation))
@@ -201,8 +201,6 @@ def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int,
     fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
     fused = schedule(assignment, infos, fmt, itemsize).cost
     pairs = contract._Pairs(term, output, infos, itemsize)
-    costs = {}
-
     def search(items):
         if len(items) == 1:
             return 0.0, []
@@ -213,14 +211,16 @@ def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int,
             needed = set(output).union(*(set(indices) for indices, _ in rest))
             seen = dict.fromkeys(a + b)
             keep = tuple(i for i in output if i in seen) + tuple(i for i in seen if i in needed and i not in output)
-            pair = Assignment(keep, (Term(1.0, (Access(0, a), Access(1, b))),), ("left", "right"))
-            key = (pair, info_a, info_b)
-            if key not in costs:
-                costs[key] = pairs._result(pair, (info_a, info_b))
-            cost, info = costs[key]
-            sub_cost, sub_steps = search(rest + [(keep, info)])
+            held = tuple(i for i in seen if i in needed)  # kept by an in-place (anchored) intermediate
+            term = Term(1.0, (Access(0, a), Access(1, b)))
+            cost, info, anchor = pairs.result(Assignment(held, (term,), ("left", "right")), (info_a, info_b))
+            indices = held
+            if anchor is None or not rest:
+                indices = keep
+                cost, info, _ = pairs.result(Assignment(keep, (term,), ("left", "right")), (info_a, info_b))
+            sub_cost, sub_steps = search(rest + [(indices, info)])
             if cost + sub_cost < best[0]:
-                best = (cost + sub_cost, [Step(x, y, keep, bool(rest) and info.format is None)] + sub_steps)
+                best = (cost + sub_cost, [Step(x, y, indices, bool(rest) and info.format is None)] + sub_steps)
         return best
 
     cost, steps = search([(a.indices, infos[a.operand]) for a in term.factors])
@@ -299,8 +299,8 @@ def test_outer_products_of_small_sparse_operands_are_searched(monkeypatch):
     equation = "ea,fb,gc,hd,abcd->efgh"
     assignment = parse_einsum(equation, 5)
 
-    def unfused(*args, costed=schedule):  # the whole expression in one kernel: never (pairs as they are)
-        planned = costed(*args)
+    def unfused(*args, costed=schedule, **kwargs):  # the whole expression in one kernel: never (pairs as they are)
+        planned = costed(*args, **kwargs)
         return replace(planned, cost=math.inf) if args[0] is assignment else planned
 
     monkeypatch.setattr(contract, "schedule", unfused)
@@ -326,3 +326,16 @@ def test_intermediates_stay_within_the_kernels_rank(monkeypatch):
             paths += 1
             assert max(len(step.indices) for step in steps) <= 3, equation
     assert paths >= 5
+
+
+def test_a_product_on_one_pattern_stays_where_it_is_stored():
+    # dK[j,d] = sum_i M[i,j] dS[i,j] Q[i,d] with dS on M's pattern (a sampled gradient):
+    # M * dS is computed in place, in the pattern's (i, j) order, not assembled as (j, i).
+    mask = _sparse_info((4096, 4096), 0.1)
+    shared = [mask, replace(mask, pattern=0), OperandInfo(None, (4096, 64))]
+    assignment = parse_einsum("ij,ij,id->jd", 3)
+    assert best_path(assignment, shared, 4)[0] == Step(0, 1, ("i", "j"))
+    pairs = contract._Pairs(assignment.terms[0], assignment.output, shared, 4)
+    factors = assignment.terms[0].factors
+    _, tree = pairs.join(*(contract._Tree(1 << k, factors[k].indices, shared[k], pattern=0) for k in (0, 1)))
+    assert tree.info.format == mask.format and tree.pattern == 0

@@ -11,7 +11,11 @@ contractions (each pair itself scheduled, or left to BLAS when both are dense) a
 returns ``None`` when fusing everything is cheapest. Intermediates are internal, so
 their format is free: one whose estimated fill reaches ``SPARSE_OUTPUT_DENSITY`` is
 kept dense (``X·Wᵀ``-like products of a dense and a sparse operand fill in), instead of
-being assembled as a sparse tensor that is then nearly full.
+being assembled as a sparse tensor that is then nearly full; one with exactly an
+operand's pattern is that operand's values computed in place (:mod:`.anchor`), as the
+step will run. Its indices come in the output's order, but for such an in-place result:
+it keeps its operands' order (two tensors on one pattern multiplied where they are
+stored, not assembled transposed).
 
 **Search.** An intermediate is named by the set ``S`` of operands it holds; it keeps
 the indices of ``S`` that the output or an operand outside ``S`` still needs. A greedy
@@ -37,8 +41,9 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from .anchor import find_anchor
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
 from ..notation import Access, Assignment, Term
 from ..backend.abi import MAX_OUTPUT_RANK
@@ -78,6 +83,14 @@ class _Tree:
     info: OperandInfo
     cost: float = 0.0
     parts: tuple[_Tree, ...] = ()
+    pattern: int | None = None  # the operand whose pattern (index arrays) this tree's result has
+
+
+def _pattern(infos: Sequence[OperandInfo], operand: int) -> int | None:
+    """The operand whose pattern sparse operand ``operand`` has (the first sharing it)."""
+    if infos[operand].format is None:
+        return None
+    return operand if infos[operand].pattern is None else infos[operand].pattern
 
 
 def _lowest(mask: int) -> int:
@@ -89,10 +102,11 @@ class _Pairs:
 
     def __init__(self, term: Term, output: tuple[str, ...], infos: Sequence[OperandInfo], itemsize: int):
         self.output = output
+        self.full = (1 << len(term.factors)) - 1
         self.itemsize = itemsize
         self.dims = {i: infos[a.operand].shape[m] for a in term.factors for m, i in enumerate(a.indices)}
         self.operand_indices = [set(a.indices) for a in term.factors]
-        self._costs: dict[tuple, tuple[float, OperandInfo]] = {}
+        self._costs: dict[tuple, tuple[float, OperandInfo, int | None]] = {}
         self._schedules: dict[tuple, Schedule] = {}
 
     def join(self, a: _Tree, b: _Tree) -> tuple[float, _Tree]:
@@ -108,40 +122,58 @@ class _Pairs:
         keep = tuple(i for i in self.output if i in seen) + tuple(
             i for i in seen if i in needed and i not in self.output
         )
+        held = tuple(i for i in seen if i in needed)  # the operands' order
         term = Term(1.0, (Access(0, left.indices), Access(1, right.indices)))
-        pair = Assignment(keep, (term,), ("left", "right"))
-        key = (pair, left.info, right.info)
-        if key not in self._costs:
-            self._costs[key] = self._result(pair, (left.info, right.info))
-        cost, info = self._costs[key]
-        return cost, _Tree(mask, keep, info, left.cost + right.cost + cost, (left, right))
+        shared = left.pattern is not None and left.pattern == right.pattern
+        infos = (replace(left.info, pattern=None), replace(right.info, pattern=0 if shared else None))
+        cost, info, anchor = self.result(Assignment(held, (term,), ("left", "right")), infos)
+        indices = held
+        if anchor is None or mask == self.full:
+            indices = keep
+            cost, info, anchor = self.result(Assignment(keep, (term,), ("left", "right")), infos)
+        pattern = None if anchor is None else (left, right)[anchor].pattern
+        return cost, _Tree(mask, indices, info, left.cost + right.cost + cost, (left, right), pattern)
 
-    def _schedule(self, pair: Assignment, infos: tuple[OperandInfo, ...], fmt) -> Schedule:
-        key = (pair, infos, fmt)
+    def result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
+        """:meth:`_result`, once per pair."""
+        key = (pair, *infos)
+        if key not in self._costs:
+            self._costs[key] = self._result(pair, infos)
+        return self._costs[key]
+
+    def _schedule(self, pair: Assignment, infos: tuple[OperandInfo, ...], fmt, anchor: int | None = None) -> Schedule:
+        key = (pair, infos, fmt, anchor)
         if key not in self._schedules:
-            self._schedules[key] = schedule(pair, infos, fmt, self.itemsize)
+            self._schedules[key] = schedule(pair, infos, fmt, self.itemsize, anchor=anchor)
         return self._schedules[key]
 
-    def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo]:
-        """(cost, info) of contracting a pair: a BLAS call when both are dense
+    def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
+        """(cost, info, anchor) of contracting a pair: a BLAS call when both are dense
         (``flops / DENSE_GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
-        ``INTERMEDIATE_COST`` per element; infinite beyond :data:`~..backend.abi.MAX_OUTPUT_RANK` indices."""
+        ``INTERMEDIATE_COST`` per element; a result on an operand's pattern (that
+        operand: ``anchor``) is its values, computed in place; infinite beyond
+        :data:`~..backend.abi.MAX_OUTPUT_RANK` indices."""
         shape = tuple(self.dims[i] for i in pair.output)
         if len(shape) > MAX_OUTPUT_RANK:
-            return math.inf, OperandInfo(None, shape)
+            return math.inf, OperandInfo(None, shape), None
         if all(i.format is None for i in infos):
             flops = math.prod(self.dims[i] for i in pair.terms[0].indices)
-            return flops / DENSE_GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
+            return flops / DENSE_GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape), None
         fmt = infer_output_format(pair, [i.format for i in infos])
         if fmt is not None and self._schedule(pair, infos, None).leaves >= SPARSE_OUTPUT_DENSITY * math.prod(shape):
             fmt = None  # fills in: keep the intermediate dense
+        anchor = find_anchor(pair, infos, None, fmt)
+        if anchor is not None:
+            sched = self._schedule(pair, infos, None, anchor)
+            if not any(pair.terms[0].factors[k].operand == anchor for (_, k), _ in sched.transposes):
+                return sched.cost, replace(infos[anchor], shape=shape, pattern=None), anchor
         sched = self._schedule(pair, infos, fmt)
         if fmt is None:
-            return sched.cost + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape)
+            return sched.cost + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape), None
         nnz = int(min(math.prod(shape), max(sched.leaves, 1.0)))
         sizes = [shape[m] for m in fmt.mode_order]
         positions = tuple(int(p) for p in estimate_positions(fmt.levels, sizes, nnz))
-        return sched.cost, OperandInfo(fmt, shape, positions)
+        return sched.cost, OperandInfo(fmt, shape, positions), None
 
 
 # ----------------------------------------------------------------------------- candidate splits
@@ -282,7 +314,8 @@ def best_path(
     fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
     fused = schedule(assignment, infos, fmt, itemsize).cost
     pairs = _Pairs(term, assignment.output, infos, itemsize)
-    leaves = [_Tree(1 << k, a.indices, infos[a.operand]) for k, a in enumerate(term.factors)]
+    leaves = [_Tree(1 << k, a.indices, infos[a.operand], pattern=_pattern(infos, a.operand))
+              for k, a in enumerate(term.factors)]
     tree = _greedy(leaves, pairs)
     splits = _splits(pairs.operand_indices)
     if splits is not None:

@@ -36,6 +36,7 @@ from ..backend.precision import compute_dtype
 from ..lower.kernel import LoweredKernel, lower
 from ..notation import Assignment
 from ..runtime.cache import LRUCache
+from .anchor import find_anchor
 from .contract import Step, best_path
 from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
@@ -177,41 +178,6 @@ def _native_output(requested: Format) -> Format:
     return Format(native.levels, requested.mode_order, None)
 
 
-def _find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested: Format | None,
-                 output: Format | None) -> int | None:
-    """A sparse operand whose pattern is exactly the output's, if any.
-
-    That holds when every term reads the operand at the output's indices and no other
-    factor is sparse at an output index (so nothing narrows the pattern further), but
-    for operands sharing the anchor's pattern read at the same indices: SDDMM, sampled
-    gradients, ``P * (dP - G)`` of a softmax's backward. Values are then written in
-    place and nothing is assembled. Only for a sparse ``output``, and when a format is
-    ``requested``, an operand of that format."""
-    if output is None:
-        return None
-    out = assignment.output
-    formats = [i.format for i in infos]
-    patterns = [i.pattern for i in infos]
-
-    def narrows(factor, anchor: int) -> bool:
-        fmt = formats[factor.operand]
-        if factor.operand == anchor or fmt is None:
-            return False
-        if patterns[factor.operand] == anchor and factor.indices == out:
-            return False  # the anchor's own pattern, read at the same positions
-        return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
-
-    for n, fmt in enumerate(formats):
-        if fmt is None or fmt.block is not None or (requested is not None and requested != fmt):
-            continue
-        if all(
-            any(f.operand == n and f.indices == out for f in t.factors) and not any(narrows(f, n) for f in t.factors)
-            for t in assignment.terms
-        ):
-            return n
-    return None
-
-
 def _requested(assignment: Assignment, formats: Sequence[Format | None],
                request: Request) -> tuple[Format | None, Format | None]:
     """(the output format before anchoring and fill, the requested sparse format or None)."""
@@ -240,7 +206,7 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
         inferred = output
         output = densify_by_fill(assignment, formats, inferred, lambda: scheduled(inferred).leaves,
                                  math.prod(sizes[i] for i in assignment.output))
-    anchor = _find_anchor(assignment, infos, requested, output)
+    anchor = find_anchor(assignment, infos, requested, output)
     sched = scheduled(None, anchor) if anchor is not None else scheduled(output)
     if anchor is not None and any(assignment.terms[t].factors[k].operand == anchor for (t, k), _ in sched.transposes):
         anchor, sched = None, scheduled(output)  # the anchor would be re-stored: its positions are not the output's
@@ -318,7 +284,7 @@ def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dty
         itemsize = compute_dtype(dtype).itemsize  # what the kernels' vectors hold
         formats = tuple(i.format for i in infos)
         output, requested = _requested(assignment, formats, request)
-        anchored = _find_anchor(assignment, infos, requested, output) is not None
+        anchored = find_anchor(assignment, infos, requested, output) is not None
         hit = (best_path(assignment, infos, itemsize, anchored),)
         _paths.put(key, hit)
     return hit[0]
