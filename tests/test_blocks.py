@@ -311,19 +311,33 @@ def test_a_requested_unblocked_pattern_over_split_indices_keeps_its_positions():
 # ----------------------------------------------------------------------------- dot tiles
 
 
-@pytest.mark.parametrize("target, cols", [(AVX2, 2), (AVX512, 4)])
-def test_block_sddmm_gets_a_dot_tile_sized_from_the_target(target, cols):
-    dense = block_sparse((64, 64), (16, 16), density=0.3, dtype=torch.float32)
-    mask = SparseTensor.from_dense(dense, format="bsr(16,16)")
-    operands = [mask, torch.randn(64, 32), torch.randn(64, 32)]
+def _block_sddmm_schedule(block: int, target: Target):
+    dense = block_sparse((4 * block, 4 * block), (block, block), density=0.3, dtype=torch.float32)
+    mask = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
+    operands = [mask, torch.randn(4 * block, 32), torch.randn(4 * block, 32)]
     formats = [op.format if isinstance(op, SparseTensor) else None for op in operands]
     split = split_call(parse_einsum("ij,ik,jk->ij", 3), formats, [tuple(op.shape) for op in operands], mask.format)
     views = split.operands(operands)
     # values are written at the mask's positions (operand 0), read in its storage order i, j, i', j'
-    sched = schedule(split.assignment, [operand_info(op) for op in views], None, 4, target, anchor=0)
-    (nest,) = sched.nests
+    return schedule(split.assignment, [operand_info(op) for op in views], None, 4, target, anchor=0)
+
+
+@pytest.mark.parametrize("target, cols", [(AVX2, 2), (AVX512, 4)])
+def test_block_sddmm_of_narrow_blocks_gets_a_dot_tile_sized_from_the_target(target, cols):
+    (nest,) = _block_sddmm_schedule(6, target).nests  # j' narrower than a vector
     assert nest.order[-3:] == ("i'", "j'", "k")
     assert nest.dot_tile == DotTile("i'", "j'", 4, cols)
+
+
+@pytest.mark.parametrize("target, tile", [(AVX2, RegisterTile("i'", 4, 2)), (AVX512, RegisterTile("i'", 8, 1))])
+def test_block_sddmm_of_wide_blocks_keeps_its_sums_in_a_register_tile(target, tile):
+    # S = M * (Q K^T) per 16 x 16 block: k moves above j', K is re-laid out with j' last,
+    # and a tile of rows i' x vectors of j' sums over k; the mask scales the stored sums.
+    sched = _block_sddmm_schedule(16, target)
+    (nest,) = sched.nests
+    assert nest.order[-3:] == ("i'", "k", "j'")
+    assert nest.register_tile == tile and nest.dot_tile is None and nest.stores_once_anchors == (0,)
+    assert [key for key, _ in sched.transposes] == [(0, 2)]
 
 
 def test_no_dot_tile_over_a_compressed_loop():
@@ -333,7 +347,7 @@ def test_no_dot_tile_over_a_compressed_loop():
     assert nest.dot_tile is None
 
 
-@pytest.mark.parametrize("block, n, k", [(16, 64, 64), (6, 36, 19), (5, 35, 8), (3, 9, 33)])
+@pytest.mark.parametrize("block, n, k", [(16, 64, 64), (20, 60, 33), (12, 48, 9), (6, 36, 19), (5, 35, 8), (3, 9, 33)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("out_format", [None, "dense"])
 def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, out_format):
@@ -341,7 +355,8 @@ def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, ou
     mask = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
     q, kk = torch.randn(n, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     out = sparsenn.einsum("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
-    assert "dot tile" in sparsenn.explain("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
+    (nest,) = sparsenn.compiler.runtime.api.plan("ij,ik,jk->ij", mask, q, kk, out_format=out_format).schedule.nests
+    assert nest.register_tile or nest.dot_tile  # a register tile when a block row spans a vector
     out = out.to_dense() if isinstance(out, SparseTensor) else out
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
     torch.testing.assert_close(out, dense * (q @ kk.T), **tol)
@@ -458,13 +473,17 @@ def test_seven_index_block_products_read_the_blocks_as_stored(length, density):
     """Split rank-4 block products have seven indices, past the exhaustive search: the
     candidates include the sparse operand's storage order, so the block SpMM keeps
     ``b,h,i,j,i',j',d`` with its register tile instead of re-storing the scores every
-    call, and the block SDDMM writes in place on its mask (never re-stored)."""
+    call, and the block SDDMM writes in place on its mask (never re-stored; the keys are
+    re-laid out with ``j'`` last for its register tile)."""
     mask = attention_blocks(length, density)
     v = torch.randn(1, 1, length, 64)
-    for equation, operands, out_format in [("bhij,bhjd->bhid", [mask, v], None),
-                                           ("bhij,bhid,bhjd->bhij", [mask, v, v], mask.format)]:
+    for equation, operands, out_format, order in [
+        ("bhij,bhjd->bhid", [mask, v], None, ("b", "h", "i", "j", "i'", "j'", "d")),
+        ("bhij,bhid,bhjd->bhij", [mask, v, v], mask.format, ("b", "h", "i", "j", "i'", "d", "j'")),
+    ]:
         plan = sparsenn.compiler.runtime.api.plan(equation, *operands, out_format=out_format)
         (nest,) = plan.schedule.nests
-        assert nest.order == ("b", "h", "i", "j", "i'", "j'", "d") and not plan.schedule.transposes
+        assert nest.order == order and all(k != 0 for (_, k), _ in plan.schedule.transposes)
+        assert nest.register_tile is not None
         if out_format is not None:
             assert plan.anchor == 0

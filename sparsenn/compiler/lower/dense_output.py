@@ -80,13 +80,13 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
     order, output = nest.order, lo.a.output
     coef = ir.Const(float(term.coefficient))
     store = "=" if once else "+="
+    k_anchor = None if anchor is None else anchor_factor(term, output, anchor)
     if anchor is None:
         dense = lo.offset(lo.s.output_order)
 
         def offset(st):
             return dense
     else:
-        k_anchor = anchor_factor(term, output, anchor)
 
         def offset(st):
             return st[k_anchor].pos
@@ -123,9 +123,8 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         else:
             walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
         if nest.dot_tile is not None:
-            anchor_k = None if anchor is None else k_anchor
             walk.wrap[order.index(nest.dot_tile.rows)] = _dot_tile(lo, nest, walk, inside, outside, coef, store,
-                                                                    anchor_k)
+                                                                    k_anchor)
     else:
         walk.leaf = lambda st: _combine(lo, ir.Load(OUT, offset(st)), ir.mul(coef, lo.term_value(term, st)),
                                         reduction, once)
@@ -140,7 +139,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
             tv = starts[tile.index] = ir.Var(f"T{lo.indices.index(tile.index)}")
             walk.bounds[tile.index] = (tv, ir.min_(ir.add(tv, tile.size), lo.dim(tile.index)))
             lo.tile_bounds[tile.index] = walk.bounds[tile.index]
-        body = lo.block(lambda: _chunks(lo, nest, walk, states, term, offset, coef, once), scoped=False)
+        body = lo.block(lambda: _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor), scoped=False)
         for tile in reversed(tiles):
             tv, n = starts[tile.index], lo.dim(tile.index)
             body = ir.Block((ir.For(ir.Decl(tv, "index", ir.Const(0)), ir.lt(tv, n), ir.Assign(tv, ir.Const(tile.size), "+="),
@@ -163,12 +162,12 @@ def _combine(lo: Lowering, target: ir.Expr, value: ir.Expr, reduction: str, once
         lo.emit(ir.Assign(target, ir.Math(reduction, (target, value))))
 
 
-def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
+def _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
     """The nest's loops, the outermost (or the team loops, flattened) in chunks shared by
     the team if parallel."""
     def run():
         if nest.register_block is not None:
-            _register_blocked(lo, nest, walk, states, term, offset, coef, once)
+            _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
         else:
             emit_order(lo, walk, states)
 
@@ -188,13 +187,17 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once) -> None:
                    "omp_for"))
 
 
-def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
+def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
+    """The register-blocked nest (see the module doc); ``k_anchor``: the factor whose
+    positions a sampled output's values take (None for a dense output)."""
     order, output = nest.order, lo.a.output
     size = nest.register_block.size
     k = order[-1]
     r = reductions_from(order, output, len(order) - 1)
-    with_k = [n for n, st in enumerate(states) if not st.sparse and k in st.dense_indices]
-    scalars = [n for n in range(len(term.factors)) if n not in with_k]
+    summed = set(order[r:-1])
+    outside = [n for n, st in enumerate(states) if k in _held(st) and not summed & set(_held(st))]
+    with_k = [n for n, st in enumerate(states) if not st.sparse and k in st.dense_indices and n not in outside]
+    scalars = [n for n in range(len(term.factors)) if n not in with_k and n not in outside]
     kb, acc, rest = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("krest")
     var_k, v = lo.var(k), ir.Var("v")
     k_lo, n_k = walk.bounds.get(k, (ir.Const(0), lo.dim(k)))
@@ -218,10 +221,11 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
 
             def store():
                 lane = ir.mul(v, ir.Lanes())
-                scaled = ir.mul(coef, ir.Elem(acc, (v,)))
-                value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(st), lane)), scaled)
                 lo.emit(ir.Decl(var_k, "index", kb, const=True))
-                lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(st), lane), value)))
+                at_k = _located(lo, k, st)
+                scaled = product_of([coef, ir.Elem(acc, (v,)), *(_vector_at(lo, at_k[n], lane) for n in outside)])
+                value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(at_k), lane)), scaled)
+                lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(at_k), lane), value)))
 
             lo.emit(lo.block(store))
 
@@ -231,8 +235,8 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
 
         def remainder():
             if once:
-                lo.emit(ir.For(ir.Decl(var_k, "index", rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
-                    ir.Assign(ir.Load(OUT, offset(st)), ir.Const(0)),))))
+                lo.emit(ir.For(ir.Decl(var_k, "index", rest), ir.lt(var_k, n_k), ir.Incr(var_k), lo.block(
+                    lambda: lo.emit(ir.Assign(ir.Load(OUT, offset(_located(lo, k, st))), ir.Const(0))))))
             tail = NestWalk(nest, order, lambda inner: lo.emit(ir.Assign(
                 ir.Load(OUT, offset(inner)), product_of([coef, *lo.values(inner)]), "+=")),
                 {**walk.bounds, k: (rest, n_k)})
@@ -244,7 +248,8 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
     plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
                      block_from=r, wrap=wrap)
     if nest.register_tile is not None:
-        wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars)
+        wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars, outside,
+                                     k_anchor, offset)
     if lo.a.epilogue is not None and nest.epilogue_at is not None:
         fuse_epilogue(lo, wrap, plain.bounds, order, nest.epilogue_at)
     emit_order(lo, plain, states)
@@ -253,9 +258,10 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once) -> None:
 ROW = ir.Var("t")
 
 
-def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars):
+def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars, outside, k_anchor, offset):
     """The wrapper of loop ``a`` that runs its whole tiles (see the module doc), then
-    ``plain`` (the register block) over the rows left."""
+    ``plain`` (the register block) over the rows left; ``outside``: the vector factors
+    scaling the stored sums, ``k_anchor`` and ``offset`` as for :func:`_register_blocked`."""
     order = nest.order
     tile, size = nest.register_tile, nest.register_block.size
     a, k = tile.index, order[-1]
@@ -297,9 +303,14 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             lo.emit(ir.Decl(acc, "VV", "zero", shape=(tile.rows, vectors)))
             inner()
             lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-            at = lo.offset(lo.s.output_order, {a: row(ROW)})
+            at_k = _located(lo, k, st)
+            if k_anchor is None:
+                at = lo.offset(lo.s.output_order, {a: row(ROW)})
+            else:
+                at = _shifted_pos(lo, at_k[k_anchor], {a: ROW})
             lane = ir.mul(v, ir.Lanes())
-            scaled = ir.mul(coef, ir.Elem(acc, (ROW, v)))
+            scaled = product_of([coef, ir.Elem(acc, (ROW, v)),
+                                 *(_vector_at(lo, at_k[n], lane, {a: ROW}) for n in outside)])
             value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
             lo.emit(counted(ROW, tile.rows, counted(v, vectors, ir.VectorStore(OUT, ir.add(at, lane), value))))
 
@@ -311,8 +322,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                      wrap={r: blocks})
 
     def zero_tail(st):
-        lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), ir.Block((
-            ir.Assign(ir.Load(OUT, lo.offset(lo.s.output_order)), ir.Const(0)),))))
+        lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), lo.block(
+            lambda: lo.emit(ir.Assign(ir.Load(OUT, offset(_located(lo, k, st))), ir.Const(0))))))
 
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
@@ -344,7 +355,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         # The tiles' rows over the last, partial block of k; then ``plain`` over the rows left.
         lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
         tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
-            ir.Load(OUT, lo.offset(lo.s.output_order)), product_of([coef, *lo.values(inner_st)]), "+=")),
+            ir.Load(OUT, offset(inner_st)), product_of([coef, *lo.values(inner_st)]), "+=")),
             {**plain.bounds, a: (a_lo, left), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
         lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
         plain.bounds[a] = (left, a_hi)
@@ -355,6 +366,23 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
 def _held(st) -> tuple[str, ...]:
     return tuple(i for i, _ in st.levels) if st.sparse else st.dense_indices
+
+
+def _located(lo: Lowering, index: str, states) -> list:
+    """``states`` with the levels over ``index`` located at its current coordinate."""
+    located = list(states)
+    locate(lo, index, states, located)
+    return located
+
+
+def _vector_at(lo: Lowering, st, lane: ir.Expr, shifts: dict[str, ir.Expr] | None = None) -> ir.Expr:
+    """SIMD vector of a factor ``lane`` elements past its position (moved on by
+    ``shifts``, see :func:`_shifted_pos`): a dense operand laid out with the vector's
+    index last, or a sparse one whose last level is over it, dense."""
+    if not st.sparse:
+        at = {i: ir.add(lo.var(i), shift) for i, shift in (shifts or {}).items() if i in st.dense_indices}
+        return lo.vector_load(st, at, lane)
+    return ir.VectorLoad(ir.Array("val", st.slot), ir.add(_shifted_pos(lo, st, shifts or {}), lane))
 
 
 def _shifted_pos(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:

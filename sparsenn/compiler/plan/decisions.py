@@ -264,8 +264,6 @@ def stores_once(
     """Whether the nest stores every output element once (see the module doc), with
     factor ``anchor_factor`` (if any) sampling the output."""
     if blocked:
-        if anchor_factor is not None:
-            return False
         loops = (*order[: reductions_from(order, output, len(order) - 1)], order[-1])
     else:
         loops = order[: reductions_from(order, output, len(order))]

@@ -55,7 +55,14 @@ level. It returns a :class:`Schedule`:
   coordinates as the rows. The tile fills the target's vector registers (see
   :class:`~.target.Target`); ``rows`` prefers a divisor of ``a``'s extent, rows past the
   last whole tile run the plain register block. Bound by multiply-adds, a schedule with a tile is made for the
-  target's widest vectors (AVX-512 rather than AVX2).
+  target's widest vectors (AVX-512 rather than AVX2). A factor holding ``k`` (as its
+  dense last level) and no index of ``R`` is outside the sums: it scales each block of
+  sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
+* **Register tiles for sampled products.** A nest whose innermost loop is a reduction
+  ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
+  blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
+  gets a register tile: ``K`` is re-laid out with ``j`` last, the sums stay in
+  registers across ``d`` and no sum crosses SIMD lanes (a dot tile would add them up).
 * **Dot tiles** (a micro-kernel for sampled products, block SDDMM): when the innermost
   loop ``d`` is a vector reduction and the two loops above it, ``a`` and ``b``, are
   output indices, each vector factor reads at most one of them, some read ``a`` and some
@@ -330,6 +337,38 @@ def _panels(order: Sequence[str], tiles: Sequence[Tile], factors: list[Factor]) 
                  if not f.sparse and not f.natural and f.levels and f.levels[-1][0] in sizes)
 
 
+def _register_tiled_order(
+    order: tuple[str, ...], output: tuple[str, ...], term: Term, infos, dims: dict[str, int],
+    layout: tuple[str, ...], anchor: int | None, itemsize: int, target: Target,
+) -> tuple[str, ...] | None:
+    """``order`` with its innermost reduction ``d`` and the output loop ``k`` above it
+    swapped, if that order gets a register tile (see the module doc): the sums over
+    ``d`` then stay in registers for a block of ``k`` instead of being summed across
+    SIMD lanes, one dot product at a time (SDDMM's ``Q Kᵀ`` on a blocked pattern)."""
+    if len(order) < 3 or order[-1] in output or order[-2] not in output:
+        return None
+    swapped = (*order[:-2], order[-1], order[-2])
+    factors = nest_cost(term, swapped, infos, dims, layout)[2]
+    if anchor is not None and not all(f.natural for f in factors if f.operand == anchor):
+        return None
+    output_order = tuple(sorted(output, key=swapped.index))
+    block = _register_block(output_order, swapped, factors, (), dims, itemsize, target)
+    tile = _register_tile(swapped, output, factors, block, (), True, dims, itemsize, target)
+    return swapped if tile is not None and tile.gathered_by is None else None
+
+
+def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
+    """Whether factor ``f`` holds the register-blocked ``k`` as its last level, dense,
+    and no index of the reductions the block sums over: it is read as a vector where the
+    block is stored, scaling the sums (a sampled output's anchor). ``below``: its levels
+    from this index down must be dense too (positions affine in a register tile's rows)."""
+    held = [i for i, _ in f.levels]
+    if not held or held[-1] != k or reductions & set(held):
+        return False
+    start = held.index(below) if below in held else len(held) - 1
+    return all(level.full and level.locatable for _, level in f.levels[start:])
+
+
 def _register_block(
     output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
     tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
@@ -337,16 +376,19 @@ def _register_block(
     """A register block for the innermost loop (see the module doc), or None.
 
     Requires: the innermost index is the output's unit-stride (last) index, is read by
-    some factor and by no sparse one (so every factor holding it is a dense operand laid
-    out with it last), spans at least one block (one tile, if tiled), and reduction loops sit
+    some factor inside the reductions and by no sparse one but vectors outside them (so
+    every factor holding it is a dense operand laid out with it last, or a dense last
+    level), spans at least one block (one tile, if tiled), and reduction loops sit
     directly above it (otherwise there is nothing to keep in registers across)."""
     if len(order) < 2 or not output_order:
         return None
     k = order[-1]
     if k != output_order[-1] or order[-2] in output_order:
         return None
+    reductions = set(order[decisions.reductions_from(order, output_order, len(order) - 1):-1])
     holders = [f for f in factors if any(i == k for i, _ in f.levels)]
-    if not holders or any(f.sparse for f in holders):  # broadcast over k, or k sparse
+    inside = [f for f in holders if not _outside_vector(f, k, reductions)]
+    if not inside or any(f.sparse for f in inside):  # broadcast over k, or k sparse
         return None
     spans = [dims[k], *(t.size for t in tiles if t.index == k)]  # the extent and its tile
     span = min(spans)
@@ -376,21 +418,25 @@ def _register_tile(
     a, k = order[r - 1], order[-1]
     if a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
         return None
-    readers, gathered_by = 0, None
+    readers, gathered_by, outside = 0, None, False
+    reductions = set(order[r:-1])
     for n, f in enumerate(factors):
         held = [i for i, _ in f.levels]
         if a not in held:
             continue
         if k in held:
-            return None  # a vector factor
+            if not _outside_vector(f, k, reductions, a):
+                return None  # a vector factor
+            outside = True
+            continue
         level = f.levels[held.index(a)][1]
         if f.sparse and held[-1] == a and not level.locatable and level.unique and gathered_by is None:
             gathered_by = n  # its last level's stored coordinates are the rows
         elif not all(lv.full and lv.locatable for _, lv in f.levels[held.index(a):]):
             return None  # a position not affine in ``a``
         readers += 1
-    if not readers or (gathered_by is not None and any(f.sparse for n, f in enumerate(factors)
-                                                       if n != gathered_by and a in (i for i, _ in f.levels))):
+    if not readers or (gathered_by is not None and (outside or any(
+            f.sparse for n, f in enumerate(factors) if n != gathered_by and a in (i for i, _ in f.levels)))):
         return None
     lanes = target.lanes(itemsize)
     vectors = min(4 if target.vector_registers >= 32 else 2, block.size // lanes)
@@ -574,6 +620,11 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             candidates = _anchored_orders(term, candidates, anchor, infos, dims, layout)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
+        if assignment.epilogue is None and not _scalar(assignment, t):
+            tiled = _register_tiled_order(best, assignment.output, term, infos, dims, layout, anchor, itemsize, target)
+            if tiled is not None:
+                costs[tiled] = cost_of(tiled)
+                best = tiled
         _, leaves, factors = nest_cost(term, best, infos, dims, layout)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
