@@ -9,15 +9,17 @@ that starts at the reduction's identity across trailing reduction loops, else in
 output (filled with the identity unless stored once). An epilogue
 runs per output slice or after the nests (:mod:`.epilogue`). The first nest stores
 with ``=`` when the schedule says it stores each element once. A parallel nest's
-outermost loop runs in chunks (:mod:`.chunks`); a register-blocked nest ``P + R + (k,)``
-runs::
+outermost loop (or its team loops, flattened: :func:`.order.emit_order`) runs in chunks
+(:mod:`.chunks`); a register-blocked nest ``P + R + (k,)`` runs::
 
     for P: for kb in whole blocks of k: acc[0:B] = 0
                for R: acc[:] += scalar factors * vector factors[kb : kb + B]
-               out[P, kb : kb + B] (+)= coef * acc
+               out[P, kb : kb + B] (+)= coef * outside vectors[kb : kb + B] * acc
            for R: for k in the last, partial block: out[P, k] += coef * product
 
-with ``acc`` ``B / lanes`` SIMD vectors kept in registers. A register tile over the loop
+with ``acc`` ``B / lanes`` SIMD vectors kept in registers; the *outside* vectors hold
+``k`` but no index of ``R`` (a sampled output's anchor, whose positions the stores
+take). A register tile over the loop
 ``a`` just above ``R`` (``P = P' + (a,)``) runs::
 
     for P': for ab in whole tiles of a: a = ab; locate a

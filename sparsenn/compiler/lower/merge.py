@@ -49,10 +49,11 @@ def co_iterate(
     """Emit loop ``index`` over the factors in ``states`` (their intersection).
 
     ``reduction``: the body combines into this scalar by ``combine`` (``sum``, ``max``
-    or ``min``), so a dense loop carries ``omp simd reduction``; ``independent``: the body writes a different output element per
-    iteration (``omp simd``). ``prefetcher(cursor, state)`` (one iterated level only)
-    declares a run-time flag and returns it with the per-position prefetch emitter;
-    ``blocked(cursor, prefetch)`` emits a loop over whole blocks of positions first."""
+    or ``min``), so a dense loop carries ``omp simd reduction``; ``independent``: the
+    body writes a different output element per iteration (``omp simd``).
+    ``prefetcher(cursor, state)`` (one iterated level only) declares a run-time flag and
+    returns it with the per-position prefetch emitter; ``blocked(cursor, prefetch)``
+    emits a loop over whole blocks of positions first."""
     sparse = filtering(index, states)
     new = list(states)
     if not sparse:

@@ -63,7 +63,8 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
-    "prefetch_loops", "stores_once", "team_loops", "TEAM_COORDINATES", "simd_loop", "union_by_points", "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
+    "prefetch_loops", "stores_once", "team_loops", "TEAM_COORDINATES", "simd_loop", "union_by_points",
+    "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
 

@@ -354,7 +354,7 @@ def _register_tiled_order(
     output_order = tuple(sorted(output, key=swapped.index))
     block = _register_block(output_order, swapped, factors, (), dims, itemsize, target)
     tile = _register_tile(swapped, output, factors, block, (), True, dims, itemsize, target)
-    return swapped if tile is not None and tile.gathered_by is None else None
+    return swapped if tile is not None else None
 
 
 def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
