@@ -134,19 +134,25 @@ def test_max_over_the_outer_mode_and_of_a_product(fmt):
 
 
 @pytest.mark.parametrize("reduction", ("max", "min"))
-@pytest.mark.parametrize("fmt", ("dense-tensor", "bsr(4,8)"))
-def test_vectorised_max_min_keep_nan_in_every_lane(reduction, fmt):
-    """A dense innermost reduction runs as an ``omp simd`` reduction: a NaN in any lane
-    (first, middle, last, the scalar tail) gives NaN, as torch.amax / torch.amin."""
+@pytest.mark.parametrize("fmt", ("dense-tensor", "bsr(4,8)", "bsr(4,40)"))
+@pytest.mark.parametrize("value", ("S", "abs(S)"))
+def test_vectorised_max_min_keep_nan_in_every_lane(reduction, fmt, value):
+    """A dense innermost reduction runs vectorised: ``max_j S`` over SIMD accumulators
+    combined by ``sn_vmax`` and a tree over the lanes, a value tree as an ``omp simd``
+    reduction. A NaN in any lane (first, middle, last, the scalar tail) gives NaN, as
+    torch.amax / torch.amin."""
     dense = operand((8, 40), "dense-tensor", seed=3)
     for row, col in enumerate((0, 5, 15, 16, 31, 39)):
         dense[row, col] = math.nan
     S = dense if fmt == "dense-tensor" else sparsenn.from_dense(dense, format=fmt)
-    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), Factor(0)),), ("S",), reduction)
+    tree = Factor(0) if value == "S" else apply("abs", Factor(0))
+    assignment = Assignment(("i",), (Term(1.0, (Access(0, ("i", "j")),), tree),), ("S",), reduction)
     if fmt == "dense-tensor":
-        assert f"reduction(sn_{reduction}_reduction:" in _plan(assignment, check_call(assignment, [S], None)).source
+        source = _plan(assignment, check_call(assignment, [S], None)).source
+        assert (f"sn_v{reduction}(" if value == "S" else f"reduction(sn_{reduction}_reduction:") in source
     got = evaluate(assignment, [S], None)
-    expected = (torch.amax if reduction == "max" else torch.amin)(dense, 1)
+    reference = dense if value == "S" else dense.abs()
+    expected = (torch.amax if reduction == "max" else torch.amin)(reference, 1)
     torch.testing.assert_close(got, expected, equal_nan=True, rtol=0, atol=0)
 
 

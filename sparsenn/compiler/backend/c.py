@@ -56,7 +56,8 @@ _WORKSPACES = {"dense": "DenseWS", "sparse": "SparseWS", "count": "CountWS", "fi
 # Arrays of run-time index width (int32 or int64, as the caller allocated them).
 _INDEX_OUTPUTS = ("out_pos", "out_crd")
 
-_CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound"}
+_CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound", "splat": "sn_splat",
+          "vmax": "sn_vmax", "vmin": "sn_vmin", "hmax": "sn_hmax", "hmin": "sn_hmin"}
 
 
 def array_name(array: ir.Array) -> str:

@@ -72,6 +72,10 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
     if reduced and innermost and nest.vector_reduction and nest.vector_reduction.index == index:
         reductions.vector_reduction(lo, index, states, walk.accumulator, walk.summed, nest.vector_reduction.vectors,
                                     nest.vector_reduction.accumulators, bounds)
+    elif walk.combine != "sum" and innermost and nest.vector_reduction and nest.vector_reduction.index == index:
+        coef = ir.Const(float(lo.a.terms[nest.term].coefficient))
+        reductions.extremum_reduction(lo, index, states, walk.accumulator, walk.combine, coef,
+                                      nest.vector_reduction.accumulators, bounds)
     elif reduced and innermost and nest.sparse_reduction and nest.sparse_reduction.index == index:
         (driver,) = filtering(index, states)
         reductions.sparse_reduction(lo, index, states, driver, walk.accumulator, walk.summed,

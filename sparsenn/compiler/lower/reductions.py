@@ -3,6 +3,8 @@
 * :func:`vector_reduction`: ``acc += coef * scalars * sum_k prod(vectors[k])`` with
   ``A`` SIMD accumulators over blocks of ``A`` vectors, then single vectors, a tree sum
   of the lanes and a scalar tail;
+* :func:`extremum_reduction`: ``acc = max(acc, coef * X)`` (or min) the same way,
+  lanes combined by NaN-keeping ``sn_vmax`` / ``sn_vmin``;
 * :func:`sparse_reduction`: ``acc += coef * sum_q prod(factors at crd[q])`` over a
   fiber, position ``q`` into sum ``q mod A`` of ``A`` interleaved sums, a scalar tail;
 * :func:`row_blocker`: blocks of ``R`` positions of a fiber whose vector reductions
@@ -14,12 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import RowBlock
 from .context import Lowering, counted, product_of
-from .iterators import Cursor, locate, open_cursor
+from .iterators import Cursor, FactorState, locate, open_cursor
 
-__all__ = ["Summed", "vector_reduction", "sparse_reduction", "row_blocker", "enter"]
+__all__ = ["Summed", "vector_reduction", "extremum_reduction", "sparse_reduction", "row_blocker", "enter"]
 
 Summed = tuple[ir.Expr, Sequence[int]]  # the leaf's sum: coefficient, factors
 V = ir.Var("v")
@@ -58,6 +61,51 @@ def vector_reduction(
         lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), ir.Block((
             ir.Assign(total, lo.product(states, vectors), "+="),))))
         lo.emit(ir.Assign(accumulator, _scale(coef, lo, states, scalars, total), "+="))
+
+    lo.emit(lo.block(fill))
+
+
+def extremum_reduction(
+    lo: Lowering, index: str, states, accumulator: ir.Var, combine: str, coef: ir.Expr, accumulators: int,
+    bounds=None,
+) -> None:
+    """``acc = max(acc, coef * X[.., index])`` (or ``min``) of the one factor, read with
+    unit stride: ``A`` SIMD accumulators over blocks of ``A`` vectors, then single
+    vectors, a tree over the lanes and a scalar tail, every step keeping a NaN."""
+    var = lo.var(index)
+    first, last = bounds or (ir.Const(0), lo.dim(index))
+    acc, end = lo.fresh("vext"), lo.fresh("end")
+    block = ir.mul(accumulators, ir.Lanes())
+
+    def located() -> FactorState:
+        new = list(states)
+        locate(lo, index, states, new)
+        return new[0]
+
+    def vector(lane: ir.Expr) -> ir.Expr:
+        st = located()
+        if not st.sparse:
+            return ir.mul(coef, lo.vector_load(st, lane=lane))
+        return ir.mul(coef, ir.VectorLoad(ir.Array("val", st.slot), ir.add(st.pos, lane)))
+
+    def fold(target: ir.Expr, value: ir.Expr) -> ir.Stmt:
+        return ir.Assign(target, ir.Call(f"v{combine}", (target, value)))
+
+    def fill():
+        lo.emit(ir.Decl(end, "index", last, const=True),
+                ir.Decl(acc, "VV", None, shape=(accumulators,)),
+                counted(V, accumulators, ir.Assign(ir.Elem(acc, (V,)), ir.Call("splat", (
+                    ir.Const(IDENTITY[combine]),)))),
+                ir.Decl(var, "index", first))
+        lo.emit(ir.For(None, ir.le(ir.add(var, block), end), ir.Assign(var, block, "+="), lo.block(
+            lambda: lo.emit(counted(V, accumulators, fold(ir.Elem(acc, (V,)), vector(ir.mul(V, ir.Lanes()))))))))
+        lo.emit(ir.For(None, ir.le(ir.add(var, ir.Lanes()), end), ir.Assign(var, ir.Lanes(), "+="), lo.block(
+            lambda: lo.emit(fold(ir.Elem(acc, (ir.Const(0),)), vector(ir.Const(0)))))))
+        lo.emit(counted(V, accumulators, fold(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (V,))), pragma=None, start=1))
+        lo.emit(ir.Assign(accumulator, ir.Math(combine, (accumulator, ir.Call(f"h{combine}", (
+            ir.Elem(acc, (ir.Const(0),)),))))))
+        lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), lo.block(lambda: lo.emit(ir.Assign(
+            accumulator, ir.Math(combine, (accumulator, ir.mul(coef, lo.product([located()])))))))))
 
     lo.emit(lo.block(fill))
 

@@ -7,6 +7,10 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   summed factor holding it reads with unit stride (dense operands laid out with it last)
   runs ``register_block_vectors`` independent SIMD accumulators (one would wait on
   each add's latency), then single vectors, then scalars.
+* **Max and min over a factor.** ``max_k X`` (or ``min``) whose innermost reduction
+  loop reads ``X`` with unit stride (a dense operand laid out with ``k`` last, or a
+  last level over ``k`` that is dense) runs as a vector reduction too, each lane
+  combining as ``sn_max`` does (a NaN wins), then a tree over the lanes.
 * **Sparse reduction.** An innermost reduction loop driven by one unique, branching
   sparse level (a compressed fiber; the other factors indexed there locate dense
   levels) sums into ``sparse_accumulators`` interleaved sums: position ``q`` feeds sum
@@ -62,7 +66,8 @@ from .target import Target
 
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
-    "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "sparse_reduction", "row_block",
+    "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "extremum_reduction", "sparse_reduction",
+    "row_block",
     "prefetch_loops", "stores_once", "team_loops", "TEAM_COORDINATES", "simd_loop", "union_by_points",
     "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
@@ -180,6 +185,20 @@ def vector_reduction(order, output, factors, target: Target) -> VectorReduction 
     summed = summed_factors(order, output, factors)
     vectors = unit_stride_factors(order[-1], factors, summed) if summed else []
     return VectorReduction(order[-1], target.register_block_vectors, tuple(vectors)) if vectors else None
+
+
+def extremum_reduction(order, output, factors, target: Target) -> VectorReduction | None:
+    """The vector reduction of ``max_k X`` / ``min_k X`` (one factor; see the module doc)."""
+    if len(factors) != 1 or not order or order[-1] in output:
+        return None
+    (f,) = factors
+    k = order[-1]
+    if f.sparse:
+        level = f.level_at(k)
+        unit = f.levels[-1][0] == k and level.full and level.locatable
+    else:
+        unit = bool(unit_stride_factors(k, factors, [0]))
+    return VectorReduction(k, target.register_block_vectors, (0,)) if unit else None
 
 
 def sparse_reduction(order, output, factors, target: Target) -> SparseReduction | None:

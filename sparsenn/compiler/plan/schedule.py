@@ -86,6 +86,7 @@ from dataclasses import dataclass, field, replace
 
 from sparsenn.formats import Format
 
+from .. import notation
 from ..notation import Assignment, Term
 from . import decisions
 from .cost import Factor, OperandInfo, estimate_positions, nest_cost
@@ -541,6 +542,8 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
             "row_block": decisions.row_block(order, output, f, target),
         }
         fields["dot_tile"] = _dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
+    elif assignment.reduction != "sum" and assignment.terms[nest.term].value == notation.Factor(0):
+        fields["vector_reduction"] = decisions.extremum_reduction(order, output, f, target)
     if n == 0:
         tiles = [t.index for t in nest.tiles]
         fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None, None)

@@ -182,6 +182,26 @@ static inline VV sn_transpose_add(const VV (&v)[N], std::integer_sequence<int, P
 /* The sum of v's lanes. */
 static inline V sn_hsum(VV v) { return sn_fold_to<SN_W, 1>(v)[0]; }
 
+/* Lane-wise max and min that keep a NaN (as sn_max, sn_min), a vector of one value, and
+   the max or min of v's lanes by a tree of shuffles. */
+static inline VV sn_vmax(VV a, VV b) { return ((a > b) | (a != a)) ? a : b; }
+static inline VV sn_vmin(VV a, VV b) { return ((a < b) | (a != a)) ? a : b; }
+static inline VV sn_splat(V x) { return VV{} + x; }
+template <int H, int... L>
+static inline VV sn_upper_half(VV v, std::integer_sequence<int, L...>) {
+  return SN_SHUFFLE(v, v, sn_fold_lane(H, L)...);
+}
+template <int Live, typename Combine>
+static inline VV sn_fold_lanes(VV v, Combine combine) {
+  if constexpr (Live > 1) {
+    return sn_fold_lanes<Live / 2>(combine(v, sn_upper_half<Live / 2>(v, sn_lanes{})), combine);
+  } else {
+    return v;
+  }
+}
+static inline V sn_hmax(VV v) { return sn_fold_lanes<SN_W>(v, sn_vmax)[0]; }
+static inline V sn_hmin(VV v) { return sn_fold_lanes<SN_W>(v, sn_vmin)[0]; }
+
 /* acc[0] + ... + acc[A - 1]. */
 template <int A, int... P>
 static inline VV sn_sum(const VV (&acc)[A], std::integer_sequence<int, P...>) {
