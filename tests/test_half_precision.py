@@ -179,10 +179,15 @@ def block_sddmm_operands(dtype):
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_dot_tiles_and_vector_reductions(dtype, avx2_host):
+def test_sampled_tiles_and_vector_reductions(dtype, avx2_host):
+    # Blocks of 16 keep the sums in a register tile, blocks of 4 (narrower than a
+    # vector) in a dot tile.
     blocked, q, k = block_sddmm_operands(dtype)
-    assert nest("ij,ik,jk->ij", blocked, q, k).dot_tile is not None
+    assert nest("ij,ik,jk->ij", blocked, q, k).register_tile is not None
     check_einsum("ij,ik,jk->ij", [blocked, q, k], dtype)
+    narrow = sparsenn.from_dense(blocked.to_dense(), format="bsr(4,4)")
+    assert nest("ij,ik,jk->ij", narrow, q, k).dot_tile is not None
+    check_einsum("ij,ik,jk->ij", [narrow, q, k], dtype)
     a = sparse((23, 19), "csr", dtype)
     x, y = rounded(23, 77, dtype=dtype, seed=3), rounded(19, 77, dtype=dtype, seed=4)
     assert nest("ij,ik,jk->ij", a, x, y).vector_reduction is not None
