@@ -193,7 +193,8 @@ def test_opcheck_evaluate_and_its_gradient():
     fields = ops._describe(operands)
     call, anchor = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
     assert anchor is None
-    torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)))
+    torch.library.opcheck(torch.ops.sparsenn.evaluate.default,
+                          (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands), []))
 
 
 def test_a_call_string_cannot_load_arbitrary_objects():
