@@ -28,7 +28,6 @@ pattern of operand ``CallSpec.anchor``.
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
@@ -129,15 +128,24 @@ class _SpecUnpickler(pickle.Unpickler):
         return found
 
 
-@functools.lru_cache(maxsize=1024)
+# Call string -> spec; a string traced in this process maps to the spec it was encoded
+# from, whose assignment is the very object eager calls use (the compiler's caches then
+# compare keys by identity).
+_specs: LRUCache[CallSpec] = LRUCache("call strings", 1024)
+
+
 def decode(call: str) -> CallSpec:
     """The :class:`CallSpec` a ``sparsenn::evaluate`` call string encodes."""
+    spec = _specs.get(call)
+    if spec is not None:
+        return spec
     prefix = "sparsenn-call:"
     if not isinstance(call, str) or not call.startswith(prefix):
         raise ValueError(f"not a sparsenn call string: {call!r:.60}")
     spec = _SpecUnpickler(io.BytesIO(base64.b64decode(call[len(prefix):]))).load()
     if not isinstance(spec, CallSpec):
         raise ValueError("a sparsenn call string must encode a CallSpec")
+    _specs.put(call, spec)
     return spec
 
 
@@ -188,7 +196,9 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     else:
         anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
-    return spec.encode(), spec.anchor
+    call = spec.encode()
+    _specs.put(call, spec)
+    return call, spec.anchor
 
 
 def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
@@ -299,7 +309,7 @@ def _validated_pattern(layout: Layout, shape: tuple[int, ...], arrays: Sequence[
     """The pattern of these index arrays, validated the first time their identity and
     version are seen; the cache keeps those arrays alive, so an address cannot be reused
     by other contents while the entry exists."""
-    key = (layout.format, shape, tuple(array_version(a) for a in arrays), tuple(a.dtype for a in arrays))
+    key = (layout.format, shape, tuple(map(array_version, arrays)), tuple([a.dtype for a in arrays]))
     pattern = _patterns.get(key)
     if pattern is None:
         pos, crd = _levels(layout.format, arrays)
@@ -449,6 +459,9 @@ def _check_result(spec: CallSpec, operands: Sequence, result, order: Sequence[in
                 f"sparsenn: {spec.assignment} has a sparse result whose pattern is computed from the data; "
                 "torch.compile / torch.export / torch.jit.trace can only record sparse results sampled on an "
                 "operand's pattern (ask for out_format='dense', or run this call eagerly)")
+        if all(layout is None for layout in spec.layouts) and any(
+                result.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
+            result = result.clone()  # torch.einsum may return a view of its operand; an op's output is its own
         return _laid_out(result, order)
     anchor = operands[spec.anchor]
     if not isinstance(result, SparseTensor) or any(
