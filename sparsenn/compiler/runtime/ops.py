@@ -16,13 +16,12 @@ while tracing, :func:`traced_evaluate` replaces each evaluation of an assignment
   kernel wrote it (a ``SparseLinear`` writes feature-major) instead of being copied.
 
 Its kernel rebuilds the :class:`SparseTensor` s (index arrays validated once per version,
-so a module whose pattern buffers were edited raises instead of crashing; the patterns
-of a call site's recent arrays are found by identity) and evaluates as in eager mode,
-returning a dense result in ``order`` (copied only if the kernel wrote another layout);
-its fake kernel derives the result's shape from the spec and its strides from ``order``;
-its autograd formula is ``sparsenn::evaluate_backward``, which runs the compiler's own
-gradient expressions (:mod:`..autograd`). A sparse result is returned as its values on the
-pattern of operand ``CallSpec.anchor``.
+so a module whose pattern buffers were edited raises instead of crashing) and evaluates
+as in eager mode, returning a dense result in ``order`` (copied only if the kernel wrote
+another layout); its fake kernel derives the result's shape from the spec and its strides
+from ``order``; its autograd formula is ``sparsenn::evaluate_backward``, which runs the
+compiler's own gradient expressions (:mod:`..autograd`). A sparse result is returned as
+its values on the pattern of operand ``CallSpec.anchor``.
 """
 
 from __future__ import annotations
@@ -411,7 +410,8 @@ def _planned_result(assignment: Assignment, operands: Sequence, out_format) -> T
             return None
         inner = _planned_result(split.assignment, split.operands(checked.operands), split.request)
         return None if inner is None else split.result(inner)
-    if not isinstance(runnable, Launch) or runnable.plan.output_format is not None or runnable.final_format:
+    if not isinstance(runnable, Launch) or runnable.plan.output_format is not None \
+            or runnable.final_format is not None:
         return None
     out = torch.empty(*runnable.allocation, device="meta")
     permutation = runnable.plan.output_permutation
@@ -473,8 +473,9 @@ def _check_result(spec: CallSpec, operands: Sequence, result, order: Sequence[in
     return result.values
 
 
-# Defined with the low-level API: torch.library.custom_op's Python wrappers cost about
-# 10 µs per call, a third of a small layer's own overhead.
+# Defined with the low-level API, autograd kernel included: torch.library.custom_op's and
+# register_autograd's Python wrappers cost about 10 µs per call, a third of a small
+# layer's own overhead.
 _library = torch.library.Library("sparsenn", "FRAGMENT")
 _library.define("evaluate(str call, Tensor[] tensors, SymInt[] shapes, int[] order) -> Tensor")
 _library.define("evaluate_backward(str call, Tensor[] tensors, SymInt[] shapes, Tensor grad, Tensor result, "
