@@ -103,6 +103,45 @@ def test_compiled_attention_redraws_random_blocks_in_training():
     assert not torch.equal(first.crd[3], second.crd[3])
 
 
+@pytest.mark.parametrize("training, padded, drawn_per_call", [(False, False, False), (True, False, False),
+                                                               (False, True, True)])
+def test_compiled_attention_keeps_a_fixed_mask(monkeypatch, training, padded, drawn_per_call):
+    """Eval mode (or a fixed pattern) without padding: the mask is drawn once while
+    tracing and the same arrays reach the kernels every call; padding still draws it per
+    call."""
+    from sparsenn.layers import attention as module
+
+    torch.manual_seed(9)
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0,
+                                          fixed_pattern=training).train(training)
+    x = torch.randn(2, 128, 32)
+    padding = torch.zeros(2, 128, dtype=torch.bool) if padded else None
+    if padded:
+        padding[0, 100:] = True
+    drawn = []
+    block_mask = module.block_mask
+    monkeypatch.setattr(module, "block_mask", lambda *args: drawn.append(1) or block_mask(*args))
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    compiled(x, key_padding_mask=padding)
+    before = len(drawn)
+    outputs = [compiled(x, key_padding_mask=padding)[0] for _ in range(3)]
+    assert len(drawn) - before == (3 if drawn_per_call else 0)
+    expected = layer(x, key_padding_mask=padding)[0]
+    for out in outputs:
+        _assert_close(out, expected)
+
+
+def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
+    torch.manual_seed(10)
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
+    for batch, length in ((2, 128), (3, 160)):
+        x = torch.randn(batch, length, 32)
+        _assert_close(compiled(x)[0], layer(x)[0])
+
+
 def test_compile_fullgraph_einsum_and_softmax():
     torch.manual_seed(6)
     dense = torch.randn(20, 30) * (torch.rand(20, 30) < 0.3)
@@ -193,7 +232,111 @@ def test_opcheck_evaluate_and_its_gradient():
     fields = ops._describe(operands)
     call, anchor = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
     assert anchor is None
-    torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)))
+    torch.library.opcheck(torch.ops.sparsenn.evaluate.default,
+                          (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands), []))
+
+
+def _layer_calls() -> nn.Module:
+    """Two SparseLinear layers (csr, then bsr: a kernel over split indices) whose
+    results a kernel writes feature-major when its schedule vectorises over the batch."""
+
+    class Layers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = sparsenn.SparseLinear(64, 32, sparsity=0.8)
+            self.second = sparsenn.SparseLinear(32, 32, sparsity=0.5, format="bsr(8,8)")
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.first(x)
+            return h, self.second(torch.relu(h))
+
+    torch.manual_seed(11)
+    return Layers().eval()
+
+
+def test_compiled_results_have_the_layouts_of_eager_results():
+    """The op returns a dense result as the kernel wrote it (inductor checks that every
+    op's result has the strides its fake implementation announced)."""
+    layers, x = _layer_calls(), torch.randn(16, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected, actual = layers(x), torch.compile(layers, fullgraph=True)(x)
+    for got, want in zip(actual, expected):
+        _assert_close(got, want)
+        assert got.stride() == want.stride()
+
+
+def test_compiled_results_with_dynamic_shapes_are_contiguous():
+    layers = _layer_calls()
+    torch._dynamo.reset()
+    compiled = torch.compile(layers, fullgraph=True, dynamic=True, backend="aot_eager")
+    with torch.no_grad():
+        for batch in (16, 24):
+            x = torch.randn(batch, 64)
+            for got, want in zip(compiled(x), layers(x)):
+                _assert_close(got, want)
+                assert got.is_contiguous()
+
+
+def _layer_call(layer: sparsenn.SparseLinear, x: torch.Tensor) -> tuple[str, list, list[int]]:
+    operands = [x, layer.weight, layer.bias]
+    fields = ops._describe(operands)
+    call, _ = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    return call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)
+
+
+def test_planned_order_is_the_eager_results_layout():
+    layer, x = _layer_calls().first, torch.randn(16, 64)
+    call, tensors, shapes = _layer_call(layer, x)
+    order = ops.planned_order(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),
+                              tuple(shapes))
+    with torch.no_grad():
+        expected = layer(x)
+        result = torch.ops.sparsenn.evaluate(call, tensors, shapes, list(order))
+    assert result.stride() == expected.stride()
+    _assert_close(result, expected)
+
+
+def test_opcheck_evaluate_with_a_strided_result():
+    layer, x = _layer_calls().first, torch.randn(16, 64)
+    call, tensors, shapes = _layer_call(layer, x)
+    for order in ([1, 0], [0, 1]):
+        torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, tensors, shapes, order))
+    with pytest.raises(ValueError, match="not a permutation"):
+        torch.ops.sparsenn.evaluate(call, tensors, shapes, [1, 1])
+
+
+def test_laid_out_copies_only_a_result_of_another_layout():
+    written = torch.randn(5, 3).t()  # strides (1, 3): order [1, 0]
+    assert ops._laid_out(written, [1, 0]) is written
+    copied = ops._laid_out(written, [0, 1])
+    assert copied.stride() == (5, 1) and torch.equal(copied, written)
+    row = torch.randn(1, 4)  # a size-1 dimension's stride does not matter: a view with the announced strides
+    viewed = ops._laid_out(row, [1, 0])
+    assert viewed.stride() == torch.empty(4, 1).t().stride() and viewed.data_ptr() == row.data_ptr()
+    assert torch.equal(viewed, row)
+    assert ops._laid_out(written, []).is_contiguous()
+
+
+def test_traced_einsum_of_dense_operands_returns_a_tensor_of_its_own():
+    x = torch.randn(4, 3)
+    torch._dynamo.reset()
+    y = torch.compile(lambda t: sparsenn.einsum("ij->ij", t), fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+    call, _ = ops._encoded(None, ("einsum", "ij->ij", 1), None, *ops._describe([x]))
+    torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, [x], [], []))
+
+
+def test_operands_sharing_index_arrays_at_other_shapes():
+    """Two operands with the same arrays but different shapes are passed apart."""
+    A = sparsenn.from_dense(torch.randn(3, 4) * (torch.rand(3, 4) < 0.5), format="csr")
+    B = sparsenn.SparseTensor((3, 6), "csr", A.pos, A.crd, torch.randn(A.nnz))
+    x, y = torch.randn(4, 2), torch.randn(6, 2)
+    f = lambda x, y: sparsenn.einsum("ij,jk->ik", A, x) + sparsenn.einsum("ij,jk->ik", B, y)  # noqa: E731
+    torch._dynamo.reset()
+    _assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, y), f(x, y))
+    fields = ops._describe([A, B])
+    assert fields[2::3] == [None, None]
 
 
 def test_a_call_string_cannot_load_arbitrary_objects():

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 from torch import Tensor, nn
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.formats import SparseTensor, from_coo, from_dense, parse_format
@@ -173,6 +174,17 @@ def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: 
             seed.new_empty(blocks * block_size * block_size, dtype=dtype))
 
 
+@torch.compiler.assume_constant_result
+def _bigbird_mask_constant(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: int, batch: int,
+                           heads: int, block_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsenn::bigbird_mask`` without padding, run once while tracing: the traced
+    program keeps the arrays as constants, so every call hands the same ones on and the
+    kernels find their plans, validations and re-stored copies cached (as eager mode
+    keeps its last mask)."""
+    return _bigbird_mask_op(num_blocks, num_global, num_window, num_random, torch.tensor(seed), batch, heads,
+                            block_size, None, dtype)
+
+
 class BlockSparseAttention(nn.Module):
     """Multi-head attention on BigBird's block-sparse pattern, shaped like
     ``nn.MultiheadAttention`` (same projection parameters: ``in_proj_weight``,
@@ -289,17 +301,22 @@ class BlockSparseAttention(nn.Module):
         return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype)
 
     def _traced_mask(self, length: int, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """The mask of :meth:`_mask_for` while traced: one ``sparsenn::bigbird_mask`` op
-        drawing the pattern from ``seed`` (a fresh one per call when random blocks are
-        redrawn in training)."""
+        """The mask of :meth:`_mask_for` while traced: a ``sparsenn::bigbird_mask`` op
+        drawing the pattern from ``seed`` per call (from a fresh seed when random blocks
+        are redrawn in training), or, for a fixed pattern without padding at static sizes,
+        constants computed once while tracing (:func:`_bigbird_mask_constant`; an
+        exported program keeps the op)."""
         n = -(-length // self.block_size)
-        if self.training and not self.fixed_pattern:
-            seed = torch.randint(2**62, ())
+        config = (n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks)
+        redrawn = self.training and not self.fixed_pattern
+        static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (n, batch))  # jit: sizes are tensors
+        if not redrawn and padding is None and static and not torch.compiler.is_exporting():
+            pos, crd, values = _bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
+                                                      self.num_heads, self.block_size, dtype)
         else:
-            seed = torch.tensor(self.seed)
-        pos, crd, values = torch.ops.sparsenn.bigbird_mask(
-            n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks, seed, batch, self.num_heads,
-            self.block_size, padding, dtype)
+            seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
+            pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.num_heads, self.block_size,
+                                                               padding, dtype)
         length = n * self.block_size
         return SparseTensor((batch, self.num_heads, length, length), self._mask_format, _at_key_blocks(pos),
                             _at_key_blocks(crd), values, check=False)

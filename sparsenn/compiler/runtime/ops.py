@@ -3,26 +3,30 @@ and ``torch.jit.trace``.
 
 A tracer cannot run the planner (Python objects, data-dependent validation, ctypes), so
 while tracing, :func:`traced_evaluate` replaces each evaluation of an assignment by
-``sparsenn::evaluate(call, tensors)``:
+``sparsenn::evaluate(call, tensors, shapes, order)``:
 
 * ``call`` encodes a :class:`CallSpec` (the assignment, each operand's layout — dense, or
   a sparse format and index dtype — the requested format and whose pattern the result
   has), computed once per traced call site from constants only;
 * ``tensors`` are the operands' index arrays, values and dense tensors, flattened, and
-  ``shapes`` the sparse operands' shapes (symbolic under dynamic shapes).
+  ``shapes`` the sparse operands' shapes (symbolic under dynamic shapes);
+* ``order`` is the dense result's memory layout, its dimensions from outermost to
+  innermost (empty: contiguous): the layout the planned kernel writes, found at trace time
+  when the shapes are static (:func:`planned_order`), so the result is handed on as the
+  kernel wrote it (a ``SparseLinear`` writes feature-major) instead of being copied.
 
 Its kernel rebuilds the :class:`SparseTensor` s (index arrays validated once per version,
 so a module whose pattern buffers were edited raises instead of crashing) and evaluates
-as in eager mode; its fake kernel derives the result's shape from the spec; its autograd
-formula is ``sparsenn::evaluate_backward``, which runs the compiler's own gradient
-expressions (:mod:`..autograd`). A dense result is returned contiguous, a sparse one as
+as in eager mode, returning a dense result in ``order`` (copied only if the kernel wrote
+another layout); its fake kernel derives the result's shape from the spec and its strides
+from ``order``; its autograd formula is ``sparsenn::evaluate_backward``, which runs the
+compiler's own gradient expressions (:mod:`..autograd`). A sparse result is returned as
 its values on the pattern of operand ``CallSpec.anchor``.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
@@ -39,12 +44,14 @@ from sparsenn.formats.tensor import array_version
 from ..expression import Statement
 from ..notation import Assignment
 from .cache import LRUCache
-from .evaluate import evaluate
+from .evaluate import SplitCall, evaluate, resolve
+from .launcher import Launch
+from .validate import check_call
 
 if TYPE_CHECKING:
     from ..program import Program
 
-__all__ = ["CallSpec", "Layout", "derived", "register_kernels", "traced_evaluate", "tracing"]
+__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing"]
 
 
 def tracing() -> bool:
@@ -120,15 +127,24 @@ class _SpecUnpickler(pickle.Unpickler):
         return found
 
 
-@functools.lru_cache(maxsize=1024)
+# Call string -> spec; a string traced in this process maps to the spec it was encoded
+# from, whose assignment is the very object eager calls use (the compiler's caches then
+# compare keys by identity).
+_specs: LRUCache[CallSpec] = LRUCache("call strings", 1024)
+
+
 def decode(call: str) -> CallSpec:
     """The :class:`CallSpec` a ``sparsenn::evaluate`` call string encodes."""
+    spec = _specs.get(call)
+    if spec is not None:
+        return spec
     prefix = "sparsenn-call:"
     if not isinstance(call, str) or not call.startswith(prefix):
         raise ValueError(f"not a sparsenn call string: {call!r:.60}")
     spec = _SpecUnpickler(io.BytesIO(base64.b64decode(call[len(prefix):]))).load()
     if not isinstance(spec, CallSpec):
         raise ValueError("a sparsenn call string must encode a CallSpec")
+    _specs.put(call, spec)
     return spec
 
 
@@ -179,7 +195,9 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     else:
         anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
-    return spec.encode(), spec.anchor
+    call = spec.encode()
+    _specs.put(call, spec)
+    return call, spec.anchor
 
 
 def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
@@ -235,7 +253,7 @@ def _describe(operands: Sequence) -> list:
         shares = None
         for m in range(n):
             other = operands[m]
-            if isinstance(other, SparseTensor) and other.format == op.format and all(
+            if isinstance(other, SparseTensor) and other.format == op.format and other.shape == op.shape and all(
                     (a is None and b is None) or a is b for a, b in zip(op.pos + op.crd, other.pos + other.crd)):
                 shares = m if parts[m][2] is None else parts[m][2]
                 break
@@ -285,10 +303,31 @@ def _split_shapes(spec: CallSpec, shapes: Sequence[int]) -> list[tuple[int, ...]
     return split
 
 
-def _rebuild(spec: CallSpec, tensors: Sequence[Tensor], shapes: Sequence[int]) -> list:
-    """The operands of a call from its flattened tensors. A pattern is validated the
-    first time its arrays (identity and version) are seen; the cache keeps those arrays
-    alive, so an address cannot be reused by other contents while the entry exists."""
+def _validated_pattern(layout: Layout, shape: tuple[int, ...], arrays: Sequence[Tensor],
+                       values: Tensor) -> SparseTensor:
+    """The pattern of these index arrays, validated the first time their identity and
+    version are seen; the cache keeps those arrays alive, so an address cannot be reused
+    by other contents while the entry exists."""
+    key = (layout.format, shape, tuple(map(array_version, arrays)), tuple([a.dtype for a in arrays]))
+    pattern = _patterns.get(key)
+    if pattern is None:
+        pos, crd = _levels(layout.format, arrays)
+        pattern = SparseTensor(shape, layout.format, pos, crd, values)
+        _patterns.put(key, pattern)
+    return pattern
+
+
+def _unchecked_pattern(layout: Layout, shape: tuple[int, ...], arrays: Sequence[Tensor],
+                       values: Tensor) -> SparseTensor:
+    """The pattern of arrays known to be shaped right (stand-ins for planning)."""
+    pos, crd = _levels(layout.format, arrays)
+    return SparseTensor(shape, layout.format, pos, crd, values, check=False)
+
+
+def _rebuild(spec: CallSpec, tensors: Sequence[Tensor], shapes: Sequence[int],
+             pattern_of: Callable[..., SparseTensor] = _validated_pattern) -> list:
+    """The operands of a call from its flattened tensors. The values are not checked
+    here: evaluation checks that they fit the pattern (``SparseTensor.check_unmodified``)."""
     operands: list = []
     at = 0
     for layout, shape in zip(spec.layouts, _split_shapes(spec, shapes)):
@@ -296,20 +335,16 @@ def _rebuild(spec: CallSpec, tensors: Sequence[Tensor], shapes: Sequence[int]) -
             operands.append(tensors[at])
             at += 1
             continue
-        if layout.shares is not None:
-            operands.append(operands[layout.shares].with_values(tensors[at]))
-            at += 1
-            continue
-        arrays = tuple(tensors[at:at + layout.num_arrays])
-        values = tensors[at + layout.num_arrays]
-        at += layout.num_arrays + 1
-        key = (layout.format, shape, tuple(array_version(a) for a in arrays), tuple(a.dtype for a in arrays))
-        pattern = _patterns.get(key)
-        if pattern is None:
-            pos, crd = _levels(layout.format, arrays)
-            pattern = SparseTensor(shape, layout.format, pos, crd, values)
-            _patterns.put(key, pattern)
-        operands.append(pattern.with_values(values))
+        if layout.shares is None:
+            count = layout.num_arrays
+            pattern = pattern_of(layout, shape, tensors[at:at + count], tensors[at + count])
+        else:
+            count, pattern = 0, operands[layout.shares]
+            if pattern.shape != shape:
+                raise ValueError(f"sparsenn call: operand {len(operands)} shares the index arrays of operand "
+                                 f"{layout.shares} of shape {pattern.shape} but has shape {shape}")
+        operands.append(pattern._share(shape, layout.format, tensors[at + count]))
+        at += count + 1
     return operands
 
 
@@ -321,15 +356,113 @@ def _levels(fmt: Format, arrays: Sequence[Tensor]) -> tuple[tuple[Tensor | None,
     return pos, crd
 
 
-def _check_result(spec: CallSpec, operands: Sequence, result) -> Tensor:
-    """The op's output: the dense result, or the values of a result on the anchor's pattern."""
+# ----------------------------------------------------------------------------- result layout
+
+
+def _static_order(call: str, anchor: int | None, tensors: Sequence[Tensor], shapes: Sequence) -> list[int]:
+    """The ``order`` argument of a traced call: :func:`planned_order` when every size is
+    static, else empty (contiguous). Traced code: sizes are tested with
+    ``has_static_value``, as Dynamo reports a symbolic size's type as ``int``
+    (``torch.jit.trace`` records sizes as tensors: contiguous)."""
+    if anchor is not None:
+        return []
+    dims = [tuple(t.shape) for t in tensors]
+    sizes = [*shapes, *(n for d in dims for n in d)]
+    if any(isinstance(n, Tensor) for n in sizes) or not all(has_static_value(n) for n in sizes):
+        return []
+    return list(planned_order(call, tuple(t.dtype for t in tensors), tuple(tuple(int(n) for n in d) for d in dims),
+                              tuple(int(n) for n in shapes)))
+
+
+@torch.compiler.assume_constant_result
+def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[int, ...], ...],
+                  shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """The layout of the dense result of ``call`` over tensors of ``dtypes`` and sizes
+    ``dims`` (sparse shapes ``shapes``): its dimensions from outermost to innermost in
+    memory as the planned kernel writes them, () for contiguous or when that is decided
+    only by running (a sparse result, pairwise contractions, torch.einsum, a staged
+    program). Planned on stand-in tensors of those sizes, as evaluation plans the call:
+    deterministic (the planner decides from formats, shapes, stored positions and dtypes)."""
+    spec = decode(call)
+    if spec.anchor is not None or isinstance(spec.assignment, Statement):
+        return ()
+    stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
+    try:
+        result = _planned_result(spec.assignment, _rebuild(spec, stand_ins, shapes, _unchecked_pattern),
+                                 spec.out_format)
+    except (TypeError, ValueError, NotImplementedError):
+        return ()  # the call itself reports what is wrong
+    if result is None:
+        return ()
+    order = sorted(range(result.dim()), key=lambda d: (-result.stride(d), d))
+    return () if order == list(range(result.dim())) else tuple(order)
+
+
+def _planned_result(assignment: Assignment, operands: Sequence, out_format) -> Tensor | None:
+    """A meta tensor laid out as the dense result of evaluating ``assignment`` over
+    ``operands`` (resolved as :func:`.evaluate.evaluate` resolves it; nothing runs), or
+    None when its layout is not the plan's (see :func:`planned_order`)."""
+    checked = check_call(assignment, operands, out_format)
+    runnable = resolve(assignment, checked)
+    if isinstance(runnable, SplitCall):
+        split = runnable.split
+        if split.stored is not None or any(fmt is not None for fmt in split.converted):
+            return None
+        inner = _planned_result(split.assignment, split.operands(checked.operands), split.request)
+        return None if inner is None else split.result(inner)
+    if not isinstance(runnable, Launch) or runnable.plan.output_format is not None \
+            or runnable.final_format is not None:
+        return None
+    out = torch.empty(*runnable.allocation, device="meta")
+    permutation = runnable.plan.output_permutation
+    return out if permutation is None else out.permute(permutation)
+
+
+def _strides(shape: Sequence, order: Sequence[int]) -> list:
+    """Strides of a tensor of ``shape`` stored with its dimensions in ``order``
+    (outermost first), as torch computes contiguous strides."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in reversed(order):
+        strides[d] = step
+        step = step * max(shape[d], 1)
+    return strides
+
+
+def _check_order(order: Sequence[int], rank: int) -> None:
+    if order and sorted(order) != list(range(rank)):
+        raise ValueError(f"sparsenn call: order {list(order)} is not a permutation of the result's {rank} dimensions")
+
+
+def _laid_out(result: Tensor, order: Sequence[int]) -> Tensor:
+    """``result`` stored in ``order`` (contiguous when empty): as it is when the kernel
+    wrote that layout, else copied."""
+    if not order:
+        return result.contiguous()
+    _check_order(order, result.dim())
+    shape = result.shape
+    strides = _strides(shape, order)
+    actual = result.stride()
+    if actual == tuple(strides):
+        return result
+    if result.numel() == 0 or all(a == b or n == 1 for n, a, b in zip(shape, actual, strides)):
+        return result.as_strided(shape, strides)  # differs only in the strides of size-1 dimensions
+    return result.new_empty_strided(shape, strides).copy_(result)
+
+
+def _check_result(spec: CallSpec, operands: Sequence, result, order: Sequence[int]) -> Tensor:
+    """The op's output: the dense result in ``order``, or the values of a result on the
+    anchor's pattern."""
     if spec.anchor is None:
         if isinstance(result, SparseTensor):
             raise NotImplementedError(
                 f"sparsenn: {spec.assignment} has a sparse result whose pattern is computed from the data; "
                 "torch.compile / torch.export / torch.jit.trace can only record sparse results sampled on an "
                 "operand's pattern (ask for out_format='dense', or run this call eagerly)")
-        return result.contiguous()
+        if all(layout is None for layout in spec.layouts) and any(
+                result.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
+            result = result.clone()  # torch.einsum may return a view of its operand; an op's output is its own
+        return _laid_out(result, order)
     anchor = operands[spec.anchor]
     if not isinstance(result, SparseTensor) or any(
             not (a is b or (a is not None and b is not None and torch.equal(a, b)))
@@ -340,26 +473,29 @@ def _check_result(spec: CallSpec, operands: Sequence, result) -> Tensor:
     return result.values
 
 
-# Defined with the low-level API: torch.library.custom_op's Python wrappers cost about
-# 10 µs per call, a third of a small layer's own overhead.
+# Defined with the low-level API, autograd kernel included: torch.library.custom_op's and
+# register_autograd's Python wrappers cost about 10 µs per call, a third of a small
+# layer's own overhead.
 _library = torch.library.Library("sparsenn", "FRAGMENT")
-_library.define("evaluate(str call, Tensor[] tensors, SymInt[] shapes) -> Tensor")
+_library.define("evaluate(str call, Tensor[] tensors, SymInt[] shapes, int[] order) -> Tensor")
 _library.define("evaluate_backward(str call, Tensor[] tensors, SymInt[] shapes, Tensor grad, Tensor result, "
                 "bool[] needed) -> Tensor[]")
 
 
-def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
-    """``evaluate(assignment, operands, out_format)`` of the encoded call."""
+def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int], order: list[int]) -> Tensor:
+    """``evaluate(assignment, operands, out_format)`` of the encoded call, a dense result
+    stored in ``order``."""
     spec = decode(call)
     operands = _rebuild(spec, tensors, shapes)
-    return _check_result(spec, operands, spec.run(operands))
+    return _check_result(spec, operands, spec.run(operands), order)
 
 
-def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tensor:
+def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: list[int]) -> Tensor:
     spec = decode(call)
     slots = _differentiable_slots(spec)
     dtype = tensors[slots[0]].dtype
     if spec.anchor is not None:
+        _check_order(order, 1)
         return tensors[slots[spec.anchor]].new_empty(tensors[slots[spec.anchor]].shape, dtype=dtype)
     sizes = {}
     sparse_shapes = _split_shapes(spec, shapes)
@@ -367,7 +503,11 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int]) -> Tenso
         shape = sparse_shapes[operand]
         sizes.update(zip(indices, tensors[slots[operand]].shape if shape is None else shape))
     output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
-    return tensors[slots[0]].new_empty([sizes[i] for i in output], dtype=dtype)
+    shape = [sizes[i] for i in output]
+    _check_order(order, len(shape))
+    if not order:
+        return tensors[slots[0]].new_empty(shape, dtype=dtype)
+    return tensors[slots[0]].new_empty_strided(shape, _strides(shape, order), dtype=dtype)
 
 
 def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
@@ -433,32 +573,54 @@ def _program_gradients(spec: CallSpec, operands: list, grad_out, wanted: list[in
     return list(_autograd_thread.submit(gradients).result())
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    call, tensors, shapes = inputs
-    slots = _differentiable_slots(decode(call))
-    ctx.call, ctx.shapes = call, shapes
-    ctx.slots = slots
-    ctx.needed = [tensors[slot].requires_grad for slot in slots]
-    ctx.save_for_backward(*tensors, output)
+class _RecordedEvaluate(torch.autograd.Function):
+    """``sparsenn::evaluate`` recorded for autograd: the op's kernel below autograd
+    forward, ``sparsenn::evaluate_backward`` backward (the tensors are passed one by one
+    so that autograd tracks each)."""
+
+    @staticmethod
+    def forward(ctx, keyset, call: str, shapes: list, order: list, *tensors: Tensor) -> Tensor:
+        with torch._C._AutoDispatchBelowAutograd():
+            result = _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, list(tensors), shapes, order)
+        ctx.call, ctx.shapes, ctx.slots = call, shapes, _differentiable_slots(decode(call))
+        ctx.needed = [tensors[slot].requires_grad for slot in ctx.slots]
+        ctx.save_for_backward(*tensors, result)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        *tensors, output = ctx.saved_tensors
+        grads: list[Tensor | None] = [None] * len(tensors)
+        if any(ctx.needed):
+            computed = iter(torch.ops.sparsenn.evaluate_backward(ctx.call, list(tensors), ctx.shapes, grad, output,
+                                                                 ctx.needed))
+            for slot, need in zip(ctx.slots, ctx.needed):
+                if need:
+                    grads[slot] = next(computed)
+        return None, None, None, None, *grads
 
 
-def _backward(ctx, grad: Tensor):
-    *tensors, output = ctx.saved_tensors
-    grads: list[Tensor | None] = [None] * len(tensors)
-    if any(ctx.needed):
-        computed = iter(torch.ops.sparsenn.evaluate_backward(ctx.call, list(tensors), ctx.shapes, grad, output,
-                                                             ctx.needed))
-        for slot, need in zip(ctx.slots, ctx.needed):
-            if need:
-                grads[slot] = next(computed)
-    return None, grads, None
+_BELOW_AUTOGRAD = torch._C._after_ADInplaceOrView_keyset  # the keys a call meets after autograd's
+
+
+def _evaluate_autograd(keyset, call: str, tensors: list[Tensor], shapes: list, order: list[int]) -> Tensor:
+    """The op's autograd kernel: recorded when a gradient is needed, else the kernel the
+    dispatcher would reach next — called directly when that is the CPU one (plain CPU
+    tensors, no mode or tensor subclass in between), saving a second dispatch."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _RecordedEvaluate.apply(keyset, call, shapes, order, *tensors)
+    if (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() == torch._C.DispatchKey.CPU:
+        return evaluate_op(call, tensors, shapes, order)
+    with torch._C._AutoDispatchBelowAutograd():
+        return _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, tensors, shapes, order)
 
 
 _library.impl("evaluate", evaluate_op, "CPU")
+_library.impl("evaluate", _evaluate_autograd, "Autograd", with_keyset=True)
 _library.impl("evaluate_backward", evaluate_backward_op, "CPU")
 torch.library.register_fake("sparsenn::evaluate", _evaluate_fake, lib=_library)
 torch.library.register_fake("sparsenn::evaluate_backward", _evaluate_backward_fake, lib=_library)
-torch.library.register_autograd("sparsenn::evaluate", _backward, setup_context=_setup_context, lib=_library)
+_EVALUATE = torch.ops.sparsenn.evaluate.default
 
 
 def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_format, derive: tuple = ()):
@@ -467,7 +629,8 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     sparse result keeps the anchor operand's pattern."""
     fields = _describe(operands)
     call, anchor = _encoded(assignment, derive, out_format, *fields)
-    result = torch.ops.sparsenn.evaluate(call, _flatten(operands, fields[2::3]), _shapes(operands))
+    tensors, shapes = _flatten(operands, fields[2::3]), _shapes(operands)
+    result = torch.ops.sparsenn.evaluate(call, tensors, shapes, _static_order(call, anchor, tensors, shapes))
     if anchor is None:
         return result
     pattern = operands[anchor]
