@@ -275,14 +275,40 @@ def test_bad_out_format_names_what_is_wrong():
         sparsenn.einsum("ij,jk->ik", a, a, out_format=3.5)
 
 
-def test_large_outputs_ask_for_huge_pages_over_their_whole_huge_pages(monkeypatch):
-    calls = []
-    monkeypatch.setattr(memory, "_MADVISE", lambda start, length, advice: calls.append((start, length, advice)))
-    small = memory.empty(1000, dtype=torch.float32)
-    assert small.shape == (1000,) and calls == []
-    big = memory.filled(-math.inf, 5 * memory.HUGE_PAGE // 8, dtype=torch.float64)
-    assert big.dtype == torch.float64 and bool((big == -math.inf).all())
-    ((start, length, advice),) = calls
-    first, end = big.data_ptr(), big.data_ptr() + big.nbytes
-    assert advice == 14 and start % memory.HUGE_PAGE == 0 and length % memory.HUGE_PAGE == 0
-    assert first <= start < first + memory.HUGE_PAGE and end - memory.HUGE_PAGE < start + length <= end
+def test_large_outputs_reuse_memory_nothing_else_holds():
+    pool = memory.OutputPool("test outputs", max_buffers=3, max_bytes=1 << 30)
+    size = (memory.MIN_POOLED_BYTES // 4,)
+    first = pool.empty(size, torch.float32)
+    address = first.data_ptr()
+    view = first.view(-1, 4)[1:]
+    del first
+    other = pool.empty(size, torch.float32)
+    assert other.data_ptr() != address  # a view still holds the first buffer
+    del view
+    again = pool.empty(size, torch.int32)  # free now: handed out again, any dtype of its size
+    assert again.data_ptr() == address and again.shape == size and again.dtype == torch.int32
+    assert pool.empty((size[0] + 1,), torch.float32).data_ptr() not in (address, other.data_ptr())
+    busy = [pool.empty(size, torch.float32) for _ in range(3)]
+    assert len({t.data_ptr() for t in busy + [again, other]}) == 5  # buffers in use are never shared
+    assert pool.stats().size == 3 and pool.stats().evictions == 3  # at most max_buffers kept
+    small = pool.empty((10,), torch.float32)
+    assert small.shape == (10,) and pool.stats().misses == 6  # small outputs are not pooled
+
+
+def test_saved_for_backward_outputs_are_not_reused():
+    # A layer's output saved by autograd must not be overwritten by the next call's.
+    lin = SparseLinear(2048, 2048, sparsity=0.5)
+    x = torch.randn(256, 2048, requires_grad=True)
+    y1 = lin(x)
+    y2 = lin(x * 2)
+    assert y1.data_ptr() != y2.data_ptr()
+    torch.testing.assert_close(y2, lin(x * 2))
+    (y1.sum() + y2.sum()).backward()
+    assert x.grad is not None
+
+
+def test_clear_caches_releases_the_kept_outputs():
+    memory.empty(memory.MIN_POOLED_BYTES // 4, dtype=torch.float32)
+    assert cache_stats()["output buffers"].size >= 1
+    clear_caches()
+    assert cache_stats()["output buffers"].size == 0

@@ -20,7 +20,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["LRUCache", "CacheStats", "clear_caches", "cache_stats"]
+__all__ = ["LRUCache", "CacheStats", "clear_caches", "cache_stats", "register"]
 
 V = TypeVar("V")
 
@@ -100,11 +100,23 @@ class LRUCache(Generic[V]):
 
 _registry: dict[str, LRUCache] = {}
 
+Cache = TypeVar("Cache")
+
+
+def register(cache: Cache) -> Cache:
+    """Add another kind of cache (one with ``name``, ``clear()`` and ``stats()``, such as
+    :class:`~.memory.OutputPool`) to those :func:`clear_caches` empties and
+    :func:`cache_stats` reports."""
+    if cache.name in _registry:
+        raise ValueError(f"a cache named {cache.name!r} already exists")
+    _registry[cache.name] = cache
+    return cache
+
 
 def clear_caches() -> None:
     """Empty every compiler cache (parsed equations, calls, plans, contraction paths,
-    re-stored patterns). Compiled kernels stay loaded and on disk; the next call of
-    each expression plans it again."""
+    re-stored patterns) and release the memory kept for kernel outputs. Compiled kernels
+    stay loaded and on disk; the next call of each expression plans it again."""
     for cache in _registry.values():
         cache.clear()
 
