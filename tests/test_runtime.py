@@ -4,7 +4,6 @@ result type that depends on formats only."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
