@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -42,7 +39,7 @@ import torch
 from torch import nn
 
 import sparsenn
-from structured import error_text, machine_info, median_times, write_report
+from structured import error_text, first_build, machine_info, median_times, write_report
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
@@ -199,16 +196,6 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def first_build(dtype: str) -> dict:
-    """First and second call (ms) of a bfloat16 / float32 SpMM in a fresh process, empty kernel cache."""
-    with tempfile.TemporaryDirectory() as cache:
-        done = subprocess.run([sys.executable, __file__, "--first-build", dtype], capture_output=True, text=True,
-                              env={**os.environ, "SPARSENN_CACHE_DIR": cache})
-    if done.returncode:
-        return {"error": (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1][:200]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def run_first_build(dtype: str) -> None:
     a = sparsenn.from_torch(uniform_csr(4096)).to(DTYPES[dtype])
     x = torch.randn(4096, 64).to(DTYPES[dtype])
@@ -248,7 +235,7 @@ def main() -> None:
     info = machine_info()
     print(json.dumps(info), flush=True)
     rows = run(args.threads, args.quick)
-    builds = {dtype: first_build(dtype) for dtype in ("float32", "bfloat16")}
+    builds = {dtype: first_build(dtype, __file__) for dtype in ("float32", "bfloat16")}
     print(json.dumps(builds), flush=True)
     stem = "precision_quick" if args.quick else "precision"
     write_report(args.out, stem, markdown(info, rows, builds, args.quick),

@@ -1,6 +1,6 @@
 """Hypothesis profiles: "ci" (default, fixed seed, quick) and "long" (10,000 cases),
 e.g. ``pytest -m fuzz --hypothesis-profile=long``; every test sees NaN in uninitialised
-kernel outputs."""
+kernel outputs; the Cora graph shared by the GCN tests."""
 
 import math
 
@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, settings
 
 import sparsenn
 from _machines import AVX2
+from models.planetoid import load_planetoid
 from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.runtime import launcher
 
@@ -29,6 +30,12 @@ def _poisoned_outputs():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(launcher, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
         yield
+
+
+@pytest.fixture(scope="session")
+def cora():
+    """Cora as PyG loads it (raw features), from the files shipped in models/data."""
+    return load_planetoid("Cora", normalize_features=False)
 
 
 @pytest.fixture

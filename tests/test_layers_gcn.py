@@ -2,37 +2,12 @@
 
 import pytest
 import torch
-from torch_geometric.nn import GCNConv
 
 import sparsenn
-from models.planetoid import load_planetoid
+from _gcn import assert_close_scaled, pair
+
 from sparsenn import SparseGCNConv
 from sparsenn.layers import gcn_norm
-
-
-@pytest.fixture(scope="module")
-def cora():
-    """Cora as PyG loads it (raw features), from the files shipped in models/data."""
-    return load_planetoid("Cora", normalize_features=False)
-
-
-def pair(in_channels, out_channels, seed=0, **kwargs):
-    """A PyG GCNConv and a SparseGCNConv with the same weights (random bias)."""
-    torch.manual_seed(seed)
-    ref = GCNConv(in_channels, out_channels, **kwargs)
-    mine = SparseGCNConv(in_channels, out_channels, **kwargs)
-    with torch.no_grad():
-        if ref.bias is not None:
-            ref.bias.normal_()
-            mine.bias.copy_(ref.bias)
-        mine.weight.copy_(ref.lin.weight)
-    return ref, mine
-
-
-def assert_close_scaled(actual, expected, rtol=1e-5):
-    """Equal to ``rtol`` relative to the largest magnitude of ``expected``."""
-    scale = float(expected.detach().abs().max())
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-30))
 
 
 def run_both(ref, mine, x, edge_index, edge_weight=None):

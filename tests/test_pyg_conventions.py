@@ -10,30 +10,9 @@ from torch import nn
 from torch_geometric.data import Data
 from torch_geometric.nn import GCNConv
 
-from models.planetoid import load_planetoid
+from _gcn import assert_close_scaled, pair
+
 from sparsenn import SparseGCNConv, SparseLinear
-
-
-@pytest.fixture(scope="module")
-def cora():
-    return load_planetoid("Cora", normalize_features=False)
-
-
-def pair(in_channels, out_channels, seed=0, **kwargs):
-    """A PyG GCNConv and a SparseGCNConv with the same weight and a random bias."""
-    torch.manual_seed(seed)
-    ref = GCNConv(in_channels, out_channels, **kwargs)
-    mine = SparseGCNConv(in_channels, out_channels, **kwargs)
-    with torch.no_grad():
-        ref.bias.normal_()
-        mine.bias.copy_(ref.bias)
-        mine.weight.copy_(ref.lin.weight)
-    return ref, mine
-
-
-def close(actual, expected, rtol=1e-5):
-    scale = float(expected.detach().abs().max())
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * max(scale, 1e-30))
 
 
 def adj_t_of(edge_index, num_nodes, weight=None, layout=torch.sparse_csr):
@@ -50,8 +29,8 @@ def test_cora_adj_t_from_to_sparse_tensor_matches_pyg_and_edge_index(cora):
     expected = mine(cora.x, cora.edge_index)
     for adj_t in (data.adj_t, data.adj_t.to_sparse_coo()):
         out = mine(cora.x, adj_t)
-        close(out, ref(cora.x, adj_t))
-        close(out, expected)
+        assert_close_scaled(out, ref(cora.x, adj_t))
+        assert_close_scaled(out, expected)
 
 
 @pytest.mark.parametrize("layout", [torch.sparse_csr, torch.sparse_coo])
@@ -64,15 +43,15 @@ def test_adj_t_weights_and_their_gradients_match_the_edge_index_path(layout):
     x = torch.randn(5, 4, dtype=torch.float64)
     ref, mine = pair(4, 3, improved=True)
     ref, mine = ref.double(), mine.double()
-    close(mine(x, adj_t_of(edge_index, 5, weight, layout)), ref(x, adj_t_of(edge_index, 5, weight, layout)))
+    assert_close_scaled(mine(x, adj_t_of(edge_index, 5, weight, layout)), ref(x, adj_t_of(edge_index, 5, weight, layout)))
     w1, w2 = weight.clone().requires_grad_(), weight.clone().requires_grad_()
     out = mine(x, adj_t_of(edge_index, 5, w1, layout))
     expected = mine(x, edge_index, w2)
-    close(out, expected)
+    assert_close_scaled(out, expected)
     grad = torch.randn_like(out)
     out.backward(grad)
     expected.backward(grad)
-    close(w1.grad, w2.grad)
+    assert_close_scaled(w1.grad, w2.grad)
 
 
 def test_adj_t_with_self_loops_follows_the_edge_index_semantics():
@@ -82,7 +61,7 @@ def test_adj_t_with_self_loops_follows_the_edge_index_semantics():
     weight = torch.tensor([1.0, 2.0, 3.0, 0.5, 4.0])
     x = torch.randn(4, 3)
     _, mine = pair(3, 2)
-    close(mine(x, adj_t_of(edge_index, 4, weight)), mine(x, edge_index, weight))
+    assert_close_scaled(mine(x, adj_t_of(edge_index, 4, weight)), mine(x, edge_index, weight))
 
 
 def test_cached_adj_t():
@@ -121,7 +100,7 @@ def test_lazy_in_channels_initialise_at_the_first_forward(cora):
     with torch.no_grad():
         ref.lin.weight.copy_(conv.weight)
         ref.bias.copy_(conv.bias)
-    close(out, ref(cora.x, cora.edge_index))
+    assert_close_scaled(out, ref(cora.x, cora.edge_index))
     lazy_pyg = GCNConv(-1, 16)
     assert lazy_pyg(cora.x, cora.edge_index).shape == out.shape
     opt = torch.optim.SGD(conv.parameters(), lr=0.1)  # initialised: an optimizer can take it
