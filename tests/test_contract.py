@@ -339,3 +339,14 @@ def test_a_product_on_one_pattern_stays_where_it_is_stored():
     factors = assignment.terms[0].factors
     _, tree = pairs.join(*(contract._Tree(1 << k, factors[k].indices, shared[k], pattern=0) for k in (0, 1)))
     assert tree.info.format == mask.format and tree.pattern == 0
+
+
+def test_explain_shows_the_contraction_path_a_call_runs():
+    g = torch.Generator().manual_seed(0)
+    a = SparseTensor.from_dense(torch.randn(50, 60, dtype=torch.float64, generator=g)
+                                * (torch.rand(50, 60, generator=g) < 0.1), format="csr")
+    x, w = torch.randn(60, 70, dtype=torch.float64), torch.randn(70, 80, dtype=torch.float64)
+    text = sparsenn.explain("ij,jk,kl->il", a, x, w)
+    assert "contraction path" in text and "generated C++" not in text
+    assert "step 1: T1[i,k] = operand0[i,j] * operand1[j,k] (dense)" in text
+    assert "step 2: Out[i,l] = operand2[k,l] * T1[i,k] (the result)" in text

@@ -46,6 +46,7 @@ _EFFECTS = {
     "ws_add": "ws.add({0}, {1});",
     "ws_mark": "ws.mark({0});",
     "ws_drain": "ws.drain(C, {0}, {1}, {2});",
+    "declare_pack": "V* __restrict__ {0} = sn_scratch<{1}>({2});",
 }
 _RUNTIME_CALLS = {
     "crd_count": "C.crd[{0}].size()",
@@ -70,6 +71,8 @@ def array_name(array: ir.Array) -> str:
         return f"d{array.slot}"
     if array.kind == "out":
         return "out"
+    if array.kind == "pack":
+        return f"pack{array.slot}"
     if array.kind in ("dims", "out_val"):
         return "dims" if array.kind == "dims" else "sn_out_val"
     if array.kind == "row_pos":

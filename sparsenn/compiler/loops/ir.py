@@ -46,6 +46,7 @@ EFFECTS = {
     "init_workspace": "(size): the workspace over keys [0, size)",
     "ws_add": "(key, v): v added at key",
     "ws_mark": "(key): key marked present in the current row (pattern only)",
+    "declare_pack": "(pack, id, n): pack, the thread's buffer number id of at least n values V, kept across calls",
     "ws_drain": "(level, rank, dims): the workspace's entries, in key order, appended to the chunk as output "
                 "levels level.. rank - 1 (keys linear over dims); the workspace is left empty",
 }
@@ -94,8 +95,9 @@ class VectorZero(Expr):
 @dataclass(frozen=True)
 class Array:
     """A kernel array: an operand slot's ``pos``/``crd`` of storage level ``level``,
-    its ``val``ues, a dense operand (``dense``), the dense output (``out``), the
-    extents of the index variables (``dims``); for a two-phase sparse output, each
+    its ``val``ues, a dense operand (``dense``), the dense output (``out``), a dense
+    factor's packed panel (``pack``, values V), the extents of the index variables
+    (``dims``); for a two-phase sparse output, each
     row's first position (``row_pos``, int64, counted by the first phase) and the
     caller's ``out_pos``, ``out_crd`` (of run-time index width) and ``out_val``."""
 

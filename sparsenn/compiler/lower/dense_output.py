@@ -289,14 +289,66 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             return ir.Load(ir.Array("val", st.slot), ir.add(first, ROW))
         return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, {a: row(ROW)}))
 
+    d = order[r] if tile.packed else None
+    # The k range the whole tiles cover: [k_lo, n_k), or one packed panel at a time.
+    span = [k_lo, n_k]
+
+    def packed_at(n: int, block_start: ir.Expr, step: ir.Expr, lane: ir.Expr) -> ir.Expr:
+        """Offset in factor ``n``'s panel: ``[(block_start - panel start) / size][step][lane]``."""
+        block = ir.Bin("/", ir.sub(block_start, span[0]), ir.Const(size))
+        return ir.add(ir.mul(ir.add(ir.mul(block, lo.dim(d)), step), ir.Const(size)), lane)
+
+    def pack(st) -> None:
+        """Each packed factor's strip ``[d, span)`` into its panel."""
+        block_start, step = lo.fresh("pb"), lo.fresh("pd")
+        lane = ir.mul(v, ir.Lanes())
+        copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
+                                 lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in tile.packed]
+        lo.emit(ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
+                       ir.Assign(block_start, ir.Const(size), "+="), ir.Block((ir.For(
+                           ir.Decl(step, "index", ir.Const(0)), ir.lt(step, lo.dim(d)), ir.Incr(step),
+                           ir.Block(tuple(counted(v, vectors, c) for c in copies))),))))
+
+    def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
+        """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
+        rewinds the rows first), after packing it if ``has_tile``."""
+        for n in tile.packed:
+            lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), ir.mul(lo.dim(d), ir.Const(tile.panel)))))
+        whole_end, panel, panel_end = lo.fresh("kwhole"), lo.fresh("pk"), lo.fresh("pkend")
+        lo.emit(ir.Decl(whole_end, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+
+        def body():
+            lo.emit(ir.Decl(panel_end, "index", ir.min_(ir.add(panel, tile.panel), whole_end), const=True))
+            span[:] = [panel, panel_end]
+            if restart is not None:
+                lo.emit(restart)
+            lo.emit(ir.If(has_tile, lo.block(lambda: pack(st))))
+            whole_tiles()
+            span[:] = [k_lo, n_k]
+
+        lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
+                       ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(body)))
+
+    def vector_factor(st, n: int) -> ir.Expr:
+        if n in tile.packed:
+            return ir.VectorLoad(ir.Array("pack", n), packed_at(n, ab_k, lo.var(d), ir.mul(v, ir.Lanes())))
+        return lo.vector_load(st[n])
+
+    summed = set(order[r:-1])
+
+    def scales(st) -> list[int]:
+        """The scalar factors constant across the sums (a gate's value at each row): they
+        scale each row's sums where they are stored, not every step."""
+        return [n for n in scalars if not summed & set(_held(st[n]))]
+
     def leaf(st):
         lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-        by_row = [n for n in scalars if a in _held(st[n])]
-        fixed = [n for n in scalars if n not in by_row]
+        by_row = [n for n in scalars if a in _held(st[n]) and n not in scales(st)]
+        fixed = [n for n in scalars if n not in by_row and n not in scales(st)]
         lo.emit(ir.Decl(row_scalar, "V", None, shape=(tile.rows,)))
         scalar = product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)])
         lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)), scalar)))
-        loads = product_of([lo.vector_load(st[n]) for n in with_k])
+        loads = product_of([vector_factor(st, n) for n in with_k])
         lo.emit(counted(v, vectors, ir.Decl(x, "VV", loads, const=True), counted(ROW, tile.rows, ir.Assign(
             ir.Elem(acc, (ROW, v)), ir.mul(ir.Elem(row_scalar, (ROW,)), x), "+="))))
 
@@ -311,12 +363,13 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             else:
                 at = _shifted_pos(lo, at_k[k_anchor], {a: ROW})
             lane = ir.mul(v, ir.Lanes())
-            scaled = product_of([coef, ir.Elem(acc, (ROW, v)),
+            row_scales = [at_row(st[n]) if a in _held(st[n]) else lo.values(st, [n])[0] for n in scales(st)]
+            scaled = product_of([coef, *row_scales, ir.Elem(acc, (ROW, v)),
                                  *(_vector_at(lo, at_k[n], lane, {a: ROW}) for n in outside)])
             value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
             lo.emit(counted(ROW, tile.rows, counted(v, vectors, ir.VectorStore(OUT, ir.add(at, lane), value))))
 
-        lo.emit(ir.For(ir.Decl(ab_k, "index", k_lo), ir.le(ir.add(ab_k, size), n_k),
+        lo.emit(ir.For(ir.Decl(ab_k, "index", span[0]), ir.le(ir.add(ab_k, size), span[1]),
                        ir.Assign(ab_k, ir.Const(size), "+="), lo.block(body)))
 
     ab_k = lo.fresh("kb")
@@ -337,8 +390,14 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                 locate(lo, a, st, located)
                 emit_order(lo, tiled, located, r)
 
-            lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
-                           ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
+            def whole_tiles():
+                lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
+                               ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
+
+            if tile.packed:
+                in_panels(st, ir.le(ir.add(a_lo, tile.rows), a_hi), None, whole_tiles)
+            else:
+                whole_tiles()
             lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
                             const=True))
         else:  # whole tiles of stored positions of the gathering factor's fiber
@@ -350,8 +409,17 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                 lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(tile.rows,)))
                 emit_order(lo, tiled, st, r)
 
-            step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
-            lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
+            def whole_tiles():
+                step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
+                lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
+
+            if tile.packed:
+                fiber_start = lo.fresh("qstart")
+                lo.emit(ir.Decl(fiber_start, "I", cursor.q, const=True))
+                in_panels(st, ir.le(ir.add(fiber_start, tile.rows), cursor.h), ir.Assign(cursor.q, fiber_start),
+                          whole_tiles)
+            else:
+                whole_tiles()
             next_row = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
             lo.emit(ir.Decl(left, "index", ir.Select(ir.lt(cursor.q, cursor.h), next_row, a_hi), const=True))
         # The tiles' rows over the last, partial block of k; then ``plain`` over the rows left.
@@ -360,8 +428,13 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             ir.Load(OUT, offset(inner_st)), product_of([coef, *lo.values(inner_st)]), "+=")),
             {**plain.bounds, a: (a_lo, left), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
         lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
+        given = plain.bounds.get(a)
         plain.bounds[a] = (left, a_hi)
         inner()
+        if given is None:  # the wrapper may be emitted again (in another branch): as it found the bounds
+            del plain.bounds[a]
+        else:
+            plain.bounds[a] = given
 
     return wrapper
 

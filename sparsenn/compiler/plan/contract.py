@@ -48,13 +48,10 @@ from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
 from ..notation import Access, Assignment, Term
 from ..backend.abi import MAX_OUTPUT_RANK
 from .cost import estimate_positions
-from .schedule import OperandInfo, Schedule, schedule
+from .schedule import GEMM_SPEEDUP, OperandInfo, Schedule, schedule
 
-__all__ = ["Step", "best_path"]
+__all__ = ["Step", "best_path", "describe_path"]
 
-# How much faster BLAS runs a dense product than the cost model's accounting (in which
-# vectorised loops already count 1/8) predicts for a generated loop of the same cost.
-DENSE_GEMM_SPEEDUP = 8.0
 INTERMEDIATE_COST = 2.0  # per element of a dense intermediate: written, then read back
 ALL_SPLITS_OPERANDS = 5  # up to this many operands, outer-product splits are searched too
 EXACT_OPERANDS = 10  # beyond, greedy only (listing the splits alone takes 3^n steps)
@@ -149,7 +146,7 @@ class _Pairs:
 
     def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
         """(cost, info, anchor) of contracting a pair: a BLAS call when both are dense
-        (``flops / DENSE_GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
+        (``flops / GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
         ``INTERMEDIATE_COST`` per element; a result on an operand's pattern (that
         operand: ``anchor``) is its values, computed in place; infinite beyond
         :data:`~..backend.abi.MAX_OUTPUT_RANK` indices."""
@@ -158,7 +155,7 @@ class _Pairs:
             return math.inf, OperandInfo(None, shape), None
         if all(i.format is None for i in infos):
             flops = math.prod(self.dims[i] for i in pair.terms[0].indices)
-            return flops / DENSE_GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape), None
+            return flops / GEMM_SPEEDUP + INTERMEDIATE_COST * math.prod(shape), OperandInfo(None, shape), None
         fmt = infer_output_format(pair, [i.format for i in infos])
         if fmt is not None and self._schedule(pair, infos, None).leaves >= SPARSE_OUTPUT_DENSITY * math.prod(shape):
             fmt = None  # fills in: keep the intermediate dense
@@ -301,17 +298,18 @@ def _steps(tree: _Tree, n: int) -> list[Step]:
 
 
 def best_path(
-    assignment: Assignment, infos: Sequence[OperandInfo], itemsize: int, anchored: bool = False
+    assignment: Assignment, infos: Sequence[OperandInfo], itemsize: int, anchored: bool = False, dense: bool = False
 ) -> list[Step] | None:
     """The cheapest pairwise contraction sequence, or ``None`` to fuse all operands.
 
     ``anchored``: the fused result would take a sampling operand's pattern (SDDMM), so
-    it is costed as the dense-output nest that writes values in place, with no assembly."""
+    it is costed as the dense-output nest that writes values in place, with no assembly;
+    ``dense``: the result is requested dense, and the fused nest is costed so."""
     (term,) = assignment.terms
     n = len(term.factors)
     if n < 3:
         return None
-    fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
+    fmt = None if anchored or dense else infer_output_format(assignment, [i.format for i in infos])
     fused = schedule(assignment, infos, fmt, itemsize).cost
     pairs = _Pairs(term, assignment.output, infos, itemsize)
     leaves = [_Tree(1 << k, a.indices, infos[a.operand], pattern=_pattern(infos, a.operand))
@@ -323,3 +321,19 @@ def best_path(
         if exact is not None and exact.cost <= tree.cost:
             tree = exact
     return _steps(tree, n) if tree.cost < fused else None
+
+
+def describe_path(assignment: Assignment, steps: Sequence[Step]) -> list[str]:
+    """One line per step of a contraction path over ``assignment``'s single term, its
+    intermediates named ``T1``, ``T2``, ... in the order they are made."""
+    (term,) = assignment.terms
+    names = [f"operand{a.operand}[{','.join(a.indices)}]" for a in term.factors]
+    lines = []
+    for n, step in enumerate(steps, 1):
+        left, right = names[step.left], names[step.right]
+        last = n == len(steps)
+        made = "Out" if last else f"T{n}"
+        kind = "the result" if last else "dense" if step.dense else "format chosen by its fill"
+        lines.append(f"  step {n}: {made}[{','.join(step.indices)}] = {left} * {right} ({kind})")
+        names = [x for k, x in enumerate(names) if k not in (step.left, step.right)] + [f"{made}[{','.join(step.indices)}]"]
+    return lines

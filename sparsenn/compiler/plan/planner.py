@@ -285,7 +285,7 @@ def contraction_path(assignment: Assignment, infos: tuple[OperandInfo, ...], dty
         formats = tuple(i.format for i in infos)
         output, requested = _requested(assignment, formats, request)
         anchored = find_anchor(assignment, infos, requested, output) is not None
-        hit = (best_path(assignment, infos, itemsize, anchored),)
+        hit = (best_path(assignment, infos, itemsize, anchored, dense=output is None),)
         _paths.put(key, hit)
     return hit[0]
 

@@ -58,6 +58,19 @@ level. It returns a :class:`Schedule`:
   target's widest vectors (AVX-512 rather than AVX2). A factor holding ``k`` (as its
   dense last level) and no index of ``R`` is outside the sums: it scales each block of
   sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
+* **Packed panels.** When ``R`` is one dense reduction ``d`` and a vector factor holds
+  only ``d``, ``k`` and indices fixed above ``a``, in its own layout (an expert's
+  weights ``W[e, d, h]``),
+  the whole tiles of rows run one *panel* of ``k`` at a time: the factor's strip
+  ``[d, panel]`` is copied once per iteration above ``a`` into a per-thread buffer laid
+  out ``[block][d][block offset]``, and every row tile reads it from there (GotoBLAS's
+  packed ``B``). In place, the strip's rows are a row length apart, which for lengths
+  of a multiple of 4 KiB all map onto the same few L1 sets. A panel holds whole
+  register blocks and fills at most a quarter of the L2; it replaces a tile of ``k``
+  (the tile loop would sit above ``a``'s parents, re-reading every row once per tile).
+  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps; a nest with
+  a packed tile runs at the speed of a dense GEMM and is costed as BLAS is
+  (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -101,6 +114,11 @@ SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
 MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
+REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see below)
+MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
+# How much faster BLAS (or a packed register tile) runs a dense product than the cost
+# model's accounting (in which vectorised loops already count 1/8) predicts.
+GEMM_SPEEDUP = 8.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,8 @@ class RegisterTile:
     rows: int
     vectors: int
     gathered_by: int | None = None
+    packed: tuple[int, ...] = ()  # vector factors copied into per-thread panels (see the module doc)
+    panel: int = 0  # ... each panel spanning this much of the register block's index
 
 
 @dataclass(frozen=True)
@@ -169,6 +189,9 @@ class Nest:
             t = self.register_tile
             rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
             parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows})")
+            if t.packed:
+                parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
+                             f"{self.register_block.index}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
@@ -339,23 +362,33 @@ def _panels(order: Sequence[str], tiles: Sequence[Tile], factors: list[Factor]) 
 
 
 def _register_tiled_order(
-    order: tuple[str, ...], output: tuple[str, ...], term: Term, infos, dims: dict[str, int],
-    layout: tuple[str, ...], anchor: int | None, itemsize: int, target: Target,
+    order: tuple[str, ...], candidates: dict[tuple[str, ...], float], output: tuple[str, ...], term: Term, infos,
+    dims: dict[str, int], layout: tuple[str, ...], anchor: int | None, itemsize: int, target: Target,
 ) -> tuple[str, ...] | None:
-    """``order`` with its innermost reduction ``d`` and the output loop ``k`` above it
-    swapped, if that order gets a register tile (see the module doc): the sums over
-    ``d`` then stay in registers for a block of ``k`` instead of being summed across
-    SIMD lanes, one dot product at a time (SDDMM's ``Q Kᵀ`` on a blocked pattern)."""
-    if len(order) < 3 or order[-1] in output or order[-2] not in output:
+    """An order to run instead of the cheapest, ``order``, because it gets a register
+    tile (see the module doc), or None: ``order`` with its innermost reduction ``d``
+    and the output loop ``k`` above it swapped (the sums over ``d`` then stay in
+    registers for a block of ``k`` instead of being summed across SIMD lanes, one dot
+    product at a time: SDDMM's ``Q Kᵀ`` on a blocked pattern); else, when ``order``
+    itself gets none, the cheapest of the ``candidates`` (order: cost) that does and
+    costs at most :data:`REGISTER_TILE_MARGIN` times as much (a weight gradient
+    ``Xᵀ dH`` over an expert's stored rows: ``e, d, c, h`` instead of ``e, c, d, h``)."""
+    def tiled(o: tuple[str, ...]) -> bool:
+        factors = nest_cost(term, o, infos, dims, layout)[2]
+        if anchor is not None and not all(f.natural for f in factors if f.operand == anchor):
+            return False
+        output_order = tuple(sorted(output, key=o.index))
+        block = _register_block(output_order, o, factors, (), dims, itemsize, target)
+        return _register_tile(o, output, factors, block, (), o[0] in output, dims, itemsize, target) is not None
+
+    if len(order) >= 3 and order[-1] not in output and order[-2] in output:
+        swapped = (*order[:-2], order[-1], order[-2])
+        if tiled(swapped):
+            return swapped
+    if tiled(order):
         return None
-    swapped = (*order[:-2], order[-1], order[-2])
-    factors = nest_cost(term, swapped, infos, dims, layout)[2]
-    if anchor is not None and not all(f.natural for f in factors if f.operand == anchor):
-        return None
-    output_order = tuple(sorted(output, key=swapped.index))
-    block = _register_block(output_order, swapped, factors, (), dims, itemsize, target)
-    tile = _register_tile(swapped, output, factors, block, (), True, dims, itemsize, target)
-    return swapped if tile is not None else None
+    bound = candidates[order] * REGISTER_TILE_MARGIN
+    return next((o for o in sorted(candidates, key=candidates.get) if candidates[o] <= bound and tiled(o)), None)
 
 
 def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
@@ -444,10 +477,33 @@ def _register_tile(
     most = min(8, (target.vector_registers - 1 - vectors) // vectors)
     if vectors < 1 or most < 2:
         return None
+    width = vectors * lanes
+    packed, panel = _packed(order, r, factors, width, dims, itemsize, target)
     if gathered_by is not None:
-        return RegisterTile(a, most, vectors, gathered_by)
+        return RegisterTile(a, most, vectors, gathered_by, packed, panel)
     rows = next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most)
-    return RegisterTile(a, min(rows, dims[a]), vectors)
+    return RegisterTile(a, min(rows, dims[a]), vectors, packed=packed, panel=panel)
+
+
+def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, dims: dict[str, int],
+            itemsize: int, target: Target) -> tuple[tuple[int, ...], int]:
+    """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
+    packed, the panel's extent along ``k``; see the module doc): ``R = order[r:-1]`` is
+    one reduction ``d``, dense in every factor, and a packed factor, read in its own layout, holds
+    ``d``, ``k`` and loops above the tile only. A panel holds whole register blocks (``width``) and
+    fills at most a quarter of the L2 per packed factor."""
+    if len(order) - r != 2:
+        return (), 0
+    d, k = order[r], order[-1]
+    if dims[d] < MIN_PACKED_REDUCTION or any(f.sparse and d in (i for i, _ in f.levels) for f in factors):
+        return (), 0
+    above = set(order[:r - 1])
+    packed = tuple(n for n, f in enumerate(factors) if not f.sparse and f.natural
+                   and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above)
+    blocks = target.l2_bytes // 4 // max(len(packed), 1) // (dims[d] * width * itemsize)
+    if not packed or blocks < 1:
+        return (), 0
+    return packed, width * min(blocks, -(-dims[k] // width))
 
 
 def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
@@ -624,7 +680,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         if assignment.epilogue is None and not _scalar(assignment, t):
-            tiled = _register_tiled_order(best, assignment.output, term, infos, dims, layout, anchor, itemsize, target)
+            tiled = _register_tiled_order(best, costs, assignment.output, term, infos, dims, layout, anchor, itemsize,
+                                          target)
             if tiled is not None:
                 costs[tiled] = cost_of(tiled)
                 best = tiled
@@ -648,11 +705,19 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         block = _register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize, target)
         tile = _register_tile(nest.order, assignment.output, factors, block, nest.tiles, nest.parallel, dims,
                               itemsize, target)
+        cost = nest.cost
         if tile is not None:
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
-        blocked.append(replace(nest, register_block=block, register_tile=tile))
+            if tile.packed:  # the panels replace a tile of k
+                tiles = tuple(t for t in nest.tiles if t.index != block.index)
+                nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
+                cost /= GEMM_SPEEDUP
+                total -= nest.cost - cost
+                reasons.append(f"term {nest.term}: factor(s) {list(tile.packed)} packed per thread: costed as a "
+                               f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
+        blocked.append(replace(nest, register_block=block, register_tile=tile, cost=cost))
     nests = [_dense_decisions(nest, n, factors, assignment, target)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:

@@ -20,7 +20,8 @@ from ..expression import parse_statement
 from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.bias import fold_bias
-from ..plan.planner import Plan, operand_infos, plan_call
+from ..plan.contract import describe_path
+from ..plan.planner import Plan, contraction_path, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .autocast import autocast_operands
 from .cache import LRUCache
@@ -245,6 +246,13 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     if checked.all_dense:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
+    infos = operand_infos(checked.operands)
+    folded = fold_bias(assignment, [i.format for i in infos], checked.request)
+    path = contraction_path(folded, infos, checked.dtype, checked.request)
+    if path is not None:
+        lines.append("contraction path: cheaper than one fused kernel, each step its own kernel (BLAS when both "
+                     "operands are dense):")
+        return "\n".join(lines + describe_path(folded, path))
     shown = _plan(assignment, checked)
     if shown.assignment != assignment:
         lines.append(f"biases folded into the epilogue: {shown.assignment}")

@@ -25,6 +25,7 @@
 #include <new>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 typedef SN_VALUE V;
 typedef SN_INDEX I;
@@ -36,6 +37,14 @@ static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
               "SN_VECTOR_BYTES must be a power-of-two multiple of sizeof(V)");
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
+
+/* The calling thread's buffer number Id of at least n values, kept across calls (a
+   register tile's packed panels: no allocation per panel). */
+template <int Id> static inline V* sn_scratch(int64_t n) {
+  static thread_local std::vector<V> buffer;
+  if ((int64_t)buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
 #ifdef SN_STORAGE
 /* 16-bit storage, float arithmetic. A stored value is widened to float exactly when it
