@@ -425,26 +425,34 @@ def test_rows_gathered_by_a_sparse_level_times_a_dense_panel_get_a_register_tile
     infos = [operand_info(op) for op in (gate, x, w)]
     (nest,) = schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target).nests
     assert nest.order == ("e", "t", "d", "h")
-    # Each expert's weights are packed in panels: 256 KiB (a quarter of the L2) holds the
-    # whole h = 128 in blocks of 64 d x one tile width.
-    assert nest.register_tile == RegisterTile("t", rows, vectors, gathered_by=0, packed=(2,), panel=128)
+    assert nest.register_tile == RegisterTile("t", rows, vectors, gathered_by=0)
+
+
+def test_the_weights_of_experts_with_many_tokens_are_packed():
+    # 1024 tokens, 2 of 8 experts each: 256 rows per expert share each pack. 256 KiB (a
+    # quarter of the L2) holds the whole h = 128 in blocks of 64 d x one tile width.
+    gate = SparseTensor.from_dense(routed(8, 1024, dtype=torch.float32), format="csr")
+    infos = [operand_info(op) for op in (gate, torch.randn(1024, 64), torch.randn(8, 64, 128))]
+    (nest,) = schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, AVX512).nests
+    assert nest.register_tile == RegisterTile("t", 6, 4, gathered_by=0, packed=(2,), panel=128)
     assert nest.tiles == ()  # the panels replace the tile of h
 
 
-@pytest.mark.parametrize("equation, shapes, why", [
-    ("et,td,ehd->eth", [(256, 64), (8, 128, 64)], "the weights are read across their layout"),
-    ("et,td,edh->eth", [(256, 8), (8, 8, 128)], "too short a reduction to alias in L1"),
+@pytest.mark.parametrize("tokens, equation, shapes, why", [
+    (1024, "et,td,ehd->eth", [(1024, 64), (8, 128, 64)], "the weights are read across their layout"),
+    (1024, "et,td,edh->eth", [(1024, 8), (8, 8, 128)], "too short a reduction to alias in L1"),
+    (256, "et,td,edh->eth", [(256, 64), (8, 64, 128)], "too few rows per expert to pay for the copy"),
 ])
-def test_weights_are_not_packed(equation, shapes, why):
-    gate = SparseTensor.from_dense(routed(8, 256, dtype=torch.float32), format="csr")
+def test_weights_are_not_packed(tokens, equation, shapes, why):
+    gate = SparseTensor.from_dense(routed(8, tokens, dtype=torch.float32), format="csr")
     infos = [operand_info(op) for op in (gate, *(torch.randn(s) for s in shapes))]
     (nest,) = schedule(parse_einsum(equation, 3), infos, None, 4, AVX512).nests
     assert nest.register_tile is not None and nest.register_tile.packed == (), why
 
 
 def test_a_quarter_of_the_l2_bounds_the_packed_panel():
-    gate = SparseTensor.from_dense(routed(8, 256, dtype=torch.float32), format="csr")
-    infos = [operand_info(op) for op in (gate, torch.randn(256, 512), torch.randn(8, 512, 2048))]
+    gate = SparseTensor.from_dense(routed(8, 1024, dtype=torch.float32), format="csr")
+    infos = [operand_info(op) for op in (gate, torch.randn(1024, 512), torch.randn(8, 512, 2048))]
     small = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=512 << 10,
                    llc_bytes=32 << 20)
     panels = {target.l2_bytes: schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target)
@@ -469,10 +477,10 @@ def test_gathered_register_tiles_match_torch(tokens, d, h, dtype):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threads):
     # d = 512 fills a quarter of the (AVX2 host's) 1 MiB L2 with 128 of h (64 in fp64):
-    # h = 300 runs several panels, a last narrower one and a partial block; 50 tokens
-    # leave partial tiles of rows.
-    gate = routed(6, 50, dtype=dtype, empty=(4,))
-    x, w = torch.randn(50, 512, dtype=dtype), torch.randn(6, 512, 300, dtype=dtype)
+    # h = 300 runs several panels, a last narrower one and a partial block; 1301 tokens
+    # over 5 experts leave partial tiles of rows.
+    gate = routed(6, 1301, dtype=dtype, empty=(4,))
+    x, w = torch.randn(1301, 512, dtype=dtype), torch.randn(6, 512, 300, dtype=dtype)
     sparse = SparseTensor.from_dense(gate, format="csr")
     plan = sparsenn.compiler.runtime.api.plan("et,td,edh->eth", sparse, x, w, out_format="dense")
     assert plan.schedule.nests[0].register_tile.panel < 300
@@ -487,10 +495,12 @@ def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threa
 
 
 def test_packed_panels_over_dense_rows_match_torch():
-    # A compressed vector over e: the rows c of each stored e are a dense range (13: a
-    # partial tile), the weights of e packed once for all of them.
-    scale = torch.tensor([0.0, 1.5, 0.0, -2.0, 0.5], dtype=torch.float64)
-    x, w = torch.randn(5, 13, 64, dtype=torch.float64), torch.randn(5, 64, 72, dtype=torch.float64)
+    # A compressed vector over e: the rows c of each stored e are a dense range (260: a
+    # partial tile; untiled, as x holds 20 x 256 values per row), the weights of e
+    # packed once for all of them.
+    scale = torch.zeros(20, dtype=torch.float64)
+    scale[[3, 11]] = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    x, w = torch.randn(20, 260, 256, dtype=torch.float64), torch.randn(20, 256, 72, dtype=torch.float64)
     sparse = SparseTensor.from_dense(scale, format="c")
     text = sparsenn.explain("e,ecd,edh->ech", sparse, x, w, out_format="dense")
     assert "packed per thread" in text

@@ -68,7 +68,8 @@ level. It returns a :class:`Schedule`:
   of a multiple of 4 KiB all map onto the same few L1 sets. A panel holds whole
   register blocks and fills at most a quarter of the L2; it replaces a tile of ``k``
   (the tile loop would sit above ``a``'s parents, re-reading every row once per tile).
-  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps; a nest with
+  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps and a pack to
+  serve :data:`MIN_PACKED_ROWS` rows on average; a nest with
   a packed tile runs at the speed of a dense GEMM and is costed as BLAS is
   (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
@@ -116,6 +117,9 @@ SPARSE_ACCUMULATOR_COST = 4.0
 MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see below)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
+# Fewer rows per pack: copying the strip costs more than the aliasing it avoids (measured
+# on an expert's weights: 64 rows lose to BLAS on the padded panels, 1024 win).
+MIN_PACKED_ROWS = 256
 # How much faster BLAS (or a packed register tile) runs a dense product than the cost
 # model's accounting (in which vectorised loops already count 1/8) predicts.
 GEMM_SPEEDUP = 8.0
@@ -478,21 +482,27 @@ def _register_tile(
     if vectors < 1 or most < 2:
         return None
     width = vectors * lanes
-    packed, panel = _packed(order, r, factors, width, dims, itemsize, target)
+    if gathered_by is None:
+        rows = dims[a]
+    else:
+        gathering = factors[gathered_by]
+        rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)]
+    packed, panel = _packed(order, r, factors, width, rows, dims, itemsize, target)
     if gathered_by is not None:
         return RegisterTile(a, most, vectors, gathered_by, packed, panel)
     rows = next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most)
     return RegisterTile(a, min(rows, dims[a]), vectors, packed=packed, panel=panel)
 
 
-def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, dims: dict[str, int],
+def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, rows: float, dims: dict[str, int],
             itemsize: int, target: Target) -> tuple[tuple[int, ...], int]:
     """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
     packed, the panel's extent along ``k``; see the module doc): ``R = order[r:-1]`` is
     one reduction ``d``, dense in every factor, and a packed factor, read in its own layout, holds
     ``d``, ``k`` and loops above the tile only. A panel holds whole register blocks (``width``) and
-    fills at most a quarter of the L2 per packed factor."""
-    if len(order) - r != 2:
+    fills at most a quarter of the L2 per packed factor. ``rows``: the expected rows
+    of the tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
+    if len(order) - r != 2 or rows < MIN_PACKED_ROWS:
         return (), 0
     d, k = order[r], order[-1]
     if dims[d] < MIN_PACKED_REDUCTION or any(f.sparse and d in (i for i, _ in f.levels) for f in factors):
