@@ -142,9 +142,12 @@ def avx2_host(monkeypatch):
 
 
 def test_no_python_loop_over_experts_and_explain_shows_the_gathered_tile(avx2_host):
-    moe = layer(d=16, h=64, experts=6, k=2)
-    text = moe.explain(torch.randn(64, 16))
-    assert text.count("stored rows of factor 0") == 2
+    # ~300 tokens per expert: each product is one kernel, the expert's weights packed.
+    moe = layer(d=16, h=64, experts=2, k=1)
+    text = moe.explain(torch.randn(600, 16))
+    assert text.count("stored rows of factor 0") == 2 and text.count("packed per thread in panels") == 2
+    y = moe(torch.randn(600, 16))
+    assert y.shape == (600, 16)
 
 
 def test_ddp_without_find_unused_parameters_trains_with_an_empty_expert(tmp_path):

@@ -18,9 +18,12 @@ values at the slots), the forward pass is five compiled einsums::
     Z[e,c,d] = R[e,c] A[e,c,h] W2[e,h,d]
     y[t,d]   = K[t,s] Z[s,d]  (+ G[t,e] b2[e,d])  weighted scatter back to tokens
 
-The two expert products run a register tile over the slots stored in ``R``'s row
-``e`` (``explain()`` shows it); unoccupied slots are never read, experts without tokens
-cost nothing, and there is no Python loop over experts. Gradients are the compiler's
+Each expert product is one compiled kernel or a contraction path, as the planner costs
+them (``explain()`` shows which): with many tokens per expert, a register tile over the
+slots stored in ``R``'s row ``e`` against the expert's weights packed per thread
+(unoccupied slots are never read); with few, ``R ⊙ X`` and then BLAS's batched GEMM
+over the panels. Experts without tokens cost nothing, and there is no Python loop over
+experts. Gradients are the compiler's
 (dense gradients of dense weights: an expert without tokens gets zeros, not None).
 """
 

@@ -34,7 +34,15 @@ the scalars at ``a + t`` read at their position at ``a`` plus ``t`` times the ex
 below ``a`` (their levels from ``a`` down are dense, so positions are affine in ``a``).
 Rows gathered by a sparse level take whole tiles of its stored positions ``q .. q + T``
 instead (row ``t`` is ``crd[q + t]``; the gathering factor's value is at ``q + t``), and
-the plain nest continues from the first coordinate left.
+the plain nest continues from the first coordinate left. Scalar factors constant
+across ``R`` (a gate's value at each gathered row) scale the stored sums instead of
+every step. With *packed* factors the whole tiles run one panel of ``k`` at a time::
+
+    for panels [pk, pe) of whole blocks of k: if a whole tile of rows exists:
+            pack[(kb - pk) / B][d][0:B] = factor[..., d, kb : kb + B]  for kb in the panel
+        for ab in whole tiles of a: for kb in [pk, pe): ... the tile, reading pack
+
+(``pack`` a per-thread buffer kept across calls; ``R`` is the one dense loop ``d``).
 """
 
 from __future__ import annotations
@@ -313,7 +321,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
         rewinds the rows first), after packing it if ``has_tile``."""
         for n in tile.packed:
-            lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), ir.mul(lo.dim(d), ir.Const(tile.panel)))))
+            values = ir.mul(lo.dim(d), ir.Const(tile.panel))
+            lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), values)))
         whole_end, panel, panel_end = lo.fresh("kwhole"), lo.fresh("pk"), lo.fresh("pkend")
         lo.emit(ir.Decl(whole_end, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
 

@@ -335,5 +335,6 @@ def describe_path(assignment: Assignment, steps: Sequence[Step]) -> list[str]:
         made = "Out" if last else f"T{n}"
         kind = "the result" if last else "dense" if step.dense else "format chosen by its fill"
         lines.append(f"  step {n}: {made}[{','.join(step.indices)}] = {left} * {right} ({kind})")
-        names = [x for k, x in enumerate(names) if k not in (step.left, step.right)] + [f"{made}[{','.join(step.indices)}]"]
+        kept = [x for k, x in enumerate(names) if k not in (step.left, step.right)]
+        names = [*kept, f"{made}[{','.join(step.indices)}]"]
     return lines

@@ -60,23 +60,25 @@ level. It returns a :class:`Schedule`:
   sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
 * **Packed panels.** When ``R`` is one dense reduction ``d`` and a vector factor holds
   only ``d``, ``k`` and indices fixed above ``a``, in its own layout (an expert's
-  weights ``W[e, d, h]``),
-  the whole tiles of rows run one *panel* of ``k`` at a time: the factor's strip
-  ``[d, panel]`` is copied once per iteration above ``a`` into a per-thread buffer laid
-  out ``[block][d][block offset]``, and every row tile reads it from there (GotoBLAS's
-  packed ``B``). In place, the strip's rows are a row length apart, which for lengths
-  of a multiple of 4 KiB all map onto the same few L1 sets. A panel holds whole
-  register blocks and fills at most a quarter of the L2; it replaces a tile of ``k``
-  (the tile loop would sit above ``a``'s parents, re-reading every row once per tile).
-  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps and a pack to
-  serve :data:`MIN_PACKED_ROWS` rows on average; a nest with
-  a packed tile runs at the speed of a dense GEMM and is costed as BLAS is
+  weights ``W[e, d, h]``), the whole tiles of rows run one *panel* of ``k`` at a time:
+  the factor's strip ``[d, panel]`` is copied once per iteration above ``a`` into a
+  per-thread buffer laid out ``[block][d][block offset]``, and every row tile reads it
+  from there (GotoBLAS's packed ``B``). In place, the strip's rows are a row length
+  apart, which for lengths of a multiple of 4 KiB all map onto the same few L1 sets. A
+  panel holds whole register blocks and fills at most a quarter of the L2; it replaces
+  a tile of ``k`` (the tile loop would sit above ``a``'s parents, re-reading every row
+  once per tile). Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION`
+  steps and a pack to serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a
+  packed tile runs at the speed of a dense GEMM and is costed as BLAS is
   (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
   gets a register tile: ``K`` is re-laid out with ``j`` last, the sums stay in
   registers across ``d`` and no sum crosses SIMD lanes (a dot tile would add them up).
+  A cheapest order that gets no register tile gives way to the cheapest one that does,
+  if it costs at most :data:`REGISTER_TILE_MARGIN` times as much (the cost model counts
+  loop iterations, not the registers a tile saves).
 * **Dot tiles** (a micro-kernel for sampled products, block SDDMM): when the innermost
   loop ``d`` is a vector reduction and the two loops above it, ``a`` and ``b``, are
   output indices, each vector factor reads at most one of them, some read ``a`` and some
