@@ -350,3 +350,21 @@ def test_explain_shows_the_contraction_path_a_call_runs():
     assert "contraction path" in text and "generated C++" not in text
     assert "step 1: T1[i,k] = operand0[i,j] * operand1[j,k] (dense)" in text
     assert "step 2: Out[i,l] = operand2[k,l] * T1[i,k] (the result)" in text
+
+
+def test_an_epilogue_after_a_cheaper_contraction_path():
+    # The sum A X W runs as its path (BLAS for the dense step), then relu(· + b) over it.
+    g = torch.Generator().manual_seed(1)
+    a = SparseTensor.from_dense(torch.randn(50, 60, dtype=torch.float64, generator=g)
+                                * (torch.rand(50, 60, generator=g) < 0.1), format="csr")
+    x, w = torch.randn(60, 70, dtype=torch.float64), torch.randn(70, 80, dtype=torch.float64)
+    b = torch.randn(80, dtype=torch.float64)
+    expression = sparsenn.compile("Y[i,l] = relu(A[i,j] * X[j,k] * W[k,l] + b[l])", out_format="dense")
+    text = expression.explain(a, x, w, b)
+    assert "contraction path" in text and "then the epilogue" in text and "generated C++" not in text
+    y = expression(a, x, w, b)
+    torch.testing.assert_close(y, torch.relu(a.to_dense() @ x @ w + b))
+    assert y.data_ptr() not in (x.data_ptr(), w.data_ptr(), b.data_ptr())
+    small = [torch.randn(60, 7, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64),
+             torch.randn(5, dtype=torch.float64)]
+    assert torch.autograd.gradcheck(lambda *p: expression(a, *p), [t.requires_grad_() for t in small])

@@ -29,8 +29,9 @@ stored entries:
   with an implicit reduction, is one assignment whose epilogue applies ``f`` to the
   reduced value plus the terms that are dense, without reduction indices (a bias
   ``b[k]``) and constants. When the sum's result is sparse for these formats (``A``,
-  ``X`` both CSR) and ``f`` keeps zeros, or a sparse ``out_format`` is asked for, the
-  sum is staged and ``f`` applied to it as a term value instead, keeping it sparse.
+  ``X`` both CSR), ``f`` keeps zeros and no dense ``out_format`` is asked for, or a
+  sparse one is, the sum is staged and ``f`` applied to it as a term value instead,
+  keeping it sparse.
   Constants added at the top level (``A[i,j] + 1``) also make an epilogue.
 * **Denominators** must be dense: a sparse operand written in one (outside an
   explicit reduction) is a ValueError; a reduction or staged sum in one is computed
@@ -205,9 +206,9 @@ class _Builder:
         output = self.statement.indices
         terms = self.terms(call.args[0], context, dense_math=True)
         function = FUNCTIONS[call.function]
-        asked_sparse = out_format is not None and not (isinstance(out_format, str) and out_format.strip().lower()
-                                                       in ("dense", "auto"))
-        if all(t.factors for t in terms) and function.zero_preserving:
+        asked = out_format.strip().lower() if isinstance(out_format, str) else out_format
+        asked_sparse = asked not in (None, "dense", "auto")
+        if all(t.factors for t in terms) and function.zero_preserving and asked != "dense":
             local, ids = self.localise(Assignment(output, tuple(self.term(t) for t in terms), tuple(self.names)))
             sparse_sum = result_format(local, [self.sparse[v] for v in ids]) is not None
         else:

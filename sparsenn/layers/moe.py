@@ -10,21 +10,23 @@ Tokens are grouped by expert into padded panels ``(E, C, ·)`` (``C``: the most 
 expert received): slot ``c < n_e`` of expert ``e`` holds its ``c``-th token, in token
 order. With ``R`` the ``E × C`` CSR matrix of occupied slots, ``S`` the ``(E·C) × T``
 one-hot gather of tokens into slots and ``K`` the ``T × (E·C)`` combine matrix (``G``'s
-values at the slots), the forward pass is five compiled einsums::
+values at the slots), the forward pass is four compiled kernels::
 
     X[s,d]   = S[s,t] x[t,d]                      gather tokens into panels
-    H[e,c,h] = R[e,c] X[e,c,d] W1[e,d,h]          per expert, over its occupied slots
-    A        = f(H + b1)                          torch, elementwise on the panels
+    A[e,c,h] = f(R[e,c] X[e,c,d] W1[e,d,h] + b1)  per expert, over its occupied slots
     Z[e,c,d] = R[e,c] A[e,c,h] W2[e,h,d]
     y[t,d]   = K[t,s] Z[s,d]  (+ G[t,e] b2[e,d])  weighted scatter back to tokens
 
-Each expert product is one compiled kernel or a contraction path, as the planner costs
-them (``explain()`` shows which): with many tokens per expert, a register tile over the
-slots stored in ``R``'s row ``e`` against the expert's weights packed per thread
-(unoccupied slots are never read); with few, ``R ⊙ X`` and then BLAS's batched GEMM
-over the panels. Experts without tokens cost nothing, and there is no Python loop over
-experts. Gradients are the compiler's
-(dense gradients of dense weights: an expert without tokens gets zeros, not None).
+``f`` is the first product's epilogue when no gradient is recorded; under autograd the
+product is stored and torch applies ``f`` (an epilogue's backward runs as torch's
+elementwise ops, slower than torch's own activation backward). Each expert product is
+one kernel or a contraction path, as the planner costs them (``explain()`` shows
+which): with many tokens per expert, a register tile over the slots stored in ``R``'s
+row ``e`` against the expert's weights packed per thread (unoccupied slots are never
+read); with few, ``R ⊙ X`` and then BLAS's batched GEMM over the panels. Experts
+without tokens cost nothing, and there is no Python loop over experts. Gradients are
+the compiler's (dense gradients of dense weights: an expert without tokens gets zeros,
+not None).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparsenn.compiler import einsum, explain
+from sparsenn.compiler import compile_expression, einsum, explain
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
 
@@ -122,6 +124,13 @@ def _keep_within_capacity(experts: Tensor, probs: Tensor, num_experts: int, limi
     keep[order] = rank < limit
     return keep
 
+
+# The first expert product with the activation as its epilogue: f applied to each
+# panel slice of H once its sums are complete (and the bias added), in the same kernel.
+_HIDDEN = {name: compile_expression(f"A[e,c,h] = {name}(R[e,c] * X[e,c,d] * W[e,d,h])", out_format="dense")
+           for name in ACTIVATIONS}
+_HIDDEN_BIASED = {name: compile_expression(f"A[e,c,h] = {name}(R[e,c] * X[e,c,d] * W[e,d,h] + b[e,h])",
+                                           out_format="dense") for name in ACTIVATIONS}
 
 _UNTRACEABLE = ("the routing decides the sizes of the expert panels (data-dependent shapes), so torch.compile runs the "
                 "gate and the experts eagerly")
@@ -274,10 +283,18 @@ class SparseMoE(nn.Module):
             raise ValueError(f"gates must have shape (T, E) = {(x.shape[0], self.num_experts)}, got {gates.shape}")
         plan = dispatch(gates)
         panels = einsum("st,td->sd", plan.gather, x).view(self.num_experts, plan.capacity, self.d_model)
-        hidden = einsum("ec,ecd,edh->ech", plan.slots, panels, self.w1, out_format="dense")
-        if self.b1 is not None:
-            hidden = hidden + self.b1[:, None, :]
-        act = ACTIVATIONS[self.activation](hidden)
+        params = (panels, self.w1) if self.b1 is None else (panels, self.w1, self.b1)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            # The backward of an activation epilogue runs as torch's elementwise ops: keep
+            # the pre-activation instead, for torch's activation backward.
+            hidden = einsum("ec,ecd,edh->ech", plan.slots, panels, self.w1, out_format="dense")
+            if self.b1 is not None:
+                hidden = hidden + self.b1[:, None, :]
+            act = ACTIVATIONS[self.activation](hidden)
+        elif self.b1 is None:
+            act = _HIDDEN[self.activation](plan.slots, panels, self.w1)
+        else:
+            act = _HIDDEN_BIASED[self.activation](plan.slots, panels, self.w1, self.b1)
         out = einsum("ec,ech,ehd->ecd", plan.slots, act, self.w2, out_format="dense")
         y = einsum("ts,sd->td", plan.combine, out.view(-1, self.d_model))
         if self.b2 is not None:
@@ -292,14 +309,16 @@ class SparseMoE(nn.Module):
         return self.experts(x.reshape(-1, self.d_model), routed.gates).view(x.shape)
 
     def explain(self, x: Tensor) -> str:
-        """The compiler's schedules of the two expert products for input ``x``."""
+        """The compiler's schedules of the two expert products for input ``x`` (as
+        inference runs them: the activation in the first one's epilogue)."""
         with torch.no_grad():
             tokens = _check_input(x, self.d_model, self.w1.dtype)
             plan = dispatch(self.gate(tokens).gates)
             panels = torch.zeros(self.num_experts, plan.capacity, self.d_model, dtype=x.dtype)
             hidden = torch.zeros(self.num_experts, plan.capacity, self.d_hidden, dtype=x.dtype)
-            return "\n".join([explain("ec,ecd,edh->ech", plan.slots, panels, self.w1, out_format="dense"),
-                              explain("ec,ech,ehd->ecd", plan.slots, hidden, self.w2, out_format="dense")])
+            first = (_HIDDEN[self.activation].explain(plan.slots, panels, self.w1) if self.b1 is None
+                     else _HIDDEN_BIASED[self.activation].explain(plan.slots, panels, self.w1, self.b1))
+            return "\n".join([first, explain("ec,ech,ehd->ecd", plan.slots, hidden, self.w2, out_format="dense")])
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_hidden={self.d_hidden}, num_experts={self.num_experts}, k={self.k}, "

@@ -21,7 +21,7 @@ from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.bias import fold_bias
 from ..plan.contract import describe_path
-from ..plan.planner import Plan, contraction_path, operand_infos, plan_call
+from ..plan.planner import DENSE, Plan, contraction_path, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .autocast import autocast_operands
 from .cache import LRUCache
@@ -249,10 +249,15 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     infos = operand_infos(checked.operands)
     folded = fold_bias(assignment, [i.format for i in infos], checked.request)
     path = contraction_path(folded, infos, checked.dtype, checked.request)
+    then = []
+    if path is None and folded.epilogue is not None and checked.request == DENSE:
+        folded = replace(folded, epilogue=None)
+        path = contraction_path(folded, infos, checked.dtype, checked.request)
+        then = ["  then the epilogue, elementwise over the result"]
     if path is not None:
         lines.append("contraction path: cheaper than one fused kernel, each step its own kernel (BLAS when both "
                      "operands are dense):")
-        return "\n".join(lines + describe_path(folded, path))
+        return "\n".join(lines + describe_path(folded, path) + then)
     shown = _plan(assignment, checked)
     if shown.assignment != assignment:
         lines.append(f"biases folded into the epilogue: {shown.assignment}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,10 +26,10 @@ from sparsenn.formats import Format, SparseTensor
 
 from .. import functions
 from ..blocks import Split, split_call
-from ..notation import Access, Assignment, Term
+from ..notation import Access, Apply, Assignment, Epilogue, Factor, Reduced, Term, Value
 from ..plan.bias import fold_bias
 from ..plan.contract import Step
-from ..plan.planner import Request, contraction_path, operand_infos, path_request, plan_call
+from ..plan.planner import DENSE, Request, contraction_path, operand_infos, path_request, plan_call
 from .cache import LRUCache
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
@@ -62,7 +62,7 @@ def split_of(assignment: Assignment, checked: Checked) -> Split | None:
     return split_call(assignment, formats, [tuple(op.shape) for op in checked.operands], checked.request)
 
 
-def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | PathCall | DenseCall:
+def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall:
     """What a checked call runs (its ``run(operands)``)."""
     split = split_of(assignment, checked)
     if split is not None:
@@ -75,6 +75,11 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
     if path is not None:
         last = path_request(assignment, [i.format for i in infos], checked.request)
         return PathCall(assignment, tuple(path), last)
+    if assignment.epilogue is not None and checked.request == DENSE:
+        body = replace(assignment, epilogue=None)
+        path = contraction_path(body, infos, checked.dtype, checked.request)
+        if path is not None:
+            return EpiloguePathCall(PathCall(body, tuple(path), DENSE), assignment.epilogue)
     shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
     return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
 
@@ -115,6 +120,37 @@ class PathCall:
                 return result * term.coefficient
             return result.with_values(result.values * term.coefficient)
         return result
+
+
+@dataclass(frozen=True)
+class EpiloguePathCall:
+    """A product with an epilogue whose sum a contraction path computes faster than one
+    fused kernel: the path, then the epilogue over its dense result (one elementwise
+    call, the reduced value as its first factor)."""
+
+    path: PathCall
+    epilogue: Epilogue
+
+    def run(self, operands: Sequence) -> torch.Tensor:
+        output = self.path.assignment.output
+        factors = (Access(0, output), *(Access(k + 1, f.indices) for k, f in enumerate(self.epilogue.factors)))
+        value = _reduced_as_factor(self.epilogue.value)
+        applied = Assignment(output, (Term(1.0, factors, value),), ("reduced", *(f"bias{k}" for k in
+                                                                               range(len(self.epilogue.factors)))))
+        inputs = [self.path.run(operands), *(operands[f.operand] for f in self.epilogue.factors)]
+        return evaluate(applied, inputs, "dense")
+
+
+def _reduced_as_factor(value: Value) -> Value:
+    """An epilogue's value over a term's factors: the reduced value is factor 0, the
+    epilogue's factor k is factor k + 1."""
+    if isinstance(value, Reduced):
+        return Factor(0)
+    if isinstance(value, Factor):
+        return Factor(value.k + 1)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_reduced_as_factor(a) for a in value.args))
+    return value
 
 
 @dataclass(frozen=True)
@@ -169,7 +205,7 @@ def _general(assignment: Assignment, operands: Sequence, out_shape: tuple[int, .
     indices (the output's first) and reducing the rest."""
     output = assignment.output
     dtype = operands[0].dtype
-    out = torch.zeros(out_shape, dtype=dtype) if assignment.reduction == "sum" else None
+    out = None
     for term in assignment.terms:
         space = list(output) + [i for i in term.indices if i not in output]
         factors = [_spread(operands[a.operand], a.indices, space) for a in term.factors]
@@ -177,22 +213,29 @@ def _general(assignment: Assignment, operands: Sequence, out_shape: tuple[int, .
             value = functools.reduce(torch.mul, factors, torch.ones((), dtype=dtype))
         else:
             value = functions.evaluate(term.value, factors)
-        value = term.coefficient * value
+        if term.coefficient != 1.0:
+            value = term.coefficient * value
         full = list(out_shape) + [_size(term, operands, i) for i in space[len(output):]]
         value = value.expand(full)
         reduced = tuple(range(len(output), len(space)))
         if assignment.reduction == "sum":
-            out = out + (value.sum(reduced) if reduced else value)
+            part = value.sum(reduced) if reduced else value
+            out = part if out is None else out + part
         elif not reduced:
             out = value.clone()
         elif value.numel() == 0:
             out = torch.full(out_shape, functions.IDENTITY[assignment.reduction], dtype=dtype)
         else:
             out = value.amax(reduced) if assignment.reduction == "max" else value.amin(reduced)
+    if out is None:  # no terms
+        out = torch.zeros(out_shape, dtype=dtype)
     epilogue = assignment.epilogue
     if epilogue is not None:
         factors = [_spread(operands[a.operand], a.indices, output) for a in epilogue.factors]
-        out = functions.evaluate(epilogue.value, factors, reduced=out).expand(out_shape).contiguous()
+        out = functions.evaluate(epilogue.value, factors, reduced=out)
+    out = out.expand(out_shape).contiguous()
+    if any(out.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
+        out = out.clone()  # a value that is an operand itself: the result never aliases one
     return out
 
 
