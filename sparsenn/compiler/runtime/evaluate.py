@@ -132,13 +132,12 @@ class EpiloguePathCall:
     epilogue: Epilogue
 
     def run(self, operands: Sequence) -> torch.Tensor:
-        output = self.path.assignment.output
-        factors = (Access(0, output), *(Access(k + 1, f.indices) for k, f in enumerate(self.epilogue.factors)))
-        value = _reduced_as_factor(self.epilogue.value)
-        applied = Assignment(output, (Term(1.0, factors, value),), ("reduced", *(f"bias{k}" for k in
-                                                                               range(len(self.epilogue.factors)))))
-        inputs = [self.path.run(operands), *(operands[f.operand] for f in self.epilogue.factors)]
-        return evaluate(applied, inputs, "dense")
+        output, extra = self.path.assignment.output, self.epilogue.factors
+        factors = (Access(0, output), *(Access(k + 1, f.indices) for k, f in enumerate(extra)))
+        names = ("reduced", *(f"epilogue{k}" for k in range(len(extra))))
+        applied = Assignment(output, (Term(1.0, factors, _reduced_as_factor(self.epilogue.value)),), names)
+        inputs = [self.path.run(operands), *(operands[f.operand] for f in extra)]
+        return evaluate(applied, inputs, DENSE)
 
 
 def _reduced_as_factor(value: Value) -> Value:
