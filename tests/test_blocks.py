@@ -484,6 +484,7 @@ def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threa
     sparse = SparseTensor.from_dense(gate, format="csr")
     plan = sparsenn.compiler.runtime.api.plan("et,td,edh->eth", sparse, x, w, out_format="dense")
     assert plan.schedule.nests[0].register_tile.panel < 300
+    assert "packed per thread in panels" in sparsenn.explain("et,td,edh->eth", sparse, x, w, out_format="dense")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -503,7 +504,7 @@ def test_packed_panels_over_dense_rows_match_torch():
     x, w = torch.randn(20, 260, 256, dtype=torch.float64), torch.randn(20, 256, 72, dtype=torch.float64)
     sparse = SparseTensor.from_dense(scale, format="c")
     text = sparsenn.explain("e,ecd,edh->ech", sparse, x, w, out_format="dense")
-    assert "packed per thread" in text
+    assert "packed per thread in panels" in text
     out = sparsenn.einsum("e,ecd,edh->ech", sparse, x, w, out_format="dense")
     torch.testing.assert_close(out, torch.einsum("e,ecd,edh->ech", scale, x, w))
 
