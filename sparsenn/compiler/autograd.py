@@ -33,7 +33,8 @@ import torch
 from sparsenn.formats import SparseTensor
 
 from .functions import apply, derivative
-from .notation import Access, Apply, Assignment, Constant, Factor, Reduced, Term, Value
+from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from .plan.bias import split_epilogue
 from .runtime.ops import traced_evaluate, tracing
 
 __all__ = ["differentiable_evaluate"]
@@ -180,35 +181,10 @@ def _dtype_of(grad_out) -> torch.dtype:
     return grad_out.values.dtype if isinstance(grad_out, SparseTensor) else grad_out.dtype
 
 
-@functools.lru_cache(maxsize=256)
-def _without_epilogue(assignment: Assignment) -> tuple[Assignment, Assignment, tuple[int, ...]]:
-    """``Out = epilogue(R)`` as ``R`` (the reduced terms, a dense result) and the
-    epilogue as one elementwise term over ``R`` and the operands it reads (their numbers
-    returned): training keeps ``R``, which the epilogue's derivative reads, instead of
-    recomputing it."""
-    epilogue = assignment.epilogue
-    reduced = Assignment(assignment.output, assignment.terms, assignment.operand_names, assignment.reduction)
-    read = tuple(sorted({a.operand for a in epilogue.factors}))
-    factors = (Access(0, assignment.output),) + tuple(Access(1 + read.index(a.operand), a.indices)
-                                                     for a in epilogue.factors)
-    names = ("Reduced",) + tuple(assignment.operand_names[n] for n in read)
-    return reduced, Assignment(assignment.output, (Term(1.0, factors, _substituted(epilogue.value)),), names), read
-
-
 @torch.compiler.assume_constant_result
 def _epilogue_reads(assignment: Assignment) -> tuple[int, ...]:
-    """The operands an epilogue reads (:func:`_without_epilogue`), a constant for tracers."""
-    return _without_epilogue(assignment)[2]
-
-
-def _substituted(value: Value) -> Value:
-    """An epilogue's value as a term's: the reduced value is factor 0, epilogue factor
-    ``k`` is ``k + 1``."""
-    if isinstance(value, Reduced):
-        return Factor(0)
-    if isinstance(value, Apply):
-        return Apply(value.function, tuple(_substituted(a) for a in value.args))
-    return _shifted(value, 1)
+    """The operands an epilogue reads (:func:`~.plan.bias.split_epilogue`), a constant for tracers."""
+    return split_epilogue(assignment)[2]
 
 
 class _SparseEinsum(torch.autograd.Function):
@@ -283,7 +259,7 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
     dense operand or sparse operand's values require grad. An epilogue is then run as a
     second, elementwise assignment over the saved reduced values (see
-    :func:`_without_epilogue`). Under a tracer each evaluation is one
+    :func:`~.plan.bias.split_epilogue`). Under a tracer each evaluation is one
     ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
     traced = tracing()
     if traced:
@@ -300,9 +276,14 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
         return evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
                         ("epilogue",))
     if assignment.epilogue is not None:
-        reduced, apply_epilogue, read = _without_epilogue(assignment)
+        reduced, apply_epilogue, read = split_epilogue(assignment)
         pre = differentiable_evaluate(evaluate, reduced, operands, "dense")
-        return differentiable_evaluate(evaluate, apply_epilogue, [pre, *(operands[n] for n in read)], out_format)
+        inputs = [pre, *(operands[n] for n in read)]
+        if out_format in (None, "dense") and all(isinstance(op, torch.Tensor) for op in inputs):
+            # All dense: torch's own elementwise ops, whose backward torch's autograd
+            # records (one fused kernel per function, as gelu_backward).
+            return evaluate(apply_epilogue, inputs, out_format)
+        return differentiable_evaluate(evaluate, apply_epilogue, inputs, out_format)
     tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
     templates = []
     for op in operands:

@@ -17,9 +17,8 @@ values at the slots), the forward pass is four compiled kernels::
     Z[e,c,d] = R[e,c] A[e,c,h] W2[e,h,d]
     y[t,d]   = K[t,s] Z[s,d]  (+ G[t,e] b2[e,d])  weighted scatter back to tokens
 
-``f`` is the first product's epilogue when no gradient is recorded; under autograd the
-product is stored and torch applies ``f`` (an epilogue's backward runs as torch's
-elementwise ops, slower than torch's own activation backward). Each expert product is
+``f`` is the first product's epilogue (under autograd the compiler keeps the product
+and torch applies ``f``, as its backward needs the product). Each expert product is
 one kernel or a contraction path, as the planner costs them (``explain()`` shows
 which): with many tokens per expert, a register tile over the slots stored in ``R``'s
 row ``e`` against the expert's weights packed per thread (unoccupied slots are never
@@ -33,12 +32,10 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum, explain
@@ -50,7 +47,7 @@ __all__ = ["GateOutput", "Dispatch", "SparseMoEGate", "SparseMoE", "dispatch", "
 Noise = Literal["none", "jitter", "gumbel"]
 NOISES = ("none", "jitter", "gumbel")
 JITTER = 1e-2
-ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu}
+ACTIVATIONS = ("gelu", "relu", "silu")  # functions of the compiler's index notation
 _VALUE_DTYPES = (torch.float32, torch.float64)
 CSR = parse_format("csr", 2)
 
@@ -253,7 +250,7 @@ class SparseMoE(nn.Module):
         self.d_hidden = _check_int("d_hidden", d_hidden, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
         if gate is None:
             gate = SparseMoEGate(d_model, num_experts, k=k, dtype=dtype)
         elif not isinstance(gate, SparseMoEGate):
@@ -283,15 +280,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"gates must have shape (T, E) = {(x.shape[0], self.num_experts)}, got {gates.shape}")
         plan = dispatch(gates)
         panels = einsum("st,td->sd", plan.gather, x).view(self.num_experts, plan.capacity, self.d_model)
-        params = (panels, self.w1) if self.b1 is None else (panels, self.w1, self.b1)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            # The backward of an activation epilogue runs as torch's elementwise ops: keep
-            # the pre-activation instead, for torch's activation backward.
-            hidden = einsum("ec,ecd,edh->ech", plan.slots, panels, self.w1, out_format="dense")
-            if self.b1 is not None:
-                hidden = hidden + self.b1[:, None, :]
-            act = ACTIVATIONS[self.activation](hidden)
-        elif self.b1 is None:
+        if self.b1 is None:
             act = _HIDDEN[self.activation](plan.slots, panels, self.w1)
         else:
             act = _HIDDEN_BIASED[self.activation](plan.slots, panels, self.w1, self.b1)
@@ -310,7 +299,7 @@ class SparseMoE(nn.Module):
 
     def explain(self, x: Tensor) -> str:
         """The compiler's schedules of the two expert products for input ``x`` (as
-        inference runs them: the activation in the first one's epilogue)."""
+        inference runs them)."""
         with torch.no_grad():
             tokens = _check_input(x, self.d_model, self.w1.dtype)
             plan = dispatch(self.gate(tokens).gates)

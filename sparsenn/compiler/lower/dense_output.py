@@ -352,8 +352,9 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def leaf(st):
         lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-        by_row = [n for n in scalars if a in _held(st[n]) and n not in scales(st)]
-        fixed = [n for n in scalars if n not in by_row and n not in scales(st)]
+        summed_scalars = [n for n in scalars if n not in scales(st)]
+        by_row = [n for n in summed_scalars if a in _held(st[n])]
+        fixed = [n for n in summed_scalars if n not in by_row]
         lo.emit(ir.Decl(row_scalar, "V", None, shape=(tile.rows,)))
         scalar = product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)])
         lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)), scalar)))

@@ -1,23 +1,26 @@
-"""Biases folded into an epilogue.
+"""Biases folded into an epilogue, and an epilogue split off its reduction.
 
 A term whose factors are all dense and indexed by output indices only adds the same
 dense values to the output whatever the other terms do: ``Y[b,o] = X[b,i] W[o,i] +
 bias[o]``. As a term it is a second nest, a second pass over the output; folded into
 the epilogue (``Y = R + bias[o]``, :class:`~..notation.Epilogue`) it is added to each
-output slice right after the product that finishes it.
+output slice right after the product that finishes it. :func:`split_epilogue` undoes
+an epilogue into the reduction and one elementwise assignment over its result (training
+keeps the reduced values; a contraction path computes them apart).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from sparsenn.formats import Format
 
 from ..functions import apply
-from ..notation import Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
+from ..notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .infer import result_format
 
-__all__ = ["fold_bias"]
+__all__ = ["fold_bias", "split_epilogue"]
 
 
 def _is_bias(term: Term, output: tuple[str, ...], formats: Sequence[Format | None]) -> bool:
@@ -47,3 +50,30 @@ def fold_bias(assignment: Assignment, formats: Sequence[Format | None], request)
             factors.append(access)
         value = apply("add", value, product)
     return Assignment(output, tuple(kept), assignment.operand_names, "sum", Epilogue(tuple(factors), value))
+
+
+@functools.lru_cache(maxsize=256)
+def split_epilogue(assignment: Assignment) -> tuple[Assignment, Assignment, tuple[int, ...]]:
+    """``Out = epilogue(R)`` as ``R`` (the reduced terms, a dense result) and the
+    epilogue as one elementwise term over ``R`` (factor 0) and the operands it reads
+    (their numbers returned, in order: factors 1, 2, ...)."""
+    epilogue = assignment.epilogue
+    reduced = Assignment(assignment.output, assignment.terms, assignment.operand_names, assignment.reduction)
+    read = tuple(sorted({a.operand for a in epilogue.factors}))
+    factors = (Access(0, assignment.output),) + tuple(Access(1 + read.index(a.operand), a.indices)
+                                                     for a in epilogue.factors)
+    names = ("Reduced",) + tuple(assignment.operand_names[n] for n in read)
+    term = Term(1.0, factors, _over_reduced(epilogue.value))
+    return reduced, Assignment(assignment.output, (term,), names), read
+
+
+def _over_reduced(value: Value) -> Value:
+    """An epilogue's value as a term's: the reduced value is factor 0, epilogue factor
+    ``k`` is ``k + 1``."""
+    if isinstance(value, Reduced):
+        return Factor(0)
+    if isinstance(value, Factor):
+        return Factor(value.k + 1)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_over_reduced(a) for a in value.args))
+    return value

@@ -21,11 +21,11 @@ from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.bias import fold_bias
 from ..plan.contract import describe_path
-from ..plan.planner import DENSE, Plan, contraction_path, operand_infos, plan_call
+from ..plan.planner import Plan, operand_infos, plan_call
 from ..plan.schedule import Schedule
 from .autocast import autocast_operands
 from .cache import LRUCache
-from .evaluate import evaluate, split_of
+from .evaluate import EpiloguePathCall, evaluate, path_call, split_of
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
@@ -247,17 +247,14 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
     infos = operand_infos(checked.operands)
-    folded = fold_bias(assignment, [i.format for i in infos], checked.request)
-    path = contraction_path(folded, infos, checked.dtype, checked.request)
-    then = []
-    if path is None and folded.epilogue is not None and checked.request == DENSE:
-        folded = replace(folded, epilogue=None)
-        path = contraction_path(folded, infos, checked.dtype, checked.request)
-        then = ["  then the epilogue, elementwise over the result"]
+    path = path_call(fold_bias(assignment, [i.format for i in infos], checked.request), infos, checked)
     if path is not None:
         lines.append("contraction path: cheaper than one fused kernel, each step its own kernel (BLAS when both "
                      "operands are dense):")
-        return "\n".join(lines + describe_path(folded, path) + then)
+        if isinstance(path, EpiloguePathCall):
+            steps = describe_path(path.path.assignment, path.path.steps)
+            return "\n".join(lines + steps + ["  then the epilogue, elementwise over the result"])
+        return "\n".join(lines + describe_path(path.assignment, path.steps))
     shown = _plan(assignment, checked)
     if shown.assignment != assignment:
         lines.append(f"biases folded into the epilogue: {shown.assignment}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,8 +26,8 @@ from sparsenn.formats import Format, SparseTensor
 
 from .. import functions
 from ..blocks import Split, split_call
-from ..notation import Access, Apply, Assignment, Epilogue, Factor, Reduced, Term, Value
-from ..plan.bias import fold_bias
+from ..notation import Access, Assignment, Term
+from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
 from ..plan.planner import DENSE, Request, contraction_path, operand_infos, path_request, plan_call
 from .cache import LRUCache
@@ -71,17 +71,26 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
     assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
+    path = path_call(assignment, infos, checked)
+    if path is not None:
+        return path
+    shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
+    return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+
+
+def path_call(assignment: Assignment, infos, checked: Checked) -> PathCall | EpiloguePathCall | None:
+    """The pairwise contractions a call runs instead of one fused kernel, if cheaper
+    (``assignment``: its biases folded); with an epilogue, over the reduction alone."""
     path = contraction_path(assignment, infos, checked.dtype, checked.request)
     if path is not None:
         last = path_request(assignment, [i.format for i in infos], checked.request)
         return PathCall(assignment, tuple(path), last)
     if assignment.epilogue is not None and checked.request == DENSE:
-        body = replace(assignment, epilogue=None)
-        path = contraction_path(body, infos, checked.dtype, checked.request)
+        reduced, epilogue, read = split_epilogue(assignment)
+        path = contraction_path(reduced, infos, checked.dtype, checked.request)
         if path is not None:
-            return EpiloguePathCall(PathCall(body, tuple(path), DENSE), assignment.epilogue)
-    shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
-    return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+            return EpiloguePathCall(PathCall(reduced, tuple(path), DENSE), epilogue, read)
+    return None
 
 
 @dataclass(frozen=True)
@@ -125,31 +134,15 @@ class PathCall:
 @dataclass(frozen=True)
 class EpiloguePathCall:
     """A product with an epilogue whose sum a contraction path computes faster than one
-    fused kernel: the path, then the epilogue over its dense result (one elementwise
-    call, the reduced value as its first factor)."""
+    fused kernel: the path, then the epilogue as one elementwise call over its dense
+    result (:func:`~..plan.bias.split_epilogue`)."""
 
     path: PathCall
-    epilogue: Epilogue
+    epilogue: Assignment  # over the path's result (operand 0) and ``read``
+    read: tuple[int, ...]
 
     def run(self, operands: Sequence) -> torch.Tensor:
-        output, extra = self.path.assignment.output, self.epilogue.factors
-        factors = (Access(0, output), *(Access(k + 1, f.indices) for k, f in enumerate(extra)))
-        names = ("reduced", *(f"epilogue{k}" for k in range(len(extra))))
-        applied = Assignment(output, (Term(1.0, factors, _reduced_as_factor(self.epilogue.value)),), names)
-        inputs = [self.path.run(operands), *(operands[f.operand] for f in extra)]
-        return evaluate(applied, inputs, DENSE)
-
-
-def _reduced_as_factor(value: Value) -> Value:
-    """An epilogue's value over a term's factors: the reduced value is factor 0, the
-    epilogue's factor k is factor k + 1."""
-    if isinstance(value, Reduced):
-        return Factor(0)
-    if isinstance(value, Factor):
-        return Factor(value.k + 1)
-    if isinstance(value, Apply):
-        return Apply(value.function, tuple(_reduced_as_factor(a) for a in value.args))
-    return value
+        return evaluate(self.epilogue, [self.path.run(operands), *(operands[n] for n in self.read)], DENSE)
 
 
 @dataclass(frozen=True)

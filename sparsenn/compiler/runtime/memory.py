@@ -59,13 +59,9 @@ class OutputPool:
     def _evict(self) -> None:
         """Forget storages beyond the bounds, least recently handed out first (one still
         in use lives on with its tensors)."""
-        def over() -> bool:
-            return len(self._storages) > self.max_buffers or sum(s.nbytes() for s in self._storages) > self.max_bytes
-
-        for storage in list(self._storages):
-            if not over():
-                return
-            self._storages.remove(storage)
+        held = sum(s.nbytes() for s in self._storages)
+        while len(self._storages) > self.max_buffers or held > self.max_bytes:
+            held -= self._storages.pop(0).nbytes()
             self.evictions += 1
 
     def clear(self) -> None:

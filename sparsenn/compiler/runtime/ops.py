@@ -43,6 +43,7 @@ from sparsenn.formats.tensor import array_version
 
 from ..expression import Statement
 from ..notation import Assignment
+from ..plan.bias import split_epilogue
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve
 from .launcher import Launch
@@ -164,9 +165,8 @@ def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignm
     * ``()``: ``assignment``; ``("program",)``: the statement ``assignment``'s program;
     * ``("einsum", equation, num_operands)``: the parsed equation;
     * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
-      run apart when training (``autograd._without_epilogue``);
+      run apart when training (:func:`~..plan.bias.split_epilogue`);
     * ``("kernel", table, *args)``: a kernel of :func:`register_kernels`."""
-    from ..autograd import _without_epilogue  # autograd -> this module
     from .api import parse  # api -> this module
 
     if not derive or derive[0] == "program":
@@ -174,9 +174,9 @@ def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignm
     if derive[0] == "einsum":
         return parse(*derive[1:])
     if derive[0] == "reduced":
-        return _without_epilogue(assignment)[0]
+        return split_epilogue(assignment)[0]
     if derive[0] == "epilogue":
-        return _without_epilogue(assignment)[1]
+        return split_epilogue(assignment)[1]
     return _TABLES[derive[1]](*derive[2:])
 
 
