@@ -5,10 +5,13 @@ eagerly, fp32 inference.
     PYTHONPATH=<worktree> python benchmarks/tracing.py [--quick] [--threads 1 2] [--out DIR]
 
 1. A sparse MLP: ``SparseLinear(784, 256)`` at 90 %, ReLU, ``SparseLinear(256, 784)`` at
-   90 %, batch 64 and 4096.
+   90 %, batch 64 and 4096; and, as the reference for what torch.compile itself costs a
+   small model, the same MLP of dense ``nn.Linear`` layers at batch 64.
 2. A two-layer ``SparseGCNConv`` network (128 -> 128 -> 16 features) on a seeded random
    graph of 20,000 nodes and 200,000 edges, adjacency cached by one eager call.
 3. ``BlockSparseAttention(256, 4 heads, blocks of 64)`` at sequence 2048, batch 1.
+4. ``SparseMoE(512, 2048, 8 experts, k=2)`` on 4096 tokens (the routing's sizes unbacked
+   symbolic sizes in the compiled graph).
 
 Target (#19): compiled time <= 1.1 x eager, i.e. eager / compiled >= 0.91. The compile
 time of the first compiled call (Dynamo, AOTAutograd, inductor; kernels already cached by
@@ -32,7 +35,7 @@ import sparsenn
 from structured import compare, machine_info, run_case, section_table, target, write_report
 
 SECTIONS = {"mlp": "1. Sparse MLP 784 -> 256 -> 784 (csr, 90 %)", "gcn": "2. Two-layer SparseGCNConv",
-            "attention": "3. BlockSparseAttention, L = 2048"}
+            "attention": "3. BlockSparseAttention, L = 2048", "moe": "4. SparseMoE, 8 experts, top-2"}
 
 
 class _GCN(nn.Module):
@@ -76,6 +79,11 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
                               sparsenn.SparseLinear(256, 784, sparsity=0.9))
         return _case(model, (torch.randn(batch, 784),), compile_times, f"mlp b={batch}")
 
+    def dense_mlp() -> dict:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 784))
+        return _case(model, (torch.randn(64, 784),), compile_times, "dense mlp b=64")
+
     def gcn() -> dict:
         g = torch.Generator().manual_seed(0)
         nodes = 20_000
@@ -87,10 +95,14 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
         layer = sparsenn.BlockSparseAttention(256, 4, block_size=64, seed=0)
         return _case(layer, (torch.randn(1, 2048, 256),), compile_times, "attention")
 
-    out = [("mlp", "batch 64", lambda: mlp(64))]
+    def moe() -> dict:
+        torch.manual_seed(0)
+        return _case(sparsenn.SparseMoE(512, 2048, 8, k=2), (torch.randn(4096, 512),), compile_times, "moe")
+
+    out = [("mlp", "batch 64", lambda: mlp(64)), ("mlp", "dense nn.Linear MLP, batch 64 (torch only)", dense_mlp)]
     if not quick:
         out += [("mlp", "batch 4096", lambda: mlp(4096)), ("gcn", "20k nodes, 200k edges", gcn),
-                ("attention", "L=2048 b=1", attention)]
+                ("attention", "L=2048 b=1", attention), ("moe", "d 512, hidden 2048, 4096 tokens", moe)]
     return out
 
 

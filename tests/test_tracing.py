@@ -214,14 +214,46 @@ def test_jit_trace_records_the_ops_and_generalises_over_values():
         _assert_close(traced(other), mlp(other))
 
 
-def test_jit_trace_refuses_moe_and_compile_runs_it_eagerly():
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_compile_fullgraph_moe_at_routing_dependent_sizes(capacity_factor):
+    """The routing's index ops give the panels' capacity (and, with a capacity limit, the
+    kept choices) as unbacked sizes: one graph serves calls routed differently."""
+    torch.manual_seed(8)
+    gate = sparsenn.SparseMoEGate(16, 4, k=2, capacity_factor=capacity_factor)
+    moe = sparsenn.SparseMoE(16, 32, 4, k=2, gate=gate, bias=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    for tokens in (10, 10, 37):
+        x = torch.randn(tokens, 16)
+        actual = compiled(x)
+        compiled_losses = moe.aux_loss, moe.z_loss, moe.dropped
+        expected = moe(x)
+        _assert_close(actual, expected)
+        for got, want in zip(compiled_losses, (moe.aux_loss, moe.z_loss, moe.dropped)):
+            torch.testing.assert_close(got, want)
+        for got, want in zip(_gradients(moe, actual + compiled_losses[0]), _gradients(moe, expected + moe.aux_loss)):
+            _assert_close(got, want)
+        assert capacity_factor is None or int(moe.dropped) > 0
+
+
+def test_compiled_moe_breaks_only_at_the_routing_ops():
+    """Without fullgraph, Dynamo breaks at ops whose output sizes depend on data (as at
+    torch.nonzero) and nowhere else in the layer."""
+    torch.manual_seed(8)
+    moe = sparsenn.SparseMoE(16, 32, 4, k=2, gate=sparsenn.SparseMoEGate(16, 4, k=2, capacity_factor=1.0))
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(moe)(torch.randn(10, 16))
+    reasons = {str(r.reason).splitlines()[0] for r in report.break_reasons}
+    assert reasons == {"Dynamic shape operator"}, reasons
+    assert {str(r.reason).splitlines()[1].split("`")[1] for r in report.break_reasons} == {
+        "sparsenn.kept_choices.default", "sparsenn.moe_dispatch.default"}
+
+
+def test_jit_trace_refuses_moe():
     torch.manual_seed(8)
     moe = sparsenn.SparseMoE(16, 32, 4, k=2)
-    x = torch.randn(10, 16)
     with pytest.raises(RuntimeError, match="cannot record SparseMoE"):
-        torch.jit.trace(moe, (x,))
-    torch._dynamo.reset()
-    _assert_close(torch.compile(moe)(x), moe(x))
+        torch.jit.trace(moe, (torch.randn(10, 16),))
 
 
 def test_opcheck_evaluate_and_its_gradient():
@@ -371,10 +403,11 @@ def test_compile_in_a_fresh_process():
         torch.manual_seed(0)
         model = nn.Sequential(sparsenn.SparseLinear(24, 16, sparsity=0.8), nn.ReLU(), sparsenn.SparseLinear(16, 4))
         conv = sparsenn.SparseGCNConv(4, 3)
+        moe = sparsenn.SparseMoE(3, 8, 4, k=2)
         x, edges = torch.randn(6, 24), torch.randint(0, 6, (2, 12))
-        run = torch.compile(lambda x, e: conv(model(x), e), fullgraph=True)
+        run = torch.compile(lambda x, e: moe(conv(model(x), e)), fullgraph=True)
         out = run(x, edges)
-        torch.testing.assert_close(out, conv(model(x), edges))
+        torch.testing.assert_close(out, moe(conv(model(x), edges)))
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

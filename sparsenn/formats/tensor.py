@@ -86,7 +86,8 @@ class SparseTensor(Constructors):
     def __init__(self, shape: Sequence[int], format: str | Format, pos: Sequence[Tensor | None],
                  crd: Sequence[Tensor | None], values: Tensor, check: bool = True,
                  index_dtype: torch.dtype | None = None) -> None:
-        shape = tuple(operator.index(n) for n in shape)
+        # Traced sizes stay symbolic (an expert panel's capacity is decided by the routing).
+        shape = tuple(shape) if torch.compiler.is_compiling() else tuple(operator.index(n) for n in shape)
         if any(n < 0 for n in shape):
             raise ValueError(f"shape {shape} has a negative dimension")
         fmt = parse_format(format, len(shape))

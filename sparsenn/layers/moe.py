@@ -25,7 +25,9 @@ row ``e`` against the expert's weights packed per thread (unoccupied slots are n
 read); with few, ``R ⊙ X`` and then BLAS's batched GEMM over the panels. Experts
 without tokens cost nothing, and there is no Python loop over experts. Gradients are
 the compiler's (dense gradients of dense weights: an expert without tokens gets zeros,
-not None).
+not None). The routing's index work whose sizes depend on the routing (``C``, the
+choices a capacity limit keeps) is custom ops (:mod:`.routing`), so ``torch.compile``
+traces the layer whole, ``C`` an unbacked symbolic size.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from torch import Tensor, nn
 from sparsenn.compiler import compile_expression, einsum, explain
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
+
+from .routing import dispatch_arrays, kept_choices, occurrences
 
 __all__ = ["GateOutput", "Dispatch", "SparseMoEGate", "SparseMoE", "dispatch", "capacity"]
 
@@ -59,14 +63,14 @@ class GateOutput(NamedTuple):
     weights (differentiable w.r.t. the router). ``aux_loss``: ``E Σᵢ fᵢ Pᵢ`` with ``fᵢ`` the
     fraction of the ``T·k`` routing choices that picked expert ``i`` (before capacity
     dropping; 1 at perfect balance) and ``Pᵢ`` the mean full-softmax probability of
-    ``i``. ``z_loss``: ``mean_t (logsumexp_e logits[t, e])²``. ``dropped``: routing
-    choices removed by the capacity limit.
+    ``i``. ``z_loss``: ``mean_t (logsumexp_e logits[t, e])²``. ``dropped``: the number of
+    routing choices removed by the capacity limit (an int64 scalar tensor).
     """
 
     gates: SparseTensor
     aux_loss: Tensor
     z_loss: Tensor
-    dropped: int
+    dropped: Tensor
 
 
 @dataclass(frozen=True)
@@ -114,7 +118,7 @@ def _keep_within_capacity(experts: Tensor, probs: Tensor, num_experts: int, limi
     by_prob = torch.sort(probs, descending=True, stable=True).indices
     order = by_prob[torch.sort(experts[by_prob], stable=True).indices]
     sorted_experts = experts[order]
-    counts = torch.bincount(sorted_experts, minlength=num_experts)
+    counts = occurrences(sorted_experts, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank = torch.arange(experts.numel()) - starts[sorted_experts]
     keep = torch.empty_like(experts, dtype=torch.bool)
@@ -129,10 +133,6 @@ _HIDDEN = {name: compile_expression(f"A[e,c,h] = {name}(R[e,c] * X[e,c,d] * W[e,
 _HIDDEN_BIASED = {name: compile_expression(f"A[e,c,h] = {name}(R[e,c] * X[e,c,d] * W[e,d,h] + b[e,h])",
                                            out_format="dense") for name in ACTIVATIONS}
 
-_UNTRACEABLE = ("the routing decides the sizes of the expert panels (data-dependent shapes), so torch.compile runs the "
-                "gate and the experts eagerly")
-
-
 def dispatch(gates: SparseTensor) -> Dispatch:
     """The expert-major panels of a ``T × E`` CSR gate (see module doc); O(T·k) index work."""
     if not isinstance(gates, SparseTensor):
@@ -140,24 +140,15 @@ def dispatch(gates: SparseTensor) -> Dispatch:
     if gates.ndim != 2 or gates.format != CSR:
         raise ValueError(f"gates must be a T × E csr SparseTensor, got {gates.format} of shape {gates.shape}")
     tokens, experts = gates.shape
-    row_pos, expert = gates.pos[1].long(), gates.crd[1].long()
-    token = torch.repeat_interleave(torch.arange(tokens), row_pos.diff())
-    order = torch.sort(expert, stable=True).indices  # expert-major, tokens ascending within an expert
-    counts = torch.bincount(expert, minlength=experts)
-    cap = int(counts.max()) if expert.numel() else 0
-    slot = torch.empty_like(expert)
-    slot[order] = torch.arange(expert.numel()) - (torch.cumsum(counts, 0) - counts)[expert[order]]
-    flat = expert * cap + slot  # ascending within a token row: experts are sorted there
-    index = gates.index_dtype if max(experts * cap, tokens) < 2**31 else torch.int64
-    ones = gates.values.new_ones(expert.numel()).detach()
-    slot_pos = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(index)
-    gather_pos = torch.cat([counts.new_zeros(1), torch.cumsum(torch.bincount(flat, minlength=experts * cap), 0)])
+    wide = gates.index_dtype == torch.int64 or max(experts * tokens, tokens) >= 2**31
+    slot_pos, slot_crd, gather_pos, gather_crd, combine_crd, cap = dispatch_arrays(gates.pos[1], gates.crd[1],
+                                                                                    experts, wide)
+    ones = gates.values.new_ones(slot_crd.shape[0]).detach()
     return Dispatch(
-        slots=SparseTensor((experts, cap), "csr", (None, slot_pos), (None, slot[order].to(index)), ones, check=False),
-        gather=SparseTensor((experts * cap, tokens), "csr", (None, gather_pos.to(index)),
-                            (None, token[order].to(index)), ones, check=False),
-        combine=SparseTensor((tokens, experts * cap), "csr", (None, gates.pos[1].to(index)), (None, flat.to(index)),
-                             gates.values, check=False),
+        slots=SparseTensor((experts, cap), CSR, (None, slot_pos), (None, slot_crd), ones, check=False),
+        gather=SparseTensor((experts * cap, tokens), CSR, (None, gather_pos), (None, gather_crd), ones, check=False),
+        combine=SparseTensor((tokens, experts * cap), CSR, (None, gates.pos[1].to(slot_pos.dtype)),
+                             (None, combine_crd), gates.values, check=False),
         capacity=cap)
 
 
@@ -195,7 +186,6 @@ class SparseMoEGate(nn.Module):
         self.noise, self.capacity_factor, self.normalize = noise, capacity_factor, bool(normalize)
         self.router = nn.Linear(self.d_model, self.num_experts, bias=False, dtype=dtype)
 
-    @torch.compiler.disable  # see _UNTRACEABLE
     def forward(self, x: Tensor) -> GateOutput:
         tokens = _check_input(x, self.d_model, self.router.weight.dtype)
         if self.training and self.noise == "jitter":
@@ -211,20 +201,25 @@ class SparseMoEGate(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         num_tokens, experts = tokens.shape[0], chosen.reshape(-1)
         count = max(num_tokens, 1)  # no tokens: both losses 0
-        fraction = torch.bincount(experts, minlength=self.num_experts).to(probs.dtype) / (count * self.k)
+        fraction = occurrences(experts, self.num_experts).to(probs.dtype) / (count * self.k)
         aux_loss = self.num_experts * (fraction * probs.sum(0) / count).sum()
         z_loss = torch.logsumexp(logits, -1).square().sum() / count
-        keep = torch.ones_like(experts, dtype=torch.bool)
-        if self.capacity_factor is not None:
+        index = torch.int32 if max(num_tokens, self.num_experts) * self.k < 2**31 else torch.int64
+        values = weights.reshape(-1)
+        if self.capacity_factor is None:
+            pos = torch.arange(0, num_tokens * self.k + 1, self.k, dtype=index)
+            dropped = torch.zeros((), dtype=torch.int64)
+        else:
             limit = capacity(num_tokens, self.num_experts, self.k, self.capacity_factor)
             keep = _keep_within_capacity(experts, probs.detach().gather(1, chosen).reshape(-1),
                                          self.num_experts, limit)
-        counts = keep.view(num_tokens, self.k).sum(-1)
-        index = torch.int32 if max(num_tokens, self.num_experts) * self.k < 2**31 else torch.int64
-        pos = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(index)
-        gates = SparseTensor((num_tokens, self.num_experts), "csr", (None, pos), (None, experts[keep].to(index)),
-                             weights.reshape(-1)[keep], check=False)
-        return GateOutput(gates, aux_loss, z_loss, int((~keep).sum()))
+            counts = keep.view(num_tokens, self.k).sum(-1)
+            pos = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(index)
+            kept = kept_choices(keep)
+            experts, values, dropped = experts[kept], values[kept], (~keep).sum()
+        gates = SparseTensor((num_tokens, self.num_experts), CSR, (None, pos), (None, experts.to(index)), values,
+                             check=False)
+        return GateOutput(gates, aux_loss, z_loss, dropped)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_experts={self.num_experts}, k={self.k}, noise={self.noise!r}, "
@@ -265,7 +260,7 @@ class SparseMoE(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(num_experts, d_model, dtype=dtype)) if bias else None
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
-        self.dropped: int | None = None
+        self.dropped: Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -273,7 +268,6 @@ class SparseMoE(nn.Module):
         nn.init.uniform_(self.w1, -self.d_model ** -0.5, self.d_model ** -0.5)
         nn.init.uniform_(self.w2, -self.d_hidden ** -0.5, self.d_hidden ** -0.5)
 
-    @torch.compiler.disable  # see _UNTRACEABLE
     def experts(self, x: Tensor, gates: SparseTensor) -> Tensor:
         """``Σ_e gates[t,e] FFN_e(x_t)`` for tokens ``x`` ``(T, d_model)`` and a ``T × E`` csr gate."""
         if gates.shape != (x.shape[0], self.num_experts):
@@ -292,7 +286,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_tracing():
-            raise RuntimeError(f"torch.jit.trace cannot record SparseMoE: {_UNTRACEABLE}")
+            raise RuntimeError("torch.jit.trace cannot record SparseMoE: the routing decides the sizes of the expert "
+                               "panels, which a trace would fix to the example's; torch.compile traces them")
         routed = self.gate(x)
         self.aux_loss, self.z_loss, self.dropped = routed.aux_loss, routed.z_loss, routed.dropped
         return self.experts(x.reshape(-1, self.d_model), routed.gates).view(x.shape)
