@@ -249,6 +249,22 @@ def test_compiled_moe_breaks_only_at_the_routing_ops():
         "sparsenn.kept_choices.default", "sparsenn.moe_dispatch.default"}
 
 
+def test_opcheck_routing_ops():
+    from sparsenn.layers.routing import dispatch_arrays, kept_choices
+
+    keep = torch.tensor([True, False, True, True, False])
+    torch.library.opcheck(kept_choices, (keep,))
+    assert kept_choices(keep).tolist() == [0, 2, 3]
+    # tokens 0: experts {0, 2}, 1: {1, 2}, 2: {2}; expert 2 takes three tokens
+    pos, crd = torch.tensor([0, 2, 4, 5], dtype=torch.int32), torch.tensor([0, 2, 1, 2, 2], dtype=torch.int32)
+    torch.library.opcheck(dispatch_arrays, (pos, crd, 3, False))
+    slot_pos, slot_crd, gather_pos, gather_crd, combine_crd, capacity = dispatch_arrays(pos, crd, 3, False)
+    assert capacity == 3 and slot_pos.dtype == torch.int32
+    assert slot_pos.tolist() == [0, 1, 2, 5] and slot_crd.tolist() == [0, 0, 0, 1, 2]
+    assert gather_pos.tolist() == [0, 1, 1, 1, 2, 2, 2, 3, 4, 5] and gather_crd.tolist() == [0, 1, 0, 1, 2]
+    assert combine_crd.tolist() == [0, 6, 3, 7, 8]
+
+
 def test_jit_trace_refuses_moe():
     torch.manual_seed(8)
     moe = sparsenn.SparseMoE(16, 32, 4, k=2)
