@@ -5,11 +5,13 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 (the sequence padded to ``L' = ceil(L / s) * s``):
 
 * ``Q, K, V = x W_q + b_q, x W_k + b_k, x W_v + b_v``, split into heads (einops);
-* ``M`` is a blocked ``(batch, H, L', L')`` pattern of ones (``dddc(1,1,s,s)``): block
-  row ``r`` holds the global blocks, the window around ``r`` and random blocks, a global
-  block row holds every block; key blocks that are wholly padding are left out;
-* ``S = M ⊙ (Q / sqrt(d)) Kᵀ`` (block SDDMM, the scale folded into ``Q``), plus ``-inf``
-  at padded keys inside stored blocks (in the same kernel);
+* ``M`` is a blocked ``(batch, H, L', L')`` pattern (``dddc(1,1,s,s)``) whose values are
+  the score scale ``1 / sqrt(d)``: block row ``r`` holds the global blocks, the window
+  around ``r`` and random blocks, a global block row holds every block; key blocks that
+  are wholly padding are left out;
+* ``S = M ⊙ Q Kᵀ`` (block SDDMM: the kernel multiplies each stored score by the mask's
+  value once, so the scale costs nothing), plus ``-inf`` at padded keys inside stored
+  blocks (in the same kernel);
 * ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
 
@@ -38,7 +40,7 @@ __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 # The scores on M's pattern plus a key bias (-inf at padded keys), in one kernel: adding the
 # bias to computed scores in a second masked expression has a sampled gradient that is
 # assembled element-wise and re-packed by a sort of every stored entry (25 s at batch 64, L 1024).
-_PADDED_SCORES = compile_expression("S<M>[b,h,i,j] = Q[b,h,i,d] * K[b,h,j,d] + bias[b,j]")
+_PADDED_SCORES = compile_expression("S<M>[b,h,i,j] = M[b,h,i,j] * Q[b,h,i,d] * K[b,h,j,d] + bias[b,j]")
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,9 @@ def _at_key_blocks(array: Tensor) -> tuple[Tensor | None, ...]:
 
 
 def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
-               dtype: torch.dtype) -> SparseTensor:
-    """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
-    length; key blocks that are wholly padding (per batch element) left out."""
+               dtype: torch.dtype, value: float = 1.0) -> SparseTensor:
+    """``value`` on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the
+    padded length; key blocks that are wholly padding (per batch element) left out."""
     n, s = pattern.num_blocks, block_size
     row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
     if padding is None:
@@ -131,7 +133,8 @@ def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, p
     pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
     length = n * s
     return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
-                        _at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
+                        _at_key_blocks(cols.to(index)), torch.full((cols.numel() * s * s,), value, dtype=dtype),
+                        check=False)
 
 
 def _mask_index_dtype(batch: int, heads: int, num_blocks: int) -> torch.dtype:
@@ -152,19 +155,19 @@ def _pattern_blocks(num_blocks: int, num_global: int, num_window: int, num_rando
 
 @torch.library.custom_op("sparsenn::bigbird_mask", mutates_args=())
 def _bigbird_mask_op(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int,
-                     heads: int, block_size: int, padding: Tensor | None,
-                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                     heads: int, block_size: int, padding: Tensor | None, dtype: torch.dtype,
+                     value: float) -> tuple[Tensor, Tensor, Tensor]:
     """``(pos, crd, values)`` of :func:`block_mask` of the pattern drawn from ``seed``,
     for a traced :class:`BlockSparseAttention`."""
     generator = torch.Generator().manual_seed(int(seed))
     pattern = bigbird_pattern(num_blocks, num_global, num_window, num_random, generator)
-    mask = block_mask(pattern, batch, heads, block_size, padding, dtype)
+    mask = block_mask(pattern, batch, heads, block_size, padding, dtype, value)
     return mask.pos[3], mask.crd[3], mask.values
 
 
 @_bigbird_mask_op.register_fake
 def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int, heads: int,
-      block_size: int, padding: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+      block_size: int, padding: Tensor | None, dtype: torch.dtype, value: float) -> tuple[Tensor, Tensor, Tensor]:
     if padding is None:  # every (batch, head) stores the whole pattern
         blocks = batch * heads * _pattern_blocks(num_blocks, num_global, num_window, num_random)
     else:  # wholly padded key blocks are left out
@@ -176,13 +179,14 @@ def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: 
 
 @torch.compiler.assume_constant_result
 def _bigbird_mask_constant(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: int, batch: int,
-                           heads: int, block_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+                           heads: int, block_size: int, dtype: torch.dtype,
+                           value: float) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsenn::bigbird_mask`` without padding, run once while tracing: the traced
     program keeps the arrays as constants, so every call hands the same ones on and the
     kernels find their plans, validations and re-stored copies cached (as eager mode
     keeps its last mask)."""
     return _bigbird_mask_op(num_blocks, num_global, num_window, num_random, torch.tensor(seed), batch, heads,
-                            block_size, None, dtype)
+                            block_size, None, dtype, value)
 
 
 class BlockSparseAttention(nn.Module):
@@ -242,6 +246,11 @@ class BlockSparseAttention(nn.Module):
         """Longest sequence computed as dense attention (its pattern would hold every block)."""
         return (self.num_global_blocks + self.num_window_blocks + self.num_random_blocks) * self.block_size
 
+    @property
+    def _score_scale(self) -> float:
+        """``1 / sqrt(head_dim)``, the scale of the scores ``Q Kᵀ``."""
+        return 1.0 / math.sqrt(self.head_dim)
+
     def extra_repr(self) -> str:
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, block_size={self.block_size}, "
                 f"global={self.num_global_blocks}, window={self.num_window_blocks}, random={self.num_random_blocks}, "
@@ -297,8 +306,9 @@ class BlockSparseAttention(nn.Module):
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks."""
-        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype)
+        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks, valued the
+        score scale."""
+        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype, self._score_scale)
 
     def _traced_mask(self, length: int, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
         """The mask of :meth:`_mask_for` while traced: a ``sparsenn::bigbird_mask`` op
@@ -312,11 +322,11 @@ class BlockSparseAttention(nn.Module):
         static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (n, batch))  # jit: sizes are tensors
         if not redrawn and padding is None and static and not torch.compiler.is_exporting():
             pos, crd, values = _bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
-                                                      self.num_heads, self.block_size, dtype)
+                                                      self.num_heads, self.block_size, dtype, self._score_scale)
         else:
             seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
             pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.num_heads, self.block_size,
-                                                               padding, dtype)
+                                                               padding, dtype, self._score_scale)
         length = n * self.block_size
         return SparseTensor((batch, self.num_heads, length, length), self._mask_format, _at_key_blocks(pos),
                             _at_key_blocks(crd), values, check=False)
@@ -404,7 +414,6 @@ class BlockSparseAttention(nn.Module):
             mask = self._traced_mask(length, batch, padding, q.dtype)
         else:
             mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
-        q = q * (1.0 / math.sqrt(self.head_dim))
         if padding is None:
             scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
         else:
@@ -430,7 +439,7 @@ class BlockSparseAttention(nn.Module):
             warnings.warn(f"BlockSparseAttention: a sequence of {q.shape[2]} tokens (at most {self.dense_up_to}) "
                           f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=4)
             self._warned_dense = True
-        scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-1, -2)
+        scores = (q * self._score_scale) @ k.transpose(-1, -2)
         if padding is not None:
             scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, -1)

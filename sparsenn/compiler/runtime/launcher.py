@@ -227,8 +227,16 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
 def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
     """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order."""
     if layout is None:
-        return lambda ops, made: ops[n].contiguous()
-    return lambda ops, made: ops[n].permute(layout).contiguous()
+        return lambda ops, made: _contiguous(ops[n])
+    return lambda ops, made: _contiguous(ops[n].permute(layout))
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``; a copy goes to memory reused from call to call (a stage's copy
+    lives for one kernel call, see :mod:`.memory`)."""
+    if t.is_contiguous():
+        return t
+    return memory.empty(*t.shape, dtype=t.dtype).copy_(t)
 
 
 def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
@@ -238,7 +246,7 @@ def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
     def stage(ops, made):
         t = ops[n] if layout is None else ops[n].permute(layout)
         whole = t.shape[-1] // size * size
-        out = t.new_empty(t.numel())
+        out = memory.empty(t.numel(), dtype=t.dtype)
         split = t.numel() // max(t.shape[-1], 1) * whole
         out[:split].view(whole // size, *t.shape[:-1], size).copy_(
             t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0))
