@@ -7,8 +7,9 @@ entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
 
 * ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
 * ``Z[r] = sum_j exp(S[r,j] - M[r])``;
-* softmax: ``P[r,j] = exp(S[r,j] - M[r]) / Z[r]`` on ``S``'s pattern (the vectorised
-  ``exp`` twice costs less than writing ``exp(S - M)`` to fresh memory and reading it back);
+* softmax: ``P[r,j] = exp(S[r,j] - M[r]) * (1 / Z[r])`` on ``S``'s pattern (a division per
+  row, not per entry; the vectorised ``exp`` twice costs less than writing ``exp(S - M)``
+  to fresh memory and reading it back);
 * log-softmax: ``L[r,j] = (S[r,j] - M[r]) - log Z[r]`` (``S - M`` first: exact near the
   max however large ``|S|`` is).
 
@@ -38,11 +39,11 @@ __all__ = ["softmax", "log_softmax"]
 @dataclass(frozen=True)
 class _Kernels:
     """The assignments of one (rank, dim); pattern operands are read at every index,
-    row vectors (``M``, ``Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
+    row vectors (``M``, ``Z``, ``R = 1 / Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
 
     max: Assignment               # M = max_j S
     sum_exp: Assignment           # Z = sum_j exp(S - M)
-    softmax: Assignment           # P = exp(S - M) / Z, on S's pattern
+    softmax: Assignment           # P = exp(S - M) * R with R = 1 / Z, on S's pattern
     row_sum: Assignment           # sum_j X
     shift: Assignment             # L = (S - M) - log Z, on the pattern
     dot: Assignment               # G = sum_j dP * P
@@ -64,7 +65,7 @@ def _kernels(rank: int, dim: int) -> _Kernels:
     return _Kernels(
         max=assignment(rows, (x,), f0, ("S",), "max"),
         sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
-        softmax=assignment(full, (x, row1, row2), apply("div", exp_shifted, f2), ("S", "M", "Z")),
+        softmax=assignment(full, (x, row1, row2), apply("mul", exp_shifted, f2), ("S", "M", "R")),
         row_sum=assignment(rows, (x,), None, ("X",)),
         shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
         dot=assignment(rows, (x, y), None, ("dP", "P")),
@@ -105,7 +106,7 @@ class _Softmax(torch.autograd.Function):
         if log:
             out = _sampled("shift", s, dim, [s, m, torch.log(z)])
         else:
-            out = _sampled("softmax", s, dim, [s, m, z])
+            out = _sampled("softmax", s, dim, [s, m, torch.reciprocal(z)])
         ctx.save_for_backward(out)
         ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
         return out
