@@ -98,6 +98,7 @@ def flex_attention(block_mask: torch.Tensor, block: int, batch: int, length: int
         return block_mask[q_idx // block, kv_idx // block]
 
     mask = create_block_mask(mask_mod, None, None, length, length, device="cpu", BLOCK_SIZE=block)
+    torch._dynamo.reset()  # one compiled flex per case: past Dynamo's recompile limit flex runs unfused
     compiled = torch.compile(flex)
     return lambda q, k, v: compiled(q, k, v, block_mask=mask)
 

@@ -11,7 +11,7 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
   are wholly padding are left out;
 * ``S = M ⊙ Q Kᵀ`` (block SDDMM: the kernel multiplies each stored score by the mask's
   value once, so the scale costs nothing), plus ``-inf`` at padded keys inside stored
-  blocks (in the same kernel);
+  blocks (an element-wise kernel on the scores' pattern);
 * ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
 
@@ -40,7 +40,7 @@ __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 # The scores on M's pattern plus a key bias (-inf at padded keys), in one kernel: adding the
 # bias to computed scores in a second masked expression has a sampled gradient that is
 # assembled element-wise and re-packed by a sort of every stored entry (25 s at batch 64, L 1024).
-_PADDED_SCORES = compile_expression("S<M>[b,h,i,j] = M[b,h,i,j] * Q[b,h,i,d] * K[b,h,j,d] + bias[b,j]")
+_KEY_BIAS = compile_expression("B<S>[b,h,i,j] = S[b,h,i,j] + bias[b,j]")
 
 
 @dataclass(frozen=True)
@@ -414,11 +414,9 @@ class BlockSparseAttention(nn.Module):
             mask = self._traced_mask(length, batch, padding, q.dtype)
         else:
             mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
-        if padding is None:
-            scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
-        else:
-            bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-            scores = _PADDED_SCORES(mask, q, k, bias)
+        scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
+        if padding is not None:
+            scores = _KEY_BIAS(scores, torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf")))
         probs = softmax(scores, -1)
         probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
         out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
