@@ -340,6 +340,24 @@ def test_block_sddmm_of_wide_blocks_keeps_its_sums_in_a_register_tile(target, ti
     assert [key for key, _ in sched.transposes] == [(0, 2)]
 
 
+@pytest.mark.parametrize("block", [16, 5])
+def test_a_masked_product_reads_its_mask_for_the_pattern_and_gets_micro_kernels(block):
+    """``S<M> = c Q Kᵀ``: the mask's values are never read (any values give the same
+    result) and its one term of dense factors is a product with the mask filtering, so
+    it gets the SDDMM's register or dot tile and no ``0 * M`` term."""
+    dense = block_sparse((4 * block, 4 * block), (block, block), density=0.3, dtype=torch.float64)
+    mask = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
+    mask = mask.with_values(torch.randn(mask.nnz, dtype=torch.float64))  # values that must not matter
+    q = torch.randn(4 * block, 24, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(4 * block, 24, dtype=torch.float64, requires_grad=True)
+    scores = sparsenn.compile("S<M>[i,j] = 0.5 * Q[i,d] * K[j,d]")
+    out = scores(mask, q, k)
+    torch.testing.assert_close(out.to_dense(), 0.5 * (q @ k.T).detach() * (dense != 0))
+    shown = scores.explain(mask, q, k)
+    assert ("register tile" in shown or "dot tile" in shown) and "0 * M" not in shown
+    assert torch.autograd.gradcheck(lambda q, k: scores(mask, q, k).values, (q, k))
+
+
 def test_no_dot_tile_over_a_compressed_loop():
     mask = SparseTensor.from_dense(block_sparse((64, 64), (1, 1), density=0.2, dtype=torch.float32), format="csr")
     (nest,) = sparsenn.compiler.runtime.api.plan("ij,ik,jk->ij", mask, torch.randn(64, 32), torch.randn(64, 32)

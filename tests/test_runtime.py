@@ -12,7 +12,7 @@ import sparsenn
 from sparsenn import SparseLinear, SparseTensor
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.plan.planner import decisions, operand_info, path_request
-from sparsenn.compiler.runtime import api, memory
+from sparsenn.compiler.runtime import api, launcher, memory
 from sparsenn.compiler.runtime.cache import LRUCache
 from sparsenn.compiler.runtime.evaluate import resolve
 from sparsenn.compiler.runtime.launcher import Launch
@@ -180,8 +180,14 @@ def test_sparse_linear_repeated_forward_hits_its_launch_and_chains_without_copie
     reference = second.to_dense()(hidden)
     second(hidden)
     copies = []
-    contiguous = torch.Tensor.contiguous
-    monkeypatch.setattr(torch.Tensor, "contiguous", lambda t, *a, **k: copies.append(t) or contiguous(t, *a, **k))
+    contiguous = launcher._contiguous
+
+    def counted(t: torch.Tensor) -> torch.Tensor:  # a staged operand, copied unless already contiguous
+        if not t.is_contiguous():
+            copies.append(t)
+        return contiguous(t)
+
+    monkeypatch.setattr(launcher, "_contiguous", counted)
     before = cache_stats()
     for _ in range(3):
         torch.testing.assert_close(second(hidden), reference)

@@ -86,6 +86,26 @@ class Term:
     value: Value | None = None
 
     @property
+    def multiplied(self) -> tuple[int, ...] | None:
+        """The factors whose values the term multiplies, when its value is such a product:
+        every factor without a value tree, or those a tree of ``mul`` over distinct
+        factors reads (the other factors count for their stored positions only, as a
+        masked statement's mask does); None for any other value."""
+        if self.value is None:
+            return tuple(range(len(self.factors)))
+        read: list[int] = []
+        pending = [self.value]
+        while pending:
+            node = pending.pop()
+            if isinstance(node, Factor):
+                read.append(node.k)
+            elif isinstance(node, Apply) and node.function == "mul":
+                pending.extend(node.args)
+            else:
+                return None
+        return tuple(sorted(read)) if len(set(read)) == len(read) else None
+
+    @property
     def indices(self) -> tuple[str, ...]:
         """Index variables of the term, in order of first appearance."""
         seen: dict[str, None] = {}

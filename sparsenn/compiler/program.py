@@ -177,14 +177,16 @@ class _Builder:
     # ------------------------------------------------------------------ the statement
 
     def masked(self, context: frozenset[str]) -> None:
-        """``Out<M>[o] = body``: every term sampled by ``M[o]``, plus ``0 * M[o]`` so the
-        result has exactly ``M``'s stored positions."""
+        """``Out<M>[o] = body``: every term sampled by ``M[o]`` (read for its pattern only),
+        plus ``0 * M[o]`` so the result has exactly ``M``'s stored positions, unless a term
+        of dense operands already visits them all."""
         output = self.statement.indices
         m = self.number[self.statement.mask]
         mask = Access(m, output)
-        terms = [Term(t.coefficient, (*t.factors, mask), t.value) for t in self.terms(self.statement.body, context,
-                                                                                    dense_math=False)]
-        terms.append(Term(0.0, (mask,)))
+        body = self.terms(self.statement.body, context, dense_math=False)
+        terms = [Term(t.coefficient, (*t.factors, mask), t.value) for t in body]
+        if not any(all(self.sparse[a.operand] is None for a in t.factors) for t in body):
+            terms.append(Term(0.0, (mask,)))
         fmt = self.given[m]
         self.emit(Assignment(output, tuple(terms), tuple(self.names)), "dense" if fmt is None else fmt)
 

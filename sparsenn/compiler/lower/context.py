@@ -18,7 +18,9 @@ from ..loops import ir
 from ..notation import Assignment, Constant, Factor, Reduced, Term, Value
 from ..plan.schedule import Schedule
 
-__all__ = ["Slot", "Lowering", "lower_value", "product_of", "counted"]
+__all__ = ["Slot", "Lowering", "lower_value", "product_of", "counted", "ONES"]
+
+ONES = ir.Call("splat", (ir.Const(1.0),))  # the vector value of a factor read for its pattern only
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,9 @@ class Lowering:
         for k, st in enumerate(states):
             if only is not None and k not in only:
                 continue
-            if st.sparse:
+            if not st.valued:
+                parts.append(ir.Const(1.0))
+            elif st.sparse:
                 parts.append(ir.Load(ir.Array("val", st.slot), st.pos))
             else:
                 parts.append(ir.Load(ir.Array("dense", st.slot), self.dense_offset(st, at)))
@@ -131,6 +135,8 @@ class Lowering:
     def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None) -> ir.Expr:
         """SIMD vector of a unit-stride dense factor ``lane`` elements past its current
         position (or past ``at``)."""
+        if not st.valued:
+            return ONES
         lane = ir.mul(ir.Var("v"), ir.Lanes()) if lane is None else lane
         return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.dense_offset(st, at), lane))
 

@@ -55,7 +55,7 @@ from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
-from .context import Lowering, counted, product_of
+from .context import ONES, Lowering, counted, product_of
 from .epilogue import epilogue_pass, fuse_epilogue
 from .iterators import initial_states, locate, open_cursor
 from .order import NestWalk, emit_order
@@ -108,7 +108,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         inner = set(order[split:])
         # A product's factors constant across the reductions multiply the sum once; a
         # value tree is evaluated whole at each point.
-        outside = [] if term.value is not None else [k for k, f in enumerate(term.factors)
+        outside = [] if term.multiplied is None else [k for k, f in enumerate(term.factors)
                                                       if not inner & set(f.indices)]
         acc = lo.fresh("acc")
         walk.accumulator, walk.combine = acc, reduction
@@ -128,7 +128,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
         walk.around[split] = (start, finish)
         if reduction != "sum":  # the coefficient scales each value, before the max
             walk.leaf = lambda st: _combine(lo, acc, ir.mul(coef, lo.term_value(term, st)), reduction, False)
-        elif term.value is not None:
+        elif term.multiplied is None:
             walk.leaf = lambda st: _combine(lo, acc, lo.term_value(term, st), reduction, False)
         else:
             walk.leaf = lambda st: lo.emit(ir.Assign(acc, lo.product(st, inside), "+="))
@@ -291,7 +291,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def at_row(st) -> ir.Expr:
         """The factor's value at row ``t``."""
-        if gathered is None:
+        if gathered is None or not st.valued:
             return _shifted_value(lo, st, {a: ROW})
         if st.sparse:  # the gathering factor: its value at position q + t
             return ir.Load(ir.Array("val", st.slot), ir.add(first, ROW))
@@ -464,6 +464,8 @@ def _vector_at(lo: Lowering, st, lane: ir.Expr, shifts: dict[str, ir.Expr] | Non
     """SIMD vector of a factor ``lane`` elements past its position (moved on by
     ``shifts``, see :func:`_shifted_pos`): a dense operand laid out with the vector's
     index last, or a sparse one whose last level is over it, dense."""
+    if not st.valued:
+        return ONES
     if not st.sparse:
         at = {i: ir.add(lo.var(i), shift) for i, shift in (shifts or {}).items() if i in st.dense_indices}
         return lo.vector_load(st, at, lane)
@@ -485,6 +487,8 @@ def _shifted_pos(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
 
 def _shifted_value(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
     """A factor's value with its indices moved on by ``shifts`` (see :func:`_shifted_pos`)."""
+    if not st.valued:
+        return ir.Const(1.0)
     if not st.sparse:
         at = {i: ir.add(lo.var(i), shift) for i, shift in shifts.items() if i in st.dense_indices}
         return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, at))

@@ -36,6 +36,7 @@ class FactorState:
     depth: int = 0
     pos: ir.Expr = ir.Const(0)
     seg_end: ir.Expr | None = None
+    valued: bool = True  # False: the term reads the factor's stored positions only (its value is 1)
 
     @property
     def sparse(self) -> bool:
@@ -152,7 +153,9 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
     """Term ``t``'s factors before any loop, each through its slot (re-stored or re-laid
     out in loop order where the schedule says so)."""
     states = []
+    multiplied = term.multiplied
     for k, access in enumerate(term.factors):
+        valued = multiplied is None or k in multiplied
         fmt = lo.formats[access.operand]
         order = lo.s.factor_mode_order(t, k)
         if fmt is None:
@@ -160,11 +163,11 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
             panel = next((size for k2, size in nest.panels if k2 == k), None)
             n = lo.slot_of(Slot(access.operand, None, order, panel))
             indices = access.indices if order is None else tuple(access.indices[m] for m in order)
-            states.append(FactorState(n, (), indices))
+            states.append(FactorState(n, (), indices, valued=valued))
             continue
         if order is not None and order != fmt.mode_order:  # a term's value needs its factors' exact patterns
             fmt = fmt.in_mode_order(order, exact=term.value is not None)
         n = lo.slot_of(Slot(access.operand, fmt))
         levels = tuple((access.indices[m], lvl) for m, lvl in zip(fmt.mode_order, fmt.levels))
-        states.append(FactorState(n, levels))
+        states.append(FactorState(n, levels, valued=valued))
     return states

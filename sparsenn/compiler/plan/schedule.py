@@ -638,9 +638,10 @@ def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims
 
 def _scalar(assignment: Assignment, t: int) -> bool:
     """Term ``t`` runs without micro-kernels (register blocks and tiles, vector and
-    sparse reductions, row blocks): its value is not a product of factors, or the
+    sparse reductions, row blocks): its value is not a product of factors (some of them
+    may count for their patterns only, :attr:`~..notation.Term.multiplied`), or the
     reduction is not a sum."""
-    return assignment.terms[t].value is not None or assignment.reduction != "sum"
+    return assignment.terms[t].multiplied is None or assignment.reduction != "sum"
 
 
 def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> int | None:
