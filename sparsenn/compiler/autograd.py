@@ -124,9 +124,11 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
     """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, *extras)``.
 
     ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
-    A product term contributes ``dOut * (the other factors)``; a factor the others do
-    not cover gets an all-ones tensor over the operand's modes it lacks (the gradient is
-    constant along them). A term with a value tree contributes ``dOut * dvalue/dfactor``
+    A product term contributes ``dOut * (the other factors)`` (those it reads for their
+    patterns only stay pattern-only: :attr:`~.notation.Term.multiplied`); a factor the
+    others do not cover gets an all-ones tensor over the operand's modes it lacks (the
+    gradient is constant along them). A term with another value tree, or a factor it
+    reads for its pattern only, contributes ``dOut * dvalue/dfactor``
     over all its factors; under a max or min, only where the value equals the result,
     divided by the number of such entries (the extras ``result`` and ``count``).
     Cached: the same call's backward builds the same expression."""
@@ -139,15 +141,15 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
             extras.append(kind)
         return extra + extras.index(kind)
 
-    general = assignment.reduction != "sum" or any(t.value is not None for t in assignment.terms)
     terms = []
     for term in assignment.terms:
+        multiplied = term.multiplied if assignment.reduction == "sum" else None
         for k, factor in enumerate(term.factors):
             if factor.operand != operand:
                 continue
             rename = dict(zip(factor.indices, target))
             factors = [Access(0, _rename(assignment.output, rename))]
-            if general:
+            if multiplied is None or k not in multiplied:
                 factors += [Access(1 + g.operand, _rename(g.indices, rename)) for g in term.factors]
                 value = _reduced_value(term)
                 local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
@@ -159,9 +161,15 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                                   Factor(out + 1))
                 coefficient = 1.0
             else:
-                factors += [Access(1 + g.operand, _rename(g.indices, rename)) for j, g in enumerate(term.factors)
-                            if j != k]
+                others = [j for j in range(len(term.factors)) if j != k]
+                factors += [Access(1 + term.factors[j].operand, _rename(term.factors[j].indices, rename))
+                            for j in others]
                 local, coefficient = None, term.coefficient
+                if len(multiplied) < len(term.factors):  # dOut times the multiplied others; the rest filter
+                    local = Factor(0)
+                    for n, j in enumerate(others):
+                        if j in multiplied:
+                            local = apply("mul", local, Factor(n + 1))
             covered = {i for f in factors for i in f.indices}
             if sampled:  # a product multiplies the mask's values too: ones
                 factors.append(Access(input_of(("mask",)), target))

@@ -5,13 +5,12 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 (the sequence padded to ``L' = ceil(L / s) * s``):
 
 * ``Q, K, V = x W_q + b_q, x W_k + b_k, x W_v + b_v``, split into heads (einops);
-* ``M`` is a blocked ``(batch, H, L', L')`` pattern (``dddc(1,1,s,s)``) whose values are
-  the score scale ``1 / sqrt(d)``: block row ``r`` holds the global blocks, the window
-  around ``r`` and random blocks, a global block row holds every block; key blocks that
-  are wholly padding are left out;
-* ``S = M ⊙ Q Kᵀ`` (block SDDMM: the kernel multiplies each stored score by the mask's
-  value once, so the scale costs nothing), plus ``-inf`` at padded keys inside stored
-  blocks (an element-wise kernel on the scores' pattern);
+* ``M`` is a blocked ``(batch, H, L', L')`` pattern of ones (``dddc(1,1,s,s)``): block
+  row ``r`` holds the global blocks, the window around ``r`` and random blocks, a global
+  block row holds every block; key blocks that are wholly padding are left out;
+* ``S<M> = Q Kᵀ / sqrt(d)`` (block SDDMM on ``M``'s pattern, ``M``'s values never read;
+  the scale multiplies each stored score once), plus ``-inf`` at padded keys inside stored
+  blocks (in the same kernel);
 * ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
 
@@ -21,6 +20,7 @@ over the scores' pattern, which the mask shares). A query row with no unpadded k
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -30,17 +30,21 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
-from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler import CompiledExpression, compile_expression, einsum
 from sparsenn.formats import SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax
 from sparsenn.layers.arguments import checked_int
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
-# The scores on M's pattern plus a key bias (-inf at padded keys), in one kernel: adding the
-# bias to computed scores in a second masked expression has a sampled gradient that is
-# assembled element-wise and re-packed by a sort of every stored entry (25 s at batch 64, L 1024).
-_KEY_BIAS = compile_expression("B<S>[b,h,i,j] = S[b,h,i,j] + bias[b,j]")
+@functools.lru_cache(maxsize=None)
+def _scores(scale: float, padded: bool) -> CompiledExpression:
+    """The scores on ``M``'s pattern (the mask read for its positions only), plus a key
+    bias (``-inf`` at padded keys) in the same kernel when ``padded``. (Adding the bias in
+    a second masked expression has a sampled gradient assembled element-wise and re-packed
+    by a sort of every stored entry: 25 s at batch 64, L 1024.)"""
+    bias = " + bias[b,j]" if padded else ""
+    return compile_expression(f"S<M>[b,h,i,j] = {scale!r} * Q[b,h,i,d] * K[b,h,j,d]{bias}")
 
 
 @dataclass(frozen=True)
@@ -116,9 +120,9 @@ def _at_key_blocks(array: Tensor) -> tuple[Tensor | None, ...]:
 
 
 def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
-               dtype: torch.dtype, value: float = 1.0) -> SparseTensor:
-    """``value`` on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the
-    padded length; key blocks that are wholly padding (per batch element) left out."""
+               dtype: torch.dtype) -> SparseTensor:
+    """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
+    length; key blocks that are wholly padding (per batch element) left out."""
     n, s = pattern.num_blocks, block_size
     row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
     if padding is None:
@@ -133,8 +137,7 @@ def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, p
     pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
     length = n * s
     return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
-                        _at_key_blocks(cols.to(index)), torch.full((cols.numel() * s * s,), value, dtype=dtype),
-                        check=False)
+                        _at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
 
 
 def _mask_index_dtype(batch: int, heads: int, num_blocks: int) -> torch.dtype:
@@ -155,19 +158,19 @@ def _pattern_blocks(num_blocks: int, num_global: int, num_window: int, num_rando
 
 @torch.library.custom_op("sparsenn::bigbird_mask", mutates_args=())
 def _bigbird_mask_op(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int,
-                     heads: int, block_size: int, padding: Tensor | None, dtype: torch.dtype,
-                     value: float) -> tuple[Tensor, Tensor, Tensor]:
+                     heads: int, block_size: int, padding: Tensor | None,
+                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(pos, crd, values)`` of :func:`block_mask` of the pattern drawn from ``seed``,
     for a traced :class:`BlockSparseAttention`."""
     generator = torch.Generator().manual_seed(int(seed))
     pattern = bigbird_pattern(num_blocks, num_global, num_window, num_random, generator)
-    mask = block_mask(pattern, batch, heads, block_size, padding, dtype, value)
+    mask = block_mask(pattern, batch, heads, block_size, padding, dtype)
     return mask.pos[3], mask.crd[3], mask.values
 
 
 @_bigbird_mask_op.register_fake
 def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int, heads: int,
-      block_size: int, padding: Tensor | None, dtype: torch.dtype, value: float) -> tuple[Tensor, Tensor, Tensor]:
+      block_size: int, padding: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     if padding is None:  # every (batch, head) stores the whole pattern
         blocks = batch * heads * _pattern_blocks(num_blocks, num_global, num_window, num_random)
     else:  # wholly padded key blocks are left out
@@ -179,14 +182,13 @@ def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: 
 
 @torch.compiler.assume_constant_result
 def _bigbird_mask_constant(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: int, batch: int,
-                           heads: int, block_size: int, dtype: torch.dtype,
-                           value: float) -> tuple[Tensor, Tensor, Tensor]:
+                           heads: int, block_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsenn::bigbird_mask`` without padding, run once while tracing: the traced
     program keeps the arrays as constants, so every call hands the same ones on and the
     kernels find their plans, validations and re-stored copies cached (as eager mode
     keeps its last mask)."""
     return _bigbird_mask_op(num_blocks, num_global, num_window, num_random, torch.tensor(seed), batch, heads,
-                            block_size, None, dtype, value)
+                            block_size, None, dtype)
 
 
 class BlockSparseAttention(nn.Module):
@@ -240,6 +242,8 @@ class BlockSparseAttention(nn.Module):
         self._mask_format = parse_format(f"dddc(1,1,{block_size},{block_size})", 4)  # traced code reads it
         self._last_mask: tuple | None = None  # (pattern, batch, dtype, mask) of the last unpadded call
         self._warned_dense = False
+        # built here, not while traced: torch.compile reads them as existing objects
+        self._unpadded_scores, self._padded_scores = (_scores(self._score_scale, padded) for padded in (False, True))
 
     @property
     def dense_up_to(self) -> int:
@@ -306,9 +310,8 @@ class BlockSparseAttention(nn.Module):
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks, valued the
-        score scale."""
-        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype, self._score_scale)
+        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks."""
+        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype)
 
     def _traced_mask(self, length: int, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
         """The mask of :meth:`_mask_for` while traced: a ``sparsenn::bigbird_mask`` op
@@ -322,11 +325,11 @@ class BlockSparseAttention(nn.Module):
         static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (n, batch))  # jit: sizes are tensors
         if not redrawn and padding is None and static and not torch.compiler.is_exporting():
             pos, crd, values = _bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
-                                                      self.num_heads, self.block_size, dtype, self._score_scale)
+                                                      self.num_heads, self.block_size, dtype)
         else:
             seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
             pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.num_heads, self.block_size,
-                                                               padding, dtype, self._score_scale)
+                                                               padding, dtype)
         length = n * self.block_size
         return SparseTensor((batch, self.num_heads, length, length), self._mask_format, _at_key_blocks(pos),
                             _at_key_blocks(crd), values, check=False)
@@ -414,9 +417,11 @@ class BlockSparseAttention(nn.Module):
             mask = self._traced_mask(length, batch, padding, q.dtype)
         else:
             mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
-        scores = einsum("bhij,bhid,bhjd->bhij", mask, q, k)
-        if padding is not None:
-            scores = _KEY_BIAS(scores, torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf")))
+        if padding is None:
+            scores = self._unpadded_scores(mask, q, k)
+        else:
+            bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
+            scores = self._padded_scores(mask, q, k, bias)
         probs = softmax(scores, -1)
         probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
         out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
