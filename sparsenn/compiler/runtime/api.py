@@ -174,8 +174,8 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
     * ``sum[j](body)``, ``max[j,k](body)``, ``min[j](body)``: explicit reductions; their
       indices must appear in the body and cannot be output indices;
     * ``P<S>[i,j] = body``: an output mask (GraphBLAS's ``C<M>``), ``S`` indexed like the
-      output: the body is computed only at ``S``'s stored entries and the result has
-      exactly ``S``'s pattern and format;
+      output: the body is computed only at ``S``'s stored entries (``S``'s values are not
+      read) and the result has exactly ``S``'s pattern and format;
     * ``a / b``: ``b`` must be dense at run time (a sparse operand there is a ValueError).
 
     Semantics with sparse operands (the stages are in :mod:`sparsenn.compiler.program`):
