@@ -1,10 +1,12 @@
 """Chunks of an outermost loop, the unit of OpenMP work sharing.
 
 The outermost loop's coordinates ``[0, extent)`` are cut into ``min(extent, 8 *
-threads)`` chunks that threads take dynamically: equal coordinate ranges, or, when a
-factor has a ``pos`` array counting each outer coordinate's stored children (a
-locatable first level with a ``pos``-indexed level below), ranges of equal stored
-children plus coordinates, so power-law rows spread over the threads.
+threads)`` chunks that threads take dynamically: when a factor has a ``pos`` array
+counting each outer coordinate's stored children (a locatable first level with a
+``pos``-indexed level below), ranges of equal stored children plus coordinates, so
+power-law rows spread over the threads; otherwise equal coordinate ranges, 32 per
+thread, so that uneven work per coordinate (BigBird's global block rows, 10x the others)
+still evens out.
 """
 
 from __future__ import annotations
@@ -12,15 +14,19 @@ from __future__ import annotations
 from ..loops import ir
 from .context import Lowering
 
-__all__ = ["EXTENT", "NCHUNKS", "LO", "HI", "chunk_prologue", "balancing_pos", "chunk_bounds"]
+__all__ = ["EXTENT", "NCHUNKS", "LO", "HI", "CHUNKS_PER_THREAD", "EVEN_RANGE_CHUNKS_PER_THREAD", "chunk_prologue",
+           "balancing_pos", "chunk_bounds"]
+
+CHUNKS_PER_THREAD = 8
+EVEN_RANGE_CHUNKS_PER_THREAD = 32  # chunks of equal coordinate ranges (see the module doc)
 
 EXTENT, NCHUNKS = ir.Var("sn_extent"), ir.Var("sn_nchunks")
 LO, HI = ir.Var("sn_lo"), ir.Var("sn_hi")
 
 
-def chunk_prologue(lo: Lowering, extent: ir.Expr) -> None:
-    lo.emit(ir.Decl(EXTENT, "index", extent, const=True),
-            ir.Decl(NCHUNKS, "index", ir.min_(EXTENT, ir.mul(ir.Cast("index", ir.Var("nthreads")), 8)), const=True))
+def chunk_prologue(lo: Lowering, extent: ir.Expr, per_thread: int = CHUNKS_PER_THREAD) -> None:
+    chunks = ir.mul(ir.Cast("index", ir.Var("nthreads")), per_thread)
+    lo.emit(ir.Decl(EXTENT, "index", extent, const=True), ir.Decl(NCHUNKS, "index", ir.min_(EXTENT, chunks), const=True))
 
 
 def balancing_pos(states, index: str) -> ir.Array | None:

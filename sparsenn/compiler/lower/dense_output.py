@@ -54,7 +54,8 @@ from ..functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
-from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
+from .chunks import CHUNKS_PER_THREAD, EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCHUNKS, balancing_pos, chunk_bounds, \
+    chunk_prologue
 from .context import ONES, Lowering, counted, product_of
 from .epilogue import epilogue_pass, fuse_epilogue
 from .iterators import initial_states, locate, open_cursor
@@ -186,10 +187,12 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
         return
     chunk = ir.Var("sn_chunk")
     team = nest.order[:nest.team_loops]
-    chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]))
+    balance = balancing_pos(states, nest.order[0]) if len(team) == 1 else None
+    chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]),
+                   CHUNKS_PER_THREAD if balance is not None else EVEN_RANGE_CHUNKS_PER_THREAD)
 
     def body():
-        chunk_bounds(lo, chunk, NCHUNKS, balancing_pos(states, nest.order[0]) if len(team) == 1 else None)
+        chunk_bounds(lo, chunk, NCHUNKS, balance)
         walk.bounds[nest.order[0]] = (LO, HI)  # of the flattened coordinates when the team shares several loops
         run()
 
