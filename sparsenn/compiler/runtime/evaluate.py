@@ -148,7 +148,8 @@ class EpiloguePathCall:
 @dataclass(frozen=True)
 class DenseCall:
     """Every operand dense: torch computes each term (broadcast over output indices the
-    term lacks); a sparse ``request`` stores the result with every entry."""
+    term lacks); a sparse ``request`` stores the result with every entry. The result
+    never shares an operand's storage (``torch.einsum`` may return a view of one)."""
 
     assignment: Assignment
     out_shape: tuple[int, ...]
@@ -158,6 +159,8 @@ class DenseCall:
         assignment = self.assignment
         compute = _summed_products if assignment.is_product_sum else _general
         out = compute(assignment, operands, self.out_shape)
+        if any(out.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
+            out = out.clone()
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
 
 
@@ -225,10 +228,7 @@ def _general(assignment: Assignment, operands: Sequence, out_shape: tuple[int, .
     if epilogue is not None:
         factors = [_spread(operands[a.operand], a.indices, output) for a in epilogue.factors]
         out = functions.evaluate(epilogue.value, factors, reduced=out)
-    out = out.expand(out_shape).contiguous()
-    if any(out.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
-        out = out.clone()  # a value that is an operand itself: the result never aliases one
-    return out
+    return out.expand(out_shape).contiguous()
 
 
 def _size(term: Term, operands: Sequence, index: str) -> int:

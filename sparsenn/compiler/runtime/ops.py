@@ -459,9 +459,6 @@ def _check_result(spec: CallSpec, operands: Sequence, result, order: Sequence[in
                 f"sparsenn: {spec.assignment} has a sparse result whose pattern is computed from the data; "
                 "torch.compile / torch.export / torch.jit.trace can only record sparse results sampled on an "
                 "operand's pattern (ask for out_format='dense', or run this call eagerly)")
-        if all(layout is None for layout in spec.layouts) and any(
-                result.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
-            result = result.clone()  # torch.einsum may return a view of its operand; an op's output is its own
         return _laid_out(result, order)
     anchor = operands[spec.anchor]
     if not isinstance(result, SparseTensor) or any(
