@@ -8,15 +8,22 @@ entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
 * ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
 * ``Z[r] = sum_j exp(S[r,j] - M[r])``;
 * softmax: ``P[r,j] = exp(S[r,j] - M[r]) * (1 / Z[r])`` on ``S``'s pattern (a division per
-  row, not per entry; the vectorised ``exp`` twice costs less than writing ``exp(S - M)``
-  to fresh memory and reading it back);
+  row, not per entry). When the steps fuse (``compiler/runtime/fused.py``: ``S``'s rows,
+  or block rows, lead its storage over dense levels), one kernel computes per row
+  ``M``, then ``E = exp(S - M)`` into ``P``'s values, ``Z = sum_j E`` and ``P = E * (1 / Z)``
+  in place: ``exp`` once, ``S`` read once from memory. Otherwise three kernels compute
+  ``M``, ``Z`` and ``P``, evaluating ``exp`` twice (cheaper than writing ``E`` to memory
+  and reading it back);
 * log-softmax: ``L[r,j] = (S[r,j] - M[r]) - log Z[r]`` (``S - M`` first: exact near the
   max however large ``|S|`` is).
 
-Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax and
-``dS = dL - exp(L) * sum_j dL`` for log-softmax; the sums are compiled sum-reductions,
-the element-wise products sampled assignments. A slice with no stored entry stays
-empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
+Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax (the two
+steps fused per row when they fuse) and ``dS = dL - exp(L) * sum_j dL`` for
+log-softmax; the sums are compiled sum-reductions, the element-wise products sampled
+assignments. While traced, the fused steps are one ``sparsenn::evaluate`` op each way
+(run one by one inside it when they do not fuse), as eager mode runs them. A slice with
+no stored entry stays empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads
+them there).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsenn.compiler.functions import apply
-from sparsenn.compiler.notation import Access, Assignment, Factor, Term
+from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.compiler.runtime.fused import Result, Step, run_steps
 from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
 from sparsenn.formats import SparseTensor
 
@@ -44,6 +52,8 @@ class _Kernels:
     max: Assignment               # M = max_j S
     sum_exp: Assignment           # Z = sum_j exp(S - M)
     softmax: Assignment           # P = exp(S - M) * R with R = 1 / Z, on S's pattern
+    exp_shifted: Assignment       # E = exp(S - M), on S's pattern
+    normalised: Assignment        # P = E * (1 / Z), on E's pattern
     row_sum: Assignment           # sum_j X
     shift: Assignment             # L = (S - M) - log Z, on the pattern
     dot: Assignment               # G = sum_j dP * P
@@ -66,6 +76,8 @@ def _kernels(rank: int, dim: int) -> _Kernels:
         max=assignment(rows, (x,), f0, ("S",), "max"),
         sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
         softmax=assignment(full, (x, row1, row2), apply("mul", exp_shifted, f2), ("S", "M", "R")),
+        exp_shifted=assignment(full, (x, row1), exp_shifted, ("S", "M")),
+        normalised=assignment(full, (x, row1), apply("mul", f0, apply("div", Constant(1.0), f1)), ("E", "Z")),
         row_sum=assignment(rows, (x,), None, ("X",)),
         shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
         dot=assignment(rows, (x, y), None, ("dP", "P")),
@@ -75,11 +87,43 @@ def _kernels(rank: int, dim: int) -> _Kernels:
     )
 
 
-def _kernel(rank: int, dim: int, name: str) -> Assignment:
+def _kernel(rank: int, dim: int, name: str) -> Assignment | tuple[Step, ...]:
+    """A kernel of softmax along ``dim`` of rank-``rank`` tensors, or the fused steps
+    ``"forward"`` and ``"backward"``."""
+    if name == "forward":
+        return _fused_softmax(rank, dim)
+    if name == "backward":
+        return _fused_softmax_grad(rank, dim)
     return getattr(_kernels(rank, dim), name)
 
 
 register_kernels("softmax", _kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_softmax(rank: int, dim: int) -> tuple[Step, ...]:
+    """Softmax along ``dim`` as the steps of one fused kernel: ``M``, ``E = exp(S - M)``,
+    ``Z = sum_j E``, ``P = E * (1 / Z)`` written over ``E``."""
+    k = _kernels(rank, dim)
+    return (Step(k.max, (0,)), Step(k.exp_shifted, (0, Result(0)), on=0),
+            Step(k.row_sum, (Result(1),)), Step(k.normalised, (Result(1), Result(2)), on=0, into=1))
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_softmax_grad(rank: int, dim: int) -> tuple[Step, ...]:
+    """Softmax's backward as the steps of one fused kernel: ``G = sum_j dP * P``, then
+    ``dS = P * (dP - G)``, row by row."""
+    k = _kernels(rank, dim)
+    return Step(k.dot, (0, 1)), Step(k.softmax_grad, (0, 1, Result(0)), on=0)
+
+
+def _steps(name: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor | None:
+    """The values of the last of the fused steps ``name``, or None when they do not fuse
+    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)."""
+    if tracing():
+        return traced_evaluate(None, operands, None, ("kernel", "softmax", pattern.ndim, dim, name)).values
+    results = run_steps(_kernel(pattern.ndim, dim, name), operands)
+    return None if results is None else results[-1].values
 
 
 def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_format) -> torch.Tensor | SparseTensor:
@@ -101,12 +145,14 @@ class _Softmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
         s = pattern.with_values(values)
-        m = _run("max", s, dim, [s], "dense")
-        z = _run("sum_exp", s, dim, [s, m], "dense")
-        if log:
-            out = _sampled("shift", s, dim, [s, m, torch.log(z)])
-        else:
-            out = _sampled("softmax", s, dim, [s, m, torch.reciprocal(z)])
+        out = None if log else _steps("forward", s, dim, [s])
+        if out is None:
+            m = _run("max", s, dim, [s], "dense")
+            z = _run("sum_exp", s, dim, [s, m], "dense")
+            if log:
+                out = _sampled("shift", s, dim, [s, m, torch.log(z)])
+            else:
+                out = _sampled("softmax", s, dim, [s, m, torch.reciprocal(z)])
         ctx.save_for_backward(out)
         ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
         return out
@@ -123,8 +169,9 @@ class _Softmax(torch.autograd.Function):
         result = pattern._share(pattern.shape, pattern.format, out)
         if ctx.log:
             g = _run("row_sum", pattern, dim, [d_out], "dense")
-            d_values = _sampled("log_softmax_grad", pattern, dim, [d_out, result, g])
-        else:
+            return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
+        d_values = _steps("backward", pattern, dim, [d_out, result])
+        if d_values is None:
             g = _run("dot", pattern, dim, [d_out, result], "dense")
             d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
         return d_values, None, None, None

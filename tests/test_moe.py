@@ -1,6 +1,10 @@
 """SparseMoEGate and SparseMoE against dense references computing every expert."""
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from sparsenn.compiler.plan.target import Target
 from sparsenn.layers.moe import capacity, dispatch
 
 FP32 = {"rtol": 1e-5, "atol": 1e-5}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def dense_gates(gates: SparseTensor) -> torch.Tensor:
@@ -150,25 +155,41 @@ def test_no_python_loop_over_experts_and_explain_shows_the_gathered_tile(avx2_ho
     assert y.shape == (600, 16)
 
 
-def test_ddp_without_find_unused_parameters_trains_with_an_empty_expert(tmp_path):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
+DDP_SCRIPT = """
+import sys
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        moe = layer(experts=4, k=1, bias=True)
-        with torch.no_grad():
-            moe.gate.router.weight.zero_()
-            moe.gate.router.weight[0, 0], moe.gate.router.weight[1, 0] = -5.0, 5.0
-        model = DistributedDataParallel(moe, find_unused_parameters=False)
-        x = torch.randn(16, 12)
-        for _ in range(2):  # DDP raises on the second step if a parameter got no gradient in the first
-            model.zero_grad()
-            model(x).square().sum().backward()
-        assert all(p.grad is not None for p in moe.parameters())
-        assert torch.count_nonzero(moe.w1.grad[2:]) == 0 and torch.count_nonzero(moe.b2.grad[2:]) == 0
-    finally:
-        dist.destroy_process_group()
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsenn import SparseMoE
+
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/rendezvous", rank=0, world_size=1)
+try:
+    torch.manual_seed(0)
+    moe = SparseMoE(12, 20, 4, k=1, bias=True)
+    with torch.no_grad():
+        moe.gate.router.weight.zero_()
+        moe.gate.router.weight[0, 0], moe.gate.router.weight[1, 0] = -5.0, 5.0
+    model = DistributedDataParallel(moe, find_unused_parameters=False)
+    x = torch.randn(16, 12)
+    for _ in range(2):  # DDP raises on the second step if a parameter got no gradient in the first
+        model.zero_grad()
+        model(x).square().sum().backward()
+    assert all(p.grad is not None for p in moe.parameters())
+    assert torch.count_nonzero(moe.w1.grad[2:]) == 0 and torch.count_nonzero(moe.b2.grad[2:]) == 0
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_ddp_without_find_unused_parameters_trains_with_an_empty_expert(tmp_path):
+    """In a process of its own, with a time limit: a gloo process group that outlives
+    a test can stall the test process when it is destroyed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", DDP_SCRIPT, str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def reference_capacity(probs_chosen: torch.Tensor, experts: torch.Tensor, limit: int) -> torch.Tensor:

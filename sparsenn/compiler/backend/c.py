@@ -69,8 +69,8 @@ def array_name(array: ir.Array) -> str:
         return f"s{array.slot}_val"
     if array.kind == "dense":
         return f"d{array.slot}"
-    if array.kind == "out":
-        return "out"
+    if array.kind == "out":  # a fused kernel's stage outputs are numbered
+        return "out" if array.slot < 0 else f"out{array.slot}"
     if array.kind == "pack":
         return f"pack{array.slot}"
     if array.kind in ("dims", "out_val"):

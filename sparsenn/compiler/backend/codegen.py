@@ -19,9 +19,10 @@ from .c import array_name, print_block
 from .precision import c_types, stored_arrays
 
 if TYPE_CHECKING:
+    from ..lower.fuse import FusedLowering
     from ..lower.kernel import LoweredKernel
 
-__all__ = ["generate_source", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
+__all__ = ["generate_source", "generate_fused_source", "KERNEL_HEADER", "ASSEMBLY_HEADER"]
 
 KERNEL_HEADER = "sparsenn_kernel.h"
 ASSEMBLY_HEADER = "sparsenn_assembly.h"
@@ -53,19 +54,49 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         unpack.append(f"    {out}* __restrict__ out = ({out}*)arrays[{n}];")
         unpack.append("    (void)handle;")
     return (
+        _prelude(compute, storage, index_dtype, kernel.vector_bytes, headers)
+        + _run(unpack, body)
+        + ("" if kernel.dense_output else _finish(fill, inputs))
+    )
+
+
+def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: str, vector_bytes: int) -> str:
+    """The C++ translation unit of a fused kernel (``lower/fuse.py``): ``sn_run`` over its
+    parameters in order, values of ``value_dtype`` (32 or 64 bits)."""
+    compute, storage = c_types(getattr(torch, value_dtype))
+    assert storage is None, "fused kernels compute in their values' own type"
+    unpack = []
+    for n, parameter in enumerate(fused.parameters):
+        array = parameter.array
+        if array.kind == "out":
+            unpack.append(f"    V* __restrict__ {array_name(array)} = (V*)arrays[{n}];")
+        else:
+            ctype = "I" if array.kind in ("pos", "crd") else "V"
+            unpack.append(f"    const {ctype}* __restrict__ {array_name(array)} = (const {ctype}*)arrays[{n}];")
+    unpack.append("    (void)handle;")
+    return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER]) + _run(unpack, print_block(fused.loops))
+
+
+def _prelude(compute: str, storage: str | None, index_dtype: str, vector_bytes: int, headers: list[str]) -> str:
+    return (
         f"#define SN_VALUE {compute}\n"
         + ("" if storage is None else f"#define SN_STORAGE {storage}\n")
         + f"#define SN_INDEX {_INDEX_CTYPES[index_dtype]}\n"
-        f"#define SN_VECTOR_BYTES {kernel.vector_bytes}\n"
+        f"#define SN_VECTOR_BYTES {vector_bytes}\n"
         + "".join(f'#include "{header}"\n' for header in headers)
-        + f"\n{RUN.declaration} {{\n"
+    )
+
+
+def _run(unpack: list[str], body: str) -> str:
+    """``sn_run``: the arrays unpacked, then ``body``; an allocation failure returns 1."""
+    return (
+        f"\n{RUN.declaration} {{\n"
         + "  try {\n"
         + "\n".join(unpack)
         + "\n"
         + body
         + "\n    return 0;\n"
         + "  } catch (const std::bad_alloc&) {\n    return 1;\n  }\n}\n"
-        + ("" if kernel.dense_output else _finish(fill, inputs))
     )
 
 

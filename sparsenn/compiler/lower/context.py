@@ -46,6 +46,9 @@ class Lowering:
         self._counter = 0
         self._stack: list[list[ir.Stmt]] = [[]]
         self.tile_bounds: dict[str, tuple[ir.Expr, ir.Expr]] = {}  # open tile loops: index -> (start, end)
+        # Set for a stage of a fused kernel (lower/fuse.py): every nest's team loops run at
+        # this one (flattened) coordinate, with no team or chunks of their own.
+        self.team_coordinate: ir.Expr | None = None
 
     # -- building -------------------------------------------------------------
     def emit(self, *stmts: ir.Stmt) -> None:

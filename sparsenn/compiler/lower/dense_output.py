@@ -157,7 +157,7 @@ def _nest(lo: Lowering, nest: Nest, anchor: int | None, once: bool) -> None:
                                     body),), scoped=False)
         lo.emit(*body.stmts)
 
-    if nest.parallel:
+    if nest.parallel and lo.team_coordinate is None:
         lo.emit(ir.Parallel(lo.block(loops)))
     else:
         loops()
@@ -183,6 +183,9 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
             emit_order(lo, walk, states)
 
     if not nest.parallel:
+        run()
+        return
+    if lo.team_coordinate is not None:
         run()
         return
     chunk = ir.Var("sn_chunk")

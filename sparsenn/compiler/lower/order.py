@@ -53,7 +53,7 @@ def _prefetched(nest: Nest, index: str) -> tuple[int, ...]:
 
 def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wrapped: bool = False) -> None:
     order, nest = walk.order, walk.nest
-    if position == 0 and nest.team_loops > 1:
+    if position == 0 and (nest.team_loops > 1 or lo.team_coordinate is not None):
         _team_loops(lo, walk, states)
         return
     if position in walk.wrap and not wrapped:
@@ -105,21 +105,30 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
 def _team_loops(lo: Lowering, walk: NestWalk, states: list) -> None:
     """The loops the team shares as one loop over their flattened coordinates (in the
     chunk's bounds, those of ``order[0]``), each iteration decomposing its coordinate
-    into the loops' indices and locating the factors' levels there."""
+    into the loops' indices and locating the factors' levels there; in a fused
+    kernel's stage, the one coordinate it runs at, with no loop (a loop of one
+    iteration around an ``omp simd`` reduction keeps GCC from vectorising it)."""
     team = walk.order[:walk.nest.team_loops]
     flat = lo.fresh("flat")
+    if lo.team_coordinate is not None:
+        lo.emit(ir.Decl(flat, "index", lo.team_coordinate, const=True))
+        _step_at(lo, team, flat, walk, states)
+        return
     first, last = walk.bounds[team[0]]
+    lo.emit(ir.For(ir.Decl(flat, "index", first), ir.lt(flat, last), ir.Incr(flat),
+                   lo.block(lambda: _step_at(lo, team, flat, walk, states))))
 
-    def step() -> None:
-        rest: ir.Expr = flat
-        for index in reversed(team[1:]):
-            lo.emit(ir.Decl(lo.var(index), "index", ir.Bin("%", rest, lo.dim(index)), const=True))
-            rest = ir.Bin("/", rest, lo.dim(index))
-        lo.emit(ir.Decl(lo.var(team[0]), "index", rest, const=True))
-        located = states
-        for index in team:
-            located, before = list(located), located
-            locate(lo, index, before, located)
-        emit_order(lo, walk, located, len(team))
 
-    lo.emit(ir.For(ir.Decl(flat, "index", first), ir.lt(flat, last), ir.Incr(flat), lo.block(step)))
+def _step_at(lo: Lowering, team: Sequence[str], flat: ir.Var, walk: NestWalk, states: list) -> None:
+    """The team loops' indices decomposed from their flattened coordinate ``flat``, the
+    factors located there, and the loops below."""
+    rest: ir.Expr = flat
+    for index in reversed(team[1:]):
+        lo.emit(ir.Decl(lo.var(index), "index", ir.Bin("%", rest, lo.dim(index)), const=True))
+        rest = ir.Bin("/", rest, lo.dim(index))
+    lo.emit(ir.Decl(lo.var(team[0]), "index", rest, const=True))
+    located = states
+    for index in team:
+        located, before = list(located), located
+        locate(lo, index, before, located)
+    emit_order(lo, walk, located, len(team))

@@ -46,6 +46,7 @@ from ..notation import Assignment
 from ..plan.bias import split_epilogue
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve
+from .fused import Result, Step, evaluate_steps
 from .launcher import Launch
 from .validate import check_call
 
@@ -81,11 +82,12 @@ class Layout:
 @dataclass(frozen=True)
 class CallSpec:
     """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement``,
-    run as its staged program) over operands of ``layouts`` (None: dense),
+    run as its staged program, or :class:`~.fused.Step` s, whose last result is the
+    call's, fused when they fuse) over operands of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment | Statement
+    assignment: Assignment | Statement | tuple[Step, ...]
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
@@ -102,6 +104,8 @@ class CallSpec:
             from ..program import run
 
             return run(self.program(), operands)
+        if isinstance(self.assignment, tuple):
+            return evaluate_steps(self.assignment, operands)[-1]
         return evaluate(self.assignment, operands, self.out_format)
 
     def encode(self) -> str:
@@ -109,7 +113,7 @@ class CallSpec:
 
 
 _SPEC_MODULES = frozenset({"sparsenn.compiler.notation", "sparsenn.compiler.expression", "sparsenn.formats.format",
-                           "sparsenn.formats.level", __name__})
+                           "sparsenn.formats.level", "sparsenn.compiler.runtime.fused", __name__})
 _SPEC_BUILTINS = frozenset({("torch", "float32"), ("torch", "float64"), ("torch", "int32"), ("torch", "int64"),
                             ("builtins", "frozenset"), ("builtins", "set")})
 
@@ -166,7 +170,8 @@ def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignm
     * ``("einsum", equation, num_operands)``: the parsed equation;
     * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
       run apart when training (:func:`~..plan.bias.split_epilogue`);
-    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels`."""
+    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels` (an assignment,
+      or steps)."""
     from .api import parse  # api -> this module
 
     if not derive or derive[0] == "program":
@@ -192,6 +197,8 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     target = derived(assignment, derive)
     if isinstance(target, Statement):
         anchor = _statement_anchor(target, layouts, out_format)
+    elif isinstance(target, tuple):
+        anchor = _steps_anchor(target, layouts)
     else:
         anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
@@ -210,6 +217,18 @@ def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], 
             "sparsenn: a traced compiled expression must have a dense result or an output mask (P<S>[...] = ...); "
             f"{statement.output}[...] would be sparse with a pattern computed from the data")
     return None
+
+
+def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int:
+    """The operand whose pattern the last step's result has (traced steps must end on
+    an operand's pattern)."""
+    source = steps[-1].operands[steps[-1].on] if steps[-1].on is not None else None
+    while isinstance(source, Result):
+        step = steps[source.step]
+        source = step.operands[step.on] if step.on is not None else None
+    if source is None:
+        raise NotImplementedError("sparsenn: traced steps must end with values on an operand's pattern")
+    return source if layouts[source].shares is None else layouts[source].shares
 
 
 def _result_format(program: Program, formats: list[Format | None]) -> Format | None:
@@ -534,6 +553,9 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if spec.anchor is not None:
         result = operands[spec.anchor].with_values(result)
     wanted = [n for n, need in enumerate(needed) if need]
+    if isinstance(spec.assignment, tuple):
+        raise NotImplementedError("sparsenn: traced steps are not differentiated by the op; differentiate the "
+                                  "function that runs them (e.g. sparsenn.softmax)")
     if isinstance(spec.assignment, Statement):
         grads = _program_gradients(spec, operands, grad_out, wanted)
     else:

@@ -1,0 +1,273 @@
+"""Steps run as one fused kernel (``lower/fuse.py``): assignments whose later steps read
+earlier results, each at the team coordinates that computed it.
+
+``run_steps(steps, operands)`` plans every step as :func:`evaluate` would (through a
+blocked operand's split call), allocates the results, and when the steps fuse, runs
+them as one kernel; otherwise it returns None and the caller runs them one by one.
+Steps fuse when every one is a single planned kernel writing a dense array or values
+on an operand's pattern, reading its operands as given, whose nests share their team
+loops over the same number of coordinates (its leading output loops), and every
+read of an earlier result (and every write into one) is at those loops: the reader's
+leading indices of that operand are its team loops, the result's leading storage
+levels (dense) are the writer's. What is fused is cached by the steps and the
+operands' signature (the :func:`validate.call_key` of the first step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import Format
+
+from ..backend import abi, jit
+from ..backend.codegen import generate_fused_source
+from ..blocks import Split
+from ..lower.fuse import FusedStage, lower_fused, team_of
+from ..notation import Assignment
+from ..plan.planner import runs_parallel
+from .cache import LRUCache
+from .evaluate import SplitCall, evaluate, resolve
+from .launcher import Launch, _initial
+from .validate import call_key, check_call
+
+__all__ = ["Result", "Step", "run_steps", "evaluate_steps"]
+
+
+@dataclass(frozen=True)
+class Result:
+    """Step ``step``'s result, as an operand of a later step."""
+
+    step: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """``assignment`` over ``operands`` (the caller's operand ``n``, or an earlier
+    step's :class:`Result`); its result is dense, or with ``on``, values on the pattern
+    of its operand number ``on``; with ``into``, those values overwrite that earlier
+    step's result, of the same pattern, in place."""
+
+    assignment: Assignment
+    operands: tuple[int | Result, ...]
+    on: int | None = None
+    into: int | None = None
+
+    def out_format(self, operands: Sequence) -> str | Format:
+        """The ``out_format`` this step is evaluated with, over ``operands`` (its own)."""
+        return "dense" if self.on is None else operands[self.on].format
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One step as the fused call runs it: its launch, the split it goes through (if
+    any), the kernel arguments it passes (numbers into its pointers) and its output
+    (allocated, or the ``into`` step's)."""
+
+    step: Step
+    launch: Launch
+    split: Split | None
+    kept: tuple[int, ...]
+
+
+class _Fused:
+    """The fused kernel of some steps, bound to their operands' signature."""
+
+    def __init__(self, parts: list[_Part], entry: abi.EntryPoints, dims: list[int], parallel: bool,
+                 own_outputs: tuple[int, ...]):
+        self.parts, self.entry, self.parallel, self.own_outputs = parts, entry, parallel, own_outputs
+        self.dims = (ctypes.c_int64 * len(dims))(*dims)
+        arguments = sum(len(p.kept) for p in parts) + len(own_outputs)
+        self.array_type = ctypes.c_void_p * arguments
+
+    def run(self, operands: Sequence) -> list:
+        results, outputs, pointers = _results(self.parts, operands)
+        pointers += [outputs[k].data_ptr() for k in self.own_outputs]
+        threads = torch.get_num_threads() if self.parallel else 1
+        if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
+            raise MemoryError("sparsenn kernel ran out of memory")
+        return results
+
+
+_UNFUSED = object()
+_fused: LRUCache[object] = LRUCache("fused steps", 256)
+
+
+def run_steps(steps: tuple[Step, ...], operands: Sequence) -> list | None:
+    """Every step's result by one fused kernel, or None if the steps do not fuse."""
+    key = call_key(steps[0].assignment, operands, None)
+    if key is None:
+        return None
+    key = (steps, key)
+    fused = _fused.get(key)
+    if fused is None:
+        fused = _build(steps, operands) or _UNFUSED
+        _fused.put(key, fused)
+    return None if fused is _UNFUSED else fused.run(operands)
+
+
+def evaluate_steps(steps: tuple[Step, ...], operands: Sequence) -> list:
+    """Every step's result: by one fused kernel when the steps fuse, else one by one
+    (each step's values then in memory of its own, ``into`` or not)."""
+    fused = run_steps(steps, operands)
+    if fused is not None:
+        return fused
+    results: list = []
+    for step in steps:
+        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        results.append(evaluate(step.assignment, ops, step.out_format(ops)))
+    return results
+
+
+def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, list[int]]:
+    """Each step's result, allocated; the outputs' arrays by step; the kernel's operand
+    pointers in order."""
+    results: list = []
+    outputs: dict[int, torch.Tensor] = {}
+    pointers: list[int] = []
+    for k, part in enumerate(parts):
+        step, launch = part.step, part.launch
+        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        inner = part.split.operands(ops) if part.split is not None else ops
+        if step.into is None:
+            plan = launch.plan
+            outputs[k] = _initial(plan.assignment.reduction, plan.kernel.overwrites_output)(
+                *launch.allocation, dtype=launch.dtype)
+        else:
+            outputs[k] = outputs[step.into]
+        anchor = launch.plan.anchor
+        result = outputs[k] if anchor is None else inner[anchor].with_values(outputs[k])
+        results.append(part.split.result(result) if part.split is not None else result)
+        every = launch.pointers(inner, None)
+        pointers += [every[n] for n in part.kept]
+    return results, outputs, pointers
+
+
+def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
+    """The fused call of ``steps`` over these operands, or None if they do not fuse."""
+    parts: list[_Part] = []
+    stages: list[FusedStage] = []
+    results: list = []
+    for k, step in enumerate(steps):
+        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        checked = check_call(step.assignment, ops, step.out_format(ops))
+        if checked.dtype not in (torch.float32, torch.float64):
+            return None
+        runnable, split = resolve(step.assignment, checked), None
+        if isinstance(runnable, SplitCall):
+            split = runnable.split
+            runnable = resolve(split.assignment, check_call(split.assignment, split.operands(checked.operands),
+                                                            split.request))
+        if not _plain(runnable):
+            return None
+        plan = runnable.plan
+        reads = tuple(_source(step, slot.operand) for slot in plan.kernel.slots)
+        if step.into is not None and (plan.anchor is None or step.operands[plan.anchor] != Result(step.into)):
+            return None
+        kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
+        parts.append(_Part(step, runnable, split, kept))
+        stages.append(FusedStage(plan, reads, step.into))
+        results = _results(parts, operands)[0]
+    if not _aligned(stages, parts) or not _reads_outputs(stages, parts, operands):
+        return None
+    lowered = lower_fused(stages)
+    vector_bytes = parts[0].launch.plan.kernel.vector_bytes
+    source = generate_fused_source(lowered, str(parts[0].launch.dtype).removeprefix("torch."),
+                                   str(parts[0].launch.index_dtype).removeprefix("torch."), vector_bytes)
+    entry = abi.bind(jit.load_library(source, "fused_einsum"), assembles_sparse_output=False)
+    dims = [d for part in parts for d in part.launch.dims]
+    own = tuple(k for k, step in enumerate(steps) if step.into is None)
+    return _Fused(parts, entry, dims, any(runs_parallel(p.launch.plan.schedule) for p in parts), own)
+
+
+def _aligned(stages: Sequence[FusedStage], parts: Sequence[_Part]) -> bool:
+    """Whether the stages share their team coordinates and read (and write) earlier
+    results only at their own (see the module doc)."""
+    teams = [team_of(stage.plan) for stage in stages]
+    extents = {tuple(part.launch.dims[part.launch.plan.kernel.indices.index(i)] for i in team)
+               for part, team in zip(parts, teams)}
+    if len(extents) != 1 or len({stage.plan.kernel.vector_bytes for stage in stages}) != 1:
+        return False
+    for k, stage in enumerate(stages):
+        plan, team = stage.plan, teams[k]
+        for slot, source in zip(plan.kernel.slots, stage.reads):
+            if source is not None and not (_leads(plan, slot.operand, team) and _written_at_team(stages[source].plan,
+                                                                                                  teams[source])):
+                return False
+        if stage.into is not None and not _leads(plan, plan.anchor, team):
+            return False
+    return True
+
+
+def _leads(plan, operand: int, team: tuple[str, ...]) -> bool:
+    """Whether every read of ``operand`` in ``plan`` has the team loops as its leading
+    indices in the order it is stored (a sparse operand: over dense levels)."""
+    slots = [slot for slot in plan.kernel.slots if slot.operand == operand]
+    for slot in slots:
+        for term in plan.assignment.terms:
+            for access in term.factors:
+                if access.operand != operand:
+                    continue
+                if slot.fmt is None:
+                    order = [access.indices[m] for m in (slot.layout or range(len(access.indices)))]
+                else:
+                    order = [access.indices[m] for m in slot.fmt.mode_order]
+                    if not all(level.locatable for level in slot.fmt.levels[:len(team)]):
+                        return False
+                if tuple(order[:len(team)]) != team:
+                    return False
+    return bool(slots)
+
+
+def _written_at_team(plan, team: tuple[str, ...]) -> bool:
+    """Whether ``plan``'s result is laid out with its team loops leading."""
+    if plan.anchor is None:
+        return tuple(plan.schedule.output_order[:len(team)]) == team
+    return _leads(plan, plan.anchor, team)
+
+
+def _reads_outputs(stages: Sequence[FusedStage], parts: Sequence[_Part], operands: Sequence) -> bool:
+    """Whether each stage's arguments that the fused kernel replaces by an earlier
+    output point at that output (no copy was made on the way)."""
+    results, outputs, _ = _results(parts, operands)
+    for k, (stage, part) in enumerate(zip(stages, parts)):
+        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in part.step.operands]
+        every = part.launch.pointers(part.split.operands(ops) if part.split is not None else ops, None)
+        for n, argument in enumerate(part.launch.plan.arguments):
+            source = stage.reads[argument.slot]
+            if source is not None and argument.kind in ("val", "dense") and every[n] != outputs[source].data_ptr():
+                return False
+    return True
+
+
+def _source(step: Step, operand: int) -> int | None:
+    """The step whose result is ``step``'s operand ``operand``, if one is."""
+    source = step.operands[operand]
+    return source.step if isinstance(source, Result) else None
+
+
+def _plain(runnable: object) -> bool:
+    """Whether ``runnable`` is one kernel a fused kernel can run as a stage: a launch
+    writing a dense array (or values on an operand's pattern) in its own dtype, laid
+    out in the expression's order, reading its operands as given, every nest parallel
+    over the same team loops (no register block or dot tile), no epilogue, and the
+    sparse operands that have team indices storing them first, over dense levels."""
+    if not isinstance(runnable, Launch):
+        return False
+    plan = runnable.plan
+    team = team_of(plan)
+    return (plan.kernel.dense_output and not runnable.stages and runnable.final_format is None
+            and (plan.output_permutation is None or plan.anchor is not None) and runnable.out_dtype == runnable.dtype
+            and plan.assignment.epilogue is None and team is not None
+            and not any(n.register_block or n.dot_tile for n in plan.schedule.nests)
+            and all(_leads(plan, slot.operand, team) for slot in plan.kernel.slots if slot.fmt is not None
+                    and _touches(plan, slot.operand, team)))
+
+
+def _touches(plan, operand: int, team: tuple[str, ...]) -> bool:
+    """Whether some read of ``operand`` in ``plan`` has a team index."""
+    return any(access.operand == operand and set(access.indices) & set(team)
+               for term in plan.assignment.terms for access in term.factors)

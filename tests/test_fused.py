@@ -1,0 +1,136 @@
+"""Fused kernels (compiler/lower/fuse.py, compiler/runtime/fused.py): steps whose later
+assignments read earlier results at their own team coordinates run as one kernel, and
+equal the steps run one by one; steps that would read a result elsewhere do not fuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn import SparseTensor
+from sparsenn.compiler.functions import apply
+from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
+from sparsenn.compiler.runtime.evaluate import evaluate
+from sparsenn.compiler.runtime.fused import Result, Step, run_steps
+from sparsenn.functional import _fused_softmax, _fused_softmax_grad
+
+
+def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
+    """About 40 % of the entries stored, slice 1 along mode 0 empty."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(shape, generator=g, dtype=dtype) * (torch.rand(shape, generator=g) < 0.4)
+    dense[1] = 0
+    return sparsenn.from_dense(dense, format=fmt)
+
+
+def one_by_one(steps, operands) -> list:
+    """The steps' results evaluated separately (``into`` ignored: a fresh result)."""
+    results = []
+    for step in steps:
+        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        results.append(evaluate(step.assignment, ops, step.out_format(ops)))
+    return results
+
+
+def assignment(output, factors, value, reduction="sum") -> Assignment:
+    return Assignment(output, (Term(1.0, factors, value),), tuple(f"T{n}" for n in range(len(factors))), reduction)
+
+
+ROWS, FULL = ("i",), ("i", "j")
+ROW_SUM = assignment(ROWS, (Access(0, FULL),), None)
+# P = S * (1 / N[i]) on S's pattern, and the same reading N at j (another row's sum).
+SCALE = apply("mul", Factor(0), apply("div", Constant(1.0), Factor(1)))
+SCALED = assignment(FULL, (Access(0, FULL), Access(1, ROWS)), SCALE)
+SCALED_ACROSS = assignment(FULL, (Access(0, FULL), Access(1, ("j",))), SCALE)
+
+
+@pytest.mark.parametrize("fmt, shape", [("csr", (40, 70)), ("bsr(4,8)", (40, 64)), ("dddc(1,1,4,4)", (2, 3, 16, 24))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_softmax_steps_fuse_and_equal_the_steps_one_by_one(fmt, shape, dtype):
+    S = random_sparse(shape, fmt, dtype)
+    steps = _fused_softmax(S.ndim, S.ndim - 1)
+    fused = run_steps(steps, [S])
+    assert fused is not None, "rows over dense levels fuse"
+    separate = one_by_one(steps, [S])
+    torch.testing.assert_close(fused[0], separate[0], rtol=0, atol=0)  # the max is exact
+    for k in (2, 3):  # Z, then P written over E
+        torch.testing.assert_close(fused[k].to_dense() if k == 3 else fused[k],
+                                   separate[k].to_dense() if k == 3 else separate[k])
+    assert fused[1].values.data_ptr() == fused[3].values.data_ptr(), "P overwrites E in place"
+    torch.testing.assert_close(fused[3].to_dense(), sparsenn.softmax(S, -1).to_dense())
+    d_out, P = S.with_values(torch.randn_like(S.values)), fused[3]
+    grad_steps = _fused_softmax_grad(S.ndim, S.ndim - 1)
+    fused_grad = run_steps(grad_steps, [d_out, P])
+    assert fused_grad is not None
+    torch.testing.assert_close(fused_grad[1].values, one_by_one(grad_steps, [d_out, P])[1].values)
+
+
+def test_a_fused_kernel_computes_the_same_on_one_thread_and_on_two():
+    """Every row is computed by one thread, in the same order: bit for bit equal."""
+    S = random_sparse((300, 257), "csr", torch.float32, seed=3)
+    S = S.with_values(S.values.abs() + 0.5)  # row sums far from 0
+    steps = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run_steps(steps, [S])[1].values.clone()
+        torch.set_num_threads(2)
+        two = run_steps(steps, [S])[1].values
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    rows = S.to_dense().sum(1, keepdim=True)
+    expected = torch.where(S.to_dense() != 0, S.to_dense() / rows, 0.0)
+    torch.testing.assert_close(S.with_values(two).to_dense(), expected)
+
+
+def test_steps_reading_a_result_at_another_coordinate_do_not_fuse():
+    """``N[j]`` is the sum of row ``j``, which the row ``i`` being scaled need not have
+    computed yet: run_steps declines, and the steps one by one are right."""
+    S = random_sparse((30, 30), "csr")
+    steps = (Step(ROW_SUM, (0,)), Step(SCALED_ACROSS, (0, Result(0)), on=0))
+    assert run_steps(steps, [S]) is None
+    scaled = one_by_one(steps, [S])[1].to_dense()
+    dense = S.to_dense()
+    torch.testing.assert_close(scaled, torch.where(dense != 0, dense / dense.sum(1)[None, :], 0.0))
+
+
+@pytest.mark.parametrize("fmt", ["dcsr", "coo", "csc"])
+def test_rows_not_stored_first_over_dense_levels_do_not_fuse(fmt):
+    S = random_sparse((20, 30), fmt)
+    assert run_steps(_fused_softmax(2, 1), [S]) is None
+
+
+def test_sixteen_bit_values_and_a_wrong_in_place_write_do_not_fuse():
+    S = random_sparse((20, 30), "csr", torch.float32)
+    assert run_steps(_fused_softmax(2, 1), [S.with_values(S.values.bfloat16())]) is None
+    into_dense = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=0, into=0))
+    assert run_steps(into_dense, [S]) is None
+
+
+def test_softmax_fuses_in_the_attention_layer():
+    """BlockSparseAttention's scores (block rows over dense levels) take the fused softmax."""
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=4, seed=0)
+    mask = layer._mask_for(layer._forward_pattern(64), 2, None, torch.float32)
+    scores = mask.with_values(torch.randn(mask.values.shape))
+    assert run_steps(_fused_softmax(scores.ndim, 3), [scores]) is not None
+
+
+@pytest.mark.parametrize("fmt", ["csr", "coo"])
+def test_traced_softmax_runs_the_steps_as_eager_does(fmt):
+    """Under torch.compile the forward and backward steps are ``sparsenn::evaluate`` ops:
+    fused as in eager mode for CSR (equal bit for bit), one by one for COO."""
+    S = random_sparse((12, 20), fmt, torch.float32, seed=5)
+
+    def loss(values: torch.Tensor) -> torch.Tensor:
+        return (sparsenn.softmax(S.with_values(values), -1).values * torch.arange(values.numel())).sum()
+
+    eager_values = S.values.clone().requires_grad_()
+    traced_values = S.values.clone().requires_grad_()
+    eager, traced = loss(eager_values), torch.compile(loss, fullgraph=True, backend="aot_eager")(traced_values)
+    eager.backward()
+    traced.backward()
+    exact = dict(rtol=0, atol=0) if fmt == "csr" else {}
+    torch.testing.assert_close(traced, eager, **exact)
+    torch.testing.assert_close(traced_values.grad, eager_values.grad, **exact)
