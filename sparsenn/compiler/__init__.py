@@ -44,6 +44,12 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
 its operands, stages it into a program of assignments (``program.py``), each run as in
 steps 2-5; a plain sum of products is one assignment.
 
+Steps whose later assignments read earlier results at the same rows (sparse softmax:
+the row max, the exponentials, their sum, the scaling) can run as one kernel:
+``runtime/fused.py`` plans each step as above and, when every one shares its team loops
+and reads earlier results only at its own team coordinates, ``lower/fuse.py`` lowers
+them into one kernel that runs every step per coordinate while its rows are in cache.
+
 ``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included.
 
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,

@@ -45,21 +45,30 @@ def vector_reduction(
     acc, end, total = lo.fresh("vsum"), lo.fresh("end"), lo.fresh("tot")
     block = ir.mul(accumulators, ir.Lanes())
 
+    def located() -> list:
+        """The factors at ``index``'s current coordinate (sparse ones: its dense level located)."""
+        new = list(states)
+        locate(lo, index, states, new)
+        return new
+
+    def loads(lane: ir.Expr) -> ir.Expr:
+        at = located()
+        return product_of([ir.VectorLoad(ir.Array("val", at[k].slot), ir.add(at[k].pos, lane)) if at[k].sparse
+                           else lo.vector_load(at[k], lane=lane) for k in vectors])
+
     def fill():
         lo.emit(ir.Decl(end, "index", last, const=True),
                 ir.Decl(acc, "VV", "zero", shape=(accumulators,)),
                 ir.Decl(var, "index", first))
-        loads = product_of([lo.vector_load(states[k]) for k in vectors])
-        lo.emit(ir.For(None, ir.le(ir.add(var, block), end), ir.Assign(var, block, "+="), ir.Block((
-            counted(V, accumulators, ir.Assign(ir.Elem(acc, (V,)), loads, "+=")),))))
-        single = product_of([lo.vector_load(states[k], lane=ir.Const(0)) for k in vectors])
-        lo.emit(ir.For(None, ir.le(ir.add(var, ir.Lanes()), end), ir.Assign(var, ir.Lanes(), "+="),
-                       ir.Block((ir.Assign(ir.Elem(acc, (ir.Const(0),)), single, "+="),))))
+        lo.emit(ir.For(None, ir.le(ir.add(var, block), end), ir.Assign(var, block, "+="), lo.block(lambda: lo.emit(
+            counted(V, accumulators, ir.Assign(ir.Elem(acc, (V,)), loads(ir.mul(V, ir.Lanes())), "+="))))))
+        lo.emit(ir.For(None, ir.le(ir.add(var, ir.Lanes()), end), ir.Assign(var, ir.Lanes(), "+="), lo.block(
+            lambda: lo.emit(ir.Assign(ir.Elem(acc, (ir.Const(0),)), loads(ir.Const(0)), "+=")))))
         lo.emit(counted(V, accumulators, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (V,)), "+="),
                         pragma=None, start=1))
         lo.emit(ir.Decl(total, "V", ir.Call("hsum", (ir.Elem(acc, (ir.Const(0),)),))))
-        lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), ir.Block((
-            ir.Assign(total, lo.product(states, vectors), "+="),))))
+        lo.emit(ir.For(None, ir.lt(var, end), ir.Incr(var), lo.block(lambda: lo.emit(
+            ir.Assign(total, lo.product(located(), vectors), "+=")))))
         lo.emit(ir.Assign(accumulator, _scale(coef, lo, states, scalars, total), "+="))
 
     lo.emit(lo.block(fill))

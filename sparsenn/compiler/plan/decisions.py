@@ -4,9 +4,10 @@ Given a nest's loop order and its factors read in that order (:class:`NestFactor
 these functions decide, from the :class:`~.target.Target` and level capabilities only:
 
 * **Vector reduction.** A nest's innermost reduction loop over an index that every
-  summed factor holding it reads with unit stride (dense operands laid out with it last)
-  runs ``register_block_vectors`` independent SIMD accumulators (one would wait on
-  each add's latency), then single vectors, then scalars.
+  summed factor holding it reads with unit stride (dense operands laid out with it
+  last, sparse ones whose last level, over it, is dense: a block's columns) runs
+  ``register_block_vectors`` independent SIMD accumulators (one would wait on each
+  add's latency), then single vectors, a tree over the lanes, then scalars.
 * **Max and min over a factor.** ``max_k X`` (or ``min``) whose innermost reduction
   loop reads ``X`` with unit stride (a dense operand laid out with ``k`` last, or a
   last level over ``k`` that is dense) runs as a vector reduction too, each lane
@@ -68,7 +69,8 @@ __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "extremum_reduction", "sparse_reduction",
     "row_block",
-    "prefetch_loops", "stores_once", "team_loops", "TEAM_COORDINATES", "simd_loop", "union_by_points",
+    "prefetch_loops", "stores_once", "team_loops", "contiguous_factors", "TEAM_COORDINATES", "simd_loop",
+    "union_by_points",
     "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
 
@@ -183,8 +185,25 @@ def summed_factors(order: Sequence[str], output: Sequence[str], factors: Sequenc
 
 def vector_reduction(order, output, factors, target: Target) -> VectorReduction | None:
     summed = summed_factors(order, output, factors)
-    vectors = unit_stride_factors(order[-1], factors, summed) if summed else []
+    vectors = contiguous_factors(order[-1], factors, summed) if summed else []
     return VectorReduction(order[-1], target.register_block_vectors, tuple(vectors)) if vectors else None
+
+
+def contiguous_factors(index: str, factors: Sequence[NestFactor], among: Sequence[int]) -> list[int]:
+    """The factors of ``among`` indexed by ``index`` if each one reads contiguous values
+    along it: a dense operand with ``index`` last, or a sparse one whose last level,
+    over ``index``, is dense (a block's columns); and no other sparse factor has it;
+    else []."""
+    def contiguous(f: NestFactor) -> bool:
+        if not f.sparse:
+            return f.indices[-1] == index
+        index_last, level = f.levels[-1]
+        return index_last == index and level.full and level.locatable
+
+    holding = [k for k in among if index in factors[k].indices]
+    if any(f.sparse and index in f.indices and k not in holding for k, f in enumerate(factors)):
+        return []
+    return holding if holding and all(contiguous(factors[k]) for k in holding) else []
 
 
 def extremum_reduction(order, output, factors, target: Target) -> VectorReduction | None:
