@@ -28,10 +28,10 @@ from ..backend.codegen import generate_fused_source
 from ..blocks import Split
 from ..lower.fuse import FusedStage, lower_fused, team_of
 from ..notation import Assignment
-from ..plan.planner import runs_parallel
+from ..plan.planner import Plan, runs_parallel
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve
-from .launcher import Launch, _initial
+from .launcher import Launch, output_allocator
 from .validate import call_key, check_call
 
 __all__ = ["Result", "Step", "run_steps", "evaluate_steps"]
@@ -134,7 +134,7 @@ def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, li
         inner = part.split.operands(ops) if part.split is not None else ops
         if step.into is None:
             plan = launch.plan
-            outputs[k] = _initial(plan.assignment.reduction, plan.kernel.overwrites_output)(
+            outputs[k] = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
                 *launch.allocation, dtype=launch.dtype)
         else:
             outputs[k] = outputs[step.into]
@@ -191,18 +191,19 @@ def _aligned(stages: Sequence[FusedStage], parts: Sequence[_Part]) -> bool:
                for part, team in zip(parts, teams)}
     if len(extents) != 1 or len({stage.plan.kernel.vector_bytes for stage in stages}) != 1:
         return False
-    for k, stage in enumerate(stages):
-        plan, team = stage.plan, teams[k]
+    for stage, team in zip(stages, teams):
+        plan = stage.plan
         for slot, source in zip(plan.kernel.slots, stage.reads):
-            if source is not None and not (_leads(plan, slot.operand, team) and _written_at_team(stages[source].plan,
-                                                                                                  teams[source])):
+            if source is None:
+                continue
+            if not _leads(plan, slot.operand, team) or not _written_at_team(stages[source].plan, teams[source]):
                 return False
         if stage.into is not None and not _leads(plan, plan.anchor, team):
             return False
     return True
 
 
-def _leads(plan, operand: int, team: tuple[str, ...]) -> bool:
+def _leads(plan: Plan, operand: int, team: tuple[str, ...]) -> bool:
     """Whether every read of ``operand`` in ``plan`` has the team loops as its leading
     indices in the order it is stored (a sparse operand: over dense levels)."""
     slots = [slot for slot in plan.kernel.slots if slot.operand == operand]
@@ -222,7 +223,7 @@ def _leads(plan, operand: int, team: tuple[str, ...]) -> bool:
     return bool(slots)
 
 
-def _written_at_team(plan, team: tuple[str, ...]) -> bool:
+def _written_at_team(plan: Plan, team: tuple[str, ...]) -> bool:
     """Whether ``plan``'s result is laid out with its team loops leading."""
     if plan.anchor is None:
         return tuple(plan.schedule.output_order[:len(team)]) == team
@@ -233,7 +234,7 @@ def _reads_outputs(stages: Sequence[FusedStage], parts: Sequence[_Part], operand
     """Whether each stage's arguments that the fused kernel replaces by an earlier
     output point at that output (no copy was made on the way)."""
     results, outputs, _ = _results(parts, operands)
-    for k, (stage, part) in enumerate(zip(stages, parts)):
+    for stage, part in zip(stages, parts):
         ops = [operands[s] if isinstance(s, int) else results[s.step] for s in part.step.operands]
         every = part.launch.pointers(part.split.operands(ops) if part.split is not None else ops, None)
         for n, argument in enumerate(part.launch.plan.arguments):
@@ -267,7 +268,7 @@ def _plain(runnable: object) -> bool:
                     and _touches(plan, slot.operand, team)))
 
 
-def _touches(plan, operand: int, team: tuple[str, ...]) -> bool:
+def _touches(plan: Plan, operand: int, team: tuple[str, ...]) -> bool:
     """Whether some read of ``operand`` in ``plan`` has a team index."""
     return any(access.operand == operand and set(access.indices) & set(team)
                for term in plan.assignment.terms for access in term.factors)

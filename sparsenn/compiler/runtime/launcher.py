@@ -33,7 +33,7 @@ from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "bind", "uninitialised"]
+__all__ = ["Launch", "Assembly", "bind", "uninitialised", "output_allocator"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -46,7 +46,7 @@ def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
     return memory.empty(*size, dtype=dtype)
 
 
-def _initial(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
+def output_allocator(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
     """How to allocate a dense output: uninitialised when the kernel stores every
     element, else filled with the reduction's identity (0 for a sum, -inf for a max)."""
     if overwrites:
@@ -98,7 +98,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
     out_dtype = launch.out_dtype
     plan, final = launch.plan, launch.final_format
-    assembles, allocate = plan.assembles, _initial(plan.assignment.reduction, plan.kernel.overwrites_output)
+    assembles, allocate = plan.assembles, output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)
     anchor, permutation = plan.anchor, plan.output_permutation
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
