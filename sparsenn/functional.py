@@ -41,7 +41,7 @@ from sparsenn.compiler.runtime.fused import Result, Step, run_steps
 from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
 from sparsenn.formats import SparseTensor
 
-__all__ = ["softmax", "log_softmax"]
+__all__ = ["softmax", "log_softmax", "softmax_steps", "softmax_gradient"]
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def _kernel(rank: int, dim: int, name: str) -> Assignment | tuple[Step, ...]:
     """A kernel of softmax along ``dim`` of rank-``rank`` tensors, or the fused steps
     ``"forward"`` and ``"backward"``."""
     if name == "forward":
-        return _fused_softmax(rank, dim)
+        return softmax_steps(rank, dim)
     if name == "backward":
         return _fused_softmax_grad(rank, dim)
     return getattr(_kernels(rank, dim), name)
@@ -101,12 +101,18 @@ register_kernels("softmax", _kernel)
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_softmax(rank: int, dim: int) -> tuple[Step, ...]:
-    """Softmax along ``dim`` as the steps of one fused kernel: ``M``, ``E = exp(S - M)``,
-    ``Z = sum_j E``, ``P = E * (1 / Z)`` written over ``E``."""
+def softmax_steps(rank: int, dim: int, scores: Step | None = None) -> tuple[Step, ...]:
+    """Softmax along ``dim`` of rank-``rank`` tensors as the steps of one fused kernel:
+    ``M``, ``E = exp(S - M)``, ``Z = sum_j E``, ``P = E * (1 / Z)`` written over ``E``.
+    ``S`` is the caller's operand 0, or the result of the step ``scores`` (values on an
+    operand's pattern), which then comes first and whose values ``E`` overwrites."""
     k = _kernels(rank, dim)
-    return (Step(k.max, (0,)), Step(k.exp_shifted, (0, Result(0)), on=0),
-            Step(k.row_sum, (Result(1),)), Step(k.normalised, (Result(1), Result(2)), on=0, into=1))
+    if scores is None:
+        return (Step(k.max, (0,)), Step(k.exp_shifted, (0, Result(0)), on=0),
+                Step(k.row_sum, (Result(1),)), Step(k.normalised, (Result(1), Result(2)), on=0, into=1))
+    s = Result(0)
+    return (scores, Step(k.max, (s,)), Step(k.exp_shifted, (s, Result(1)), on=0, into=0),
+            Step(k.row_sum, (Result(2),)), Step(k.normalised, (Result(2), Result(3)), on=0, into=2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -162,19 +168,29 @@ class _Softmax(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("sparsenn.softmax: higher-order gradients (create_graph=True) are not supported")
         (out,) = ctx.saved_tensors
-        pattern, dim = ctx.pattern, ctx.dim
-        # _share, not with_values: both are values of this pattern, and a traced backward
-        # may not inspect tensors as with_values' checks do.
-        d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
-        result = pattern._share(pattern.shape, pattern.format, out)
         if ctx.log:
+            pattern, dim = ctx.pattern, ctx.dim
+            # _share, not with_values: both are values of this pattern, and a traced backward
+            # may not inspect tensors as with_values' checks do.
+            d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
+            result = pattern._share(pattern.shape, pattern.format, out)
             g = _run("row_sum", pattern, dim, [d_out], "dense")
             return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
-        d_values = _steps("backward", pattern, dim, [d_out, result])
-        if d_values is None:
-            g = _run("dot", pattern, dim, [d_out, result], "dense")
-            d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
-        return d_values, None, None, None
+        return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
+
+
+def softmax_gradient(pattern: SparseTensor, dim: int, probabilities: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``dS = P * (dP - sum_j dP * P)`` along ``dim``: the values on ``pattern`` of the
+    gradient of ``P = softmax(S)`` (values ``probabilities``) given ``dP`` (``grad``)."""
+    # _share, not with_values: both are values of this pattern, and a traced backward
+    # may not inspect tensors as with_values' checks do.
+    d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
+    result = pattern._share(pattern.shape, pattern.format, probabilities)
+    d_values = _steps("backward", pattern, dim, [d_out, result])
+    if d_values is None:
+        g = _run("dot", pattern, dim, [d_out, result], "dense")
+        d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
+    return d_values
 
 
 def _normalised_dim(S: object, dim: object, name: str) -> int:

@@ -13,7 +13,7 @@ from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.functional import _fused_softmax, _fused_softmax_grad
+from sparsenn.functional import _fused_softmax_grad, softmax_steps
 
 
 def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
@@ -49,7 +49,7 @@ SCALED_ACROSS = assignment(FULL, (Access(0, FULL), Access(1, ("j",))), SCALE)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 def test_softmax_steps_fuse_and_equal_the_steps_one_by_one(fmt, shape, dtype):
     S = random_sparse(shape, fmt, dtype)
-    steps = _fused_softmax(S.ndim, S.ndim - 1)
+    steps = softmax_steps(S.ndim, S.ndim - 1)
     fused = run_steps(steps, [S])
     assert fused is not None, "rows over dense levels fuse"
     separate = one_by_one(steps, [S])
@@ -99,22 +99,40 @@ def test_steps_reading_a_result_at_another_coordinate_do_not_fuse():
 @pytest.mark.parametrize("fmt", ["dcsr", "coo", "csc"])
 def test_rows_not_stored_first_over_dense_levels_do_not_fuse(fmt):
     S = random_sparse((20, 30), fmt)
-    assert run_steps(_fused_softmax(2, 1), [S]) is None
+    assert run_steps(softmax_steps(2, 1), [S]) is None
 
 
 def test_sixteen_bit_values_and_a_wrong_in_place_write_do_not_fuse():
     S = random_sparse((20, 30), "csr", torch.float32)
-    assert run_steps(_fused_softmax(2, 1), [S.with_values(S.values.bfloat16())]) is None
+    assert run_steps(softmax_steps(2, 1), [S.with_values(S.values.bfloat16())]) is None
     into_dense = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=0, into=0))
     assert run_steps(into_dense, [S]) is None
 
 
-def test_softmax_fuses_in_the_attention_layer():
-    """BlockSparseAttention's scores (block rows over dense levels) take the fused softmax."""
-    layer = sparsenn.BlockSparseAttention(32, 2, block_size=4, seed=0)
-    mask = layer._mask_for(layer._forward_pattern(64), 2, None, torch.float32)
-    scores = mask.with_values(torch.randn(mask.values.shape))
-    assert run_steps(_fused_softmax(scores.ndim, 3), [scores]) is not None
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("block, head_dim", [(4, 16), (16, 32)], ids=["dot-tile", "register-tile"])
+def test_attention_scores_and_softmax_fuse_and_equal_them_apart(block, head_dim, padded, avx2_host):
+    """BlockSparseAttention's block SDDMM (a dot tile, or a register tile with ``K``
+    re-laid out first) and softmax's steps run as one kernel per block row, the softmax
+    written over the scores."""
+    from sparsenn.layers.attention import _probability_steps, _scores
+
+    layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, seed=0)
+    mask = layer._mask_for(layer._forward_pattern(8 * block), 2, None, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 2, 8 * block, head_dim, generator=g) for _ in range(2))
+    operands = [mask, q, k]
+    if padded:
+        operands.append(torch.zeros(2, 8 * block).masked_fill_(torch.arange(8 * block) >= 7 * block + 1, float("-inf")))
+    tile = "dot tile" if block == 4 else "register tile"
+    assert tile in _scores(layer._score_scale, False).explain(*operands[:3])
+    steps = _probability_steps(layer._score_scale, padded, block)
+    fused = run_steps(steps, operands)
+    assert fused is not None
+    scores = fused[0]
+    assert all(r.values.data_ptr() == scores.values.data_ptr() for r in (fused[2], fused[4])), "in place"
+    expected = sparsenn.softmax(_scores(layer._score_scale, padded)(*operands), -1)
+    torch.testing.assert_close(fused[4].values, expected.values)
 
 
 @pytest.mark.parametrize("fmt", ["csr", "coo"])

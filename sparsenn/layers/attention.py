@@ -11,11 +11,14 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 * ``S<M> = Q Kᵀ / sqrt(d)`` (block SDDMM on ``M``'s pattern, ``M``'s values never read;
   the scale multiplies each stored score once), plus ``-inf`` at padded keys inside stored
   blocks (in the same kernel);
-* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values;
+* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values (the scores and the
+  softmax run as one fused kernel when their steps fuse: each block row's scores are
+  computed, normalised and written once, ``compiler/runtime/fused.py``);
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
 
-Backward: every gradient is the compiler's (``dQ = dS K``, ``dK = dSᵀ Q`` as products
-over the scores' pattern, which the mask shares). A query row with no unpadded key in its blocks is empty: its output is zero.
+Backward: softmax's gradient ``dS``, then ``dQ = dS K`` and ``dK = dSᵀ Q`` as compiled
+products over the mask's pattern. A query row with no unpadded key in its blocks is
+empty: its output is zero.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
-from sparsenn.formats import SparseTensor, from_coo, from_dense, parse_format
-from sparsenn.functional import softmax
+from sparsenn.compiler.program import stage
+from sparsenn.compiler.runtime.fused import Step, run_steps
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
+from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
+from sparsenn.functional import softmax, softmax_gradient, softmax_steps
 from sparsenn.layers.arguments import checked_int
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
@@ -45,6 +51,64 @@ def _scores(scale: float, padded: bool) -> CompiledExpression:
     by a sort of every stored entry: 25 s at batch 64, L 1024.)"""
     bias = " + bias[b,j]" if padded else ""
     return compile_expression(f"S<M>[b,h,i,j] = {scale!r} * Q[b,h,i,d] * K[b,h,j,d]{bias}")
+
+
+# The scores' gradients without the scale (dense results); built at import, as traced
+# code calls existing compiled expressions.
+_QUERY_GRADIENT = compile_expression("dQ[b,h,i,d] = dS[b,h,i,j] * K[b,h,j,d]", "dense")
+_KEY_GRADIENT = compile_expression("dK[b,h,j,d] = dS[b,h,i,j] * Q[b,h,i,d]", "dense")
+
+
+def _mask_format(block_size: int) -> Format:
+    """The attention mask's format: batch, heads and block rows dense, blocks compressed."""
+    return parse_format(f"dddc(1,1,{block_size},{block_size})", 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _probability_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ...]:
+    """``P = softmax(S)`` of the scores :func:`_scores` over ``(M, Q, K[, bias])`` as fused
+    steps: the scores' one assignment for these formats, then softmax's steps over its
+    result, in place (:func:`sparsenn.functional.softmax_steps`)."""
+    expression = _scores(scale, padded)
+    formats = (_mask_format(block_size),) + (None,) * (len(expression.operand_names) - 1)
+    (scores,) = stage(expression.statement, formats, None).stages
+    operands = tuple(source.n for source in scores.inputs)
+    return softmax_steps(4, 3, Step(scores.assignment, operands, on=operands.index(0)))
+
+
+register_kernels("attention", _probability_steps)
+
+
+class _Probabilities(torch.autograd.Function):
+    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``:
+    one fused kernel (per block row: its scores, their maxima, exponentials, sums and
+    scaling, while the row is in cache, written once) when the steps fuse, else the
+    scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
+    softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
+    bias is a constant)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
+                block_size: int) -> Tensor:
+        padded = bias is not None
+        operands = [mask, q, k] + ([bias] if padded else [])
+        if tracing():
+            values = traced_evaluate(None, operands, None, ("kernel", "attention", scale, padded, block_size)).values
+        else:
+            results = run_steps(_probability_steps(scale, padded, block_size), operands)
+            values = softmax(_scores(scale, padded)(*operands), -1).values if results is None else results[-1].values
+        ctx.save_for_backward(q, k, values)
+        ctx.mask, ctx.scale = mask, scale
+        return values
+
+    @staticmethod
+    def backward(ctx, d_values: Tensor):
+        q, k, values = ctx.saved_tensors
+        mask = ctx.mask
+        d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
+        dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
+        dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -239,11 +303,9 @@ class BlockSparseAttention(nn.Module):
             nn.init.zeros_(self.out_proj.bias)
         self._training_generator = torch.Generator().manual_seed(self.seed)
         self._patterns: dict[int, BlockPattern] = {}
-        self._mask_format = parse_format(f"dddc(1,1,{block_size},{block_size})", 4)  # traced code reads it
+        self._mask_format = _mask_format(block_size)  # traced code reads it
         self._last_mask: tuple | None = None  # (pattern, batch, dtype, mask) of the last unpadded call
         self._warned_dense = False
-        # built here, not while traced: torch.compile reads them as existing objects
-        self._unpadded_scores, self._padded_scores = (_scores(self._score_scale, padded) for padded in (False, True))
 
     @property
     def dense_up_to(self) -> int:
@@ -417,12 +479,10 @@ class BlockSparseAttention(nn.Module):
             mask = self._traced_mask(length, batch, padding, q.dtype)
         else:
             mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
-        if padding is None:
-            scores = self._unpadded_scores(mask, q, k)
-        else:
+        bias = None
+        if padding is not None:
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-            scores = self._padded_scores(mask, q, k, bias)
-        probs = softmax(scores, -1)
+        probs = mask.with_values(_Probabilities.apply(q, k, bias, mask, self._score_scale, self.block_size))
         probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
         out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
         if not need_weights:

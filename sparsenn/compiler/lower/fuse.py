@@ -16,7 +16,8 @@ variable, so ``__restrict__`` holds); a stage may write its values *into* an ear
 sampled result of the same pattern (in place).
 
 Names: stage ``k``'s locals and extents get the prefix ``st<k>_``, its slots follow
-the earlier stages', its extents are ``dims[offset_k + n]``; its output is ``out<k>``.
+the earlier stages', its extents are ``dims[offset_k + n]``; its output is ``out<k>``, or, written in place,
+the array of the stage it writes into (which may itself be another's).
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
     parameters: list[Parameter] = []
     bodies, dims_decls = [], []
     slot_base = dims_base = 0
+    homes: list[int] = []  # per stage, the stage whose output array holds its result
     for k, stage in enumerate(stages):
+        homes.append(k if stage.into is None else homes[stage.into])
         plan = stage.plan
         lo = Lowering(plan.assignment, plan.schedule, plan.operand_formats)
         lo.team_coordinate = AT
         lo.declare_dims()
         lower_dense_output(lo, plan.anchor)
         assert tuple(lo.slots) == plan.kernel.slots, "a stage lowers to the slots of its plan"
-        rename = _renamer(k, stage, slot_base, dims_base)
+        rename = _renamer(k, stage, homes, slot_base, dims_base)
         block = _rewritten(lo.take(), rename)
         dims_decls.extend(s for s in block.stmts if isinstance(s, ir.Decl))
         bodies.append(ir.Block(tuple(s for s in block.stmts if not isinstance(s, ir.Decl))))
@@ -131,9 +134,11 @@ class _Builder:
         self.statements.extend(stmts)
 
 
-def _renamer(k: int, stage: FusedStage, slot_base: int, dims_base: int) -> Callable[[object], object]:
-    """Stage ``k``'s names in the fused kernel (see the module doc)."""
-    own_out = ir.Array("out", stage.into if stage.into is not None else k)
+def _renamer(k: int, stage: FusedStage, homes: Sequence[int], slot_base: int,
+             dims_base: int) -> Callable[[object], object]:
+    """Stage ``k``'s names in the fused kernel (see the module doc); ``homes``: per
+    stage so far, the stage whose output array holds its result."""
+    own_out = ir.Array("out", homes[k])
 
     def rename(node):
         if isinstance(node, ir.Var):
@@ -144,7 +149,7 @@ def _renamer(k: int, stage: FusedStage, slot_base: int, dims_base: int) -> Calla
             if node.kind == "out":
                 return own_out
             if node.kind in ("val", "dense") and stage.reads[node.slot] is not None:
-                return ir.Array("out", stage.reads[node.slot])
+                return ir.Array("out", homes[stage.reads[node.slot]])
             if node.slot >= 0:
                 return ir.Array(node.kind, node.slot + slot_base, node.level)
         return node

@@ -5,12 +5,13 @@ earlier results, each at the team coordinates that computed it.
 blocked operand's split call), allocates the results, and when the steps fuse, runs
 them as one kernel; otherwise it returns None and the caller runs them one by one.
 Steps fuse when every one is a single planned kernel writing a dense array or values
-on an operand's pattern, reading its operands as given, whose nests share their team
-loops over the same number of coordinates (its leading output loops), and every
-read of an earlier result (and every write into one) is at those loops: the reader's
-leading indices of that operand are its team loops, the result's leading storage
-levels (dense) are the writer's. What is fused is cached by the steps and the
-operands' signature (the :func:`validate.call_key` of the first step).
+on an operand's pattern, whose nests share their team loops over the same number of
+coordinates (its leading output loops), and every read of an earlier result (and
+every write into one) is at those loops: the reader's leading indices of that operand
+are its team loops, the result's leading storage levels (dense) are the writer's. An
+earlier result is read in place; the caller's operands go through the launch's stages
+as in :mod:`.launcher` (a dense operand re-laid out first). What is fused is cached by
+the steps and the operands' signature (the :func:`validate.call_key` of the first step).
 """
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ class _Fused:
         self.array_type = ctypes.c_void_p * arguments
 
     def run(self, operands: Sequence) -> list:
-        results, outputs, pointers = _results(self.parts, operands)
+        results, outputs, pointers, staged = _results(self.parts, operands)
         pointers += [outputs[k].data_ptr() for k in self.own_outputs]
         threads = torch.get_num_threads() if self.parallel else 1
         if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
             raise MemoryError("sparsenn kernel ran out of memory")
+        del staged  # alive until the kernel has read them
         return results
 
 
@@ -122,12 +124,14 @@ def evaluate_steps(steps: tuple[Step, ...], operands: Sequence) -> list:
     return results
 
 
-def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, list[int]]:
+def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, list[int], list]:
     """Each step's result, allocated; the outputs' arrays by step; the kernel's operand
-    pointers in order."""
+    pointers in order; the operands' staged copies they point into (a re-laid-out dense
+    operand)."""
     results: list = []
     outputs: dict[int, torch.Tensor] = {}
     pointers: list[int] = []
+    staged: list = []
     for k, part in enumerate(parts):
         step, launch = part.step, part.launch
         ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
@@ -141,9 +145,21 @@ def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, li
         anchor = launch.plan.anchor
         result = outputs[k] if anchor is None else inner[anchor].with_values(outputs[k])
         results.append(part.split.result(result) if part.split is not None else result)
-        every = launch.pointers(inner, None)
+        made = _staged(launch, inner)
+        staged.append(made)
+        every = launch.pointers(inner, made)
         pointers += [every[n] for n in part.kept]
-    return results, outputs, pointers
+    return results, outputs, pointers, staged
+
+
+def _staged(launch: Launch, operands: Sequence) -> list | None:
+    """The launch's stages run on ``operands`` (see :mod:`.launcher`), or None."""
+    if not launch.stages:
+        return None
+    made: list = []
+    for stage in launch.stages:
+        made.append(stage(operands, made))
+    return made
 
 
 def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
@@ -174,7 +190,7 @@ def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
     if not _aligned(stages, parts) or not _reads_outputs(stages, parts, operands):
         return None
     lowered = lower_fused(stages)
-    vector_bytes = parts[0].launch.plan.kernel.vector_bytes
+    vector_bytes = max(stage.plan.kernel.vector_bytes for stage in stages)
     source = generate_fused_source(lowered, str(parts[0].launch.dtype).removeprefix("torch."),
                                    str(parts[0].launch.index_dtype).removeprefix("torch."), vector_bytes)
     entry = abi.bind(jit.load_library(source, "fused_einsum"), assembles_sparse_output=False)
@@ -189,7 +205,7 @@ def _aligned(stages: Sequence[FusedStage], parts: Sequence[_Part]) -> bool:
     teams = [team_of(stage.plan) for stage in stages]
     extents = {tuple(part.launch.dims[part.launch.plan.kernel.indices.index(i)] for i in team)
                for part, team in zip(parts, teams)}
-    if len(extents) != 1 or len({stage.plan.kernel.vector_bytes for stage in stages}) != 1:
+    if len(extents) != 1 or len({stage.plan.kernel.vector_bytes for stage in stages if _blocked(stage.plan)}) > 1:
         return False
     for stage, team in zip(stages, teams):
         plan = stage.plan
@@ -201,6 +217,12 @@ def _aligned(stages: Sequence[FusedStage], parts: Sequence[_Part]) -> bool:
         if stage.into is not None and not _leads(plan, plan.anchor, team):
             return False
     return True
+
+
+def _blocked(plan: Plan) -> bool:
+    """Whether ``plan`` has a register block, sized for its vector width; the loops of
+    other plans work at any width (the fused kernel takes the widest)."""
+    return any(nest.register_block is not None for nest in plan.schedule.nests)
 
 
 def _leads(plan: Plan, operand: int, team: tuple[str, ...]) -> bool:
@@ -233,10 +255,11 @@ def _written_at_team(plan: Plan, team: tuple[str, ...]) -> bool:
 def _reads_outputs(stages: Sequence[FusedStage], parts: Sequence[_Part], operands: Sequence) -> bool:
     """Whether each stage's arguments that the fused kernel replaces by an earlier
     output point at that output (no copy was made on the way)."""
-    results, outputs, _ = _results(parts, operands)
+    results, outputs, _, _ = _results(parts, operands)
     for stage, part in zip(stages, parts):
         ops = [operands[s] if isinstance(s, int) else results[s.step] for s in part.step.operands]
-        every = part.launch.pointers(part.split.operands(ops) if part.split is not None else ops, None)
+        inner = part.split.operands(ops) if part.split is not None else ops
+        every = part.launch.pointers(inner, _staged(part.launch, inner))
         for n, argument in enumerate(part.launch.plan.arguments):
             source = stage.reads[argument.slot]
             if source is not None and argument.kind in ("val", "dense") and every[n] != outputs[source].data_ptr():
@@ -253,17 +276,16 @@ def _source(step: Step, operand: int) -> int | None:
 def _plain(runnable: object) -> bool:
     """Whether ``runnable`` is one kernel a fused kernel can run as a stage: a launch
     writing a dense array (or values on an operand's pattern) in its own dtype, laid
-    out in the expression's order, reading its operands as given, every nest parallel
-    over the same team loops (no register block or dot tile), no epilogue, and the
-    sparse operands that have team indices storing them first, over dense levels."""
+    out in the expression's order, every nest parallel over the same team loops, no
+    epilogue, and the sparse operands that have team indices storing them first, over
+    dense levels."""
     if not isinstance(runnable, Launch):
         return False
     plan = runnable.plan
     team = team_of(plan)
-    return (plan.kernel.dense_output and not runnable.stages and runnable.final_format is None
+    return (plan.kernel.dense_output and runnable.final_format is None
             and (plan.output_permutation is None or plan.anchor is not None) and runnable.out_dtype == runnable.dtype
             and plan.assignment.epilogue is None and team is not None
-            and not any(n.register_block or n.dot_tile for n in plan.schedule.nests)
             and all(_leads(plan, slot.operand, team) for slot in plan.kernel.slots if slot.fmt is not None
                     and _touches(plan, slot.operand, team)))
 
