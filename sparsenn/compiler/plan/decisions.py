@@ -210,14 +210,8 @@ def extremum_reduction(order, output, factors, target: Target) -> VectorReductio
     """The vector reduction of ``max_k X`` / ``min_k X`` (one factor; see the module doc)."""
     if len(factors) != 1 or not order or order[-1] in output:
         return None
-    (f,) = factors
     k = order[-1]
-    if f.sparse:
-        level = f.level_at(k)
-        unit = f.levels[-1][0] == k and level.full and level.locatable
-    else:
-        unit = bool(unit_stride_factors(k, factors, [0]))
-    return VectorReduction(k, target.register_block_vectors, (0,)) if unit else None
+    return VectorReduction(k, target.register_block_vectors, (0,)) if contiguous_factors(k, factors, [0]) else None
 
 
 def sparse_reduction(order, output, factors, target: Target) -> SparseReduction | None:
