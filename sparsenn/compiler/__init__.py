@@ -45,7 +45,8 @@ its operands, stages it into a program of assignments (``program.py``), each run
 steps 2-5; a plain sum of products is one assignment.
 
 Steps whose later assignments read earlier results at the same rows (sparse softmax:
-the row max, the exponentials, their sum, the scaling) can run as one kernel:
+the row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
+before them) can run as one kernel:
 ``runtime/fused.py`` plans each step as above and, when every one shares its team loops
 and reads earlier results only at its own team coordinates, ``lower/fuse.py`` lowers
 them into one kernel that runs every step per coordinate while its rows are in cache.
