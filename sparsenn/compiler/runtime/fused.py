@@ -65,8 +65,7 @@ class Step:
 @dataclass(frozen=True)
 class _Part:
     """One step as the fused call runs it: its launch, the split it goes through (if
-    any), the kernel arguments it passes (numbers into its pointers) and its output
-    (allocated, or the ``into`` step's)."""
+    any) and the kernel arguments it passes (numbers into its launch's pointers)."""
 
     step: Step
     launch: Launch
