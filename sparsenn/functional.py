@@ -168,29 +168,29 @@ class _Softmax(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("sparsenn.softmax: higher-order gradients (create_graph=True) are not supported")
         (out,) = ctx.saved_tensors
-        if ctx.log:
-            pattern, dim = ctx.pattern, ctx.dim
-            # _share, not with_values: both are values of this pattern, and a traced backward
-            # may not inspect tensors as with_values' checks do.
-            d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
-            result = pattern._share(pattern.shape, pattern.format, out)
-            g = _run("row_sum", pattern, dim, [d_out], "dense")
-            return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
-        return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
+        if not ctx.log:
+            return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
+        pattern, dim = ctx.pattern, ctx.dim
+        d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, out)
+        g = _run("row_sum", pattern, dim, [d_out], "dense")
+        return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
 
 
 def softmax_gradient(pattern: SparseTensor, dim: int, probabilities: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``dS = P * (dP - sum_j dP * P)`` along ``dim``: the values on ``pattern`` of the
     gradient of ``P = softmax(S)`` (values ``probabilities``) given ``dP`` (``grad``)."""
-    # _share, not with_values: both are values of this pattern, and a traced backward
-    # may not inspect tensors as with_values' checks do.
-    d_out = pattern._share(pattern.shape, pattern.format, grad.contiguous())
-    result = pattern._share(pattern.shape, pattern.format, probabilities)
+    d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, probabilities)
     d_values = _steps("backward", pattern, dim, [d_out, result])
     if d_values is None:
         g = _run("dot", pattern, dim, [d_out, result], "dense")
         d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
     return d_values
+
+
+def _on_pattern(pattern: SparseTensor, values: torch.Tensor) -> SparseTensor:
+    """``values`` on ``pattern``: ``_share``, not ``with_values``, as a traced backward may
+    not inspect tensors as with_values' checks do."""
+    return pattern._share(pattern.shape, pattern.format, values)
 
 
 def _normalised_dim(S: object, dim: object, name: str) -> int:

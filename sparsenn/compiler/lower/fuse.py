@@ -93,6 +93,8 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
         lower_dense_output(lo, plan.anchor)
         assert tuple(lo.slots) == plan.kernel.slots, "a stage lowers to the slots of its plan"
         rename = _renamer(k, stage, homes, slot_base, dims_base)
+        if k == 0:  # the team coordinates every stage shares, flattened
+            extent = functools.reduce(ir.mul, [rename(lo.dim(i)) for i in team_of(plan)])
         block = _rewritten(lo.take(), rename)
         dims_decls.extend(s for s in block.stmts if isinstance(s, ir.Decl))
         bodies.append(ir.Block(tuple(s for s in block.stmts if not isinstance(s, ir.Decl))))
@@ -102,9 +104,6 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
         slot_base += len(plan.kernel.slots)
         dims_base += len(lo.indices)
     parameters += [Parameter(ir.Array("out", k), k, None) for k, stage in enumerate(stages) if stage.into is None]
-    first = stages[0].plan
-    team = team_of(first)
-    extent = functools.reduce(ir.mul, [ir.Var(f"st0_N{first.kernel.indices.index(i)}") for i in team])
     chunk = ir.Var("sn_chunk")
     per_coordinate = ir.For(ir.Decl(AT, "index", LO), ir.lt(AT, HI), ir.Incr(AT), ir.Block(tuple(bodies)))
     bounds = _bounds(chunk)

@@ -73,6 +73,39 @@ class _Part:
     kept: tuple[int, ...]
 
 
+class _Bound:
+    """The steps' results over one call's operands, part by part: each step's result
+    (allocated), the output arrays by step, each part's argument pointers (all of its
+    launch's) and the staged copies they point into (a re-laid-out dense operand)."""
+
+    def __init__(self) -> None:
+        self.results: list = []
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pointers: list[list[int]] = []
+        self.staged: list = []
+
+    def add(self, part: _Part, operands: Sequence) -> None:
+        """Bind the next part (the ``k``-th, ``k = len(self.results)``)."""
+        k, step, launch = len(self.results), part.step, part.launch
+        ops = _step_operands(step, operands, self.results)
+        inner = part.split.operands(ops) if part.split is not None else ops
+        if step.into is None:
+            plan = launch.plan
+            self.outputs[k] = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
+                *launch.allocation, dtype=launch.dtype)
+        else:
+            self.outputs[k] = self.outputs[step.into]
+        anchor = launch.plan.anchor
+        result = self.outputs[k]
+        if anchor is not None:  # values of the anchor's length, allocated above: no checks
+            pattern = inner[anchor]
+            result = pattern._share(pattern.shape, pattern.format, result)
+        self.results.append(part.split.result(result) if part.split is not None else result)
+        made = _staged(launch, inner)
+        self.staged.append(made)
+        self.pointers.append(launch.pointers(inner, made))
+
+
 class _Fused:
     """The fused kernel of some steps, bound to their operands' signature."""
 
@@ -84,13 +117,15 @@ class _Fused:
         self.array_type = ctypes.c_void_p * arguments
 
     def run(self, operands: Sequence) -> list:
-        results, outputs, pointers, staged = _results(self.parts, operands)
-        pointers += [outputs[k].data_ptr() for k in self.own_outputs]
+        bound = _Bound()
+        for part in self.parts:
+            bound.add(part, operands)
+        pointers = [every[n] for part, every in zip(self.parts, bound.pointers) for n in part.kept]
+        pointers += [bound.outputs[k].data_ptr() for k in self.own_outputs]
         threads = torch.get_num_threads() if self.parallel else 1
         if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
             raise MemoryError("sparsenn kernel ran out of memory")
-        del staged  # alive until the kernel has read them
-        return results
+        return bound.results  # the staged copies lived in ``bound`` until the kernel had read them
 
 
 _UNFUSED = object()
@@ -118,37 +153,14 @@ def evaluate_steps(steps: tuple[Step, ...], operands: Sequence) -> list:
         return fused
     results: list = []
     for step in steps:
-        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        ops = _step_operands(step, operands, results)
         results.append(evaluate(step.assignment, ops, step.out_format(ops)))
     return results
 
 
-def _results(parts: Sequence[_Part], operands: Sequence) -> tuple[list, dict, list[int], list]:
-    """Each step's result, allocated; the outputs' arrays by step; the kernel's operand
-    pointers in order; the operands' staged copies they point into (a re-laid-out dense
-    operand)."""
-    results: list = []
-    outputs: dict[int, torch.Tensor] = {}
-    pointers: list[int] = []
-    staged: list = []
-    for k, part in enumerate(parts):
-        step, launch = part.step, part.launch
-        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
-        inner = part.split.operands(ops) if part.split is not None else ops
-        if step.into is None:
-            plan = launch.plan
-            outputs[k] = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
-                *launch.allocation, dtype=launch.dtype)
-        else:
-            outputs[k] = outputs[step.into]
-        anchor = launch.plan.anchor
-        result = outputs[k] if anchor is None else inner[anchor].with_values(outputs[k])
-        results.append(part.split.result(result) if part.split is not None else result)
-        made = _staged(launch, inner)
-        staged.append(made)
-        every = launch.pointers(inner, made)
-        pointers += [every[n] for n in part.kept]
-    return results, outputs, pointers, staged
+def _step_operands(step: Step, operands: Sequence, results: Sequence) -> list:
+    """``step``'s operands: the caller's, or earlier steps' ``results``."""
+    return [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
 
 
 def _staged(launch: Launch, operands: Sequence) -> list | None:
@@ -165,9 +177,9 @@ def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
     """The fused call of ``steps`` over these operands, or None if they do not fuse."""
     parts: list[_Part] = []
     stages: list[FusedStage] = []
-    results: list = []
-    for k, step in enumerate(steps):
-        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+    bound = _Bound()  # each step's result, for the next steps' planning
+    for step in steps:
+        ops = _step_operands(step, operands, bound.results)
         checked = check_call(step.assignment, ops, step.out_format(ops))
         if checked.dtype not in (torch.float32, torch.float64):
             return None
@@ -185,8 +197,8 @@ def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
         kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
         parts.append(_Part(step, runnable, split, kept))
         stages.append(FusedStage(plan, reads, step.into))
-        results = _results(parts, operands)[0]
-    if not _aligned(stages, parts) or not _reads_outputs(stages, parts, operands):
+        bound.add(parts[-1], operands)
+    if not _aligned(stages, parts) or not _reads_outputs(stages, parts, bound):
         return None
     lowered = lower_fused(stages)
     vector_bytes = max(stage.plan.kernel.vector_bytes for stage in stages)
@@ -251,17 +263,13 @@ def _written_at_team(plan: Plan, team: tuple[str, ...]) -> bool:
     return _leads(plan, plan.anchor, team)
 
 
-def _reads_outputs(stages: Sequence[FusedStage], parts: Sequence[_Part], operands: Sequence) -> bool:
+def _reads_outputs(stages: Sequence[FusedStage], parts: Sequence[_Part], bound: _Bound) -> bool:
     """Whether each stage's arguments that the fused kernel replaces by an earlier
     output point at that output (no copy was made on the way)."""
-    results, outputs, _, _ = _results(parts, operands)
-    for stage, part in zip(stages, parts):
-        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in part.step.operands]
-        inner = part.split.operands(ops) if part.split is not None else ops
-        every = part.launch.pointers(inner, _staged(part.launch, inner))
+    for stage, part, every in zip(stages, parts, bound.pointers):
         for n, argument in enumerate(part.launch.plan.arguments):
             source = stage.reads[argument.slot]
-            if source is not None and argument.kind in ("val", "dense") and every[n] != outputs[source].data_ptr():
+            if source is not None and argument.kind in ("val", "dense") and every[n] != bound.outputs[source].data_ptr():
                 return False
     return True
 
