@@ -152,3 +152,30 @@ def test_traced_softmax_runs_the_steps_as_eager_does(fmt):
     exact = dict(rtol=0, atol=0) if fmt == "csr" else {}
     torch.testing.assert_close(traced, eager, **exact)
     torch.testing.assert_close(traced_values.grad, eager_values.grad, **exact)
+
+
+@pytest.mark.parametrize("length", [32, 29], ids=["whole-blocks", "padded-tail"])
+@pytest.mark.parametrize("block, head_dim", [(4, 16), (16, 32)], ids=["dot-tile", "register-tile"])
+def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, length, avx2_host, monkeypatch):
+    """Without gradients or dropout, ``O = P V`` is the last step of the attention's fused
+    kernel; it gives what the separate SpMM gives when a gradient is needed, and the
+    weights it returns are the probabilities the SpMM read."""
+    from sparsenn.layers import attention
+
+    ran = []
+    monkeypatch.setattr(attention, "run_steps", lambda steps, ops: ran.append(len(steps)) or run_steps(steps, ops))
+    layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, num_window_blocks=3,
+                                          num_random_blocks=1, seed=0).eval()
+    length *= block // 4
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 2, length, head_dim, generator=g) for _ in range(3))
+    padding = torch.zeros(2, length, dtype=torch.bool)
+    padding[1, length // 2:] = True
+    with torch.no_grad():
+        out, weights = layer.attend(q, k, v, padding, need_weights=True)
+    assert ran == [len(attention._output_steps(layer._score_scale, True, block))]
+    ran.clear()
+    expected, expected_weights = layer.attend(q, k, v.requires_grad_(), padding, need_weights=True)
+    assert ran == [len(attention._probability_steps(layer._score_scale, True, block))]
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(weights.to_dense(), expected_weights.to_dense())

@@ -142,6 +142,29 @@ def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
         _assert_close(compiled(x)[0], layer(x)[0])
 
 
+@pytest.mark.parametrize("padded, dynamic", [(False, False), (True, False), (False, True)])
+def test_compiled_attention_inference_runs_the_fused_output_steps(monkeypatch, padded, dynamic):
+    """Without gradients, the scores, softmax and SpMM are one ``sparsenn::evaluate`` op
+    over the fused steps ending in the dense output (its fake shape derived step by step,
+    also under symbolic sizes), equal to eager mode."""
+    steps = ops._TABLES["attention_output"]
+    named = []
+    monkeypatch.setitem(ops._TABLES, "attention_output", lambda *args: named.append(args) or steps(*args))
+    torch.manual_seed(11)
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    with torch.no_grad():
+        for batch, length in ((2, 128), (3, 160)) if dynamic else ((2, 120 if padded else 128),):
+            x = torch.randn(batch, length, 32)
+            padding = None
+            if padded:
+                padding = torch.zeros(batch, length, dtype=torch.bool)
+                padding[1, 70:] = True
+            _assert_close(compiled(x, key_padding_mask=padding)[0], layer(x, key_padding_mask=padding)[0])
+    assert named and all(args[1] == padded for args in named)
+
+
 def test_compile_fullgraph_einsum_and_softmax():
     torch.manual_seed(6)
     dense = torch.randn(20, 30) * (torch.rand(20, 30) < 0.3)

@@ -14,7 +14,9 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 * ``P = softmax(S)`` over stored entries, dropout on ``P``'s values (the scores and the
   softmax run as one fused kernel when their steps fuse: each block row's scores are
   computed, normalised and written once, ``compiler/runtime/fused.py``);
-* ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``.
+* ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``. Without dropout and
+  without gradients (inference), the SpMM is one more step of the fused kernel: each
+  block row's ``P`` is multiplied by ``V`` while still in cache.
 
 Backward: softmax's gradient ``dS``, then ``dQ = dS K`` and ``dK = dSᵀ Q`` as compiled
 products over the mask's pattern. A query row with no unpadded key in its blocks is
@@ -35,7 +37,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
 from sparsenn.compiler.program import stage
-from sparsenn.compiler.runtime.fused import Step, run_steps
+from sparsenn.compiler.runtime.fused import Result, Step, run_steps
 from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
 from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax, softmax_gradient, softmax_steps
@@ -57,6 +59,8 @@ def _scores(scale: float, padded: bool) -> CompiledExpression:
 # code calls existing compiled expressions.
 _QUERY_GRADIENT = compile_expression("dQ[b,h,i,d] = dS[b,h,i,j] * K[b,h,j,d]", "dense")
 _KEY_GRADIENT = compile_expression("dK[b,h,j,d] = dS[b,h,i,j] * Q[b,h,i,d]", "dense")
+# The output's block SpMM as a step of the fused inference kernel.
+_OUTPUT = compile_expression("O[b,h,i,d] = P[b,h,i,j] * V[b,h,j,d]", "dense")
 
 
 def _mask_format(block_size: int) -> Format:
@@ -77,6 +81,19 @@ def _probability_steps(scale: float, padded: bool, block_size: int) -> tuple[Ste
 
 
 register_kernels("attention", _probability_steps)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ...]:
+    """``O = P V`` over ``(M, Q, K[, bias], V)`` as fused steps: :func:`_probability_steps`,
+    then the block SpMM of each block row of ``P`` (read in place) by ``V``."""
+    probabilities = _probability_steps(scale, padded, block_size)
+    (product,) = stage(_OUTPUT.statement, (_mask_format(block_size), None), None).stages
+    sources = {0: Result(len(probabilities) - 1), 1: 4 if padded else 3}
+    return probabilities + (Step(product.assignment, tuple(sources[s.n] for s in product.inputs)),)
+
+
+register_kernels("attention_output", _output_steps)
 
 
 class _Probabilities(torch.autograd.Function):
@@ -482,9 +499,12 @@ class BlockSparseAttention(nn.Module):
         bias = None
         if padding is not None:
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-        probs = mask.with_values(_Probabilities.apply(q, k, bias, mask, self._score_scale, self.block_size))
-        probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
-        out = einsum("bhij,bhjd->bhid", probs, v)[:, :, :length]
+        out, probs = self._fused_output(q, k, v, bias, mask, need_weights, traced)
+        if out is None:
+            probs = mask.with_values(_Probabilities.apply(q, k, bias, mask, self._score_scale, self.block_size))
+            probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
+            out = einsum("bhij,bhjd->bhid", probs, v)
+        out = out[:, :, :length]
         if not need_weights:
             return out, None
         if not extra:
@@ -493,6 +513,22 @@ class BlockSparseAttention(nn.Module):
         inside = (indices[2] < length) & (indices[3] < length)
         return out, from_coo(indices[:, inside], values[inside], (batch, self.num_heads, length, length),
                              format="dddc")
+
+    def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: SparseTensor,
+                      need_weights: bool, traced: bool) -> tuple[Tensor | None, SparseTensor | None]:
+        """``(O, P)`` by the fused kernel of :func:`_output_steps` when nothing needs ``P``
+        apart (no dropout, no gradient; while traced, no weights either), else ``(None, None)``."""
+        if (self.training and self.dropout > 0.0) or (
+                torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
+            return None, None
+        operands = [mask, q, k] + ([] if bias is None else [bias]) + [v]
+        key = (self._score_scale, bias is not None, self.block_size)
+        if traced:
+            if need_weights:
+                return None, None
+            return traced_evaluate(None, operands, None, ("kernel", "attention_output", *key)), None
+        results = run_steps(_output_steps(*key), operands)
+        return (None, None) if results is None else (results[-1], results[-2])
 
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:

@@ -219,15 +219,17 @@ def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], 
     return None
 
 
-def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int:
-    """The operand whose pattern the last step's result has (traced steps must end on
-    an operand's pattern)."""
-    source = steps[-1].operands[steps[-1].on] if steps[-1].on is not None else None
+def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int | None:
+    """The operand whose pattern the last step's result has, None when it is dense."""
+    if steps[-1].on is None:
+        return None
+    source = steps[-1].operands[steps[-1].on]
     while isinstance(source, Result):
         step = steps[source.step]
-        source = step.operands[step.on] if step.on is not None else None
-    if source is None:
-        raise NotImplementedError("sparsenn: traced steps must end with values on an operand's pattern")
+        if step.on is None:
+            raise NotImplementedError("sparsenn: traced steps must end with a dense result or values on an "
+                                      "operand's pattern")
+        source = step.operands[step.on]
     return source if layouts[source].shares is None else layouts[source].shares
 
 
@@ -400,10 +402,10 @@ def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[
     ``dims`` (sparse shapes ``shapes``): its dimensions from outermost to innermost in
     memory as the planned kernel writes them, () for contiguous or when that is decided
     only by running (a sparse result, pairwise contractions, torch.einsum, a staged
-    program). Planned on stand-in tensors of those sizes, as evaluation plans the call:
+    program, steps: a fused kernel writes in expression order). Planned on stand-in tensors of those sizes, as evaluation plans the call:
     deterministic (the planner decides from formats, shapes, stored positions and dtypes)."""
     spec = decode(call)
-    if spec.anchor is not None or isinstance(spec.assignment, Statement):
+    if spec.anchor is not None or isinstance(spec.assignment, (Statement, tuple)):
         return ()
     stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
     try:
@@ -513,17 +515,36 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: l
     if spec.anchor is not None:
         _check_order(order, 1)
         return tensors[slots[spec.anchor]].new_empty(tensors[slots[spec.anchor]].shape, dtype=dtype)
-    sizes = {}
     sparse_shapes = _split_shapes(spec, shapes)
-    for operand, indices in _user_accesses(spec):
-        shape = sparse_shapes[operand]
-        sizes.update(zip(indices, tensors[slots[operand]].shape if shape is None else shape))
-    output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
-    shape = [sizes[i] for i in output]
+    operand_shapes = [tuple(tensors[slot].shape) if shape is None else shape
+                      for slot, shape in zip(slots, sparse_shapes)]
+    if isinstance(spec.assignment, tuple):
+        shape = _steps_shape(spec.assignment, operand_shapes)
+    else:
+        sizes = {}
+        for operand, indices in _user_accesses(spec):
+            sizes.update(zip(indices, operand_shapes[operand]))
+        output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
+        shape = [sizes[i] for i in output]
     _check_order(order, len(shape))
     if not order:
         return tensors[slots[0]].new_empty(shape, dtype=dtype)
     return tensors[slots[0]].new_empty_strided(shape, _strides(shape, order), dtype=dtype)
+
+
+def _steps_shape(steps: tuple[Step, ...], operand_shapes: Sequence[tuple]) -> list:
+    """The shape of the last step's result, from the shapes of the caller's operands."""
+    results: list = []
+    for step in steps:
+        shapes = [operand_shapes[s] if isinstance(s, int) else results[s.step] for s in step.operands]
+        if step.on is not None:
+            results.append(shapes[step.on])
+            continue
+        sizes = {}
+        for access in step.assignment.accesses:
+            sizes.update(zip(access.indices, shapes[access.operand]))
+        results.append(tuple(sizes[i] for i in step.assignment.output))
+    return list(results[-1])
 
 
 def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
