@@ -22,11 +22,19 @@ reset through ``/proc/self/clear_refs``), after the inputs exist and a call at t
 smallest length has loaded the kernels (so it counts the call's own allocations). Timing, ratios (alternative time /
 sparsenn time, > 1: sparsenn faster), machine information and first-build times as in
 ``structured.py``, whose helpers this script uses.
+
+The timing process fixes glibc's mmap threshold (:func:`pin_heap_allocator`): by default
+glibc raises it after a large block is freed, so whether a call's large temporaries
+(the gather version's are ~28 MB at L = 4096) come from the heap or from fresh pages
+that fault in at every call depends on what ran before, and that version's time moved
+between 29 and 56 ms from run to run. Fixed, every implementation's temporaries come
+from the heap, the alternatives' best case.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -245,12 +253,25 @@ def run_first_build(block: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- report
+def pin_heap_allocator() -> str:
+    """Fix glibc's mmap and trim thresholds (1 GiB, 2 GiB): large temporaries then come
+    from the heap at every call (see the module doc). Returns what was done, for the report."""
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        pinned = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        pinned = False
+    return "glibc mmap threshold fixed at 1 GiB" if pinned else "default allocator (mallopt unavailable)"
+
+
 def markdown(info: dict, rows: list[dict], memory_lines: list[str], builds: dict, quick: bool) -> str:
     out = [f"# Attention benchmark{' (--quick)' if quick else ''}", "",
            f"CPU {info['cpu']} ({info['cores']} cores), AVX2 {'yes' if info['avx2'] else 'no'}, AVX-512 "
            f"{', '.join(info['avx512']) or 'no'}, L2 {info['l2']}; Python {info['python']}, torch {info['torch']}, "
            f"sparsenn {info['sparsenn']} from {info['sparsenn_tree']} at {info['git']}; {info['date']}; "
-           f"load average at start {info['loadavg']}, at end {[round(v, 2) for v in os.getloadavg()]}.", "",
+           f"load average at start {info['loadavg']}, at end {[round(v, 2) for v in os.getloadavg()]}; "
+           f"{info['allocator']}.", "",
            f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
            f"fp32, {HEADS} heads of {HEAD_DIM}, BigBird {GLOBAL} global + {WINDOW} window + {RANDOM} random blocks. "
            "Medians of round-robin rounds after warm-up; ratio = alternative time / sparsenn time (> 1: sparsenn "
@@ -289,7 +310,7 @@ def main() -> None:
     defaults = ([1024, 4096], [1], [64]) if args.quick else ([1024, 2048, 4096, 8192], [1, 4], [64, 16])
     args.lengths, args.batches, args.blocks = (given or default for given, default in
                                                zip((args.lengths, args.batches, args.blocks), defaults))
-    info = machine_info()
+    info = machine_info() | {"allocator": pin_heap_allocator()}
     print(json.dumps(info), flush=True)
     rows = [row for section, name, build in specs(args)
             for row in run_case(section, name, build, args.threads, args.quick)]
