@@ -25,6 +25,8 @@ the kernel.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,8 +57,9 @@ class _Layout:
     modes: tuple[int, ...]
     sources: tuple[int | None, ...]
 
-    @property
+    @functools.cached_property
     def format(self) -> Format:
+        """The split format (made once: views are made on every call)."""
         return Format(self.levels, self.modes, None)
 
 
