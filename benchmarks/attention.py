@@ -23,18 +23,14 @@ smallest length has loaded the kernels (so it counts the call's own allocations)
 sparsenn time, > 1: sparsenn faster), machine information and first-build times as in
 ``structured.py``, whose helpers this script uses.
 
-The timing process fixes glibc's mmap threshold (:func:`pin_heap_allocator`): by default
-glibc raises it after a large block is freed, so whether a call's large temporaries
-(the gather version's are ~28 MB at L = 4096) come from the heap or from fresh pages
-that fault in at every call depends on what ran before, and that version's time moved
-between 29 and 56 ms from run to run. Fixed, every implementation's temporaries come
-from the heap, the alternatives' best case.
+The timing process fixes glibc's mmap threshold (``structured.pin_heap_allocator``): the
+gather version's time had moved between 29 and 56 ms from run to run with the allocator's
+mode (its temporaries are ~28 MB at L = 4096).
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import math
 import os
@@ -50,7 +46,8 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import sparsenn
-from structured import compare, error_text, machine_info, run_case, section_table, target, write_report
+from structured import (compare, error_text, machine_info, pin_heap_allocator, run_case, section_table, target,
+                        write_report)
 
 HEADS, HEAD_DIM = 4, 64
 GLOBAL, WINDOW, RANDOM = 2, 3, 2
@@ -253,18 +250,6 @@ def run_first_build(block: int) -> None:
 
 
 # ----------------------------------------------------------------------------------- report
-def pin_heap_allocator() -> str:
-    """Fix glibc's mmap and trim thresholds (1 GiB, 2 GiB): large temporaries then come
-    from the heap at every call (see the module doc). Returns what was done, for the report."""
-    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        pinned = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
-    except (OSError, AttributeError):
-        pinned = False
-    return "glibc mmap threshold fixed at 1 GiB" if pinned else "default allocator (mallopt unavailable)"
-
-
 def markdown(info: dict, rows: list[dict], memory_lines: list[str], builds: dict, quick: bool) -> str:
     out = [f"# Attention benchmark{' (--quick)' if quick else ''}", "",
            f"CPU {info['cpu']} ({info['cores']} cores), AVX2 {'yes' if info['avx2'] else 'no'}, AVX-512 "

@@ -26,6 +26,7 @@ with an empty SPARSENN_CACHE_DIR.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -292,6 +293,23 @@ def git_commit(tree: Path) -> str:
     """`git describe --always --dirty` of the tree sparsenn was imported from."""
     done = subprocess.run(["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
+
+
+def pin_heap_allocator() -> str:
+    """Fix glibc's mmap and trim thresholds (1 GiB, 2 GiB) for this process, so that every
+    implementation's large temporaries come from the heap at every call, as with the
+    jemalloc/tcmalloc that PyTorch's CPU tuning guide recommends. By default glibc serves
+    blocks above a dynamic threshold (up to 32 MiB) by fresh ``mmap`` s whose pages fault
+    in on every call, and raises that threshold after such a block is freed, so a call's
+    time depends on what ran before it. Returns what was done, for the report."""
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        pinned = libc.mallopt(m_mmap_threshold, 1 << 30) == 1 and libc.mallopt(m_trim_threshold, 2**31 - 1) == 1
+    except (OSError, AttributeError):
+        pinned = False
+    return ("glibc mmap threshold fixed at 1 GiB (blocks below it come from the heap)" if pinned
+            else "default allocator (mallopt unavailable)")
 
 
 def machine_info() -> dict:
