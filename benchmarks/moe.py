@@ -22,11 +22,7 @@ fwd runs under no_grad; fwd+bwd = zero_grad, forward, backward of a fixed output
 the same rounds (medians after warm-up); ratio = alternative time / sparsenn time (> 1:
 sparsenn faster). GFLOP/s counts the routed pairs only: 4·T·k·d·h per forward, 3x that for
 fwd+bwd. Targets: dense all-experts >= 0.8·E/k, each loop >= 1.2. The forward
-breakdown times each stage of sparsenn's forward alone (same rounds scheme). The timing
-process fixes glibc's mmap threshold (``structured.pin_heap_allocator``): by default every
-block above 32 MiB (an expert weight's gradient is 256 MiB at E = 64) comes from fresh
-pages that fault in on every call, which had cost sparsenn's forward+backward a third of
-its time at E = 64.
+breakdown times each stage of sparsenn's forward alone (same rounds scheme).
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ import torch.nn.functional as F
 import sparsenn
 from sparsenn.compiler import einsum
 from sparsenn.layers.moe import dispatch
-from structured import (compare, error_text, fmt_targets, machine_info, median_times, pin_heap_allocator, target,
-                        write_report)
+from structured import compare, error_text, fmt_targets, machine_info, median_times, target, write_report
 
 D_MODEL, D_HIDDEN, TOKENS = 512, 2048, 4096
 FIRST_PRODUCT = sparsenn.compile("A[e,c,h] = gelu(R[e,c] * X[e,c,d] * W[e,d,h])", out_format="dense")
@@ -284,7 +279,7 @@ def markdown(info: dict, rows: list[dict], build_ms: dict, quick: bool) -> str:
            f"CPU {info['cpu']} ({info['cores']} cores), AVX2 {'yes' if info['avx2'] else 'no'}, AVX-512 "
            f"{', '.join(info['avx512']) or 'no'}, L2 {info['l2']}; Python {info['python']}, torch {info['torch']}, "
            f"sparsenn {info['sparsenn']} from {info['sparsenn_tree']} at {info['git']}; {info['date']}; "
-           f"load average at start {info['loadavg']}; {info['allocator']}.", "",
+           f"load average at start {info['loadavg']}.", "",
            f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
            f"fp32, d_model {D_MODEL}, d_hidden {D_HIDDEN}, {TOKENS} tokens, gelu, dropless. Medians of round-robin "
            "rounds after warm-up; ratio = alternative time / sparsenn time (> 1: sparsenn faster). GFLOP/s over "
@@ -311,7 +306,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.first_build:
         return run_first_build()
-    info = machine_info() | {"allocator": pin_heap_allocator()}
+    info = machine_info()
     print(json.dumps(info), flush=True)
     rows = [row for spec in specs(args.quick) for row in run(*spec, args.threads, args.quick)]
     build_ms = first_build()
