@@ -300,6 +300,28 @@ def test_large_outputs_reuse_memory_nothing_else_holds():
     assert small.shape == (10,) and pool.stats().misses == 6  # small outputs are not pooled
 
 
+@pytest.mark.parametrize("equation, shapes", [
+    ("ecd,ech->edh", [(3, 70, 64), (3, 70, 2000)]),  # an expert weight's gradient: batch e, contracted c
+    ("bij,bjk->bik", [(2, 400, 30), (2, 30, 400)]),
+    ("ij,kj->ki", [(300, 50), (1000, 50)]),  # the second factor's free index first
+    ("bij,bjk->ibk", [(2, 400, 30), (2, 30, 400)]),  # batch not leading: torch.einsum, not pooled
+])
+def test_large_dense_products_write_into_reused_memory(equation, shapes):
+    """A pairwise product of dense operands whose output is large is a batched GEMM into
+    the output pool (memory already mapped on the next call), equal to torch.einsum."""
+    g = torch.Generator().manual_seed(0)
+    operands = [torch.randn(shape, generator=g) for shape in shapes]
+    first = sparsenn.einsum(equation, *operands)
+    torch.testing.assert_close(first, torch.einsum(equation, *operands))
+    address = first.data_ptr()
+    del first
+    if equation != "bij,bjk->ibk":
+        assert sparsenn.einsum(equation, *operands).data_ptr() == address
+    scaled = sparsenn.compile("Y[e,d,h] = 0.5 * X[e,c,d] * G[e,c,h]")
+    if equation == "ecd,ech->edh":
+        torch.testing.assert_close(scaled(*operands), 0.5 * torch.einsum(equation, *operands))
+
+
 def test_saved_for_backward_outputs_are_not_reused():
     # A layer's output saved by autograd must not be overwritten by the next call's.
     lin = SparseLinear(2048, 2048, sparsity=0.5)

@@ -17,6 +17,7 @@ converted and resolved each time.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from ..notation import Access, Assignment, Term
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
 from ..plan.planner import DENSE, Request, contraction_path, operand_infos, path_request, plan_call
+from . import memory
 from .cache import LRUCache
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
@@ -175,16 +177,56 @@ def _summed_products(assignment: Assignment, operands: Sequence, out_shape: tupl
     out = None
     for term in assignment.terms:
         present = [i for i in assignment.output if i in term.indices]
-        lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
-        value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
-                             *[operands[a.operand] for a in term.factors])
-        if term.coefficient != 1.0:
-            value = term.coefficient * value
+        value = _pooled_product(term, operands, assignment.output, out_shape)
+        if value is not None:
+            if term.coefficient != 1.0:
+                value.mul_(term.coefficient)
+        else:
+            lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
+            value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
+                                 *[operands[a.operand] for a in term.factors])
+            if term.coefficient != 1.0:
+                value = term.coefficient * value
         if len(present) != len(assignment.output):
             view = [size if i in term.indices else 1 for i, size in zip(assignment.output, out_shape)]
             value = value.reshape(view).expand(out_shape).clone()
         out = value if out is None else out + value
     return out
+
+
+def _pooled_product(term: Term, operands: Sequence, output: tuple[str, ...],
+                    out_shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A large product of two dense factors as one batched GEMM written into pooled memory
+    (:mod:`.memory`: an output of many MiB then reuses pages already mapped instead of
+    faulting in fresh ones at every call, e.g. an expert layer's weight gradients), when
+    the output lists its batch indices (in both factors) first, then one factor's free
+    indices, then the other's, and every other index is contracted (in both factors);
+    None otherwise (``torch.einsum`` computes it)."""
+    if len(term.factors) != 2 or math.prod(out_shape) * operands[0].dtype.itemsize < memory.MIN_POOLED_BYTES:
+        return None
+    (a, b), (x, y) = term.factors, (operands[f.operand] for f in term.factors)
+    if x.dtype != y.dtype or len(set(a.indices)) != len(a.indices) or len(set(b.indices)) != len(b.indices):
+        return None
+    batch = [i for i in output if i in a.indices and i in b.indices]
+    rest = output[len(batch):]
+    if tuple(output[:len(batch)]) != tuple(batch):
+        return None
+    if rest and rest[0] in b.indices:
+        (a, b), (x, y) = (b, a), (y, x)
+    left = [i for i in rest if i in a.indices]
+    right = [i for i in rest if i in b.indices]
+    contracted = [i for i in a.indices if i in b.indices and i not in output]
+    if (tuple(left + right) != tuple(rest) or len(a.indices) != len(batch) + len(left) + len(contracted)
+            or len(b.indices) != len(batch) + len(right) + len(contracted)):
+        return None
+    size = {i: n for indices, t in ((a.indices, x), (b.indices, y)) for i, n in zip(indices, t.shape)}
+    if any(size[i] != y.shape[b.indices.index(i)] for i in batch + contracted):
+        return None
+    counts = [math.prod(size[i] for i in group) for group in (batch, left, contracted, right)]
+    lhs = x.permute([a.indices.index(i) for i in batch + left + contracted]).reshape(counts[0], counts[1], counts[2])
+    rhs = y.permute([b.indices.index(i) for i in batch + contracted + right]).reshape(counts[0], counts[2], counts[3])
+    out = memory.empty(counts[0], counts[1], counts[3], dtype=x.dtype)
+    return torch.bmm(lhs, rhs, out=out).view(out_shape)
 
 
 def _spread(tensor: torch.Tensor, indices: Sequence[str], space: Sequence[str]) -> torch.Tensor:
