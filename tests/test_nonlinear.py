@@ -250,6 +250,30 @@ def test_epilogue_reads_dense_operands_only():
         evaluate(spmm(epilogue=bias_relu()), [A, X, b.to_dense()], "csr")
 
 
+@pytest.mark.parametrize("value, in_place", [
+    (apply("gelu", apply("add", Factor(0), Factor(1))), True),
+    (apply("mul", apply("relu", Factor(0)), Constant(2.0)), True),
+    (apply("silu", Factor(0)), True),
+    (apply("sub", Factor(1), Factor(0)), False),  # factor 0 is not the first argument
+    (apply("mul", Factor(0), Factor(0)), False),  # factor 0 read twice
+    (apply("normal_cdf", Factor(0)), False),  # no in-place form
+], ids=["gelu-bias", "relu-scaled", "silu", "sub-reversed", "square", "no-in-place-form"])
+def test_an_epilogue_over_a_path_result_is_written_in_place_when_its_functions_allow(value, in_place):
+    """What :class:`EpiloguePathCall` applies over the path's own result: in its memory,
+    equal to the out-of-place value; otherwise nothing is written."""
+    from sparsenn.compiler.functions import evaluate as evaluate_value, evaluate_in_place
+
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(4, 5, generator=g), torch.randn(5, generator=g)
+    target = x.clone()
+    got = evaluate_in_place(value, [target, b])
+    if in_place:
+        assert got.data_ptr() == target.data_ptr()
+        torch.testing.assert_close(got, evaluate_value(value, [x, b]))
+    else:
+        assert got is None and torch.equal(target, x)
+
+
 # ----------------------------------------------------------------------------- gradients
 
 

@@ -23,15 +23,16 @@ import torch
 
 from .notation import Apply, Constant, Factor, Reduced, Value
 
-__all__ = ["Function", "FUNCTIONS", "PUBLIC_FUNCTIONS", "evaluate", "derivative", "factors_of", "vanishes_with",
+__all__ = ["Function", "FUNCTIONS", "PUBLIC_FUNCTIONS", "evaluate", "evaluate_in_place", "derivative", "factors_of", "vanishes_with",
            "apply", "IDENTITY"]
 
 
 @dataclass(frozen=True)
 class Function:
     """``name(x, ...)``: its arity, whether users may write it, whether it keeps zeros,
-    its torch reference and its partial derivatives ``derivatives(args, result)`` (one
-    Value per argument, over the argument Values and the result)."""
+    its torch reference, its partial derivatives ``derivatives(args, result)`` (one
+    Value per argument, over the argument Values and the result) and, if torch has one,
+    its form writing the result over its first argument (``in_place(x, ...)``, returns ``x``)."""
 
     name: str
     arity: int
@@ -39,6 +40,7 @@ class Function:
     zero_preserving: bool
     torch: Callable[..., torch.Tensor]
     derivatives: Callable[[tuple[Value, ...], Value], tuple[Value, ...]]
+    in_place: Callable[..., torch.Tensor] | None = None
 
 
 def apply(name: str, *args: Value) -> Value:
@@ -90,27 +92,29 @@ def _silu_derivative(args, out):
 
 
 _TABLE = [
-    # name, arity, public, keeps zero, torch, derivatives(args, out)
-    Function("add", 2, False, True, torch.add, lambda a, out: (_ONE, _ONE)),
-    Function("sub", 2, False, True, torch.sub, lambda a, out: (_ONE, Constant(-1.0))),
-    Function("mul", 2, False, True, torch.mul, lambda a, out: (a[1], a[0])),
+    # name, arity, public, keeps zero, torch, derivatives(args, out)[, in place]
+    Function("add", 2, False, True, torch.add, lambda a, out: (_ONE, _ONE), torch.Tensor.add_),
+    Function("sub", 2, False, True, torch.sub, lambda a, out: (_ONE, Constant(-1.0)), torch.Tensor.sub_),
+    Function("mul", 2, False, True, torch.mul, lambda a, out: (a[1], a[0]), torch.Tensor.mul_),
     Function("div", 2, False, False, torch.div,
-             lambda a, out: (apply("div", _ONE, a[1]), apply("neg", apply("div", out, a[1])))),
+             lambda a, out: (apply("div", _ONE, a[1]), apply("neg", apply("div", out, a[1]))), torch.Tensor.div_),
     Function("max", 2, True, True, torch.maximum,
              lambda a, out: (apply("pick", a[0], a[1]), apply("pick", a[1], a[0]))),
     Function("min", 2, True, True, torch.minimum,
              lambda a, out: (apply("pick", a[1], a[0]), apply("pick", a[0], a[1]))),
-    Function("neg", 1, True, True, torch.neg, lambda a, out: (Constant(-1.0),)),
-    Function("abs", 1, True, True, torch.abs, lambda a, out: (apply("sign", a[0]),)),
-    Function("relu", 1, True, True, torch.relu, lambda a, out: (apply("step", a[0]),)),
+    Function("neg", 1, True, True, torch.neg, lambda a, out: (Constant(-1.0),), torch.neg_),
+    Function("abs", 1, True, True, torch.abs, lambda a, out: (apply("sign", a[0]),), torch.abs_),
+    Function("relu", 1, True, True, torch.relu, lambda a, out: (apply("step", a[0]),), torch.relu_),
     Function("gelu", 1, True, True, torch.nn.functional.gelu,
-             lambda a, out: (apply("add", apply("normal_cdf", a[0]), apply("mul", a[0], apply("normal_pdf", a[0]))),)),
-    Function("silu", 1, True, True, torch.nn.functional.silu, _silu_derivative),
-    Function("tanh", 1, True, True, torch.tanh, lambda a, out: (apply("sub", _ONE, apply("mul", out, out)),)),
-    Function("sqrt", 1, True, True, torch.sqrt, lambda a, out: (apply("div", _HALF, out),)),
-    Function("sigmoid", 1, True, False, torch.sigmoid, _sigmoid_derivative),
-    Function("exp", 1, True, False, torch.exp, lambda a, out: (out,)),
-    Function("log", 1, True, False, torch.log, lambda a, out: (apply("div", _ONE, a[0]),)),
+             lambda a, out: (apply("add", apply("normal_cdf", a[0]), apply("mul", a[0], apply("normal_pdf", a[0]))),),
+             torch.ops.aten.gelu_),
+    Function("silu", 1, True, True, torch.nn.functional.silu, _silu_derivative,
+             lambda x: torch.nn.functional.silu(x, inplace=True)),
+    Function("tanh", 1, True, True, torch.tanh, lambda a, out: (apply("sub", _ONE, apply("mul", out, out)),), torch.tanh_),
+    Function("sqrt", 1, True, True, torch.sqrt, lambda a, out: (apply("div", _HALF, out),), torch.sqrt_),
+    Function("sigmoid", 1, True, False, torch.sigmoid, _sigmoid_derivative, torch.sigmoid_),
+    Function("exp", 1, True, False, torch.exp, lambda a, out: (out,), torch.exp_),
+    Function("log", 1, True, False, torch.log, lambda a, out: (apply("div", _ONE, a[0]),), torch.log_),
     # Derivatives of the above; not for users.
     Function("step", 1, False, True, lambda x: (x > 0).to(x.dtype), lambda a, out: (_ZERO,)),
     Function("sign", 1, False, True, torch.sign, lambda a, out: (_ZERO,)),
@@ -139,6 +143,32 @@ def evaluate(value: Value, factors: Sequence[torch.Tensor], reduced: torch.Tenso
         return reduced
     args = [evaluate(a, factors, reduced) for a in value.args]
     return FUNCTIONS[value.function].torch(*args)
+
+
+def evaluate_in_place(value: Value, factors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """``value`` computed in the memory of ``factors[0]`` (overwritten; the others
+    broadcast to it), when every function from the root down to ``Factor(0)`` along
+    first arguments has an in-place form and no other argument reads ``Factor(0)``;
+    None, with nothing written, otherwise."""
+    if not _in_place(value):
+        return None
+    return _into(value, factors)
+
+
+def _in_place(value: Value) -> bool:
+    if value == Factor(0):
+        return True
+    if not isinstance(value, Apply) or FUNCTIONS[value.function].in_place is None:
+        return False
+    first, *rest = value.args
+    return _in_place(first) and all(0 not in factors_of(a) for a in rest)
+
+
+def _into(value: Value, factors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if isinstance(value, Factor):
+        return factors[0]
+    first, *rest = value.args
+    return FUNCTIONS[value.function].in_place(_into(first, factors), *(evaluate(a, factors) for a in rest))
 
 
 def derivative(value: Value, wrt: Value) -> Value:

@@ -144,7 +144,21 @@ class EpiloguePathCall:
     read: tuple[int, ...]
 
     def run(self, operands: Sequence) -> torch.Tensor:
-        return evaluate(self.epilogue, [self.path.run(operands), *(operands[n] for n in self.read)], DENSE)
+        operands = [self.path.run(operands), *(operands[n] for n in self.read)]
+        result = _in_place_epilogue(self.epilogue, operands)
+        return evaluate(self.epilogue, operands, DENSE) if result is None else result
+
+
+def _in_place_epilogue(epilogue: Assignment, operands: Sequence) -> torch.Tensor | None:
+    """The elementwise ``epilogue`` written over its operand 0, the path's result (memory
+    of this call alone: a path's dense result never shares an operand's), when its
+    functions allow (:func:`~..functions.evaluate_in_place`); else None."""
+    (term,) = epilogue.terms
+    factors = [_spread(operands[a.operand], a.indices, epilogue.output) for a in term.factors]
+    if term.coefficient != 1.0 or factors[0].dtype not in (torch.float32, torch.float64) or any(
+            f.dtype != factors[0].dtype for f in factors):
+        return None
+    return functions.evaluate_in_place(term.value, factors)
 
 
 @dataclass(frozen=True)
