@@ -26,7 +26,6 @@ the kernel.
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -23,8 +23,8 @@ import torch
 
 from .notation import Apply, Constant, Factor, Reduced, Value
 
-__all__ = ["Function", "FUNCTIONS", "PUBLIC_FUNCTIONS", "evaluate", "evaluate_in_place", "derivative", "factors_of", "vanishes_with",
-           "apply", "IDENTITY"]
+__all__ = ["Function", "FUNCTIONS", "PUBLIC_FUNCTIONS", "evaluate", "evaluate_in_place", "derivative", "factors_of",
+           "vanishes_with", "apply", "IDENTITY"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ _TABLE = [
              torch.ops.aten.gelu_),
     Function("silu", 1, True, True, torch.nn.functional.silu, _silu_derivative,
              lambda x: torch.nn.functional.silu(x, inplace=True)),
-    Function("tanh", 1, True, True, torch.tanh, lambda a, out: (apply("sub", _ONE, apply("mul", out, out)),), torch.tanh_),
+    Function("tanh", 1, True, True, torch.tanh, lambda a, out: (apply("sub", _ONE, apply("mul", out, out)),),
+             torch.tanh_),
     Function("sqrt", 1, True, True, torch.sqrt, lambda a, out: (apply("div", _HALF, out),), torch.sqrt_),
     Function("sigmoid", 1, True, False, torch.sigmoid, _sigmoid_derivative, torch.sigmoid_),
     Function("exp", 1, True, False, torch.exp, lambda a, out: (out,), torch.exp_),

@@ -400,10 +400,11 @@ def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[
                   shapes: tuple[int, ...]) -> tuple[int, ...]:
     """The layout of the dense result of ``call`` over tensors of ``dtypes`` and sizes
     ``dims`` (sparse shapes ``shapes``): its dimensions from outermost to innermost in
-    memory as the planned kernel writes them, () for contiguous or when that is decided
-    only by running (a sparse result, pairwise contractions, torch.einsum, a staged
-    program, steps: a fused kernel writes in expression order). Planned on stand-in tensors of those sizes, as evaluation plans the call:
-    deterministic (the planner decides from formats, shapes, stored positions and dtypes)."""
+    memory as the planned kernel writes them, () for contiguous (steps: a fused kernel
+    writes in expression order) or when that is decided only by running (a sparse
+    result, pairwise contractions, torch.einsum, a staged program). Planned on stand-in
+    tensors of those sizes, as evaluation plans the call: deterministic (the planner
+    decides from formats, shapes, stored positions and dtypes)."""
     spec = decode(call)
     if spec.anchor is not None or isinstance(spec.assignment, (Statement, tuple)):
         return ()
