@@ -573,3 +573,16 @@ def test_seven_index_block_products_read_the_blocks_as_stored(length, density):
         assert nest.register_tile is not None
         if out_format is not None:
             assert plan.anchor == 0
+
+
+def test_cache_tiles_give_way_to_a_register_tile_on_the_same_loops():
+    """A block SDDMM (BigBird's scores) whose in-block loops Algorithm 3 would tile by 32
+    on this target (half of each 64-block, splitting the register block) is register-tiled
+    over whole blocks instead, as at every other length."""
+    from sparsenn.layers.attention import _scores
+
+    layer = sparsenn.BlockSparseAttention(64, 1, block_size=64, num_random_blocks=1, seed=0)
+    mask = layer._mask_for(layer._forward_pattern(4096), 1, None, torch.float32)
+    q = torch.randn(1, 1, 4096, 64)
+    text = _scores(layer._score_scale, False).explain(mask, q, q)
+    assert "tiles: none" in text and "register tile: " in text

@@ -409,6 +409,27 @@ def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None =
     return all(level.full and level.locatable for _, level in f.levels[start:])
 
 
+def _register_tile_over_cache_tiles(
+    nest: Nest, output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor], dims: dict[str, int],
+    itemsize: int, target: Target, found: tuple[Tile | None, RegisterTile | None],
+) -> tuple[Nest, Tile | None, RegisterTile | None]:
+    """``nest`` without its cache tiles on a register tile's loops, with that register
+    block and tile, when those cache tiles were what prevented it (a tile narrower than a
+    register block splits it: e.g. 32 of the 64 rows and columns of a block SDDMM's
+    blocks); else ``nest`` and ``found``. Values kept in registers across a reduction
+    are worth more than an L2 tile of the same loops."""
+    block = _register_block(output_order, nest.order, factors, (), dims, itemsize, target)
+    tile = _register_tile(nest.order, output, factors, block, (), nest.parallel, dims, itemsize, target)
+    if tile is None:
+        return (nest, *found)
+    kept = tuple(t for t in nest.tiles if t.index not in (block.index, tile.index))
+    block = _register_block(output_order, nest.order, factors, kept, dims, itemsize, target)
+    tile = _register_tile(nest.order, output, factors, block, kept, nest.parallel, dims, itemsize, target)
+    if tile is None:
+        return (nest, *found)
+    return replace(nest, tiles=kept, panels=_panels(nest.order, kept, factors)), block, tile
+
+
 def _register_block(
     output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
     tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
@@ -718,6 +739,9 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         block = _register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize, target)
         tile = _register_tile(nest.order, assignment.output, factors, block, nest.tiles, nest.parallel, dims,
                               itemsize, target)
+        if tile is None and nest.tiles:
+            nest, block, tile = _register_tile_over_cache_tiles(nest, output_order, assignment.output, factors, dims,
+                                                                itemsize, target, (block, tile))
         cost = nest.cost
         if tile is not None:
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))
