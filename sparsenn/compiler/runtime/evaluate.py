@@ -155,9 +155,11 @@ def _in_place_epilogue(epilogue: Assignment, operands: Sequence) -> torch.Tensor
     functions allow (:func:`~..functions.evaluate_in_place`); else None."""
     (term,) = epilogue.terms
     factors = [_spread(operands[a.operand], a.indices, epilogue.output) for a in term.factors]
-    if term.coefficient != 1.0 or factors[0].dtype not in (torch.float32, torch.float64) or any(
-            f.dtype != factors[0].dtype for f in factors):
-        return None
+    result = factors[0]
+    if (term.coefficient != 1.0 or result.dtype not in (torch.float32, torch.float64)
+            or any(f.dtype != result.dtype for f in factors)
+            or any(stride == 0 and size > 1 for stride, size in zip(result.stride(), result.shape))):
+        return None  # an expanded result would write one element many times
     return functions.evaluate_in_place(term.value, factors)
 
 
