@@ -7,7 +7,8 @@ A call resolves to one of four runnable objects:
 * a :class:`launcher.Launch` (a planned kernel bound to the call's shapes and layouts);
 * a :class:`PathCall`, a sequence of pairwise contractions (``plan.contract``), each
   itself evaluated here;
-* a :class:`DenseCall` when every operand is dense: ``torch.einsum`` per term.
+* a :class:`DenseCall` when every operand is dense: ``torch.einsum`` per term, or a
+  large product of two factors as one ``torch.bmm`` into pooled memory.
 
 Calls whose operands kernels read as given are cached by :func:`validate.call_key`, so
 a repeated call costs the key, one lookup and the launch; other calls are checked,
