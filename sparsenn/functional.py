@@ -107,12 +107,11 @@ def softmax_steps(rank: int, dim: int, scores: Step | None = None) -> tuple[Step
     ``S`` is the caller's operand 0, or the result of the step ``scores`` (values on an
     operand's pattern), which then comes first and whose values ``E`` overwrites."""
     k = _kernels(rank, dim)
-    if scores is None:
-        return (Step(k.max, (0,)), Step(k.exp_shifted, (0, Result(0)), on=0),
-                Step(k.row_sum, (Result(1),)), Step(k.normalised, (Result(1), Result(2)), on=0, into=1))
-    s = Result(0)
-    return (scores, Step(k.max, (s,)), Step(k.exp_shifted, (s, Result(1)), on=0, into=0),
-            Step(k.row_sum, (Result(2),)), Step(k.normalised, (Result(2), Result(3)), on=0, into=2))
+    head = () if scores is None else (scores,)
+    s = 0 if scores is None else Result(0)
+    m, e, z = (Result(len(head) + n) for n in range(3))
+    return head + (Step(k.max, (s,)), Step(k.exp_shifted, (s, m), on=0, into=None if scores is None else 0),
+                   Step(k.row_sum, (e,)), Step(k.normalised, (e, z), on=0, into=e.step))
 
 
 @functools.lru_cache(maxsize=None)

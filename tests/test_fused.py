@@ -179,3 +179,13 @@ def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, 
     assert ran == [len(attention._probability_steps(layer._score_scale, True, block))]
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(weights.to_dense(), expected_weights.to_dense())
+
+
+def test_traced_steps_name_values_put_on_a_dense_result():
+    """A step whose values would sit on the pattern of an earlier dense result has no
+    pattern to take: a ValueError while tracing, not a crash."""
+    from sparsenn.compiler.runtime.ops import Layout, _steps_anchor
+
+    steps = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=1))
+    with pytest.raises(ValueError, match="step 0's result is dense"):
+        _steps_anchor(steps, (Layout(sparsenn.parse_format("csr", 2), torch.int64),))

@@ -68,16 +68,24 @@ def _mask_format(block_size: int) -> Format:
     return parse_format(f"dddc(1,1,{block_size},{block_size})", 4)
 
 
+def _step(expression: CompiledExpression, block_size: int, sources: tuple[int | Result, ...],
+          on: int | None = None) -> Step:
+    """``expression``'s one assignment when its operand 0 has the mask's format and the
+    others are dense, as a step reading its operand ``n`` from ``sources[n]`` (values on
+    the pattern of its operand ``on``, if given)."""
+    formats = (_mask_format(block_size),) + (None,) * (len(expression.operand_names) - 1)
+    (staged,) = stage(expression.statement, formats, None).stages
+    operands = tuple(sources[source.n] for source in staged.inputs)
+    return Step(staged.assignment, operands, on=None if on is None else operands.index(sources[on]))
+
+
 @functools.lru_cache(maxsize=None)
 def _probability_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ...]:
     """``P = softmax(S)`` of the scores :func:`_scores` over ``(M, Q, K[, bias])`` as fused
     steps: the scores' one assignment for these formats, then softmax's steps over its
     result, in place (:func:`sparsenn.functional.softmax_steps`)."""
-    expression = _scores(scale, padded)
-    formats = (_mask_format(block_size),) + (None,) * (len(expression.operand_names) - 1)
-    (scores,) = stage(expression.statement, formats, None).stages
-    operands = tuple(source.n for source in scores.inputs)
-    return softmax_steps(4, 3, Step(scores.assignment, operands, on=operands.index(0)))
+    scores = _step(_scores(scale, padded), block_size, (0, 1, 2, 3), on=0)
+    return softmax_steps(4, 3, scores)
 
 
 register_kernels("attention", _probability_steps)
@@ -88,9 +96,7 @@ def _output_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ..
     """``O = P V`` over ``(M, Q, K[, bias], V)`` as fused steps: :func:`_probability_steps`,
     then the block SpMM of each block row of ``P`` (read in place) by ``V``."""
     probabilities = _probability_steps(scale, padded, block_size)
-    (product,) = stage(_OUTPUT.statement, (_mask_format(block_size), None), None).stages
-    sources = {0: Result(len(probabilities) - 1), 1: 4 if padded else 3}
-    return probabilities + (Step(product.assignment, tuple(sources[s.n] for s in product.inputs)),)
+    return probabilities + (_step(_OUTPUT, block_size, (Result(len(probabilities) - 1), 4 if padded else 3)),)
 
 
 register_kernels("attention_output", _output_steps)

@@ -227,8 +227,8 @@ def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -
     while isinstance(source, Result):
         step = steps[source.step]
         if step.on is None:
-            raise NotImplementedError("sparsenn: traced steps must end with a dense result or values on an "
-                                      "operand's pattern")
+            raise ValueError(f"sparsenn: step {source.step}'s result is dense, so a later step's values cannot "
+                             "be on its pattern (Step.on must name a sparse operand or a result on one)")
         source = step.operands[step.on]
     return source if layouts[source].shares is None else layouts[source].shares
 
