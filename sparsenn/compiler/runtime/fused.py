@@ -32,7 +32,7 @@ from ..notation import Assignment
 from ..plan.planner import Plan, runs_parallel
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve
-from .launcher import Launch, output_allocator
+from .launcher import Launch, output_allocator, run_stages
 from .validate import call_key, check_call
 
 __all__ = ["Result", "Step", "run_steps", "evaluate_steps"]
@@ -101,7 +101,7 @@ class _Bound:
             pattern = inner[anchor]
             result = pattern._share(pattern.shape, pattern.format, result)
         self.results.append(part.split.result(result) if part.split is not None else result)
-        made = _staged(launch, inner)
+        made = run_stages(launch.stages, inner)
         self.staged.append(made)
         self.pointers.append(launch.pointers(inner, made))
 
@@ -161,16 +161,6 @@ def evaluate_steps(steps: tuple[Step, ...], operands: Sequence) -> list:
 def _step_operands(step: Step, operands: Sequence, results: Sequence) -> list:
     """``step``'s operands: the caller's, or earlier steps' ``results``."""
     return [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
-
-
-def _staged(launch: Launch, operands: Sequence) -> list | None:
-    """The launch's stages run on ``operands`` (see :mod:`.launcher`), or None."""
-    if not launch.stages:
-        return None
-    made: list = []
-    for stage in launch.stages:
-        made.append(stage(operands, made))
-    return made
 
 
 def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:

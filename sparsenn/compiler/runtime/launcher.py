@@ -33,7 +33,7 @@ from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "bind", "uninitialised", "output_allocator"]
+__all__ = ["Launch", "Assembly", "bind", "uninitialised", "output_allocator", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -91,6 +91,16 @@ class Launch:
         object.__setattr__(self, "run", _runner(self))
 
 
+def run_stages(stages: Sequence[Stage], operands: Sequence) -> list | None:
+    """Each stage's tensor in order (a stage may read the earlier ones), or None without stages."""
+    if not stages:
+        return None
+    made: list = []
+    for stage in stages:
+        made.append(stage(operands, made))
+    return made
+
+
 def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]:
     """The per-call work of ``launch``, a closure over its constants (read faster than
     attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
@@ -102,11 +112,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     anchor, permutation = plan.anchor, plan.output_permutation
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
-        made: list | None = None
-        if stages:
-            made = []
-            for stage in stages:
-                made.append(stage(operands, made))
+        made = run_stages(stages, operands)  # held until the kernel has read the staged copies
         arguments = pointers(operands, made)
         threads = torch.get_num_threads() if parallel else 1
         if assembles:
