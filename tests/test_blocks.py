@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _machines import AVX2, AVX512
@@ -476,6 +478,60 @@ def test_a_quarter_of_the_l2_bounds_the_packed_panel():
     panels = {target.l2_bytes: schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target)
               .nests[0].register_tile.panel for target in (AVX512, small)}
     assert panels == {1 << 20: 128, 512 << 10: 64}  # 512 d x 64 floats x 4 bytes = 128 KiB a block
+
+
+def test_a_tiles_rows_over_the_reduction_bound_the_packs_depth():
+    # A tile's 6 rows over one pack's depth of d fill at most half the L1: d = 2048 runs
+    # in 4 layers of 512 under a 32 KiB L1, 2 of 1024 under 48 KiB; d = 512 stays whole.
+    gate = SparseTensor.from_dense(routed(8, 1024, dtype=torch.float32), format="csr")
+
+    def tile(d: int, l1: int) -> RegisterTile:
+        infos = [operand_info(op) for op in (gate, torch.randn(1024, d), torch.randn(8, d, 512))]
+        target = dataclasses.replace(AVX512, l1_bytes=l1)
+        return schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target).nests[0].register_tile
+
+    assert [tile(2048, 32 << 10).depth, tile(2048, 48 << 10).depth, tile(512, 32 << 10).depth] == [512, 1024, 0]
+    # The panel fills a quarter of the L2 at the layer's depth: 256 KiB / (512 d x 64 floats x 4 bytes).
+    assert tile(2048, 32 << 10).panel == 128 and tile(2048, 48 << 10).panel == 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(monkeypatch, dtype, threads):
+    # A 1 KiB L1 splits d = 100 into layers (5 of 20 in fp32; 7, the last of 10, in
+    # fp64); a 64 KiB L2 splits h = 300 into panels (192 and 64 wide in fp32, 128 in
+    # fp64) and a partial block; the gelu applies once, after the last layer.
+    small = dataclasses.replace(AVX512, l1_bytes=1 << 10, l2_bytes=64 << 10)
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: small))
+    sparsenn.compiler.clear_caches()
+    gate = routed(6, 1301, dtype=dtype, empty=(4,))
+    sparse = SparseTensor.from_dense(gate, format="csr")
+    x, w = torch.randn(1301, 100, dtype=dtype), torch.randn(6, 100, 300, dtype=dtype)
+    hidden = sparsenn.compiler.compile_expression("A[e,t,h] = gelu(R[e,t] * X[t,d] * W[e,d,h])", out_format="dense")
+    panel, depth = (192, 20) if dtype == torch.float32 else (128, 15)
+    assert f"panels of {panel} h x {depth} d;" in hidden.explain(sparse, x, w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = hidden(sparse, x, w)
+    finally:
+        torch.set_num_threads(before)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, torch.nn.functional.gelu(torch.einsum("et,td,edh->eth", gate, x, w)), **tol)
+
+
+def test_layered_packs_over_dense_rows_match_torch(monkeypatch):
+    # Dense rows c of each stored e (a 1 KiB L1: layers of 16 of d = 64, the floor).
+    monkeypatch.setattr(Target, "host", staticmethod(lambda: dataclasses.replace(AVX512, l1_bytes=1 << 10)))
+    sparsenn.compiler.clear_caches()
+    scale = torch.zeros(20, dtype=torch.float64)
+    scale[[3, 11]] = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    x, w = torch.randn(20, 260, 64, dtype=torch.float64), torch.randn(20, 64, 72, dtype=torch.float64)
+    sparse = SparseTensor.from_dense(scale, format="c")
+    assert "packed per thread in panels of 96 h x 16 d;" in sparsenn.explain("e,ecd,edh->ech", sparse, x, w,
+                                                                              out_format="dense")
+    out = sparsenn.einsum("e,ecd,edh->ech", sparse, x, w, out_format="dense")
+    torch.testing.assert_close(out, torch.einsum("e,ecd,edh->ech", scale, x, w))
 
 
 @pytest.mark.parametrize("tokens, d, h", [(64, 32, 64), (37, 5, 19), (9, 16, 40), (1, 3, 8)])

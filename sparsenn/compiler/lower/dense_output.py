@@ -304,30 +304,38 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, {a: row(ROW)}))
 
     d = order[r] if tile.packed else None
-    # The k range the whole tiles cover: [k_lo, n_k), or one packed panel at a time.
+    # The k range the whole tiles cover: [k_lo, n_k), or one packed panel at a time; the
+    # d range of a pack: all of d, or one layer at a time (None: all of d).
     span = [k_lo, n_k]
+    layer: list = [None]
 
     def packed_at(n: int, block_start: ir.Expr, step: ir.Expr, lane: ir.Expr) -> ir.Expr:
-        """Offset in factor ``n``'s panel: ``[(block_start - panel start) / size][step][lane]``."""
+        """Offset in factor ``n``'s panel: ``[(block_start - panel start) / size][step - layer start][lane]``."""
         block = ir.Bin("/", ir.sub(block_start, span[0]), ir.Const(size))
-        return ir.add(ir.mul(ir.add(ir.mul(block, lo.dim(d)), step), ir.Const(size)), lane)
+        if layer[0] is None:
+            depth, step_in = lo.dim(d), step
+        else:
+            depth, step_in = ir.sub(layer[0][1], layer[0][0]), ir.sub(step, layer[0][0])
+        return ir.add(ir.mul(ir.add(ir.mul(block, depth), step_in), ir.Const(size)), lane)
 
     def pack(st) -> None:
-        """Each packed factor's strip ``[d, span)`` into its panel."""
+        """Each packed factor's strip ``[layer, span)`` into its panel."""
         block_start, step = lo.fresh("pb"), lo.fresh("pd")
         lane = ir.mul(v, ir.Lanes())
+        d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
         copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
                                  lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in tile.packed]
         lo.emit(ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
                        ir.Assign(block_start, ir.Const(size), "+="), ir.Block((ir.For(
-                           ir.Decl(step, "index", ir.Const(0)), ir.lt(step, lo.dim(d)), ir.Incr(step),
+                           ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step),
                            ir.Block(tuple(counted(v, vectors, c) for c in copies))),))))
 
     def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
         """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
-        rewinds the rows first), after packing it if ``has_tile``."""
+        rewinds the rows first), after packing it if ``has_tile``; with layers, all
+        of that once per layer of d, the tiles' loop d bounded by the layer."""
         for n in tile.packed:
-            values = ir.mul(lo.dim(d), ir.Const(tile.panel))
+            values = ir.mul(ir.Const(tile.depth) if tile.depth else lo.dim(d), ir.Const(tile.panel))
             lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), values)))
         whole_end, panel, panel_end = lo.fresh("kwhole"), lo.fresh("pk"), lo.fresh("pkend")
         lo.emit(ir.Decl(whole_end, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
@@ -341,8 +349,25 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             whole_tiles()
             span[:] = [k_lo, n_k]
 
-        lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
-                       ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(body)))
+        def panels():
+            lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
+                           ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(body)))
+
+        if not tile.depth:
+            panels()
+            return
+        assert d not in plain.bounds, "a layered reduction is not tiled"
+        start, end = lo.fresh("layer"), lo.fresh("layerend")
+
+        def one_layer():
+            lo.emit(ir.Decl(end, "index", ir.min_(ir.add(start, tile.depth), lo.dim(d)), const=True))
+            layer[0] = plain.bounds[d] = (start, end)
+            panels()
+            layer[0] = None
+            del plain.bounds[d]
+
+        lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
+                       ir.Assign(start, ir.Const(tile.depth), "+="), lo.block(one_layer)))
 
     def vector_factor(st, n: int) -> ir.Expr:
         if n in tile.packed:

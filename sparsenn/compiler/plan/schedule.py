@@ -67,7 +67,10 @@ level. It returns a :class:`Schedule`:
   apart, which for lengths of a multiple of 4 KiB all map onto the same few L1 sets. A
   panel holds whole register blocks and fills at most a quarter of the L2; it replaces
   a tile of ``k`` (the tile loop would sit above ``a``'s parents, re-reading every row
-  once per tile). Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION`
+  once per tile). When a tile's rows over all of ``d`` would overflow half the L1
+  (rows of 2048 values broadcast from L2 or beyond at every step), ``d`` is split into
+  equal *layers* (BLIS's ``k_c``): each layer packs its own panels, the tiles add their
+  partial sums into the output, and the epilogue runs after the last. Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION`
   steps and a pack to serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a
   packed tile runs at the speed of a dense GEMM and is costed as BLAS is
   (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
@@ -145,6 +148,7 @@ class RegisterTile:
     gathered_by: int | None = None
     packed: tuple[int, ...] = ()  # vector factors copied into per-thread panels (see the module doc)
     panel: int = 0  # ... each panel spanning this much of the register block's index
+    depth: int = 0  # ... and this much of the reduction (0: all of it)
 
 
 @dataclass(frozen=True)
@@ -196,8 +200,9 @@ class Nest:
             rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
             parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows})")
             if t.packed:
+                depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
                 parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
-                             f"{self.register_block.index}")
+                             f"{self.register_block.index}{depth}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
@@ -430,6 +435,19 @@ def _register_tile_over_cache_tiles(
     return replace(nest, tiles=kept, panels=_panels(nest.order, kept, factors)), block, tile
 
 
+def _unbounded_by_replaced_tile(
+    nest: Nest, output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor], dims: dict[str, int],
+    itemsize: int, target: Target, found: tuple[Tile, RegisterTile],
+) -> tuple[Tile, RegisterTile]:
+    """The register block and packed tile chosen without the cache tile of ``k`` that
+    the tile's panels replace (a 32-wide cache tile would narrow the block to 32), if
+    that tile is packed too; else ``found``."""
+    tiles = tuple(t for t in nest.tiles if t.index != found[0].index)
+    block = _register_block(output_order, nest.order, factors, tiles, dims, itemsize, target)
+    tile = _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
+    return (block, tile) if tile is not None and tile.packed else found
+
+
 def _register_block(
     output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
     tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
@@ -506,37 +524,40 @@ def _register_tile(
         return None
     width = vectors * lanes
     if gathered_by is None:
-        rows = dims[a]
+        expected_rows = dims[a]
+        rows = min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most), dims[a])
     else:
         gathering = factors[gathered_by]
-        rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)]
-    packed, panel = _packed(order, r, factors, width, rows, dims, itemsize, target)
-    if gathered_by is not None:
-        return RegisterTile(a, most, vectors, gathered_by, packed, panel)
-    rows = next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most)
-    return RegisterTile(a, min(rows, dims[a]), vectors, packed=packed, panel=panel)
+        expected_rows, rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)], most
+    packed, panel, depth = _packed(order, r, factors, width, rows, expected_rows, dims, itemsize, target)
+    return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth)
 
 
-def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, rows: float, dims: dict[str, int],
-            itemsize: int, target: Target) -> tuple[tuple[int, ...], int]:
+def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, rows: int, expected_rows: float,
+            dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int]:
     """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
-    packed, the panel's extent along ``k``; see the module doc): ``R = order[r:-1]`` is
-    one reduction ``d``, dense in every factor, and a packed factor, read in its own layout, holds
-    ``d``, ``k`` and loops above the tile only. A panel holds whole register blocks (``width``) and
-    fills at most a quarter of the L2 per packed factor. ``rows``: the expected rows
-    of the tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
-    if len(order) - r != 2 or rows < MIN_PACKED_ROWS:
-        return (), 0
+    packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``); see
+    the module doc): ``R = order[r:-1]`` is one reduction ``d``, dense in every factor,
+    and a packed factor, read in its own layout, holds ``d``, ``k`` and loops above the
+    tile only. A tile's ``rows`` over one pack's depth fill at most half of the L1 (the
+    depth splits ``d`` evenly); a panel holds whole register blocks (``width``) and fills
+    at most a quarter of the L2 per packed factor. ``expected_rows``: the rows of the
+    tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
+    if len(order) - r != 2 or expected_rows < MIN_PACKED_ROWS:
+        return (), 0, 0
     d, k = order[r], order[-1]
     if dims[d] < MIN_PACKED_REDUCTION or any(f.sparse and d in (i for i, _ in f.levels) for f in factors):
-        return (), 0
+        return (), 0, 0
     above = set(order[:r - 1])
     packed = tuple(n for n, f in enumerate(factors) if not f.sparse and f.natural
                    and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above)
-    blocks = target.l2_bytes // 4 // max(len(packed), 1) // (dims[d] * width * itemsize)
+    deepest = max(target.l1_bytes // 2 // (rows * itemsize), MIN_PACKED_REDUCTION)
+    layers = -(-dims[d] // deepest)
+    depth = -(-dims[d] // layers)
+    blocks = target.l2_bytes // 4 // max(len(packed), 1) // (depth * width * itemsize)
     if not packed or blocks < 1:
-        return (), 0
-    return packed, width * min(blocks, -(-dims[k] // width))
+        return (), 0, 0
+    return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0
 
 
 def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
@@ -633,7 +654,8 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
         fields["dot_tile"] = _dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
     elif assignment.reduction != "sum" and assignment.terms[nest.term].value == notation.Factor(0):
         fields["vector_reduction"] = decisions.extremum_reduction(order, output, f, target)
-    if n == 0:
+    layered = nest.register_tile is not None and nest.register_tile.depth > 0  # its layers add partial sums
+    if n == 0 and not layered:
         tiles = [t.index for t in nest.tiles]
         fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None, None)
         term = assignment.terms[nest.term]
@@ -742,6 +764,9 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         if tile is None and nest.tiles:
             nest, block, tile = _register_tile_over_cache_tiles(nest, output_order, assignment.output, factors, dims,
                                                                 itemsize, target, (block, tile))
+        if tile is not None and tile.packed and any(t.index == block.index for t in nest.tiles):
+            block, tile = _unbounded_by_replaced_tile(nest, output_order, assignment.output, factors, dims, itemsize,
+                                                      target, (block, tile))
         cost = nest.cost
         if tile is not None:
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))

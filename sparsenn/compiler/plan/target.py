@@ -9,9 +9,10 @@ explicitly to the stages that depend on the machine; tests construct one (e.g.
   256-bit vectors too), 16 on SSE-only x86-64 and on aarch64 (NEON).
   ``widest_vector_bytes`` is the widest the CPU has (64 with AVX-512): kernels with a
   register tile, which are bound by their multiply-adds, are written for it.
-* **Caches.** ``l2_bytes`` is one core's private L2, the budget for tiles (half of it)
-  and the size under which gathered operands are not prefetched; ``llc_bytes`` the
-  shared last-level cache.
+* **Caches.** ``l1_bytes`` is one core's L1 data cache: a packed register tile's rows
+  over one pack's depth of the reduction stay in half of it. ``l2_bytes`` is one
+  core's private L2, the budget for tiles (half of it) and the size under which
+  gathered operands are not prefetched; ``llc_bytes`` the shared last-level cache.
 * **Register blocks.** An output row strip-mined into registers takes
   ``wide_register_block_vectors`` SIMD vectors when they divide it, else
   ``register_block_vectors``; independent accumulators of a vector reduction:
@@ -48,6 +49,7 @@ class Target:
 
     vector_bytes: int = 32
     widest_vector_bytes: int | None = None  # None: vector_bytes
+    l1_bytes: int = 32 << 10
     l2_bytes: int = 1 << 20
     llc_bytes: int = 8 << 20
     register_block_vectors: int = 4
@@ -66,7 +68,7 @@ class Target:
     def __post_init__(self) -> None:
         if self.widest_vector_bytes is None:
             object.__setattr__(self, "widest_vector_bytes", self.vector_bytes)
-        for name in ("vector_bytes", "widest_vector_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
+        for name in ("vector_bytes", "widest_vector_bytes", "l1_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
                      "wide_register_block_vectors", "vector_registers", "sparse_accumulators", "row_block",
                      "row_block_vectors"):
             value = getattr(self, name)
@@ -91,10 +93,10 @@ class Target:
     def host() -> Target:
         """The machine this process runs on: vector width from the architecture and
         CPU flags, cache sizes from sysfs (defaults where they cannot be read)."""
-        l2, llc = _cache_sizes()
+        l1, l2, llc = _cache_sizes()
         vector_bytes, widest, registers = _host_vectors()
-        return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l2_bytes=l2,
-                      llc_bytes=llc)
+        return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l1_bytes=l1,
+                      l2_bytes=l2, llc_bytes=llc)
 
 
 def _host_vectors() -> tuple[int, int, int]:
@@ -112,8 +114,8 @@ def _host_vectors() -> tuple[int, int, int]:
     return 16, 16, (32 if machine in ("aarch64", "arm64") else 16)
 
 
-def _cache_sizes() -> tuple[int, int]:
-    """(L2 per core, last-level cache) in bytes, read from sysfs."""
+def _cache_sizes() -> tuple[int, int, int]:
+    """(L1 data and L2 per core, last-level cache) in bytes, read from sysfs."""
     sizes: dict[int, int] = {}
     try:
         entries = os.listdir(_SYSFS_CACHES)
@@ -137,4 +139,4 @@ def _cache_sizes() -> tuple[int, int]:
         except ValueError:
             continue
     l2 = sizes.get(2, 1 << 20)
-    return l2, sizes.get(3, max(l2, 8 << 20))
+    return sizes.get(1, 32 << 10), l2, sizes.get(3, max(l2, 8 << 20))
