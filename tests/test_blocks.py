@@ -440,8 +440,8 @@ def routed(experts, tokens, k=2, dtype=torch.float64, seed=0, empty=()):
 
 @pytest.mark.parametrize("target, rows, vectors", [(AVX2, 6, 2), (AVX512, 6, 4)])
 def test_rows_gathered_by_a_sparse_level_times_a_dense_panel_get_a_register_tile(target, rows, vectors):
-    gate = SparseTensor.from_dense(routed(8, 256, dtype=torch.float32), format="csr")
-    x, w = torch.randn(256, 64), torch.randn(8, 64, 128)
+    gate = SparseTensor.from_dense(routed(8, 128, dtype=torch.float32), format="csr")
+    x, w = torch.randn(128, 64), torch.randn(8, 64, 128)
     infos = [operand_info(op) for op in (gate, x, w)]
     (nest,) = schedule(parse_einsum("et,td,edh->eth", 3), infos, None, 4, target).nests
     assert nest.order == ("e", "t", "d", "h")
@@ -461,7 +461,7 @@ def test_the_weights_of_experts_with_many_tokens_are_packed():
 @pytest.mark.parametrize("tokens, equation, shapes, why", [
     (1024, "et,td,ehd->eth", [(1024, 64), (8, 128, 64)], "the weights are read across their layout"),
     (1024, "et,td,edh->eth", [(1024, 8), (8, 8, 128)], "too short a reduction to alias in L1"),
-    (256, "et,td,edh->eth", [(256, 64), (8, 64, 128)], "too few rows per expert to pay for the copy"),
+    (128, "et,td,edh->eth", [(128, 64), (8, 64, 128)], "too few rows per expert to pay for the copy"),
 ])
 def test_weights_are_not_packed(tokens, equation, shapes, why):
     gate = SparseTensor.from_dense(routed(8, tokens, dtype=torch.float32), format="csr")

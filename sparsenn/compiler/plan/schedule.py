@@ -123,8 +123,9 @@ MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see below)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
 # Fewer rows per pack: copying the strip costs more than the aliasing it avoids (measured
-# on an expert's weights: 64 rows lose to BLAS on the padded panels, 1024 win).
-MIN_PACKED_ROWS = 256
+# on an expert's weights, in layers: from 64 rows the packed tiles beat BLAS on the
+# padded panels by about 10 %).
+MIN_PACKED_ROWS = 64
 # How much faster BLAS (or a packed register tile) runs a dense product than the cost
 # model's accounting (in which vectorised loops already count 1/8) predicts.
 GEMM_SPEEDUP = 8.0
