@@ -46,3 +46,14 @@ def avx2_host(monkeypatch):
     sparsenn.compiler.clear_caches()
     yield
     sparsenn.compiler.clear_caches()
+
+
+@pytest.fixture
+def host_target(monkeypatch):
+    """``host_target(target)``: plans made from then on, within the test, are scheduled
+    for ``target`` (its caches, say), whatever the host is."""
+    def use(target: Target) -> None:
+        monkeypatch.setattr(Target, "host", staticmethod(lambda: target))
+        sparsenn.compiler.clear_caches()
+    yield use
+    sparsenn.compiler.clear_caches()

@@ -497,13 +497,11 @@ def test_a_tiles_rows_over_the_reduction_bound_the_packs_depth():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(monkeypatch, dtype, threads):
+def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(host_target, dtype, threads):
     # A 1 KiB L1 splits d = 100 into layers (5 of 20 in fp32; 7, the last of 10, in
     # fp64); a 64 KiB L2 splits h = 300 into panels (192 and 64 wide in fp32, 128 in
     # fp64) and a partial block; the gelu applies once, after the last layer.
-    small = dataclasses.replace(AVX512, l1_bytes=1 << 10, l2_bytes=64 << 10)
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: small))
-    sparsenn.compiler.clear_caches()
+    host_target(dataclasses.replace(AVX512, l1_bytes=1 << 10, l2_bytes=64 << 10))
     gate = routed(6, 1301, dtype=dtype, empty=(4,))
     sparse = SparseTensor.from_dense(gate, format="csr")
     x, w = torch.randn(1301, 100, dtype=dtype), torch.randn(6, 100, 300, dtype=dtype)
@@ -520,10 +518,9 @@ def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(monkey
     torch.testing.assert_close(out, torch.nn.functional.gelu(torch.einsum("et,td,edh->eth", gate, x, w)), **tol)
 
 
-def test_layered_packs_over_dense_rows_match_torch(monkeypatch):
+def test_layered_packs_over_dense_rows_match_torch(host_target):
     # Dense rows c of each stored e (a 1 KiB L1: layers of 16 of d = 64, the floor).
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: dataclasses.replace(AVX512, l1_bytes=1 << 10)))
-    sparsenn.compiler.clear_caches()
+    host_target(dataclasses.replace(AVX512, l1_bytes=1 << 10))
     scale = torch.zeros(20, dtype=torch.float64)
     scale[[3, 11]] = torch.tensor([1.5, -2.0], dtype=torch.float64)
     x, w = torch.randn(20, 260, 64, dtype=torch.float64), torch.randn(20, 64, 72, dtype=torch.float64)

@@ -9,7 +9,8 @@ def test_host_is_read_once_and_plausible():
     host = Target.host()
     assert host is Target.host()
     assert host.vector_bytes in (16, 32)
-    assert host.l2_bytes >= 64 << 10 and host.llc_bytes >= host.l2_bytes // 2
+    assert 8 << 10 <= host.l1_bytes <= host.l2_bytes and host.l2_bytes >= 64 << 10
+    assert host.llc_bytes >= host.l2_bytes // 2
 
 
 def test_explicit_targets_compare_by_value():
@@ -24,7 +25,8 @@ def test_lanes(vector_bytes, itemsize, lanes):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("vector_bytes", 24), ("vector_bytes", 0), ("l2_bytes", -1), ("row_block", 3), ("sparse_accumulators", 1.5),
+    ("vector_bytes", 24), ("vector_bytes", 0), ("l1_bytes", 0), ("l2_bytes", -1), ("row_block", 3),
+    ("sparse_accumulators", 1.5),
 ])
 def test_invalid_fields_are_rejected_by_name(field, value):
     with pytest.raises(ValueError, match=field):

@@ -70,10 +70,11 @@ level. It returns a :class:`Schedule`:
   once per tile). When a tile's rows over all of ``d`` would overflow half the L1
   (rows of 2048 values broadcast from L2 or beyond at every step), ``d`` is split into
   equal *layers* (BLIS's ``k_c``): each layer packs its own panels, the tiles add their
-  partial sums into the output, and the epilogue runs after the last. Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION`
-  steps and a pack to serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a
-  packed tile runs at the speed of a dense GEMM and is costed as BLAS is
-  (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
+  partial sums into the output (so it is zeroed first, never stored once), and the
+  epilogue runs after the last. Packing needs ``d`` to span at least
+  :data:`MIN_PACKED_REDUCTION` steps and a pack to serve :data:`MIN_PACKED_ROWS` rows on
+  average. A nest with a packed tile runs at the speed of a dense GEMM and is costed as
+  BLAS is (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order

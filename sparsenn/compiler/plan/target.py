@@ -68,9 +68,9 @@ class Target:
     def __post_init__(self) -> None:
         if self.widest_vector_bytes is None:
             object.__setattr__(self, "widest_vector_bytes", self.vector_bytes)
-        for name in ("vector_bytes", "widest_vector_bytes", "l1_bytes", "l2_bytes", "llc_bytes", "register_block_vectors",
-                     "wide_register_block_vectors", "vector_registers", "sparse_accumulators", "row_block",
-                     "row_block_vectors"):
+        for name in ("vector_bytes", "widest_vector_bytes", "l1_bytes", "l2_bytes", "llc_bytes",
+                     "register_block_vectors", "wide_register_block_vectors", "vector_registers",
+                     "sparse_accumulators", "row_block", "row_block_vectors"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Target.{name} must be a positive int, got {value!r}")
