@@ -38,11 +38,13 @@ the plain nest continues from the first coordinate left. Scalar factors constant
 across ``R`` (a gate's value at each gathered row) scale the stored sums instead of
 every step. With *packed* factors the whole tiles run one panel of ``k`` at a time::
 
-    for panels [pk, pe) of whole blocks of k: if a whole tile of rows exists:
-            pack[(kb - pk) / B][d][0:B] = factor[..., d, kb : kb + B]  for kb in the panel
-        for ab in whole tiles of a: for kb in [pk, pe): ... the tile, reading pack
+    for layers [dl, de) of d (one layer: all of d): for panels [pk, pe) of whole blocks of k:
+        if a whole tile of rows exists: for d in [dl, de): prefetch factor[..., d + 8, pk : pe]
+            pack[(kb - pk) / B][d - dl][0:B] = factor[..., d, kb : kb + B]  for kb in the panel
+        for ab in whole tiles of a: for kb in [pk, pe): ... the tile over d in [dl, de), reading pack
 
-(``pack`` a per-thread buffer kept across calls; ``R`` is the one dense loop ``d``).
+(``pack`` a per-thread buffer kept across calls; ``R`` is the one dense loop ``d``; every
+layer's tiles add into the output).
 """
 
 from __future__ import annotations
@@ -272,6 +274,7 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
 
 
 ROW = ir.Var("t")
+PACK_PREFETCH_ROWS = 8  # a strip's rows are a row length apart: too far for the hardware's stride prefetcher
 
 
 def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k, scalars, outside, k_anchor, offset):
@@ -319,16 +322,20 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         return ir.add(ir.mul(ir.add(ir.mul(block, depth), step_in), ir.Const(size)), lane)
 
     def pack(st) -> None:
-        """Each packed factor's strip ``[layer, span)`` into its panel."""
+        """Each packed factor's strip ``[layer, span)`` into its panel, a row of the
+        strip at a time, prefetching the row :data:`PACK_PREFETCH_ROWS` ahead."""
         block_start, step = lo.fresh("pb"), lo.fresh("pd")
         lane = ir.mul(v, ir.Lanes())
         d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
+        ahead = ir.min_(ir.add(step, PACK_PREFETCH_ROWS), ir.sub(d_hi, 1))
+        width = ir.mul(ir.sub(span[1], span[0]), ir.Call("value_size", ()))
+        prefetches = [ir.Prefetch(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], {d: ahead, k: span[0]}), width)
+                      for n in tile.packed]
         copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
                                  lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in tile.packed]
-        lo.emit(ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
-                       ir.Assign(block_start, ir.Const(size), "+="), ir.Block((ir.For(
-                           ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step),
-                           ir.Block(tuple(counted(v, vectors, c) for c in copies))),))))
+        lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((*prefetches, ir.For(
+            ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
+            ir.Assign(block_start, ir.Const(size), "+="), ir.Block(tuple(counted(v, vectors, c) for c in copies))),))))
 
     def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
         """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
