@@ -39,16 +39,6 @@ def cora():
 
 
 @pytest.fixture
-def avx2_host(monkeypatch):
-    """Plans made while this is active are scheduled for :data:`_machines.AVX2`, whatever
-    the host is (tiles and register blocks depend on the machine model)."""
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
-
-
-@pytest.fixture
 def host_target(monkeypatch):
     """``host_target(target)``: plans made from then on, within the test, are scheduled
     for ``target`` (its caches, say), whatever the host is."""
@@ -57,3 +47,10 @@ def host_target(monkeypatch):
         sparsenn.compiler.clear_caches()
     yield use
     sparsenn.compiler.clear_caches()
+
+
+@pytest.fixture
+def avx2_host(host_target):
+    """Plans made while this is active are scheduled for :data:`_machines.AVX2`, whatever
+    the host is (tiles and register blocks depend on the machine model)."""
+    host_target(AVX2)

@@ -416,6 +416,15 @@ def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None =
     return all(level.full and level.locatable for _, level in f.levels[start:])
 
 
+def _registers(
+    nest: Nest, tiles: Sequence[Tile], output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor],
+    dims: dict[str, int], itemsize: int, target: Target,
+) -> tuple[Tile | None, RegisterTile | None]:
+    """The register block and register tile of ``nest``'s order under cache ``tiles``."""
+    block = _register_block(output_order, nest.order, factors, tiles, dims, itemsize, target)
+    return block, _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
+
+
 def _register_tile_over_cache_tiles(
     nest: Nest, output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor], dims: dict[str, int],
     itemsize: int, target: Target, found: tuple[Tile | None, RegisterTile | None],
@@ -425,29 +434,15 @@ def _register_tile_over_cache_tiles(
     register block splits it: e.g. 32 of the 64 rows and columns of a block SDDMM's
     blocks); else ``nest`` and ``found``. Values kept in registers across a reduction
     are worth more than an L2 tile of the same loops."""
-    block = _register_block(output_order, nest.order, factors, (), dims, itemsize, target)
-    tile = _register_tile(nest.order, output, factors, block, (), nest.parallel, dims, itemsize, target)
+    context = (output_order, output, factors, dims, itemsize, target)
+    block, tile = _registers(nest, (), *context)
     if tile is None:
         return (nest, *found)
     kept = tuple(t for t in nest.tiles if t.index not in (block.index, tile.index))
-    block = _register_block(output_order, nest.order, factors, kept, dims, itemsize, target)
-    tile = _register_tile(nest.order, output, factors, block, kept, nest.parallel, dims, itemsize, target)
+    block, tile = _registers(nest, kept, *context)
     if tile is None:
         return (nest, *found)
     return replace(nest, tiles=kept, panels=_panels(nest.order, kept, factors)), block, tile
-
-
-def _unbounded_by_replaced_tile(
-    nest: Nest, output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor], dims: dict[str, int],
-    itemsize: int, target: Target, found: tuple[Tile, RegisterTile],
-) -> tuple[Tile, RegisterTile]:
-    """The register block and packed tile chosen without the cache tile of ``k`` that
-    the tile's panels replace (a 32-wide cache tile would narrow the block to 32), if
-    that tile is packed too; else ``found``."""
-    tiles = tuple(t for t in nest.tiles if t.index != found[0].index)
-    block = _register_block(output_order, nest.order, factors, tiles, dims, itemsize, target)
-    tile = _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
-    return (block, tile) if tile is not None and tile.packed else found
 
 
 def _register_block(
@@ -553,11 +548,13 @@ def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, row
     above = set(order[:r - 1])
     packed = tuple(n for n, f in enumerate(factors) if not f.sparse and f.natural
                    and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above)
+    if not packed:
+        return (), 0, 0
     deepest = max(target.l1_bytes // 2 // (rows * itemsize), MIN_PACKED_REDUCTION)
     layers = -(-dims[d] // deepest)
     depth = -(-dims[d] // layers)
-    blocks = target.l2_bytes // 4 // max(len(packed), 1) // (depth * width * itemsize)
-    if not packed or blocks < 1:
+    blocks = target.l2_bytes // 4 // len(packed) // (depth * width * itemsize)
+    if blocks < 1:
         return (), 0, 0
     return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0
 
@@ -760,15 +757,15 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         if _scalar(assignment, nest.term):
             blocked.append(nest)
             continue
-        block = _register_block(output_order, nest.order, factors, nest.tiles, dims, itemsize, target)
-        tile = _register_tile(nest.order, assignment.output, factors, block, nest.tiles, nest.parallel, dims,
-                              itemsize, target)
+        context = (output_order, assignment.output, factors, dims, itemsize, target)
+        block, tile = _registers(nest, nest.tiles, *context)
         if tile is None and nest.tiles:
-            nest, block, tile = _register_tile_over_cache_tiles(nest, output_order, assignment.output, factors, dims,
-                                                                itemsize, target, (block, tile))
+            nest, block, tile = _register_tile_over_cache_tiles(nest, *context, (block, tile))
         if tile is not None and tile.packed and any(t.index == block.index for t in nest.tiles):
-            block, tile = _unbounded_by_replaced_tile(nest, output_order, assignment.output, factors, dims, itemsize,
-                                                      target, (block, tile))
+            # The panels replace the cache tile of k: the register block need not fit in it.
+            wider = _registers(nest, tuple(t for t in nest.tiles if t.index != block.index), *context)
+            if wider[1] is not None and wider[1].packed:
+                block, tile = wider
         cost = nest.cost
         if tile is not None:
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))
