@@ -458,8 +458,17 @@ def test_the_weights_of_experts_with_many_tokens_are_packed():
     assert nest.tiles == ()  # the panels replace the tile of h
 
 
+def test_weights_across_their_layout_are_packed_from_where_they_are():
+    # W[e, h, d] with h the vector index: the pack copies it a column of h at a time,
+    # instead of a re-laid out copy of all of W (a transpose before the kernel).
+    gate = SparseTensor.from_dense(routed(8, 1024, dtype=torch.float32), format="csr")
+    infos = [operand_info(op) for op in (gate, torch.randn(1024, 64), torch.randn(8, 128, 64))]
+    sched = schedule(parse_einsum("et,td,ehd->eth", 3), infos, None, 4, AVX512)
+    assert sched.nests[0].register_tile == RegisterTile("t", 6, 4, gathered_by=0, packed=(2,), panel=128)
+    assert sched.transposes == ()
+
+
 @pytest.mark.parametrize("tokens, equation, shapes, why", [
-    (1024, "et,td,ehd->eth", [(1024, 64), (8, 128, 64)], "the weights are read across their layout"),
     (1024, "et,td,edh->eth", [(1024, 8), (8, 8, 128)], "too short a reduction to alias in L1"),
     (128, "et,td,edh->eth", [(128, 64), (8, 64, 128)], "too few rows per expert to pay for the copy"),
 ])
@@ -497,15 +506,19 @@ def test_a_tiles_rows_over_the_reduction_bound_the_packs_depth():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(host_target, dtype, threads):
+@pytest.mark.parametrize("weights", ["W[e,d,h]", "W[e,h,d]"])
+def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(host_target, dtype, threads, weights):
     # A 1 KiB L1 splits d = 100 into layers (5 of 20 in fp32; 7, the last of 10, in
     # fp64); a 64 KiB L2 splits h = 300 into panels (192 and 64 wide in fp32, 128 in
-    # fp64) and a partial block; the gelu applies once, after the last layer.
+    # fp64) and a partial block; the gelu applies once, after the last layer. The
+    # weights are packed from either layout.
     host_target(dataclasses.replace(AVX512, l1_bytes=1 << 10, l2_bytes=64 << 10))
     gate = routed(6, 1301, dtype=dtype, empty=(4,))
     sparse = SparseTensor.from_dense(gate, format="csr")
     x, w = torch.randn(1301, 100, dtype=dtype), torch.randn(6, 100, 300, dtype=dtype)
-    hidden = sparsenn.compiler.compile_expression("A[e,t,h] = gelu(R[e,t] * X[t,d] * W[e,d,h])", out_format="dense")
+    hidden = sparsenn.compiler.compile_expression(f"A[e,t,h] = gelu(R[e,t] * X[t,d] * {weights})", out_format="dense")
+    if weights == "W[e,h,d]":
+        w = w.transpose(1, 2).contiguous()
     panel, depth = (192, 20) if dtype == torch.float32 else (128, 15)
     assert f"panels of {panel} h x {depth} d;" in hidden.explain(sparse, x, w)
     before = torch.get_num_threads()
@@ -515,7 +528,8 @@ def test_layered_packs_match_torch_with_the_epilogue_after_the_last_layer(host_t
     finally:
         torch.set_num_threads(before)
     tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {}
-    torch.testing.assert_close(out, torch.nn.functional.gelu(torch.einsum("et,td,edh->eth", gate, x, w)), **tol)
+    reference = torch.einsum(f"et,td,{weights[2:-1].replace(',', '')}->eth", gate, x, w)
+    torch.testing.assert_close(out, torch.nn.functional.gelu(reference), **tol)
 
 
 def test_layered_packs_over_dense_rows_match_torch(host_target):
@@ -546,38 +560,46 @@ def test_gathered_register_tiles_match_torch(tokens, d, h, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threads):
+@pytest.mark.parametrize("weights", ["edh", "ehd"])
+def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threads, weights):
     # d = 512 fills a quarter of the (AVX2 host's) 1 MiB L2 with 128 of h (64 in fp64):
     # h = 300 runs several panels, a last narrower one and a partial block; 1301 tokens
-    # over 5 experts leave partial tiles of rows.
+    # over 5 experts leave partial tiles of rows, which run from the panels too.
     gate = routed(6, 1301, dtype=dtype, empty=(4,))
     x, w = torch.randn(1301, 512, dtype=dtype), torch.randn(6, 512, 300, dtype=dtype)
+    if weights == "ehd":
+        w = w.transpose(1, 2).contiguous()
+    equation = f"et,td,{weights}->eth"
     sparse = SparseTensor.from_dense(gate, format="csr")
-    plan = sparsenn.compiler.runtime.api.plan("et,td,edh->eth", sparse, x, w, out_format="dense")
+    plan = sparsenn.compiler.runtime.api.plan(equation, sparse, x, w, out_format="dense")
     assert plan.schedule.nests[0].register_tile.panel < 300
-    assert "packed per thread in panels" in sparsenn.explain("et,td,edh->eth", sparse, x, w, out_format="dense")
+    assert "packed per thread in panels" in sparsenn.explain(equation, sparse, x, w, out_format="dense")
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        out = sparsenn.einsum("et,td,edh->eth", sparse, x, w, out_format="dense")
+        out = sparsenn.einsum(equation, sparse, x, w, out_format="dense")
     finally:
         torch.set_num_threads(before)
     tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {}
-    torch.testing.assert_close(out, torch.einsum("et,td,edh->eth", gate, x, w), **tol)
+    torch.testing.assert_close(out, torch.einsum(equation, gate, x, w), **tol)
 
 
-def test_packed_panels_over_dense_rows_match_torch():
+@pytest.mark.parametrize("weights", ["edh", "ehd"])
+def test_packed_panels_over_dense_rows_match_torch(weights):
     # A compressed vector over e: the rows c of each stored e are a dense range (260: a
     # partial tile; untiled, as x holds 20 x 256 values per row), the weights of e
-    # packed once for all of them.
+    # packed once for all of them, from either layout.
     scale = torch.zeros(20, dtype=torch.float64)
     scale[[3, 11]] = torch.tensor([1.5, -2.0], dtype=torch.float64)
     x, w = torch.randn(20, 260, 256, dtype=torch.float64), torch.randn(20, 256, 72, dtype=torch.float64)
+    if weights == "ehd":
+        w = w.transpose(1, 2).contiguous()
+    equation = f"e,ecd,{weights}->ech"
     sparse = SparseTensor.from_dense(scale, format="c")
-    text = sparsenn.explain("e,ecd,edh->ech", sparse, x, w, out_format="dense")
-    assert "packed per thread in panels" in text
-    out = sparsenn.einsum("e,ecd,edh->ech", sparse, x, w, out_format="dense")
-    torch.testing.assert_close(out, torch.einsum("e,ecd,edh->ech", scale, x, w))
+    text = sparsenn.explain(equation, sparse, x, w, out_format="dense")
+    assert "packed per thread in panels" in text and "transpose:" not in text
+    out = sparsenn.einsum(equation, sparse, x, w, out_format="dense")
+    torch.testing.assert_close(out, torch.einsum(equation, scale, x, w))
 
 
 def test_tiled_kernels_written_for_the_widest_vectors_are_correct_on_any_host(monkeypatch):

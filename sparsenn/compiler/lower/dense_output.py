@@ -322,20 +322,35 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         return ir.add(ir.mul(ir.add(ir.mul(block, depth), step_in), ir.Const(size)), lane)
 
     def pack(st) -> None:
-        """Each packed factor's strip ``[layer, span)`` into its panel, a row of the
-        strip at a time, prefetching the row :data:`PACK_PREFETCH_ROWS` ahead."""
-        block_start, step = lo.fresh("pb"), lo.fresh("pd")
+        """Each packed factor's strip ``[layer, span)`` into its panel: a factor laid out
+        with ``k`` last a row of the strip at a time, prefetching the row
+        :data:`PACK_PREFETCH_ROWS` ahead; any other (``W[e, k, d]``) a column of
+        ``k`` at a time, reading along its own layout (a transposing copy)."""
+        block_start, step, column = lo.fresh("pb"), lo.fresh("pd"), lo.fresh("pj")
         lane = ir.mul(v, ir.Lanes())
         d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
-        ahead = ir.min_(ir.add(step, PACK_PREFETCH_ROWS), ir.sub(d_hi, 1))
-        width = ir.mul(ir.sub(span[1], span[0]), ir.Call("value_size", ()))
-        prefetches = [ir.Prefetch(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], {d: ahead, k: span[0]}), width)
-                      for n in tile.packed]
-        copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
-                                 lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in tile.packed]
-        lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((*prefetches, ir.For(
-            ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
-            ir.Assign(block_start, ir.Const(size), "+="), ir.Block(tuple(counted(v, vectors, c) for c in copies))),))))
+        by_rows = [n for n in tile.packed if st[n].dense_indices[-1] == k]
+        by_columns = [n for n in tile.packed if n not in by_rows]
+
+        def blocks_of_span(*body: ir.Stmt) -> ir.For:
+            return ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
+                          ir.Assign(block_start, ir.Const(size), "+="), ir.Block(body))
+
+        if by_rows:
+            ahead = ir.min_(ir.add(step, PACK_PREFETCH_ROWS), ir.sub(d_hi, 1))
+            width = ir.mul(ir.sub(span[1], span[0]), ir.Call("value_size", ()))
+            prefetches = [ir.Prefetch(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], {d: ahead, k: span[0]}),
+                                      width) for n in by_rows]
+            copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
+                                     lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in by_rows]
+            lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((
+                *prefetches, blocks_of_span(*(counted(v, vectors, c) for c in copies))))))
+        for n in by_columns:
+            at = {d: step, k: ir.add(block_start, column)}
+            copy = ir.Assign(ir.Load(ir.Array("pack", n), packed_at(n, block_start, step, column)),
+                             ir.Load(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], at)))
+            lo.emit(blocks_of_span(counted(column, size, ir.For(
+                ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((copy,))), pragma=None)))
 
     def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
         """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
@@ -388,94 +403,109 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         scale each row's sums where they are stored, not every step."""
         return [n for n in scalars if not summed & set(_held(st[n]))]
 
-    def leaf(st):
-        lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-        summed_scalars = [n for n in scalars if n not in scales(st)]
-        by_row = [n for n in summed_scalars if a in _held(st[n])]
-        fixed = [n for n in summed_scalars if n not in by_row]
-        lo.emit(ir.Decl(row_scalar, "V", None, shape=(tile.rows,)))
-        scalar = product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)])
-        lo.emit(counted(ROW, tile.rows, ir.Assign(ir.Elem(row_scalar, (ROW,)), scalar)))
-        loads = product_of([vector_factor(st, n) for n in with_k])
-        lo.emit(counted(v, vectors, ir.Decl(x, "VV", loads, const=True), counted(ROW, tile.rows, ir.Assign(
-            ir.Elem(acc, (ROW, v)), ir.mul(ir.Elem(row_scalar, (ROW,)), x), "+="))))
-
-    def blocks(st, inner):
-        def body():
-            lo.emit(ir.Decl(acc, "VV", "zero", shape=(tile.rows, vectors)))
-            inner()
+    def tile_walk(rows: int) -> NestWalk:
+        """The loops below ``a`` for a tile of ``rows`` rows."""
+        def leaf(st):
             lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
-            at_k = _located(lo, k, st)
-            if k_anchor is None:
-                at = lo.offset(lo.s.output_order, {a: row(ROW)})
-            else:
-                at = _shifted_pos(lo, at_k[k_anchor], {a: ROW})
-            lane = ir.mul(v, ir.Lanes())
-            row_scales = [at_row(st[n]) if a in _held(st[n]) else lo.values(st, [n])[0] for n in scales(st)]
-            scaled = product_of([coef, *row_scales, ir.Elem(acc, (ROW, v)),
-                                 *(_vector_at(lo, at_k[n], lane, {a: ROW}) for n in outside)])
-            value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
-            lo.emit(counted(ROW, tile.rows, counted(v, vectors, ir.VectorStore(OUT, ir.add(at, lane), value))))
+            summed_scalars = [n for n in scalars if n not in scales(st)]
+            by_row = [n for n in summed_scalars if a in _held(st[n])]
+            fixed = [n for n in summed_scalars if n not in by_row]
+            lo.emit(ir.Decl(row_scalar, "V", None, shape=(rows,)))
+            scalar = product_of([*lo.values(st, fixed), *(at_row(st[n]) for n in by_row)])
+            lo.emit(counted(ROW, rows, ir.Assign(ir.Elem(row_scalar, (ROW,)), scalar)))
+            loads = product_of([vector_factor(st, n) for n in with_k])
+            lo.emit(counted(v, vectors, ir.Decl(x, "VV", loads, const=True), counted(ROW, rows, ir.Assign(
+                ir.Elem(acc, (ROW, v)), ir.mul(ir.Elem(row_scalar, (ROW,)), x), "+="))))
 
-        lo.emit(ir.For(ir.Decl(ab_k, "index", span[0]), ir.le(ir.add(ab_k, size), span[1]),
-                       ir.Assign(ab_k, ir.Const(size), "+="), lo.block(body)))
+        def blocks(st, inner):
+            def body():
+                lo.emit(ir.Decl(acc, "VV", "zero", shape=(rows, vectors)))
+                inner()
+                lo.emit(ir.Decl(var_k, "index", ab_k, const=True))
+                at_k = _located(lo, k, st)
+                if k_anchor is None:
+                    at = lo.offset(lo.s.output_order, {a: row(ROW)})
+                else:
+                    at = _shifted_pos(lo, at_k[k_anchor], {a: ROW})
+                lane = ir.mul(v, ir.Lanes())
+                row_scales = [at_row(st[n]) if a in _held(st[n]) else lo.values(st, [n])[0] for n in scales(st)]
+                scaled = product_of([coef, *row_scales, ir.Elem(acc, (ROW, v)),
+                                     *(_vector_at(lo, at_k[n], lane, {a: ROW}) for n in outside)])
+                value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(at, lane)), scaled)
+                lo.emit(counted(ROW, rows, counted(v, vectors, ir.VectorStore(OUT, ir.add(at, lane), value))))
+
+            lo.emit(ir.For(ir.Decl(ab_k, "index", span[0]), ir.le(ir.add(ab_k, size), span[1]),
+                           ir.Assign(ab_k, ir.Const(size), "+="), lo.block(body)))
+
+        return NestWalk(nest, order[:-1], leaf, plain.bounds, block=(k, ab_k, ir.add(ab_k, size)), block_from=r,
+                        wrap={r: blocks})
 
     ab_k = lo.fresh("kb")
-    tiled = NestWalk(nest, order[:-1], leaf, plain.bounds, block=(k, ab_k, ir.add(ab_k, size)), block_from=r,
-                     wrap={r: blocks})
 
     def zero_tail(st):
         lo.emit(ir.For(ir.Decl(var_k, "index", k_rest), ir.lt(var_k, n_k), ir.Incr(var_k), lo.block(
             lambda: lo.emit(ir.Assign(ir.Load(OUT, offset(_located(lo, k, st))), ir.Const(0))))))
 
+    # Packed: the rows past the last whole tile run one at a time from the same panels
+    # (read in place, a factor's strip would come from memory again for each of them).
+    sizes = (tile.rows, 1) if tile.packed else (tile.rows,)
+
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
         left = lo.fresh("aleft")  # the first row the whole tiles leave to ``plain``
         if gathered is None:
-            def whole_tile():
+            lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
+                            const=True))
+
+            def run_tile(rows: int):
                 lo.emit(ir.Decl(var_a, "index", ab, const=True))
                 located = list(st)
                 locate(lo, a, st, located)
-                emit_order(lo, tiled, located, r)
+                emit_order(lo, tile_walk(rows), located, r)
 
-            def whole_tiles():
-                lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.le(ir.add(ab, tile.rows), a_hi),
-                               ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(whole_tile)))
+            def tiles():
+                bounds = {tile.rows: (a_lo, left), 1: (left, a_hi)}
+                for rows in sizes:
+                    start, end = bounds[rows]
+                    lo.emit(ir.For(ir.Decl(ab, "index", start), ir.lt(ab, end), ir.Assign(ab, ir.Const(rows), "+="),
+                                   lo.block(lambda rows=rows: run_tile(rows))))
 
             if tile.packed:
-                in_panels(st, ir.le(ir.add(a_lo, tile.rows), a_hi), None, whole_tiles)
+                in_panels(st, ir.lt(a_lo, a_hi), None, tiles)
             else:
-                whole_tiles()
-            lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
-                            const=True))
-        else:  # whole tiles of stored positions of the gathering factor's fiber
+                tiles()
+        else:  # tiles of stored positions of the gathering factor's fiber
             cursor = open_cursor(lo, gathered, st[gathered], plain.bounds.get(a))
 
-            def whole_tile():
+            def run_tile(rows: int):
                 lo.emit(ir.Decl(first, "index", cursor.q, const=True))
-                coordinates = tuple(ir.Load(cursor.crd, ir.add(cursor.q, t)) for t in range(tile.rows))
-                lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(tile.rows,)))
-                emit_order(lo, tiled, st, r)
+                coordinates = tuple(ir.Load(cursor.crd, ir.add(cursor.q, t)) for t in range(rows))
+                lo.emit(ir.Decl(rows_at, "index", coordinates, const=True, shape=(rows,)))
+                emit_order(lo, tile_walk(rows), st, r)
 
-            def whole_tiles():
-                step = ir.Assign(cursor.q, ir.Const(tile.rows), "+=")
-                lo.emit(ir.For(None, ir.le(ir.add(cursor.q, tile.rows), cursor.h), step, lo.block(whole_tile)))
+            def tiles():
+                for rows in sizes:
+                    lo.emit(ir.For(None, ir.le(ir.add(cursor.q, rows), cursor.h), ir.Assign(cursor.q, ir.Const(rows), "+="),
+                                   lo.block(lambda rows=rows: run_tile(rows))))
 
             if tile.packed:
                 fiber_start = lo.fresh("qstart")
                 lo.emit(ir.Decl(fiber_start, "I", cursor.q, const=True))
-                in_panels(st, ir.le(ir.add(fiber_start, tile.rows), cursor.h), ir.Assign(cursor.q, fiber_start),
-                          whole_tiles)
+                in_panels(st, ir.lt(fiber_start, cursor.h), ir.Assign(cursor.q, fiber_start), tiles)
             else:
-                whole_tiles()
+                tiles()
             next_row = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
             lo.emit(ir.Decl(left, "index", ir.Select(ir.lt(cursor.q, cursor.h), next_row, a_hi), const=True))
-        # The tiles' rows over the last, partial block of k; then ``plain`` over the rows left.
+        # The tiles' rows over the last, partial block of k; then ``plain`` over the rows
+        # left (none when packed).
         lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+        rows_done = a_hi if tile.packed else left
         tail = NestWalk(nest, order, lambda inner_st: lo.emit(ir.Assign(
             ir.Load(OUT, offset(inner_st)), product_of([coef, *lo.values(inner_st)]), "+=")),
-            {**plain.bounds, a: (a_lo, left), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
+            {**plain.bounds, a: (a_lo, rows_done), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
         lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
+        if tile.packed:
+            return
         given = plain.bounds.get(a)
         plain.bounds[a] = (left, a_hi)
         inner()

@@ -546,7 +546,7 @@ def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, row
     if dims[d] < MIN_PACKED_REDUCTION or any(f.sparse and d in (i for i, _ in f.levels) for f in factors):
         return (), 0, 0
     above = set(order[:r - 1])
-    packed = tuple(n for n, f in enumerate(factors) if not f.sparse and f.natural
+    packed = tuple(n for n, f in enumerate(factors) if not f.sparse
                    and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above)
     if not packed:
         return (), 0, 0
@@ -771,7 +771,9 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
-            if tile.packed:  # the panels replace a tile of k
+            if tile.packed:  # the panels replace a tile of k, and the pack reads any layout
+                transposes = [((t, k), mode_order) for (t, k), mode_order in transposes
+                              if t != nest.term or k not in tile.packed]
                 tiles = tuple(t for t in nest.tiles if t.index != block.index)
                 nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
                 cost /= GEMM_SPEEDUP
