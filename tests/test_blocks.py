@@ -584,16 +584,16 @@ def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threa
     torch.testing.assert_close(out, torch.einsum(equation, gate, x, w), **tol)
 
 
-@pytest.mark.parametrize("weights", ["edh", "ehd"])
+@pytest.mark.parametrize("weights", ["edh", "ehd", "hde"])
 def test_packed_panels_over_dense_rows_match_torch(weights):
     # A compressed vector over e: the rows c of each stored e are a dense range (260: a
     # partial tile; untiled, as x holds 20 x 256 values per row), the weights of e
-    # packed once for all of them, from either layout.
+    # packed once for all of them, from any layout: h last (rows of the strip), d last
+    # (blocks transposed in registers), neither (element by element).
     scale = torch.zeros(20, dtype=torch.float64)
     scale[[3, 11]] = torch.tensor([1.5, -2.0], dtype=torch.float64)
     x, w = torch.randn(20, 260, 256, dtype=torch.float64), torch.randn(20, 256, 72, dtype=torch.float64)
-    if weights == "ehd":
-        w = w.transpose(1, 2).contiguous()
+    w = w.permute(*("edh".index(i) for i in weights)).contiguous()
     equation = f"e,ecd,{weights}->ech"
     sparse = SparseTensor.from_dense(scale, format="c")
     text = sparsenn.explain(equation, sparse, x, w, out_format="dense")

@@ -171,6 +171,21 @@ def test_gathered_register_tiles(dtype, avx2_host):
     check_einsum("et,td,edh->eth", [g, x, w], dtype, out_format="dense")
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("weights", ["edh", "ehd"])
+def test_packed_panels_from_either_layout(dtype, weights, avx2_host):
+    # 130 rows per stored e pack the weights (widened to float once, in the panels);
+    # "ehd" packs them across their layout, by blocks transposed in registers.
+    scale = torch.zeros(6)
+    scale[[1, 4]] = torch.tensor([0.5, -1.0])
+    s = sparsenn.from_dense(scale.to(dtype), format="c")
+    x, w = rounded(6, 130, 40, dtype=dtype, seed=1), rounded(6, 40, 72, dtype=dtype, seed=2)
+    w = w.permute(*("edh".index(i) for i in weights)).contiguous()
+    equation = f"e,ecd,{weights}->ech"
+    assert nest(equation, s, x, w, out_format="dense").register_tile.packed == (2,)
+    check_einsum(equation, [s, x, w], dtype, out_format="dense")
+
+
 def block_sddmm_operands(dtype, width=19):
     mask = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) < 0.5
     dense = rounded(64, 64, dtype=dtype) * mask.repeat_interleave(16, 0).repeat_interleave(16, 1)

@@ -47,6 +47,8 @@ EFFECTS = {
     "ws_add": "(key, v): v added at key",
     "ws_mark": "(key): key marked present in the current row (pattern only)",
     "declare_pack": "(pack, id, n): pack, the thread's buffer number id of at least n values V, kept across calls",
+    "transpose_block": "(src, src_stride, dst, dst_stride): the lanes x lanes block at address src (rows src_stride "
+                       "values apart) transposed into address dst (rows dst_stride apart)",
     "ws_drain": "(level, rank, dims): the workspace's entries, in key order, appended to the chunk as output "
                 "levels level.. rank - 1 (keys linear over dims); the workspace is left empty",
 }

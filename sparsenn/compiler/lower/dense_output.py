@@ -36,15 +36,18 @@ Rows gathered by a sparse level take whole tiles of its stored positions ``q .. 
 instead (row ``t`` is ``crd[q + t]``; the gathering factor's value is at ``q + t``), and
 the plain nest continues from the first coordinate left. Scalar factors constant
 across ``R`` (a gate's value at each gathered row) scale the stored sums instead of
-every step. With *packed* factors the whole tiles run one panel of ``k`` at a time::
+every step. With *packed* factors every row runs one panel of ``k`` at a time::
 
     for layers [dl, de) of d (one layer: all of d): for panels [pk, pe) of whole blocks of k:
-        if a whole tile of rows exists: for d in [dl, de): prefetch factor[..., d + 8, pk : pe]
+        if a has rows: for d in [dl, de): prefetch factor[..., d + 8, pk : pe]
             pack[(kb - pk) / B][d - dl][0:B] = factor[..., d, kb : kb + B]  for kb in the panel
         for ab in whole tiles of a: for kb in [pk, pe): ... the tile over d in [dl, de), reading pack
+        for a in the rows left: for kb in [pk, pe): ... a tile of one row, reading pack
+    for a in all rows: for R: for k in the partial block: out[P, k] += ...
 
 (``pack`` a per-thread buffer kept across calls; ``R`` is the one dense loop ``d``; every
-layer's tiles add into the output).
+layer's tiles add into the output; a factor laid out with ``d`` last is packed by
+blocks of lanes x lanes, each transposed in registers).
 """
 
 from __future__ import annotations
@@ -324,8 +327,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     def pack(st) -> None:
         """Each packed factor's strip ``[layer, span)`` into its panel: a factor laid out
         with ``k`` last a row of the strip at a time, prefetching the row
-        :data:`PACK_PREFETCH_ROWS` ahead; any other (``W[e, k, d]``) a column of
-        ``k`` at a time, reading along its own layout (a transposing copy)."""
+        :data:`PACK_PREFETCH_ROWS` ahead; one laid out with ``d`` last (``W[e, k, d]``)
+        by blocks transposed in registers; any other element by element."""
         block_start, step, column = lo.fresh("pb"), lo.fresh("pd"), lo.fresh("pj")
         lane = ir.mul(v, ir.Lanes())
         d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
@@ -346,11 +349,33 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((
                 *prefetches, blocks_of_span(*(counted(v, vectors, c) for c in copies))))))
         for n in by_columns:
+            # Blocks of lanes x lanes, each transposed in registers, a column of blocks
+            # (lanes of k) at a time down the layer's steps of d, read along d where the
+            # factor's layout has it last; the steps past the last whole block and any
+            # other layout element by element.
+            column_start, block_step, rest = lo.fresh("pj"), lo.fresh("ps"), lo.fresh("psrest")
+            if st[n].dense_indices[-1] == d:
+                held = st[n].dense_indices
+                k_stride = product_of([lo.dim(i) for i in held[held.index(k) + 1:]])
+                at = {d: block_step, k: ir.add(block_start, column_start)}
+                transpose = ir.Effect("transpose_block", (
+                    ir.Address(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], at)), k_stride,
+                    ir.Address(ir.Array("pack", n), packed_at(n, block_start, block_step, column_start)),
+                    ir.Const(size)))
+                steps = ir.For(ir.Decl(block_step, "index", d_lo), ir.le(ir.add(block_step, ir.Lanes()), d_hi),
+                               ir.Assign(block_step, ir.Lanes(), "+="), ir.Block((transpose,)))
+                lo.emit(blocks_of_span(ir.For(ir.Decl(column_start, "index", ir.Const(0)),
+                                              ir.lt(column_start, ir.Const(size)),
+                                              ir.Assign(column_start, ir.Lanes(), "+="), ir.Block((steps,)))))
+                lo.emit(ir.Decl(rest, "index", ir.sub(d_hi, ir.Bin("%", ir.sub(d_hi, d_lo), ir.Lanes())),
+                                const=True))
+            else:
+                lo.emit(ir.Decl(rest, "index", d_lo, const=True))
             at = {d: step, k: ir.add(block_start, column)}
             copy = ir.Assign(ir.Load(ir.Array("pack", n), packed_at(n, block_start, step, column)),
                              ir.Load(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], at)))
             lo.emit(blocks_of_span(counted(column, size, ir.For(
-                ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((copy,))), pragma=None)))
+                ir.Decl(step, "index", rest), ir.lt(step, d_hi), ir.Incr(step), ir.Block((copy,))), pragma=None)))
 
     def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
         """``whole_tiles`` once per packed panel of whole blocks of k (``restart``

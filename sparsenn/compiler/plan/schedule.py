@@ -58,13 +58,16 @@ level. It returns a :class:`Schedule`:
   target's widest vectors (AVX-512 rather than AVX2). A factor holding ``k`` (as its
   dense last level) and no index of ``R`` is outside the sums: it scales each block of
   sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
-* **Packed panels.** When ``R`` is one dense reduction ``d`` and a vector factor holds
-  only ``d``, ``k`` and indices fixed above ``a``, in its own layout (an expert's
-  weights ``W[e, d, h]``), the whole tiles of rows run one *panel* of ``k`` at a time:
-  the factor's strip ``[d, panel]`` is copied once per iteration above ``a`` into a
-  per-thread buffer laid out ``[block][d][block offset]``, and every row tile reads it
-  from there (GotoBLAS's packed ``B``). In place, the strip's rows are a row length
-  apart, which for lengths of a multiple of 4 KiB all map onto the same few L1 sets. A
+* **Packed panels.** When ``R`` is one dense reduction ``d`` and a dense vector factor
+  holds only ``d``, ``k`` and indices fixed above ``a`` (an expert's weights
+  ``W[e, d, h]``), the tiles of rows run one *panel* of ``k`` at a time: the factor's
+  strip ``[d, panel]`` is copied once per iteration above ``a`` into a per-thread
+  buffer laid out ``[block][d][block offset]``, and every row tile reads it from there
+  (GotoBLAS's packed ``B``), the rows past the last whole tile one at a time. In place,
+  the strip's rows are a row length apart, which for lengths of a multiple of 4 KiB
+  all map onto the same few L1 sets. The copy reads the factor in its own layout (a
+  weight read across it, ``W[e, h, d]`` in a backward pass, is transposed by blocks
+  in registers, instead of re-laid out whole before the kernel). A
   panel holds whole register blocks and fills at most a quarter of the L2; it replaces
   a tile of ``k`` (the tile loop would sit above ``a``'s parents, re-reading every row
   once per tile). When a tile's rows over all of ``d`` would overflow half the L1
@@ -535,7 +538,7 @@ def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, row
     """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
     packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``); see
     the module doc): ``R = order[r:-1]`` is one reduction ``d``, dense in every factor,
-    and a packed factor, read in its own layout, holds ``d``, ``k`` and loops above the
+    and a packed factor, dense in any layout, holds ``d``, ``k`` and loops above the
     tile only. A tile's ``rows`` over one pack's depth fill at most half of the L1 (the
     depth splits ``d`` evenly); a panel holds whole register blocks (``width``) and fills
     at most a quarter of the L2 per packed factor. ``expected_rows``: the rows of the

@@ -191,6 +191,28 @@ static inline VV sn_transpose_add(const VV (&v)[N], std::integer_sequence<int, P
 /* The sum of v's lanes. */
 static inline V sn_hsum(VV v) { return sn_fold_to<SN_W, 1>(v)[0]; }
 
+/* The SN_W x SN_W block at src (rows src_stride values apart) transposed into dst (rows
+   dst_stride apart): a panel packed from across its factor's layout. log2(SN_W) rounds
+   each interleave row i with row i + SN_W / 2 (lanes of the first half, then of the
+   second): a round rotates the bits of (row, lane) by one, so the last swaps them. */
+constexpr int sn_interleave_lane(int from, int l) { return (l % 2 ? SN_W : 0) + from + l / 2; }
+template <int From, int... L>
+static inline VV sn_interleave(VV a, VV b, std::integer_sequence<int, L...>) {
+  return SN_SHUFFLE(a, b, sn_interleave_lane(From, L)...);
+}
+template <class T> static inline void sn_transpose_block(const T* src, int64_t src_stride, V* dst, int64_t dst_stride) {
+  VV row[SN_W], next[SN_W];
+  for (int i = 0; i < SN_W; ++i) row[i] = sn_load(src + i * src_stride);
+  for (int round = 1; round < SN_W; round *= 2) {
+    for (int i = 0; i < SN_W / 2; ++i) {
+      next[2 * i] = sn_interleave<0>(row[i], row[i + SN_W / 2], sn_lanes{});
+      next[2 * i + 1] = sn_interleave<SN_W / 2>(row[i], row[i + SN_W / 2], sn_lanes{});
+    }
+    for (int i = 0; i < SN_W; ++i) row[i] = next[i];
+  }
+  for (int i = 0; i < SN_W; ++i) sn_store(dst + i * dst_stride, row[i]);
+}
+
 /* Lane-wise max and min that keep a NaN (as sn_max, sn_min), a vector of one value, and
    the max or min of v's lanes by a tree of shuffles. */
 static inline VV sn_vmax(VV a, VV b) { return ((a > b) | (a != a)) ? a : b; }
