@@ -401,3 +401,14 @@ def test_exp_is_within_two_ulps_with_the_special_values_exact(dtype, fmt):
     other = ~normal & ~tiny
     assert torch.equal(got[other].isnan(), rounded[other].isnan())
     assert torch.equal(got[other & ~rounded.isnan()], rounded[other & ~rounded.isnan()])
+
+
+def test_functions_of_dense_operands_run_as_one_kernel():
+    # One compiled pass (torch would run an op per function, each a pass over memory),
+    # and so does the gradient: d/dH = 2 gelu'(2 H + b), d/db its sum over i.
+    H = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    f = sparsenn.compile("A[i,j] = gelu(2 * H[i,j] + b[j])", out_format="dense")
+    assert "sn_run" in f.explain(H, b)
+    torch.testing.assert_close(f(H, b), torch.nn.functional.gelu(2 * H + b))
+    assert torch.autograd.gradcheck(f, (H, b), eps=1e-6, atol=1e-7, rtol=1e-5)

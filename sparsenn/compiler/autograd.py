@@ -286,12 +286,7 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     if assignment.epilogue is not None:
         reduced, apply_epilogue, read = split_epilogue(assignment)
         pre = differentiable_evaluate(evaluate, reduced, operands, "dense")
-        inputs = [pre, *(operands[n] for n in read)]
-        if out_format in (None, "dense") and all(isinstance(op, torch.Tensor) for op in inputs):
-            # All dense: torch's own elementwise ops, whose backward torch's autograd
-            # records (one fused kernel per function, as gelu_backward).
-            return evaluate(apply_epilogue, inputs, out_format)
-        return differentiable_evaluate(evaluate, apply_epilogue, inputs, out_format)
+        return differentiable_evaluate(evaluate, apply_epilogue, [pre, *(operands[n] for n in read)], out_format)
     tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
     templates = []
     for op in operands:

@@ -210,7 +210,7 @@ def plan(equation: str, *operands, out_format=None) -> Plan:
     if split is not None:
         checked = check_call(split.assignment, split.operands(checked.operands), split.request)
         assignment = split.assignment
-    if checked.all_dense:
+    if checked.all_dense and assignment.is_product_sum:
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
     return _plan(assignment, checked)
 
@@ -243,7 +243,7 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     if split is not None:
         lines.append(split.describe())
         return "\n".join(lines + [_explain(split.assignment, split.operands(checked.operands), split.request)])
-    if checked.all_dense:
+    if checked.all_dense and assignment.is_product_sum:
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
     infos = operand_infos(checked.operands)

@@ -7,8 +7,10 @@ A call resolves to one of four runnable objects:
 * a :class:`launcher.Launch` (a planned kernel bound to the call's shapes and layouts);
 * a :class:`PathCall`, a sequence of pairwise contractions (``plan.contract``), each
   itself evaluated here;
-* a :class:`DenseCall` when every operand is dense: ``torch.einsum`` per term, or a
-  large product of two factors as one ``torch.bmm`` into pooled memory.
+* a :class:`DenseCall` when every operand is dense and the call a plain sum of
+  products: ``torch.einsum`` per term, or a large product of two factors as one
+  ``torch.bmm`` into pooled memory (values, max/min reductions and epilogues over dense
+  operands run as kernels: one pass, where torch would run an op per function).
 
 Calls whose operands kernels read as given are cached by :func:`validate.call_key`, so
 a repeated call costs the key, one lookup and the launch; other calls are checked,
@@ -17,7 +19,6 @@ converted and resolved each time.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
     split = split_of(assignment, checked)
     if split is not None:
         return SplitCall(split)
-    if checked.all_dense:
+    if checked.all_dense and assignment.is_product_sum:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
     assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
@@ -166,18 +167,17 @@ def _in_place_epilogue(epilogue: Assignment, operands: Sequence) -> torch.Tensor
 
 @dataclass(frozen=True)
 class DenseCall:
-    """Every operand dense: torch computes each term (broadcast over output indices the
-    term lacks); a sparse ``request`` stores the result with every entry. The result
-    never shares an operand's storage (``torch.einsum`` may return a view of one)."""
+    """A sum of products of dense operands: torch computes each term (broadcast over
+    output indices the term lacks); a sparse ``request`` stores the result with every
+    entry. The result never shares an operand's storage (``torch.einsum`` may return a
+    view of one)."""
 
     assignment: Assignment
     out_shape: tuple[int, ...]
     request: Request
 
     def run(self, operands: Sequence) -> torch.Tensor | SparseTensor:
-        assignment = self.assignment
-        compute = _summed_products if assignment.is_product_sum else _general
-        out = compute(assignment, operands, self.out_shape)
+        out = _summed_products(self.assignment, operands, self.out_shape)
         if any(out.untyped_storage().data_ptr() == op.untyped_storage().data_ptr() for op in operands):
             out = out.clone()
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
@@ -252,47 +252,6 @@ def _spread(tensor: torch.Tensor, indices: Sequence[str], space: Sequence[str]) 
     moved = tensor.permute(ordered)
     shape = [tensor.shape[indices.index(i)] if i in indices else 1 for i in space]
     return moved.reshape(shape)
-
-
-def _general(assignment: Assignment, operands: Sequence, out_shape: tuple[int, ...]) -> torch.Tensor:
-    """Values, max/min reductions and epilogues, by broadcasting each term over its
-    indices (the output's first) and reducing the rest."""
-    output = assignment.output
-    dtype = operands[0].dtype
-    out = None
-    for term in assignment.terms:
-        space = list(output) + [i for i in term.indices if i not in output]
-        factors = [_spread(operands[a.operand], a.indices, space) for a in term.factors]
-        if term.value is None:
-            value = functools.reduce(torch.mul, factors, torch.ones((), dtype=dtype))
-        else:
-            value = functions.evaluate(term.value, factors)
-        if term.coefficient != 1.0:
-            value = term.coefficient * value
-        full = list(out_shape) + [_size(term, operands, i) for i in space[len(output):]]
-        value = value.expand(full)
-        reduced = tuple(range(len(output), len(space)))
-        if assignment.reduction == "sum":
-            part = value.sum(reduced) if reduced else value
-            out = part if out is None else out + part
-        elif not reduced:
-            out = value.clone()
-        elif value.numel() == 0:
-            out = torch.full(out_shape, functions.IDENTITY[assignment.reduction], dtype=dtype)
-        else:
-            out = value.amax(reduced) if assignment.reduction == "max" else value.amin(reduced)
-    if out is None:  # no terms
-        out = torch.zeros(out_shape, dtype=dtype)
-    epilogue = assignment.epilogue
-    if epilogue is not None:
-        factors = [_spread(operands[a.operand], a.indices, output) for a in epilogue.factors]
-        out = functions.evaluate(epilogue.value, factors, reduced=out)
-    return out.expand(out_shape).contiguous()
-
-
-def _size(term: Term, operands: Sequence, index: str) -> int:
-    access = next(a for a in term.factors if index in a.indices)
-    return operands[access.operand].shape[access.indices.index(index)]
 
 
 def _stored_densely(result: torch.Tensor, fmt: Format) -> SparseTensor:
