@@ -306,14 +306,11 @@ static inline float sn_exp_of(float x) {
   const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // rounded by 1.5 * 2^23
   float r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float r2 = r * r;  // the polynomial in Estrin's form: a shorter chain of dependent operations
+  const float p = (5.0000001201e-1f + 1.6666665459e-1f * r) + r2 * ((4.1665795894e-2f + 8.3334519073e-3f * r)
+                  + r2 * (1.3981999507e-3f + 1.9875691500e-4f * r));
   const int32_t k = (int32_t)n, half = k >> 1;
-  const float y = (p * r * r + r + 1.0f) * sn_pow2<float>(half) * sn_pow2<float>(k - half);
+  const float y = (p * r2 + r + 1.0f) * sn_pow2<float>(half) * sn_pow2<float>(k - half);
   return x > high ? std::numeric_limits<float>::infinity() : (x < low ? 0.0f : y);
 }
 static inline double sn_exp_of(double x) {
@@ -344,20 +341,15 @@ static inline V sn_sqrt(V x) { return std::sqrt(x); }
 static inline float sn_normal_cdf_of(float x) {
   const float z = x * -0.70710678118654752440f, a = z < 0.0f ? -z : z;
   const float t = 1.0f / (1.0f + 0.5f * a);
-  float p = 0.17087277f;
-  p = p * t - 0.82215223f;
-  p = p * t + 1.48851587f;
-  p = p * t - 1.13520398f;
-  p = p * t + 0.27886807f;
-  p = p * t - 0.18628806f;
-  p = p * t + 0.09678418f;
-  p = p * t + 0.37409196f;
-  p = p * t + 1.00002368f;
-  p = p * t - 1.26551223f;
+  const float t2 = t * t, t4 = t2 * t2, t8 = t4 * t4;  // P(t) in Estrin's form, as sn_exp_of
+  const float p = ((-1.26551223f + 1.00002368f * t) + t2 * (0.37409196f + 0.09678418f * t))
+                  + t4 * ((-0.18628806f + 0.27886807f * t) + t2 * (-1.13520398f + 1.48851587f * t))
+                  + t8 * (-0.82215223f + 0.17087277f * t);
   // exp(p - a^2) with the argument's rounding errors (up to 1e-6 at a = 5) carried to
-  // first order: a^2 = sq + sq_low exactly (fma), p - sq = s + s_low exactly (TwoSum).
+  // first order: a^2 = sq + sq_low exactly (fma), and p - sq = s + s_low exactly where
+  // |p| <= sq (Fast2Sum; below, the rounding of s is too small to matter).
   const float sq = a * a, sq_low = std::fma(a, a, -sq);
-  const float s = p - sq, back = s - p, s_low = (p - (s - back)) + (-sq - back);
+  const float s = p - sq, s_low = p - (s + sq);
   const float tail = t * sn_exp_of(s) * (1.0f + (s_low - sq_low));
   return 0.5f * (z < 0.0f ? 2.0f - tail : tail);
 }
