@@ -16,8 +16,9 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
    and the call resolves to the same call over split indices when an operand is blocked
    or n:m (``blocks.py``: block and in-block coordinates, the operands viewed so),
-   ``torch.einsum`` (all dense), pairwise contractions (``plan/contract.py``) or one
-   kernel, biases folded into its epilogue (``plan/bias.py``).
+   ``torch.einsum`` (a sum of products of dense operands), pairwise contractions
+   (``plan/contract.py``) or one kernel, biases folded into its epilogue
+   (``plan/bias.py``).
 4. ``plan/planner.py``: the result's format from the operands' formats and
    ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
    loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles,

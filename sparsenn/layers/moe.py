@@ -17,15 +17,15 @@ values at the slots), the forward pass is four compiled kernels::
     Z[e,c,d] = R[e,c] A[e,c,h] W2[e,h,d]
     y[t,d]   = K[t,s] Z[s,d]  (+ G[t,e] b2[e,d])  weighted scatter back to tokens
 
-``f`` is the first product's epilogue (under autograd the compiler keeps the product
-and torch applies ``f``, as its backward needs the product). Each expert product is
-one kernel or a contraction path, as the planner costs them (``explain()`` shows
-which): with many tokens per expert, a register tile over the slots stored in ``R``'s
-row ``e`` against the expert's weights packed per thread (unoccupied slots are never
-read); with few, ``R ⊙ X`` and then BLAS's batched GEMM over the panels. Experts
+``f`` is the first product's epilogue (under autograd the compiler keeps the product,
+which ``f``'s derivative reads, and applies ``f`` as a kernel of its own). Each expert
+product is one kernel or a contraction path, as the planner costs them (``explain()``
+shows which): with many tokens per expert, a register tile over the slots stored in
+``R``'s row ``e`` against the expert's weights packed per thread (unoccupied slots are
+never read); with few, ``R ⊙ X`` and then BLAS's batched GEMM over the panels. Experts
 without tokens cost nothing, and there is no Python loop over experts. Gradients are
 the compiler's (dense gradients of dense weights: an expert without tokens gets zeros,
-not None). The routing's index work whose sizes depend on the routing (``C``, the
+not None); ``dX = dH W1ᵀ`` and ``dA = dZ W2ᵀ`` pack the weights across their layout. The routing's index work whose sizes depend on the routing (``C``, the
 choices a capacity limit keeps) is custom ops (:mod:`.routing`), so ``torch.compile``
 traces the layer whole, ``C`` an unbacked symbolic size.
 """

@@ -348,11 +348,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                                      lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in by_rows]
             lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((
                 *prefetches, blocks_of_span(*(counted(v, vectors, c) for c in copies))))))
-        for n in by_columns:
-            # Blocks of lanes x lanes, each transposed in registers, a column of blocks
-            # (lanes of k) at a time down the layer's steps of d, read along d where the
-            # factor's layout has it last; the steps past the last whole block and any
-            # other layout element by element.
+        for n in by_columns:  # a column of blocks (lanes of k) at a time down the layer's steps of d
             column_start, block_step, rest = lo.fresh("pj"), lo.fresh("ps"), lo.fresh("psrest")
             if st[n].dense_indices[-1] == d:
                 held = st[n].dense_indices
@@ -377,10 +373,10 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             lo.emit(blocks_of_span(counted(column, size, ir.For(
                 ir.Decl(step, "index", rest), ir.lt(step, d_hi), ir.Incr(step), ir.Block((copy,))), pragma=None)))
 
-    def in_panels(st, has_tile: ir.Expr, restart: ir.Stmt | None, whole_tiles) -> None:
-        """``whole_tiles`` once per packed panel of whole blocks of k (``restart``
-        rewinds the rows first), after packing it if ``has_tile``; with layers, all
-        of that once per layer of d, the tiles' loop d bounded by the layer."""
+    def in_panels(st, has_rows: ir.Expr, restart: ir.Stmt | None, tiles) -> None:
+        """``tiles`` once per packed panel of whole blocks of k (``restart`` rewinds
+        the rows first), after packing it if ``has_rows``; with layers, all of that
+        once per layer of d, the tiles' loop d bounded by the layer."""
         for n in tile.packed:
             values = ir.mul(ir.Const(tile.depth) if tile.depth else lo.dim(d), ir.Const(tile.panel))
             lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), values)))
@@ -392,8 +388,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             span[:] = [panel, panel_end]
             if restart is not None:
                 lo.emit(restart)
-            lo.emit(ir.If(has_tile, lo.block(lambda: pack(st))))
-            whole_tiles()
+            lo.emit(ir.If(has_rows, lo.block(lambda: pack(st))))
+            tiles()
             span[:] = [k_lo, n_k]
 
         def panels():
@@ -477,7 +473,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
-        left = lo.fresh("aleft")  # the first row the whole tiles leave to ``plain``
+        left = lo.fresh("aleft")  # the first row the whole tiles leave (to ``plain``, or one-row tiles)
         if gathered is None:
             lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
                             const=True))
@@ -519,8 +515,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                 in_panels(st, ir.lt(fiber_start, cursor.h), ir.Assign(cursor.q, fiber_start), tiles)
             else:
                 tiles()
-            next_row = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
-            lo.emit(ir.Decl(left, "index", ir.Select(ir.lt(cursor.q, cursor.h), next_row, a_hi), const=True))
+                next_row = ir.Cast("index", ir.Load(cursor.crd, cursor.q))
+                lo.emit(ir.Decl(left, "index", ir.Select(ir.lt(cursor.q, cursor.h), next_row, a_hi), const=True))
         # The tiles' rows over the last, partial block of k; then ``plain`` over the rows
         # left (none when packed).
         lo.emit(ir.Decl(k_rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
