@@ -602,6 +602,52 @@ def test_packed_panels_over_dense_rows_match_torch(weights):
     torch.testing.assert_close(out, torch.einsum(equation, scale, x, w))
 
 
+def slots(counts, capacity, dtype):
+    """An experts x capacity CSR of occupied slots: expert e holds slots 0 .. counts[e] - 1."""
+    mask = torch.zeros(len(counts), capacity, dtype=dtype)
+    for e, n in enumerate(counts):
+        mask[e, :n] = torch.rand(n, generator=torch.Generator().manual_seed(e), dtype=dtype) + 0.5
+    return mask
+
+
+def test_weight_gradients_pack_the_rows_their_sparse_reduction_steps_through():
+    # dW[e,d,h] = sum_c R[e,c] X[e,c,d] dH[e,c,h] over each expert's stored slots c: tiles
+    # of 6 rows of d, dH's rows at the stored c packed per expert (a 256 KiB quarter of
+    # the L2 holds 4 blocks of 64 h x 256 slots), X read in place by the rows' scalar
+    # loads (no re-laid out copy). 256 slots fill a 32 KiB L1's half a line each; 512
+    # do not (the tiles would read X's lines from L2 and beyond): not packed.
+    def tile(count: int):
+        r = SparseTensor.from_dense(slots([count] * 8, count, torch.float32), format="csr")
+        infos = [operand_info(op) for op in (r, torch.randn(8, count, 100), torch.randn(8, count, 512))]
+        sched = schedule(parse_einsum("ec,ecd,ech->edh", 3), infos, None, 4, AVX512)
+        assert sched.nests[0].order == ("e", "d", "c", "h")
+        return sched.nests[0].register_tile, sched.transposes
+
+    assert tile(256) == (RegisterTile("d", 6, 4, packed=(2,), panel=256), ())
+    assert tile(512)[0].packed == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packs_over_a_sparse_reduction_match_torch(dtype, threads):
+    # Experts with 200, 0, 77, 150, 5 and 160 slots; 100 rows of d (whole tiles and 4
+    # rows left), h = 200 (several panels and a partial block).
+    counts = [200, 0, 77, 150, 5, 160]
+    gate = slots(counts, 200, dtype)
+    r = SparseTensor.from_dense(gate, format="csr")
+    x, dh = torch.randn(6, 200, 100, dtype=dtype), torch.randn(6, 200, 200, dtype=dtype)
+    text = sparsenn.explain("ec,ecd,ech->edh", r, x, dh, out_format="dense")
+    assert "packed per thread" in text and "transpose:" not in text
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = sparsenn.einsum("ec,ecd,ech->edh", r, x, dh, out_format="dense")
+    finally:
+        torch.set_num_threads(before)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {}
+    torch.testing.assert_close(out, torch.einsum("ec,ecd,ech->edh", gate, x, dh), **tol)
+
+
 def test_tiled_kernels_written_for_the_widest_vectors_are_correct_on_any_host(monkeypatch):
     # 64-byte vectors (AVX-512); on a narrower host GCC splits them, still correct.
     monkeypatch.setattr(Target, "host", staticmethod(lambda: AVX512))

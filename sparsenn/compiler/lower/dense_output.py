@@ -314,11 +314,17 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     # d range of a pack: all of d, or one layer at a time (None: all of d).
     span = [k_lo, n_k]
     layer: list = [None]
+    # A reduction d stepped through by a sparse factor's fiber (a weight gradient's stored
+    # rows c): (its first and end positions, its coordinates, the factor); pack row q -
+    # first holds the strip at coordinate crd[q].
+    fiber: list = [None]
 
     def packed_at(n: int, block_start: ir.Expr, step: ir.Expr, lane: ir.Expr) -> ir.Expr:
         """Offset in factor ``n``'s panel: ``[(block_start - panel start) / size][step - layer start][lane]``."""
         block = ir.Bin("/", ir.sub(block_start, span[0]), ir.Const(size))
-        if layer[0] is None:
+        if fiber[0] is not None:
+            depth, step_in = lo.dim(d), ir.sub(step, fiber[0][0])
+        elif layer[0] is None:
             depth, step_in = lo.dim(d), step
         else:
             depth, step_in = ir.sub(layer[0][1], layer[0][0]), ir.sub(step, layer[0][0])
@@ -331,9 +337,19 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         by blocks transposed in registers; any other element by element."""
         block_start, step, column = lo.fresh("pb"), lo.fresh("pd"), lo.fresh("pj")
         lane = ir.mul(v, ir.Lanes())
-        d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
         by_rows = [n for n in tile.packed if st[n].dense_indices[-1] == k]
         by_columns = [n for n in tile.packed if n not in by_rows]
+        if fiber[0] is None:
+            d_lo, d_hi = layer[0] or (ir.Const(0), lo.dim(d))
+
+            def coordinate(q: ir.Expr) -> ir.Expr:
+                return q
+        else:
+            assert not by_columns, "a stepped reduction packs factors laid out with k last"
+            d_lo, d_hi, crd, _ = fiber[0]
+
+            def coordinate(q: ir.Expr) -> ir.Expr:
+                return ir.Cast("index", ir.Load(crd, q))
 
         def blocks_of_span(*body: ir.Stmt) -> ir.For:
             return ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
@@ -342,10 +358,12 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         if by_rows:
             ahead = ir.min_(ir.add(step, PACK_PREFETCH_ROWS), ir.sub(d_hi, 1))
             width = ir.mul(ir.sub(span[1], span[0]), ir.Call("value_size", ()))
-            prefetches = [ir.Prefetch(ir.Array("dense", st[n].slot), lo.dense_offset(st[n], {d: ahead, k: span[0]}),
-                                      width) for n in by_rows]
+            prefetches = [ir.Prefetch(ir.Array("dense", st[n].slot),
+                                      lo.dense_offset(st[n], {d: coordinate(ahead), k: span[0]}), width)
+                          for n in by_rows]
             copies = [ir.VectorStore(ir.Array("pack", n), packed_at(n, block_start, step, lane),
-                                     lo.vector_load(st[n], {d: step, k: block_start}, lane)) for n in by_rows]
+                                     lo.vector_load(st[n], {d: coordinate(step), k: block_start}, lane))
+                      for n in by_rows]
             lo.emit(ir.For(ir.Decl(step, "index", d_lo), ir.lt(step, d_hi), ir.Incr(step), ir.Block((
                 *prefetches, blocks_of_span(*(counted(v, vectors, c) for c in copies))))))
         for n in by_columns:  # a column of blocks (lanes of k) at a time down the layer's steps of d
@@ -414,7 +432,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def vector_factor(st, n: int) -> ir.Expr:
         if n in tile.packed:
-            return ir.VectorLoad(ir.Array("pack", n), packed_at(n, ab_k, lo.var(d), ir.mul(v, ir.Lanes())))
+            step = lo.var(d) if fiber[0] is None else st[fiber[0][3]].pos
+            return ir.VectorLoad(ir.Array("pack", n), packed_at(n, ab_k, step, ir.mul(v, ir.Lanes())))
         return lo.vector_load(st[n])
 
     summed = set(order[r:-1])
@@ -473,6 +492,10 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
+        stepping = next((n for n, f in enumerate(st) if f.sparse and d in _held(f)), None) if tile.packed else None
+        if stepping is not None:
+            steps = open_cursor(lo, stepping, st[stepping])
+            fiber[0] = (steps.q, steps.h, steps.crd, stepping)
         left = lo.fresh("aleft")  # the first row the whole tiles leave (to ``plain``, or one-row tiles)
         if gathered is None:
             lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
@@ -525,6 +548,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
             ir.Load(OUT, offset(inner_st)), product_of([coef, *lo.values(inner_st)]), "+=")),
             {**plain.bounds, a: (a_lo, rows_done), k: (k_rest, n_k)}, around={r: (zero_tail, None)} if once else {})
         lo.emit(ir.If(ir.lt(k_rest, n_k), lo.block(lambda: emit_order(lo, tail, st, r - 1))))
+        fiber[0] = None  # the wrapper may be emitted again (in another branch)
         if tile.packed:
             return
         given = plain.bounds.get(a)

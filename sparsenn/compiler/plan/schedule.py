@@ -74,9 +74,14 @@ level. It returns a :class:`Schedule`:
   (rows of 2048 values broadcast from L2 or beyond at every step), ``d`` is split into
   equal *layers* (BLIS's ``k_c``): each layer packs its own panels, the tiles add their
   partial sums into the output (so it is zeroed first, never stored once), and the
-  epilogue runs after the last. Packing needs ``d`` to span at least
-  :data:`MIN_PACKED_REDUCTION` steps and a pack to serve :data:`MIN_PACKED_ROWS` rows on
-  average. A nest with a packed tile runs at the speed of a dense GEMM and is costed as
+  epilogue runs after the last. ``d`` may instead step through one sparse factor's
+  last level (a weight gradient ``sum_c R[e,c] X[e,c,d] dH[e,c,h]`` over an expert's
+  stored slots ``c``): the pack's rows are then the strips at the fiber's stored
+  coordinates, and the rows' scalars are read in place (``X[e, c, d : d + 6]``, one
+  cache line a step), so the fiber is not layered and must fit half the L1 a line a
+  step. Dense factors a packed tile reads only as scalars are not re-laid out either.
+  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps and a pack to
+  serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a packed tile runs at the speed of a dense GEMM and is costed as
   BLAS is (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
@@ -123,7 +128,8 @@ EXHAUSTIVE_LIMIT = 6
 SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
-MIN_TILE_BYTES = 128  # two cache lines: one register block of float32
+CACHE_LINE_BYTES = 64
+MIN_TILE_BYTES = 2 * CACHE_LINE_BYTES  # one register block of float32
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see below)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
 # Fewer rows per pack: copying the strip costs more than the aliasing it avoids (measured
@@ -525,11 +531,13 @@ def _register_tile(
     width = vectors * lanes
     if gathered_by is None:
         expected_rows = dims[a]
-        rows = min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most), dims[a])
     else:
         gathering = factors[gathered_by]
-        expected_rows, rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)], most
-    packed, panel, depth = _packed(order, r, factors, width, rows, expected_rows, dims, itemsize, target)
+        expected_rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)]
+    packed, panel, depth = _packed(order, r, factors, width, most, expected_rows, dims, itemsize, target)
+    rows = most
+    if gathered_by is None and not packed:  # packed, the rows past the last whole tile run from the panels
+        rows = min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most), dims[a])
     return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth)
 
 
@@ -538,28 +546,48 @@ def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, row
     """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
     packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``); see
     the module doc): ``R = order[r:-1]`` is one reduction ``d``, dense in every factor,
-    and a packed factor, dense in any layout, holds ``d``, ``k`` and loops above the
-    tile only. A tile's ``rows`` over one pack's depth fill at most half of the L1 (the
+    or steps through one sparse factor's last level (no layers, at most half the L1 of
+    cache lines; the packed factors then laid out with ``k`` last), and a packed factor,
+    dense in any layout, holds ``d``, ``k`` and loops above the tile only. A tile's ``rows`` over one pack's depth fill at most half of the L1 (the
     depth splits ``d`` evenly); a panel holds whole register blocks (``width``) and fills
     at most a quarter of the L2 per packed factor. ``expected_rows``: the rows of the
     tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
     if len(order) - r != 2 or expected_rows < MIN_PACKED_ROWS:
         return (), 0, 0
     d, k = order[r], order[-1]
-    if dims[d] < MIN_PACKED_REDUCTION or any(f.sparse and d in (i for i, _ in f.levels) for f in factors):
+    stepping = _stepping_factor(factors, d)
+    if stepping is False:
         return (), 0, 0
+    steps = dims[d] if stepping is None else factors[stepping].fibers[-1]
+    if steps < MIN_PACKED_REDUCTION or (stepping is not None and steps * CACHE_LINE_BYTES > target.l1_bytes // 2):
+        return (), 0, 0  # a stepped reduction is not layered: the rows' line per step must stay in L1
     above = set(order[:r - 1])
     packed = tuple(n for n, f in enumerate(factors) if not f.sparse
-                   and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above)
+                   and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above
+                   and (stepping is None or f.levels[-1][0] == k))
     if not packed:
         return (), 0, 0
     deepest = max(target.l1_bytes // 2 // (rows * itemsize), MIN_PACKED_REDUCTION)
-    layers = -(-dims[d] // deepest)
-    depth = -(-dims[d] // layers)
+    layers = 1 if stepping is not None else -(-dims[d] // deepest)
+    depth = -(-steps // layers)
     blocks = target.l2_bytes // 4 // len(packed) // (depth * width * itemsize)
     if blocks < 1:
         return (), 0, 0
     return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0
+
+
+def _stepping_factor(factors: list[Factor], d: str) -> int | None | bool:
+    """The sparse factor whose last level, compressed and unique, a packed tile's
+    reduction ``d`` steps through (a weight gradient's ``sum_c R[e,c] X[e,c,d] dH[e,c,h]``
+    over an expert's stored rows ``c``); None if ``d`` is dense in every factor, False
+    if it is sparse otherwise."""
+    holders = [n for n, f in enumerate(factors) if f.sparse and d in (i for i, _ in f.levels)]
+    if not holders:
+        return None
+    if len(holders) > 1:
+        return False
+    index, level = factors[holders[0]].levels[-1]
+    return holders[0] if index == d and not level.locatable and level.unique else False
 
 
 def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
@@ -774,9 +802,11 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             block = Tile(block.index, tile.vectors * target.lanes(itemsize))
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
-            if tile.packed:  # the panels replace a tile of k, and the pack reads any layout
+            if tile.packed:  # the panels replace a tile of k; the pack, and scalar loads, read any layout
+                in_place = {n for n, f in enumerate(factors)
+                            if not f.sparse and (n in tile.packed or block.index not in (i for i, _ in f.levels))}
                 transposes = [((t, k), mode_order) for (t, k), mode_order in transposes
-                              if t != nest.term or k not in tile.packed]
+                              if t != nest.term or k not in in_place]
                 tiles = tuple(t for t in nest.tiles if t.index != block.index)
                 nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
                 cost /= GEMM_SPEEDUP
