@@ -25,7 +25,9 @@ shows which): with many tokens per expert, a register tile over the slots stored
 never read); with few, ``R ⊙ X`` and then BLAS's batched GEMM over the panels. Experts
 without tokens cost nothing, and there is no Python loop over experts. Gradients are
 the compiler's (dense gradients of dense weights: an expert without tokens gets zeros,
-not None); ``dX = dH W1ᵀ`` and ``dA = dZ W2ᵀ`` pack the weights across their layout. The routing's index work whose sizes depend on the routing (``C``, the
+not None); ``dX = dH W1ᵀ`` and ``dA = dZ W2ᵀ`` pack the weights across their layout,
+and the weight gradients pack ``dH`` / ``dZ`` at each expert's stored slots when they
+are few enough (else BLAS). The routing's index work whose sizes depend on the routing (``C``, the
 choices a capacity limit keeps) is custom ops (:mod:`.routing`), so ``torch.compile``
 traces the layer whole, ``C`` an unbacked symbolic size.
 """

@@ -81,8 +81,9 @@ level. It returns a :class:`Schedule`:
   cache line a step), so the fiber is not layered and must fit half the L1 a line a
   step. Dense factors a packed tile reads only as scalars are not re-laid out either.
   Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps and a pack to
-  serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a packed tile runs at the speed of a dense GEMM and is costed as
-  BLAS is (``cost / GEMM_SPEEDUP``), which decides between it and a contraction path.
+  serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a packed tile runs at the
+  speed of a dense GEMM and is costed as BLAS is (``cost / GEMM_SPEEDUP``), which
+  decides between it and a contraction path.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -548,9 +549,10 @@ def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, row
     the module doc): ``R = order[r:-1]`` is one reduction ``d``, dense in every factor,
     or steps through one sparse factor's last level (no layers, at most half the L1 of
     cache lines; the packed factors then laid out with ``k`` last), and a packed factor,
-    dense in any layout, holds ``d``, ``k`` and loops above the tile only. A tile's ``rows`` over one pack's depth fill at most half of the L1 (the
-    depth splits ``d`` evenly); a panel holds whole register blocks (``width``) and fills
-    at most a quarter of the L2 per packed factor. ``expected_rows``: the rows of the
+    dense in any layout, holds ``d``, ``k`` and loops above the tile only. A tile's
+    ``rows`` over one pack's depth fill at most half of the L1 (the depth splits ``d``
+    evenly); a panel holds whole register blocks (``width``) and fills at most a quarter
+    of the L2 per packed factor. ``expected_rows``: the rows of the
     tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
     if len(order) - r != 2 or expected_rows < MIN_PACKED_ROWS:
         return (), 0, 0
