@@ -623,7 +623,7 @@ def test_weight_gradients_pack_the_rows_their_sparse_reduction_steps_through():
         assert sched.nests[0].order == ("e", "d", "c", "h")
         return sched.nests[0].register_tile, sched.transposes
 
-    assert tile(256) == (RegisterTile("d", 6, 4, packed=(2,), panel=256), ())
+    assert tile(256) == (RegisterTile("d", 6, 4, packed=(2,), panel=256, stepped_by=0), ())
     assert tile(512)[0].packed == ()
 
 
@@ -638,6 +638,7 @@ def test_packs_over_a_sparse_reduction_match_torch(dtype, threads):
     x, dh = torch.randn(6, 200, 100, dtype=dtype), torch.randn(6, 200, 200, dtype=dtype)
     text = sparsenn.explain("ec,ecd,ech->edh", r, x, dh, out_format="dense")
     assert "packed per thread" in text and "transpose:" not in text
+    assert "over the stored coordinates of factor 0" in text
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

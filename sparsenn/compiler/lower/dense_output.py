@@ -315,15 +315,15 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
     span = [k_lo, n_k]
     layer: list = [None]
     # A reduction d stepped through by a sparse factor's fiber (a weight gradient's stored
-    # rows c): (its first and end positions, its coordinates, the factor); pack row q -
-    # first holds the strip at coordinate crd[q].
+    # rows c): the cursor over it, at its first position q; pack row p - q holds the
+    # strip at coordinate crd[p].
     fiber: list = [None]
 
     def packed_at(n: int, block_start: ir.Expr, step: ir.Expr, lane: ir.Expr) -> ir.Expr:
         """Offset in factor ``n``'s panel: ``[(block_start - panel start) / size][step - layer start][lane]``."""
         block = ir.Bin("/", ir.sub(block_start, span[0]), ir.Const(size))
         if fiber[0] is not None:
-            depth, step_in = lo.dim(d), ir.sub(step, fiber[0][0])
+            depth, step_in = lo.dim(d), ir.sub(step, fiber[0].q)
         elif layer[0] is None:
             depth, step_in = lo.dim(d), step
         else:
@@ -346,10 +346,10 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
                 return q
         else:
             assert not by_columns, "a stepped reduction packs factors laid out with k last"
-            d_lo, d_hi, crd, _ = fiber[0]
+            d_lo, d_hi = fiber[0].q, fiber[0].h
 
             def coordinate(q: ir.Expr) -> ir.Expr:
-                return ir.Cast("index", ir.Load(crd, q))
+                return ir.Cast("index", ir.Load(fiber[0].crd, q))
 
         def blocks_of_span(*body: ir.Stmt) -> ir.For:
             return ir.For(ir.Decl(block_start, "index", span[0]), ir.lt(block_start, span[1]),
@@ -432,7 +432,7 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def vector_factor(st, n: int) -> ir.Expr:
         if n in tile.packed:
-            step = lo.var(d) if fiber[0] is None else st[fiber[0][3]].pos
+            step = lo.var(d) if tile.stepped_by is None else st[tile.stepped_by].pos
             return ir.VectorLoad(ir.Array("pack", n), packed_at(n, ab_k, step, ir.mul(v, ir.Lanes())))
         return lo.vector_load(st[n])
 
@@ -492,10 +492,8 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
 
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
-        stepping = next((n for n, f in enumerate(st) if f.sparse and d in _held(f)), None) if tile.packed else None
-        if stepping is not None:
-            steps = open_cursor(lo, stepping, st[stepping])
-            fiber[0] = (steps.q, steps.h, steps.crd, stepping)
+        if tile.stepped_by is not None:
+            fiber[0] = open_cursor(lo, tile.stepped_by, st[tile.stepped_by])
         left = lo.fresh("aleft")  # the first row the whole tiles leave (to ``plain``, or one-row tiles)
         if gathered is None:
             lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),

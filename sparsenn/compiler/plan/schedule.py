@@ -152,7 +152,9 @@ class Tile:
 class RegisterTile:
     """Loop ``index`` unrolled by ``rows`` into the nest's register block (``vectors``
     SIMD vectors per row); ``gathered_by``: the factor whose stored coordinates the rows
-    are (rows gathered by a sparse level), None for a dense range of rows."""
+    are (rows gathered by a sparse level), None for a dense range of rows;
+    ``stepped_by``: the factor whose stored coordinates a packed tile's reduction steps
+    through, None for a dense reduction."""
 
     index: str
     rows: int
@@ -161,6 +163,7 @@ class RegisterTile:
     packed: tuple[int, ...] = ()  # vector factors copied into per-thread panels (see the module doc)
     panel: int = 0  # ... each panel spanning this much of the register block's index
     depth: int = 0  # ... and this much of the reduction (0: all of it)
+    stepped_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -213,8 +216,9 @@ class Nest:
             parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows})")
             if t.packed:
                 depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
+                stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
                 parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
-                             f"{self.register_block.index}{depth}")
+                             f"{self.register_block.index}{depth}{stepped}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
@@ -535,61 +539,57 @@ def _register_tile(
     else:
         gathering = factors[gathered_by]
         expected_rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)]
-    packed, panel, depth = _packed(order, r, factors, width, most, expected_rows, dims, itemsize, target)
+    packed, panel, depth, stepped_by = _packed(order, r, factors, width, most, expected_rows, dims, itemsize, target)
     rows = most
     if gathered_by is None and not packed:  # packed, the rows past the last whole tile run from the panels
         rows = min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most), dims[a])
-    return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth)
+    return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth, stepped_by)
 
 
 def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, rows: int, expected_rows: float,
-            dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int]:
+            dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int, int | None]:
     """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
-    packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``); see
-    the module doc): ``R = order[r:-1]`` is one reduction ``d``, dense in every factor,
-    or steps through one sparse factor's last level (no layers, at most half the L1 of
-    cache lines; the packed factors then laid out with ``k`` last), and a packed factor,
-    dense in any layout, holds ``d``, ``k`` and loops above the tile only. A tile's
-    ``rows`` over one pack's depth fill at most half of the L1 (the depth splits ``d``
-    evenly); a panel holds whole register blocks (``width``) and fills at most a quarter
-    of the L2 per packed factor. ``expected_rows``: the rows of the
-    tile per iteration above it (per pack), at least :data:`MIN_PACKED_ROWS`."""
+    packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``), the
+    sparse factor ``d`` steps through; see the module doc): ``R = order[r:-1]`` is one
+    reduction ``d``, dense in every factor but at most one, whose last level over ``d``
+    (compressed, unique) it steps through (no layers, at most half the L1 of cache
+    lines; the packed factors then laid out with ``k`` last); a packed factor, dense in
+    any layout, holds ``d``, ``k`` and loops above the tile only. A tile's ``rows`` over
+    one pack's depth fill at most half of the L1 (the depth splits ``d`` evenly); a
+    panel holds whole register blocks (``width``) and fills at most a quarter of the L2
+    per packed factor. ``expected_rows``: the rows of the tile per iteration above it
+    (per pack), at least :data:`MIN_PACKED_ROWS`."""
+    none = (), 0, 0, None
     if len(order) - r != 2 or expected_rows < MIN_PACKED_ROWS:
-        return (), 0, 0
+        return none
     d, k = order[r], order[-1]
-    stepping = _stepping_factor(factors, d)
-    if stepping is False:
-        return (), 0, 0
+    holders = [n for n, f in enumerate(factors) if f.sparse and d in (i for i, _ in f.levels)]
+    stepping = holders[0] if holders else None
+    if len(holders) > 1 or (stepping is not None and not _last_level_steps(factors[stepping], d)):
+        return none
     steps = dims[d] if stepping is None else factors[stepping].fibers[-1]
     if steps < MIN_PACKED_REDUCTION or (stepping is not None and steps * CACHE_LINE_BYTES > target.l1_bytes // 2):
-        return (), 0, 0  # a stepped reduction is not layered: the rows' line per step must stay in L1
+        return none  # a stepped reduction is not layered: the rows' line per step must stay in L1
     above = set(order[:r - 1])
     packed = tuple(n for n, f in enumerate(factors) if not f.sparse
                    and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above
                    and (stepping is None or f.levels[-1][0] == k))
     if not packed:
-        return (), 0, 0
+        return none
     deepest = max(target.l1_bytes // 2 // (rows * itemsize), MIN_PACKED_REDUCTION)
     layers = 1 if stepping is not None else -(-dims[d] // deepest)
     depth = -(-steps // layers)
     blocks = target.l2_bytes // 4 // len(packed) // (depth * width * itemsize)
     if blocks < 1:
-        return (), 0, 0
-    return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0
+        return none
+    return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0, stepping
 
 
-def _stepping_factor(factors: list[Factor], d: str) -> int | None | bool:
-    """The sparse factor whose last level, compressed and unique, a packed tile's
-    reduction ``d`` steps through (a weight gradient's ``sum_c R[e,c] X[e,c,d] dH[e,c,h]``
-    over an expert's stored rows ``c``); None if ``d`` is dense in every factor, False
-    if it is sparse otherwise."""
-    holders = [n for n, f in enumerate(factors) if f.sparse and d in (i for i, _ in f.levels)]
-    if not holders:
-        return None
-    if len(holders) > 1:
-        return False
-    index, level = factors[holders[0]].levels[-1]
-    return holders[0] if index == d and not level.locatable and level.unique else False
+def _last_level_steps(f: Factor, d: str) -> bool:
+    """Whether ``f``'s last level is over ``d``, compressed and unique: a reduction can
+    step through its stored coordinates."""
+    index, level = f.levels[-1]
+    return index == d and not level.locatable and level.unique
 
 
 def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
