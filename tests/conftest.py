@@ -2,7 +2,7 @@
 e.g. ``pytest -m fuzz --hypothesis-profile=long``; every test sees NaN in uninitialised
 kernel outputs; the Cora graph shared by the GCN tests."""
 
-import math
+import contextlib
 
 import pytest
 import torch
@@ -11,8 +11,6 @@ from hypothesis import HealthCheck, settings
 import sparsenn
 from _machines import AVX2
 from models.planetoid import load_planetoid
-from sparsenn.compiler.plan.target import Target
-from sparsenn.compiler.runtime import launcher
 
 settings.register_profile(
     "ci", max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
@@ -25,11 +23,12 @@ settings.load_profile("ci")
 
 @pytest.fixture(autouse=True, scope="session")
 def _poisoned_outputs():
-    """Kernels that overwrite their dense output get NaN-filled memory instead of
-    whatever torch.empty returns (often zeros), so a skipped element fails the test."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher, "uninitialised", lambda *size, dtype: torch.empty(*size, dtype=dtype).fill_(math.nan))
-        yield
+    """Kernels that overwrite their output get NaN-filled memory (the production
+    allocator's debug switch) instead of whatever torch.empty returns (often zeros), so
+    a skipped element fails the test."""
+    previous = sparsenn.compiler.poison_outputs(True)
+    yield
+    sparsenn.compiler.poison_outputs(previous)
 
 
 @pytest.fixture(scope="session")
@@ -39,14 +38,11 @@ def cora():
 
 
 @pytest.fixture
-def host_target(monkeypatch):
+def host_target():
     """``host_target(target)``: plans made from then on, within the test, are scheduled
     for ``target`` (its caches, say), whatever the host is."""
-    def use(target: Target) -> None:
-        monkeypatch.setattr(Target, "host", staticmethod(lambda: target))
-        sparsenn.compiler.clear_caches()
-    yield use
-    sparsenn.compiler.clear_caches()
+    with contextlib.ExitStack() as stack:
+        yield lambda target: stack.enter_context(sparsenn.compiler.use_target(target))
 
 
 @pytest.fixture

@@ -479,10 +479,12 @@ def test_one_thread_and_a_team_run_the_same_nest(equation):
 
 @pytest.mark.parametrize("equation", ["bhij,bhjd->bhid", "bhij,bhid,bhjd->bhij"])
 @pytest.mark.parametrize("fmt", ["dddc", "dddc(1,1,4,4)"])
-def test_team_loops_run_as_one_thread_does(equation, fmt):
+def test_team_loops_run_as_one_thread_does(equation, fmt, avx2_host):
     # One batch element of 3 heads: the team shares b, h and the (block) rows as one
     # range of flattened coordinates, chunks ending mid-head.
-    mask = sp((1, 3, 96, 96), fmt, density=0.3)
+    # whole 4 x 4 blocks, 30 % of them: sparse enough for one kernel, not a contraction path
+    blocks = (random_dense((1, 3, 24, 24), 0.3) != 0).repeat_interleave(4, 2).repeat_interleave(4, 3)
+    mask = sparsenn.from_dense(torch.randn(1, 3, 96, 96, dtype=torch.float64) * blocks, format=fmt)
     q, k = torch.randn(1, 3, 96, 16, dtype=torch.float64), torch.randn(1, 3, 96, 16, dtype=torch.float64)
     operands = [mask, k] if equation == "bhij,bhjd->bhid" else [mask, q, k]
     plan = api.plan(equation, *operands)
@@ -546,14 +548,10 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype, avx2_hos
 
 
 @pytest.fixture
-def always_prefetch(monkeypatch):
+def always_prefetch(host_target):
     """Kernels built while this is active prefetch every gather, whatever the operand's
     size and the pattern's locality (the test operands are far smaller than a cache)."""
-    eager = dataclasses.replace(AVX2, l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0)
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: eager))
-    clear_caches()
-    yield
-    clear_caches()  # no later test runs these kernels
+    host_target(dataclasses.replace(AVX2, l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0))
 
 
 def test_prefetch_only_when_gathers_miss_the_caches(avx2_host):

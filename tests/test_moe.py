@@ -136,16 +136,6 @@ def test_an_expert_without_tokens_gets_zero_gradients_not_none():
         assert torch.count_nonzero(p.grad[2:]) == 0 and torch.count_nonzero(p.grad[:2]) > 0
 
 
-@pytest.fixture
-def avx2_host(monkeypatch):
-    """Plans made here are scheduled for an AVX2 machine whatever the host is."""
-    avx2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
-    monkeypatch.setattr(Target, "host", staticmethod(lambda: avx2))
-    sparsenn.compiler.clear_caches()
-    yield
-    sparsenn.compiler.clear_caches()
-
-
 def test_no_python_loop_over_experts_and_explain_shows_the_gathered_tile(avx2_host):
     # ~300 tokens per expert: each product is one kernel, the expert's weights packed.
     moe = layer(d=16, h=64, experts=2, k=1)

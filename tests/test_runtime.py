@@ -335,7 +335,7 @@ def test_saved_for_backward_outputs_are_not_reused():
 
 
 def test_clear_caches_releases_the_kept_outputs():
-    memory.empty(memory.MIN_POOLED_BYTES // 4, dtype=torch.float32)
+    memory.empty((memory.MIN_POOLED_BYTES // 4,), dtype=torch.float32)
     assert cache_stats()["output buffers"].size >= 1
     clear_caches()
     assert cache_stats()["output buffers"].size == 0

@@ -62,8 +62,10 @@ them (compiled kernels stay loaded and on disk).
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError
 from .notation import NotationError
-from .runtime.api import CompiledExpression, compile_expression, einsum, explain
+from .plan.target import Target
+from .runtime.api import CompiledExpression, compile_expression, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
+from .runtime.memory import poison_outputs, set_output_pool_limit
 
 __all__ = [
     "einsum",
@@ -75,4 +77,8 @@ __all__ = [
     "CompilerNotFoundError",
     "clear_caches",
     "cache_stats",
+    "poison_outputs",
+    "Target",
+    "use_target",
+    "set_output_pool_limit",
 ]

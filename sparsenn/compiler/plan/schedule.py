@@ -651,7 +651,7 @@ def schedule(
     schedule whose values are written at that operand's positions, the operand: its
     storage order is the output's layout, and it is read in that order, never
     re-stored (its positions are the output's)."""
-    target = Target.host() if target is None else target
+    target = Target.current() if target is None else target
     dims: dict[str, int] = {}
     for access in assignment.accesses:  # an output index may be the epilogue's only
         for m, index in enumerate(access.indices):

@@ -1,8 +1,10 @@
 """The machine model: what the scheduler and lowerer may assume about the CPU.
 
 A :class:`Target` is read once from the host (:meth:`Target.host`) and passed
-explicitly to the stages that depend on the machine; tests construct one (e.g.
-``Target(l2_bytes=512 << 10)``) so that a schedule never depends on where the suite runs.
+explicitly to the stages that depend on the machine. Plans are made for
+:meth:`Target.current`: the host's, or one given with ``sparsenn.compiler.use_target``
+(tests construct one, e.g. ``Target(l2_bytes=512 << 10)``, so that a schedule never
+depends on where the suite runs).
 
 * **Vectors.** ``vector_bytes`` is the SIMD width the kernels are written for: 32 bytes
   on x86-64 with AVX2 (also on AVX-512 hosts, where GCC's ``-march=native`` prefers
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import os
 import platform
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -89,6 +92,11 @@ class Target:
         return max(self.vector_bytes // itemsize, 1)
 
     @staticmethod
+    def current() -> Target:
+        """The machine plans are made for: the one given to ``use_target``, else the host."""
+        return ACTIVE_TARGET.get() or Target.host()
+
+    @staticmethod
     @lru_cache(maxsize=1)
     def host() -> Target:
         """The machine this process runs on: vector width from the architecture and
@@ -97,6 +105,9 @@ class Target:
         vector_bytes, widest, registers = _host_vectors()
         return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l1_bytes=l1,
                       l2_bytes=l2, llc_bytes=llc)
+
+
+ACTIVE_TARGET: ContextVar[Target | None] = ContextVar("sparsenn_target", default=None)
 
 
 def _host_vectors() -> tuple[int, int, int]:

@@ -7,7 +7,8 @@ for autograd when gradients are needed (``compiler.autograd``) and evaluates it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -21,15 +22,16 @@ from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
 from ..plan.bias import fold_bias
 from ..plan.contract import describe_path
-from ..plan.planner import Plan, operand_infos, plan_call
+from ..plan.planner import Plan, ShapePlan, operand_infos
 from ..plan.schedule import Schedule
+from ..plan.target import ACTIVE_TARGET, Target
 from .autocast import autocast_operands
-from .cache import LRUCache
-from .evaluate import EpiloguePathCall, evaluate, path_call, split_of
+from .cache import LRUCache, clear_caches
+from .evaluate import DenseCall, EpiloguePathCall, SplitCall, evaluate, path_call, route, split_of
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
-__all__ = ["einsum", "compile_expression", "explain", "plan", "parse", "describe_schedule", "CompiledExpression"]
+__all__ = ["einsum", "compile_expression", "explain", "plan", "use_target", "parse", "describe_schedule", "CompiledExpression"]
 
 _equations: LRUCache[Assignment] = LRUCache("equations", 1024)
 
@@ -202,25 +204,27 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 
 
 def plan(equation: str, *operands, out_format=None) -> Plan:
-    """The plan (schedule, generated source) ``einsum`` would run, with these operands'
-    schedule; for tools and tests."""
+    """The plan (schedule, generated source) of the kernel ``einsum`` would run for
+    these operands, with their schedule; for tools and tests. A ValueError when the
+    call runs no single kernel (all operands dense, or a contraction path)."""
     assignment = parse(equation, len(operands))
-    checked = check_call(assignment, operands, out_format)
-    split = split_of(assignment, checked)
-    if split is not None:
-        checked = check_call(split.assignment, split.operands(checked.operands), split.request)
-        assignment = split.assignment
-    if checked.all_dense and assignment.is_product_sum:
-        raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
-    return _plan(assignment, checked)
+    return _plan(assignment, check_call(assignment, operands, out_format))
 
 
 def _plan(assignment: Assignment, checked: Checked) -> Plan:
-    """The plan of a checked call with sparse operands, carrying this call's schedule."""
-    infos = operand_infos(checked.operands)
-    assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
-    shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
-    return replace(shaped.plan, schedule=shaped.schedule)
+    """The plan of the kernel a checked call runs, routed as :func:`.evaluate.evaluate`
+    routes it, carrying this call's schedule."""
+    routed = route(assignment, checked)
+    if isinstance(routed, SplitCall):
+        split = routed.split
+        inner = check_call(split.assignment, split.operands(checked.operands), split.request)
+        return _plan(split.assignment, inner)
+    if isinstance(routed, ShapePlan):
+        return replace(routed.plan, schedule=routed.schedule)
+    if isinstance(routed, DenseCall):
+        raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
+    raise ValueError("the call runs as a contraction path of pairwise products, not one kernel "
+                     "(explain() shows the path)")
 
 
 def explain(equation: str, *operands, out_format=None) -> str:
@@ -276,3 +280,19 @@ def describe_schedule(s: Schedule) -> list[str]:
     lines.append("why:")
     lines += [f"  {r}" for r in s.reasons]
     return lines
+
+
+@contextmanager
+def use_target(target: Target) -> Iterator[Target]:
+    """Plan for ``target`` instead of the host within the ``with`` block (in this
+    thread), e.g. to see the schedule another machine would get. The compiler's caches
+    are cleared on entry and exit, so no plan made for one machine serves the other."""
+    if not isinstance(target, Target):
+        raise TypeError(f"use_target needs a sparsenn.compiler.Target, got {type(target).__name__}")
+    clear_caches()
+    token = ACTIVE_TARGET.set(target)
+    try:
+        yield target
+    finally:
+        ACTIVE_TARGET.reset(token)
+        clear_caches()

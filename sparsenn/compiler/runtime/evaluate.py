@@ -32,13 +32,13 @@ from ..blocks import Split, split_call
 from ..notation import Access, Assignment, Term
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
-from ..plan.planner import DENSE, Request, contraction_path, operand_infos, path_request, plan_call
+from ..plan.planner import DENSE, Request, ShapePlan, contraction_path, operand_infos, path_request, plan_call
 from . import memory
 from .cache import LRUCache
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
 
-__all__ = ["evaluate", "resolve", "split_of", "SplitCall", "PathCall", "DenseCall"]
+__all__ = ["evaluate", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -68,6 +68,15 @@ def split_of(assignment: Assignment, checked: Checked) -> Split | None:
 
 def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall:
     """What a checked call runs (its ``run(operands)``)."""
+    routed = route(assignment, checked)
+    if isinstance(routed, ShapePlan):
+        return bind(routed, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+    return routed
+
+
+def route(assignment: Assignment, checked: Checked) -> ShapePlan | SplitCall | PathCall | EpiloguePathCall | DenseCall:
+    """How a checked call is computed: over split indices, in torch, as a contraction
+    path, or as one planned kernel (its :class:`ShapePlan`, not yet bound)."""
     split = split_of(assignment, checked)
     if split is not None:
         return SplitCall(split)
@@ -78,8 +87,7 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
     path = path_call(assignment, infos, checked)
     if path is not None:
         return path
-    shaped = plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
-    return bind(shaped, checked.operands, checked.sizes, checked.dtype, checked.index_dtype)
+    return plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
 
 
 def path_call(assignment: Assignment, infos, checked: Checked) -> PathCall | EpiloguePathCall | None:
@@ -242,7 +250,7 @@ def _pooled_product(term: Term, operands: Sequence, output: tuple[str, ...],
     counts = [math.prod(size[i] for i in group) for group in (batch, left, contracted, right)]
     lhs = x.permute([a.indices.index(i) for i in batch + left + contracted]).reshape(counts[0], counts[1], counts[2])
     rhs = y.permute([b.indices.index(i) for i in batch + contracted + right]).reshape(counts[0], counts[2], counts[3])
-    out = memory.empty(counts[0], counts[1], counts[3], dtype=x.dtype)
+    out = memory.empty((counts[0], counts[1], counts[3]), dtype=x.dtype)
     return torch.bmm(lhs, rhs, out=out).view(out_shape)
 
 

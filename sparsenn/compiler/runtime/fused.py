@@ -92,7 +92,7 @@ class _Bound:
         if step.into is None:
             plan = launch.plan
             self.outputs[k] = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
-                *launch.allocation, dtype=launch.dtype)
+                launch.allocation, dtype=launch.dtype)
         else:
             self.outputs[k] = self.outputs[step.into]
         anchor = launch.plan.anchor

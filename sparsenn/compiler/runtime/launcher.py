@@ -33,24 +33,18 @@ from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "bind", "uninitialised", "output_allocator", "run_stages"]
+__all__ = ["Launch", "Assembly", "bind", "output_allocator", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
 
 
-def uninitialised(*size, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(*size)`` (sizes as arguments: parsed faster than a shape tuple):
-    memory for a kernel that stores every element of its output (the test suite fills
-    it with NaN, so an element a kernel skips shows)."""
-    return memory.empty(*size, dtype=dtype)
-
-
 def output_allocator(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
-    """How to allocate a dense output: uninitialised when the kernel stores every
-    element, else filled with the reduction's identity (0 for a sum, -inf for a max)."""
+    """How to allocate a dense output, ``allocate(shape, dtype=...)``: uninitialised
+    (:func:`memory.empty`) when the kernel stores every element, else filled with the
+    reduction's identity (0 for a sum, -inf for a max)."""
     if overwrites:
-        return uninitialised
+        return memory.empty
     return functools.partial(memory.filled, IDENTITY[reduction])
 
 
@@ -78,7 +72,7 @@ class Launch:
     stages: tuple[Stage, ...]
     pointers: Pointers
     array_type: type  # ctypes array of the kernel's array arguments (and a dense output)
-    allocation: tuple  # torch.empty arguments of the dense output (or the anchor's values)
+    allocation: tuple[int, ...]  # shape of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
     out_shape: tuple[int, ...]
     dtype: torch.dtype  # of the values, and of the result
@@ -118,7 +112,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         if assembles:
             result = _assembled(launch, arguments, threads)
         else:
-            out = allocate(*allocation, dtype=out_dtype)
+            out = allocate(allocation, dtype=out_dtype)
             if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
             if out_dtype != dtype:
@@ -157,7 +151,7 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
         pos[level] = torch.empty(sizes.positions(level), dtype=idx)
         crd[level] = torch.empty(sizes.coordinates[level], dtype=idx)
         parents = sizes.coordinates[level]
-    values = memory.empty(sizes.values, dtype=launch.dtype)
+    values = memory.empty((sizes.values,), dtype=launch.dtype)
     arrays = [values if kind == "val" else (pos if kind == "pos" else crd)[level]
               for kind, level in layout.finish_order]
     if entry.finish(handle, (ctypes.c_void_p * len(arrays))(*[a.data_ptr() for a in arrays]), int(wide),
@@ -221,7 +215,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
     elif plan.anchor is not None:
         allocation = (operands[plan.anchor].values.shape[0],)
     else:
-        allocation = tuple(sizes[i] for i in plan.schedule.output_order) or ((),)
+        allocation = tuple(sizes[i] for i in plan.schedule.output_order)
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
         runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
@@ -242,7 +236,7 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     lives for one kernel call, see :mod:`.memory`)."""
     if t.is_contiguous():
         return t
-    return memory.empty(*t.shape, dtype=t.dtype).copy_(t)
+    return memory.empty(t.shape, dtype=t.dtype).copy_(t)
 
 
 def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
@@ -252,7 +246,7 @@ def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
     def stage(ops, made):
         t = ops[n] if layout is None else ops[n].permute(layout)
         whole = t.shape[-1] // size * size
-        out = memory.empty(t.numel(), dtype=t.dtype)
+        out = memory.empty((t.numel(),), dtype=t.dtype)
         split = t.numel() // max(t.shape[-1], 1) * whole
         out[:split].view(whole // size, *t.shape[:-1], size).copy_(
             t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0))

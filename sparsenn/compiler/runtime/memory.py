@@ -1,31 +1,66 @@
-"""Memory for kernel outputs, reused from call to call.
+"""Memory for kernel outputs: reused from call to call, and poisoned on request.
 
 A large output (a sampled product's values: ``nnz`` of them, tens of MiB for attention
 scores) would be fresh memory from the system on every call, and a kernel writing it
 first takes one page fault per 4 KiB page: about 1.5 µs each, as long as the arithmetic
 for a sampled dot product, and far longer when two threads fault at once. So
-:data:`OUTPUTS` keeps the memory of the last large outputs (at most
-:data:`POOL_BUFFERS` buffers, :data:`POOL_BYTES` bytes) and hands a buffer out again,
-for an output of exactly its size, once nothing else holds it: no tensor, view or
-saved-for-backward reference shares its storage (the pool's own reference is the only
-one). Repeated calls of one shape (a layer's forward and backward, step after step)
-then write into memory already mapped. :func:`~.cache.clear_caches` releases it.
+:data:`OUTPUTS` keeps the storages of recent large outputs and hands one out again once
+nothing else holds it: no tensor, view or saved-for-backward reference shares it (the
+pool's own reference is the only one). Storages come in size classes (``m · 2^k`` bytes,
+``m`` in 4..7), so calls whose sizes differ a little (varying batch sizes) share them.
+Repeated calls then write into memory already mapped.
+
+What the pool may keep unasked is bounded: at most :data:`POOL_BUFFERS` storages, of
+which the idle ones (held by nothing but the pool) take at most :data:`POOL_BYTES`
+(``$SPARSENN_OUTPUT_POOL_BYTES``, or :func:`set_output_pool_limit`).
+:func:`~.cache.clear_caches` releases them all.
+
+Poisoning (``$SPARSENN_POISON_OUTPUTS=1`` or :func:`poison_outputs`) fills every
+allocation made here with NaN (integers: their largest value) before a kernel writes
+it, so an element a kernel should store and skips shows in the result instead of
+reading as the zero a fresh page happens to hold. The test suite turns it on.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 
 import torch
 
 from .cache import CacheStats, register
 
-__all__ = ["empty", "filled", "OutputPool", "OUTPUTS", "MIN_POOLED_BYTES", "POOL_BUFFERS", "POOL_BYTES"]
+__all__ = ["empty", "filled", "poison_outputs", "set_output_pool_limit", "OutputPool", "OUTPUTS",
+           "MIN_POOLED_BYTES", "POOL_BUFFERS", "POOL_BYTES"]
 
 MIN_POOLED_BYTES = 1 << 20  # smaller outputs come from the allocator's own free lists
 POOL_BUFFERS = 16
-POOL_BYTES = 1 << 30
+POOL_BYTES = int(os.environ.get("SPARSENN_OUTPUT_POOL_BYTES", 64 << 20))
+
+_poisoned = os.environ.get("SPARSENN_POISON_OUTPUTS", "") not in ("", "0")
+
+
+def poison_outputs(enabled: bool = True) -> bool:
+    """Turn poisoning of fresh output memory on or off (see the module doc); returns
+    the previous setting."""
+    global _poisoned
+    previous, _poisoned = _poisoned, bool(enabled)
+    return previous
+
+
+def set_output_pool_limit(max_bytes: int) -> None:
+    """Keep at most ``max_bytes`` of idle output memory for reuse (0: keep none)."""
+    if max_bytes < 0:
+        raise ValueError(f"the output pool's limit must be at least 0 bytes, got {max_bytes}")
+    OUTPUTS.max_bytes = int(max_bytes)
+    OUTPUTS.trim()
+
+
+def size_class(nbytes: int) -> int:
+    """The smallest ``m · 2^k`` (``m`` in 4..7) of at least ``nbytes``: at most 25 % over."""
+    shift = max(nbytes.bit_length() - 3, 0)
+    return -(-nbytes >> shift) << shift
 
 
 class OutputPool:
@@ -38,31 +73,50 @@ class OutputPool:
         self._storages: list[torch.UntypedStorage] = []  # most recently handed out last
         self._lock = threading.Lock()
 
-    def empty(self, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """``torch.empty(size, dtype=dtype)``, in a free pooled storage of its size if any."""
-        nbytes = math.prod(size) * dtype.itemsize
-        if nbytes < MIN_POOLED_BYTES or _use_count is None:
-            return torch.empty(size, dtype=dtype)
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """``torch.empty(shape, dtype=dtype)``, in a free pooled storage of its size class if any."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < MIN_POOLED_BYTES or _use_count is None or self.max_bytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        wanted = size_class(nbytes)
         with self._lock:
             for n, storage in enumerate(self._storages):
-                if storage.nbytes() == nbytes and _only_reference(storage):
+                if storage.nbytes() == wanted and _only_reference(storage):
                     del self._storages[n]
                     self._storages.append(storage)
                     self.hits += 1
-                    return torch.empty(0, dtype=dtype).set_(storage, 0, size)
+                    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
             self.misses += 1
-            t = torch.empty(size, dtype=dtype)
-            self._storages.append(t.untyped_storage())
+            storage = torch.empty(wanted, dtype=torch.uint8).untyped_storage()
+            self._storages.append(storage)
             self._evict()
-            return t
+            return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
     def _evict(self) -> None:
-        """Forget storages beyond the bounds, least recently handed out first (one still
-        in use lives on with its tensors)."""
-        held = sum(s.nbytes() for s in self._storages)
-        while len(self._storages) > self.max_buffers or held > self.max_bytes:
-            held -= self._storages.pop(0).nbytes()
+        """Forget storages beyond the bounds, least recently handed out first: any beyond
+        ``max_buffers`` (one still in use lives on with its tensors), and idle ones
+        beyond ``max_bytes``."""
+        while len(self._storages) > self.max_buffers:
+            self._storages.pop(0)
             self.evictions += 1
+        idle = [s for s in self._storages if _only_reference(s)]
+        held = sum(s.nbytes() for s in idle)
+        for storage in idle:
+            if held <= self.max_bytes:
+                break
+            held -= storage.nbytes()
+            self._storages.remove(storage)
+            self.evictions += 1
+
+    def trim(self) -> None:
+        """Apply the bounds now (after they changed)."""
+        with self._lock:
+            self._evict()
+
+    def idle_bytes(self) -> int:
+        """Bytes of the storages nothing but the pool holds."""
+        with self._lock:
+            return sum(s.nbytes() for s in self._storages if _only_reference(s))
 
     def clear(self) -> None:
         with self._lock:
@@ -77,18 +131,26 @@ _use_count = getattr(torch._C, "_storage_Use_Count", None)  # without it (anothe
 
 
 def _only_reference(storage: torch.UntypedStorage) -> bool:
-    """Whether no tensor shares ``storage`` (the pool's own reference is its only one)."""
+    """Whether no tensor shares ``storage`` (the pool's list holds its only reference)."""
     return _use_count(storage._cdata) == 1
 
 
 OUTPUTS = register(OutputPool("output buffers", POOL_BUFFERS, POOL_BYTES))
 
 
-def empty(*size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(*size, dtype=dtype)``, from :data:`OUTPUTS` when large (see the module doc)."""
-    return OUTPUTS.empty(size, dtype)
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` for a kernel to overwrite: from :data:`OUTPUTS`
+    when large, poisoned when poisoning is on (see the module doc)."""
+    t = OUTPUTS.empty(shape, dtype)
+    if _poisoned:
+        t.fill_(torch.iinfo(dtype).max if _is_integer(dtype) else math.nan)
+    return t
 
 
-def filled(value: float, *size: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.full(size, value, dtype=dtype)``, from :data:`OUTPUTS` when large."""
-    return empty(*size, dtype=dtype).fill_(value)
+def _is_integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def filled(value: float, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.full(shape, value, dtype=dtype)``, from :data:`OUTPUTS` when large."""
+    return OUTPUTS.empty(shape, dtype).fill_(value)

@@ -435,7 +435,7 @@ def _planned_result(assignment: Assignment, operands: Sequence, out_format) -> T
     if not isinstance(runnable, Launch) or runnable.plan.output_format is not None \
             or runnable.final_format is not None:
         return None
-    out = torch.empty(*runnable.allocation, device="meta")
+    out = torch.empty(runnable.allocation, device="meta")
     permutation = runnable.plan.output_permutation
     return out if permutation is None else out.permute(permutation)
 
