@@ -334,6 +334,54 @@ def test_saved_for_backward_outputs_are_not_reused():
     assert x.grad is not None
 
 
+def test_outputs_of_nearby_sizes_share_a_size_class_and_idle_memory_is_bounded():
+    pool = memory.OutputPool("bounded outputs", max_buffers=16, max_bytes=4 * memory.MIN_POOLED_BYTES)
+    n = memory.MIN_POOLED_BYTES // 4
+    first = pool.empty((n + 10,), torch.float32)
+    address = first.data_ptr()
+    del first
+    again = pool.empty((n + 1000, 1), torch.float32)  # within the same class of m * 2^k bytes
+    assert again.data_ptr() == address and again.shape == (n + 1000, 1)
+    del again
+    assert all(memory.size_class(b) >= b and memory.size_class(b) <= 1.25 * b for b in range(1, 5000))
+    for k in range(8):  # eight idle buffers of distinct classes, 2.5 MiB and more each
+        pool.empty((n * (5 + 2 * k) // 2,), torch.float32)
+    assert pool.idle_bytes() <= pool.max_bytes and pool.stats().evictions > 0
+
+
+def test_memory_stays_flat_over_calls_of_varying_batch_sizes():
+    """1,000 forward and backward calls of a layer with batch sizes from 1 to 512: the
+    pool keeps a few buffers, and the process hardly grows."""
+    import random
+
+    def resident_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    layer = SparseLinear(256, 1024, sparsity=0.9)  # outputs up to 2 MiB: pooled
+    rng = random.Random(0)
+
+    def step():
+        x = torch.randn(rng.randint(1, 512), 256, requires_grad=True)
+        layer(x).sum().backward()
+
+    for _ in range(100):
+        step()
+    before = resident_mib()
+    for _ in range(1000):
+        step()
+    # outputs of 1-2 MiB fall in 5 size classes: 7.5 MiB idle, whatever the batch sizes
+    assert memory.OUTPUTS.stats().size <= 6 and memory.OUTPUTS.idle_bytes() <= 8 << 20
+    assert resident_mib() - before < 16
+    memory.set_output_pool_limit(0)
+    try:
+        assert memory.OUTPUTS.idle_bytes() == 0
+    finally:
+        memory.set_output_pool_limit(memory.POOL_BYTES)
+    with pytest.raises(ValueError, match="at least 0 bytes"):
+        memory.set_output_pool_limit(-1)
+
+
 def test_clear_caches_releases_the_kept_outputs():
     memory.empty((memory.MIN_POOLED_BYTES // 4,), dtype=torch.float32)
     assert cache_stats()["output buffers"].size >= 1
