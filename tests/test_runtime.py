@@ -358,6 +358,7 @@ def test_memory_stays_flat_over_calls_of_varying_batch_sizes():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * 4096 / 2**20
 
+    clear_caches()
     layer = SparseLinear(256, 1024, sparsity=0.9)  # outputs up to 2 MiB: pooled
     rng = random.Random(0)
 
