@@ -7,7 +7,8 @@ d_model 512, d_hidden 2048, 4096 tokens, E in {8, 64} experts, top-k in {1, 2}, 
 bias, dropless. Every implementation runs the same SparseMoEGate (router, softmax, top-k)
 and then the experts:
 
-* sparsenn: SparseMoE.forward (dispatch into expert panels, five compiled einsums);
+* sparsenn: SparseMoE.forward (dispatch into expert panels, then the gather, the two expert
+  products and the weighted scatter as compiled kernels);
 * dense all-experts: every expert on every token, ``einsum("td,edh->eth")``, gelu, ``bmm``,
   then weighted by the dense gate (``einsum("te,etd->td")``);
 * per-expert loop: HF Mixtral's eager path (one-hot expert mask, ``torch.where`` per expert
