@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import scipy.sparse
 import torch
 
@@ -272,3 +273,27 @@ def test_team_loops_stop_at_a_held_loop():
     (nest,) = dense_schedule("bhij,bhid,bhjd->bhij", mask, q, k).nests
     held = {nest.dot_tile and nest.dot_tile.rows, nest.register_tile and nest.register_tile.index}
     assert nest.team_loops == nest.order.index(next(i for i in nest.order if i in held or i == "j"))
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
+    """``Y = X Wᵀ`` with a csr ``W``: with one or two batch rows the nest keeps each
+    output's sum over the stored weights of its row in registers (the SpMV form, batch
+    loop outside the reduction); from a vector up, the batch rows are the innermost loop,
+    held in a register block across the row's stored weights."""
+    import _machines
+
+    weight = sparsenn.from_dense(torch.rand(256, 300, dtype=dtype).where(torch.rand(256, 300) < 0.1, 0), "csr")
+    target = getattr(_machines, machine)
+    lanes = target.lanes(dtype.itemsize)
+    with sparsenn.compiler.use_target(target):
+        for batch in (1, 2, lanes, 64):
+            x = torch.randn(batch, 300, dtype=dtype)
+            (nest,) = plan("bi,oi->bo", x, weight, out_format="dense").schedule.nests
+            if batch < lanes:
+                assert nest.order[-1] == "i" and nest.sparse_reduction is not None, (batch, nest.order)
+            else:
+                assert nest.order == ("o", "i", "b") and nest.register_block is not None, (batch, nest.order)
+            torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight, out_format="dense"),
+                                       x @ weight.to_dense().T)

@@ -2,8 +2,14 @@
 
 The cost of an order is the work of the nest: at each loop, co-iterating the sparse
 levels indexed there (``SPARSE_ITERATION_COST * sum`` of fiber lengths, with an expected
-intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``N / VECTOR_WIDTH``
-innermost), times the iterations of the enclosing loops; plus the leaf's products, and
+intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``ceil(N /
+VECTOR_WIDTH)`` vectors innermost: a loop of one trip is one step, not an eighth of
+one), times the iterations of the enclosing loops; plus the leaf's products (per vector
+when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
+innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop (no register block
+holds its outputs: each entry starts a vector loop too short for its vectors and
+reloads what the previous one stored, where a reduction innermost sums in registers,
+the SpMV form of a product with one batch row); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
 of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra
@@ -33,6 +39,7 @@ SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
+SHORT_OUTPUT_LOOP_COST = 32.0  # a loop over fewer outputs than a vector, updated in memory per reduction trip
 
 
 @dataclass(frozen=True)
@@ -118,18 +125,24 @@ def nest_cost(
     infos: Sequence[OperandInfo],
     dims: dict[str, int],
     output: tuple[str, ...] = (),
+    lanes: int = int(VECTOR_WIDTH),
 ) -> tuple[float, float, list[Factor]]:
     """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
 
-    ``output`` (dense outputs) counts toward the innermost loop's unit stride."""
+    ``output`` (dense outputs) counts toward the innermost loop's unit stride;
+    ``lanes``: the values per vector, below which an innermost output loop is short."""
     rank = {i: n for n, i in enumerate(order)}
     factors = [read_in_order(a, infos[a.operand], rank, term) for a in term.factors]
     depth = [0] * len(factors)
     cost, iters = 0.0, 1.0
     if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
         cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
+    last_reduction = max((p for p, i in enumerate(order) if i not in output), default=None) if output else None
     for position, index in enumerate(order):
         n = float(max(dims[index], 1))
+        if position == len(order) - 1 and last_reduction is not None and last_reduction < position \
+                and n < lanes:
+            cost += iters * SHORT_OUTPUT_LOOP_COST
         fibers, entered = [], []
         for k, f in enumerate(factors):
             if f.sparse and depth[k] < len(f.levels) and f.levels[depth[k]][0] == index:
@@ -147,12 +160,16 @@ def nest_cost(
         else:
             trip = work = n
             if position == len(order) - 1:
-                work = n / VECTOR_WIDTH
+                work = math.ceil(n / VECTOR_WIDTH)
         cost += iters * max(work, 1.0)
         iters *= trip
     innermost_dense = bool(order) and not any(
         f.sparse and f.levels[-1][0] == order[-1] and not f.levels[-1][1].locatable for f in factors
     )
-    cost += iters * len(term.factors) / (VECTOR_WIDTH if innermost_dense else 1.0)
+    if innermost_dense:  # whole vectors per trip of the loops outside the innermost
+        inner = max(dims[order[-1]], 1)
+        cost += iters / inner * math.ceil(inner / VECTOR_WIDTH) * len(term.factors)
+    else:
+        cost += iters * len(term.factors)
     cost += sum(f.transpose_cost for f in factors)
     return cost, iters, factors

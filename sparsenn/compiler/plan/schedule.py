@@ -758,7 +758,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = nest_cost(term, order, infos, dims, layout)[0]
+            cost = nest_cost(term, order, infos, dims, layout, target.lanes(itemsize))[0]
             parallel = order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
