@@ -31,6 +31,13 @@ depends on where the suite runs).
   least ``prefetch_min_jump`` away, else only for fibers spread over half the range.
 * **Threads.** Nests with fewer than ``parallel_min_work`` expected innermost
   iterations run on one thread: waking an OpenMP team costs more than the work.
+* **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
+  against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
+  product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle`` and
+  ``stream_bytes_per_cycle`` read from the L2 and from beyond it; ``cycles_per_cost_unit``
+  the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
+  about 6 units per stored entry, 1.5 cycles); ``max_dense_copy_bytes`` bounds the dense
+  copy of an operand the runtime keeps for it.
 """
 
 from __future__ import annotations
@@ -67,6 +74,12 @@ class Target:
     prefetch_min_footprint: float = 0.25
     prefetch_min_jump: int = 8
     parallel_min_work: int = 1 << 15
+    fma_per_cycle: int = 2
+    gemm_efficiency: float = 0.5
+    l2_bytes_per_cycle: float = 32.0
+    stream_bytes_per_cycle: float = 12.0
+    cycles_per_cost_unit: float = 0.25
+    max_dense_copy_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.widest_vector_bytes is None:

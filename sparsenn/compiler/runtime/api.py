@@ -27,7 +27,7 @@ from ..plan.schedule import Schedule
 from ..plan.target import ACTIVE_TARGET, Target
 from .autocast import autocast_operands
 from .cache import LRUCache, clear_caches
-from .evaluate import DenseCall, EpiloguePathCall, SplitCall, evaluate, path_call, route, split_of
+from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, SplitCall, evaluate, path_call, route, split_of
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
@@ -219,6 +219,8 @@ def _plan(assignment: Assignment, checked: Checked) -> Plan:
         split = routed.split
         inner = check_call(split.assignment, split.operands(checked.operands), split.request)
         return _plan(split.assignment, inner)
+    if isinstance(routed, DensifiedCall):  # the kernel that runs when the dense copy does not pay
+        routed = routed.shaped
     if isinstance(routed, ShapePlan):
         return replace(routed.plan, schedule=routed.schedule)
     if isinstance(routed, DenseCall):
@@ -259,6 +261,10 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
             steps = describe_path(path.path.assignment, path.path.steps)
             return "\n".join(lines + steps + ["  then the epilogue, elementwise over the result"])
         return "\n".join(lines + describe_path(path.assignment, path.steps))
+    routed = route(assignment, checked)
+    if isinstance(routed, DensifiedCall):
+        lines.append(routed.dense.describe())
+        lines.append("the sparse kernel:")
     shown = _plan(assignment, checked)
     if shown.assignment != assignment:
         lines.append(f"biases folded into the epilogue: {shown.assignment}")

@@ -19,6 +19,7 @@ converted and resolved each time.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,16 +30,19 @@ from sparsenn.formats import Format, SparseTensor
 
 from .. import functions
 from ..blocks import Split, split_call
-from ..notation import Access, Assignment, Term
+from ..backend.precision import compute_dtype
+from ..notation import Access, Assignment, Term, parse_einsum
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
+from ..plan.dense_path import DensePath, dense_path
 from ..plan.planner import DENSE, Request, ShapePlan, contraction_path, operand_infos, path_request, plan_call
 from . import memory
 from .cache import LRUCache
+from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
 
-__all__ = ["evaluate", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall"]
+__all__ = ["evaluate", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall", "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -66,7 +70,8 @@ def split_of(assignment: Assignment, checked: Checked) -> Split | None:
     return split_call(assignment, formats, [tuple(op.shape) for op in checked.operands], checked.request)
 
 
-def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall:
+def resolve(assignment: Assignment, checked: Checked
+            ) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall:
     """What a checked call runs (its ``run(operands)``)."""
     routed = route(assignment, checked)
     if isinstance(routed, ShapePlan):
@@ -74,20 +79,29 @@ def resolve(assignment: Assignment, checked: Checked) -> Launch | SplitCall | Pa
     return routed
 
 
-def route(assignment: Assignment, checked: Checked) -> ShapePlan | SplitCall | PathCall | EpiloguePathCall | DenseCall:
+def route(assignment: Assignment, checked: Checked
+          ) -> ShapePlan | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall:
     """How a checked call is computed: over split indices, in torch, as a contraction
-    path, or as one planned kernel (its :class:`ShapePlan`, not yet bound)."""
+    path, as one planned kernel (its :class:`ShapePlan`, not yet bound), or densely
+    when the planner finds that cheaper than the kernel (``plan/dense_path.py``)."""
     split = split_of(assignment, checked)
     if split is not None:
         return SplitCall(split)
     if checked.all_dense and assignment.is_product_sum:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
-    assignment = fold_bias(assignment, [i.format for i in infos], checked.request)
-    path = path_call(assignment, infos, checked)
+    folded = fold_bias(assignment, [i.format for i in infos], checked.request)
+    path = path_call(folded, infos, checked)
     if path is not None:
         return path
-    return plan_call(assignment, infos, checked.request, checked.dtype, checked.index_dtype)
+    shaped = plan_call(folded, infos, checked.request, checked.dtype, checked.index_dtype)
+    if shaped.plan.output_format is None and shaped.plan.anchor is None and shaped.final_format is None:
+        dense = dense_path(assignment, infos, shaped.schedule, compute_dtype(checked.dtype).itemsize,
+                           shaped.schedule.target)
+        if dense is not None:
+            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
+                                 checked.sizes, checked.index_dtype)
+    return shaped
 
 
 def path_call(assignment: Assignment, infos, checked: Checked) -> PathCall | EpiloguePathCall | None:
@@ -191,32 +205,78 @@ class DenseCall:
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
 
 
+class DensifiedCall:
+    """A product run densely on a dense copy of its sparse operand, made once it pays
+    for itself and kept while the operand is unchanged (:mod:`.densified`); until then
+    the sparse kernel runs (bound on first use)."""
+
+    def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
+                 sizes: dict[str, int], index_dtype: torch.dtype) -> None:
+        self.assignment, self.out_shape, self.dense, self.shaped = assignment, out_shape, dense, shaped
+        self._bind = (sizes, index_dtype)
+        self._launch: Launch | None = None
+
+    def run(self, operands: Sequence) -> torch.Tensor:
+        k, dense = self.dense.operand, self.dense
+        saved = dense.sparse_cycles - dense.dense_cycles
+        copy = COPIES.copy_for(operands[k], lambda uses: uses * saved >= dense.densify_cycles, _made_dense)
+        if copy is None:
+            return self._sparse(operands)
+        out = _summed_products(self.assignment, [copy if n == k else op for n, op in enumerate(operands)],
+                               self.out_shape)
+        return out.clone() if out.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr() else out
+
+    def _sparse(self, operands: Sequence) -> torch.Tensor:
+        if self._launch is None:
+            sizes, index_dtype = self._bind
+            self._launch = bind(self.shaped, operands, sizes, operands[self.dense.operand].dtype, index_dtype)
+        return self._launch.run(operands)
+
+
+def _made_dense(operand: SparseTensor) -> torch.Tensor:
+    """``operand`` as a strided tensor, by a compiled kernel (a scatter of its entries)."""
+    letters = _LETTERS[: operand.ndim]
+    with torch.no_grad():
+        return evaluate(parse_einsum(f"{letters}->{letters}", 1), [operand.detach()], DENSE)
+
+
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _summed_products(assignment: Assignment, operands: Sequence, out_shape: tuple[int, ...]) -> torch.Tensor:
-    """A sum of products, one ``torch.einsum`` per term."""
-    letters: dict[str, str] = {}
-    for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
-        letters[i] = _LETTERS[len(letters)]
+    """A sum of products, one ``torch.einsum`` per term (a term lacking output indices
+    is broadcast over them)."""
     out = None
-    for term in assignment.terms:
-        present = [i for i in assignment.output if i in term.indices]
+    for term, equation in zip(assignment.terms, _term_equations(assignment)):
         value = _pooled_product(term, operands, assignment.output, out_shape)
         if value is not None:
             if term.coefficient != 1.0:
                 value.mul_(term.coefficient)
         else:
-            lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
-            value = torch.einsum(f"{lhs}->{''.join(letters[i] for i in present)}",
-                                 *[operands[a.operand] for a in term.factors])
+            value = torch.einsum(equation, *[operands[a.operand] for a in term.factors])
             if term.coefficient != 1.0:
                 value = term.coefficient * value
-        if len(present) != len(assignment.output):
+        if value.dim() != len(out_shape):
             view = [size if i in term.indices else 1 for i, size in zip(assignment.output, out_shape)]
-            value = value.reshape(view).expand(out_shape).clone()
+            value = value.reshape(view)
+            if out is None:
+                value = value.expand(out_shape).clone()
         out = value if out is None else out + value
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _term_equations(assignment: Assignment) -> tuple[str, ...]:
+    """Each term of ``assignment`` as a ``torch.einsum`` equation over the output
+    indices it has."""
+    letters: dict[str, str] = {}
+    for i in sorted({i for t in assignment.terms for i in t.indices} | set(assignment.output)):
+        letters[i] = _LETTERS[len(letters)]
+    equations = []
+    for term in assignment.terms:
+        lhs = ",".join("".join(letters[i] for i in a.indices) for a in term.factors)
+        equations.append(f"{lhs}->{''.join(letters[i] for i in assignment.output if i in term.indices)}")
+    return tuple(equations)
 
 
 def _pooled_product(term: Term, operands: Sequence, output: tuple[str, ...],

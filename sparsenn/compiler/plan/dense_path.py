@@ -1,0 +1,87 @@
+"""The dense path: a product computed by BLAS on the sparse operand made dense, when
+the cost model says that beats the sparse schedule.
+
+At moderate sparsity, or on small problems, a sparse kernel does fewer multiply-adds
+than a dense product but at a far lower rate: an indirect load per stored entry against
+a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Target`:
+
+* the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``;
+* the dense product: ``max(F / (2 · lanes · fma_per_cycle · gemm_efficiency), B / bw)``
+  for ``F`` flops over ``B`` bytes of operands and result, ``bw`` the bandwidth of the
+  cache level they fit in (``l2_bytes_per_cycle`` within the L2, else
+  ``stream_bytes_per_cycle``): compute-bound with many rows, bound by reading the dense
+  weight with few (a matrix-vector product);
+* making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
+  entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
+  keeps the dense copy while the values are unchanged (inference), so this is paid once
+  per new set of values (a training step).
+
+The dense path is taken when the dense product alone is cheaper; the runtime makes the
+copy once the uses of one set of values have saved what it costs (until then the
+sparse kernel runs). It applies to a plain sum of products of one sparse
+operand, unblocked and with a dense copy of at most ``max_dense_copy_bytes``, and dense
+ones, with a dense result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..notation import Assignment
+from .cost import SPARSE_ITERATION_COST, OperandInfo
+from .schedule import Schedule
+from .target import Target
+
+__all__ = ["DensePath", "dense_path"]
+
+
+@dataclass(frozen=True)
+class DensePath:
+    """Run the product densely, the sparse ``operand`` made dense; costs in cycles."""
+
+    operand: int
+    sparse_cycles: float
+    dense_cycles: float
+    densify_cycles: float
+
+    def describe(self) -> str:
+        uses = math.ceil(self.densify_cycles / (self.sparse_cycles - self.dense_cycles))
+        return (f"dense path: operand {self.operand} made dense, then BLAS ({self.dense_cycles:.3g} cycles) "
+                f"against the sparse kernel ({self.sparse_cycles:.3g} cycles); making it dense costs "
+                f"{self.densify_cycles:.3g}, so the copy is made at use {uses} of the same values "
+                "(the sparse kernel runs until then)")
+
+
+def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Schedule, itemsize: int,
+               target: Target) -> DensePath | None:
+    """The dense path of a dense-result call if it is cheaper (see the module doc), else None."""
+    if not assignment.is_product_sum or sched.output_format is not None or len(infos) < 2:
+        return None
+    sparse = [n for n, info in enumerate(infos) if info.format is not None]
+    if len(sparse) != 1 or infos[sparse[0]].format.block is not None:
+        return None
+    (k,) = sparse
+    dense_bytes = math.prod(infos[k].shape) * itemsize
+    if dense_bytes > target.max_dense_copy_bytes:
+        return None
+    sizes = {i: infos[a.operand].shape[m] for t in assignment.terms for a in t.factors
+             for m, i in enumerate(a.indices)}
+    flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
+    touched = sum(math.prod(info.shape) for info in infos) * itemsize
+    touched += math.prod(sizes[i] for i in assignment.output) * itemsize
+    lanes = target.widest_vector_bytes // itemsize
+    compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
+    dense_cycles = max(compute, touched / _bandwidth(touched, target))
+    densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
+                      + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
+    sparse_cycles = sched.cost * target.cycles_per_cost_unit
+    if dense_cycles >= sparse_cycles:
+        return None
+    return DensePath(k, sparse_cycles, dense_cycles, densify_cycles)
+
+
+def _bandwidth(nbytes: float, target: Target) -> float:
+    """Bytes per cycle one core reads ``nbytes`` at: from its L2 if they fit, else streamed."""
+    return target.l2_bytes_per_cycle if nbytes <= target.l2_bytes else target.stream_bytes_per_cycle
