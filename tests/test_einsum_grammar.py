@@ -19,6 +19,7 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler import cache_stats
 from sparsenn.compiler import equation as grammar
 from sparsenn.compiler.diagonal import view, view_format
 from sparsenn.formats import parse_format
@@ -311,17 +312,18 @@ def test_sparse_diagonal_keeps_only_stored_diagonal_entries() -> None:
 # ----------------------------------------------------------------------------- plain equations
 
 
-def test_plain_equations_pass_through_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No '.' and no letter twice in an operand: decided once per string, then the call
-    is returned as it is without parsing."""
+def test_plain_equations_pass_through_untouched() -> None:
+    """No '.' and no letter twice in an operand: decided once per string (the "plain
+    equations" cache), then the call is returned as it is without parsing."""
     a, b = torch.ones(2, 3, dtype=F64), torch.ones(3, 4, dtype=F64)
     operands = (a, b)
     assert grammar.normalise("ij,jk->ik", operands) == ("ij,jk->ik", operands)
-    assert "ij,jk->ik" in grammar._plain
-    monkeypatch.setattr(grammar, "parse", lambda equation: pytest.fail("a plain equation was parsed"))
-    monkeypatch.setattr(grammar, "_is_plain", lambda equation: pytest.fail("a known plain equation was re-checked"))
+    parsed, known = grammar.parse.cache_info(), cache_stats()["plain equations"]
     equation, ops = grammar.normalise("ij,jk->ik", operands)
     assert equation == "ij,jk->ik" and ops is operands
+    assert grammar.parse.cache_info() == parsed  # not parsed
+    now = cache_stats()["plain equations"]
+    assert (now.hits, now.misses, now.size) == (known.hits + 1, known.misses, known.size)  # known: not re-checked
 
 
 def test_size_one_broadcast_in_a_plain_equation() -> None:
