@@ -19,7 +19,7 @@ dimensions, each operand with repeated letters or broadcast dimensions replaced 
 :func:`~sparsenn.compiler.diagonal.view`, and an explicit output; what to do is worked
 out once per equation and operand shapes (:class:`Rewrite`). An equation that needs
 none of this (no ``.``, no letter twice within an operand) is recognised once per
-string (the "plain equations" cache of ``cache_stats()``) and passed on as it is; size-1 broadcasting in such an equation is handled by
+string and passed on as it is; size-1 broadcasting in such an equation is handled by
 :func:`broadcast_size_one` only after the plain call has failed, so it costs nothing
 when shapes agree.
 """
@@ -37,14 +37,14 @@ from sparsenn.formats import SparseTensor
 
 from .diagonal import Groups, view
 from .notation import NotationError
-from .runtime.cache import LRUCache
 
 __all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one"]
 
 ELLIPSIS = "..."
 _LETTERS = string.ascii_letters
 _ALLOWED = frozenset(_LETTERS + " ,.")
-_plain: LRUCache[bool] = LRUCache("plain equations", 4096)  # equations known to be in the core form already
+_PLAIN_LIMIT = 4096
+_plain: set[str] = set()  # equations known to be in the core form already
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ def normalise(equation: object, operands: tuple) -> tuple[object, tuple]:
     return at once; a non-str equation other than an operand (sublist form) is returned
     as it is for the core parser to reject."""
     listed = len(operands) == 1 and isinstance(operands[0], (list, tuple))
-    if type(equation) is str and not listed and _plain.get(equation):
+    if type(equation) is str and equation in _plain and not listed:
         return equation, operands
     if isinstance(equation, (torch.Tensor, SparseTensor)):
         equation, operands = _from_sublists((equation, *operands))
@@ -285,7 +285,9 @@ def normalise(equation: object, operands: tuple) -> tuple[object, tuple]:
     if not isinstance(equation, str):
         return equation, operands
     if _is_plain(equation):
-        _plain.put(equation, True)
+        if len(_plain) >= _PLAIN_LIMIT:
+            _plain.clear()
+        _plain.add(equation)
         return equation, operands
     return _rewrite(parse(equation), operands)
 
