@@ -56,9 +56,8 @@ them into one kernel that runs every step per coordinate while its rows are in c
 
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,
 contraction paths and their pair schedules, re-stored patterns) are bounded LRU caches
-(``runtime/cache.py``):
-:func:`cache_stats` reports their sizes and hit counts, :func:`clear_caches` empties
-them (compiled kernels stay loaded and on disk).
+(``runtime/cache.py``): :func:`cache_stats` reports their sizes and hit counts,
+:func:`clear_caches` empties them (compiled kernels stay loaded and on disk).
 """
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError
