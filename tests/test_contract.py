@@ -1,5 +1,6 @@
-"""Contraction paths: the search's answers, its cost in ``schedule`` calls, and every
-equation's result against torch.einsum on dense copies."""
+"""Contraction paths: the search's answers, its cost in ``schedule`` calls (the "pair
+schedules" cache's misses), and every equation's result against torch.einsum on dense
+copies."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.notation import Access, Assignment, Term, parse_einsum
 from sparsenn.compiler.plan import contract
-from sparsenn.compiler.plan.contract import Step, best_path
+from sparsenn.compiler.plan.contract import Step, best_path, pairwise_path
 from sparsenn.compiler.plan.infer import infer_output_format
 from sparsenn.compiler.plan.schedule import OperandInfo, schedule
 from sparsenn.formats import parse_format
@@ -173,33 +175,31 @@ SEVEN_OR_EIGHT = [e for e in OPT_EINSUM + EIGHT if len(_lhs(e)) >= 7] + [COMPLET
 
 @pytest.mark.parametrize("sparse_every", [2, 3])
 @pytest.mark.parametrize("equation", SEVEN_OR_EIGHT)
-def test_planning_cost_is_bounded(equation, sparse_every, monkeypatch):
+def test_planning_cost_is_bounded(equation, sparse_every):
     """Each pair is scheduled once, and far fewer pairs are costed than the exhaustive
     search over pair sequences did (over 100,000 schedule calls, minutes of CPU, for the
     seven operands of ``a,ac,ab,ad,cd,bd,bc->``). Typically under 0.6 s of CPU and under
     100 schedule calls per equation here."""
-    calls = []
-
-    def counting(assignment, infos, output_format, itemsize=4, anchor=None):
-        calls.append((assignment, tuple(infos), output_format, anchor))
-        return schedule(assignment, infos, output_format, itemsize, anchor=anchor)
-
-    monkeypatch.setattr(contract, "schedule", counting)
     n = len(_lhs(equation))
+    assignment = parse_einsum(equation, n)
     infos = _infos(equation, REALISTIC, sparse_every)
+    clear_caches()
     start = time.process_time()
-    best_path(parse_einsum(equation, n), infos, 4)
+    steps = best_path(assignment, infos, 4)
     assert time.process_time() - start < 5.0
-    assert len(calls) == len(set(calls))  # memoised: no pair scheduled twice
-    assert len(calls) <= 300
+    scheduled = cache_stats()["pair schedules"]
+    assert scheduled.evictions == 0 and scheduled.misses == scheduled.size  # no pair scheduled twice
+    assert scheduled.misses + 1 <= 300  # with the fused schedule
+    assert best_path(assignment, infos, 4) == steps  # planned again: every pair's schedule from the cache
+    again = cache_stats()["pair schedules"]
+    assert again.misses == scheduled.misses and again.hits >= scheduled.misses
 
 
-def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int, anchored: bool) -> list[Step] | None:
-    """Every sequence of pairwise contractions, each pair costed as best_path does."""
+def _exhaustive_tree(assignment: Assignment, infos: list[OperandInfo], itemsize: int) -> tuple[float, list[Step]]:
+    """(cost, steps) of the cheapest of every sequence of pairwise contractions, each pair
+    costed as best_path does."""
     (term,) = assignment.terms
     output = assignment.output
-    fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
-    fused = schedule(assignment, infos, fmt, itemsize).cost
     pairs = contract._Pairs(term, output, infos, itemsize)
     def search(items):
         if len(items) == 1:
@@ -223,7 +223,14 @@ def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int,
                 best = (cost + sub_cost, [Step(x, y, indices, bool(rest) and info.format is None)] + sub_steps)
         return best
 
-    cost, steps = search([(a.indices, infos[a.operand]) for a in term.factors])
+    return search([(a.indices, infos[a.operand]) for a in term.factors])
+
+
+def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int, anchored: bool) -> list[Step] | None:
+    """The exhaustive tree if it costs less than the fused schedule, else None."""
+    fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
+    fused = schedule(assignment, infos, fmt, itemsize).cost
+    cost, steps = _exhaustive_tree(assignment, infos, itemsize)
     return steps if cost < fused else None
 
 
@@ -291,40 +298,34 @@ def test_long_chains_are_planned_greedily():
     torch.testing.assert_close(_run_steps(equation, steps, tensors), torch.einsum(equation, *tensors))
 
 
-def test_outer_products_of_small_sparse_operands_are_searched(monkeypatch):
+def test_outer_products_of_small_sparse_operands_are_searched():
     # Five operands: the cheapest tree starts with ea x gc, both sparse (an outer product
     # of their nonzeros), as the exhaustive search finds too. The tree search is tested
     # whatever the fused kernel would cost (its order search, over 8 indices, finds
     # an order cheaper than every tree here).
     equation = "ea,fb,gc,hd,abcd->efgh"
     assignment = parse_einsum(equation, 5)
-
-    def unfused(*args, costed=schedule, **kwargs):  # the whole expression in one kernel: never (pairs as they are)
-        planned = costed(*args, **kwargs)
-        return replace(planned, cost=math.inf) if args[0] is assignment else planned
-
-    monkeypatch.setattr(contract, "schedule", unfused)
-    monkeypatch.setitem(globals(), "schedule", unfused)  # _exhaustive's too
     infos = _infos(equation, [64, 64, 8, 32, 128])
-    steps = best_path(assignment, infos, 4)
-    assert steps is not None and (steps[0].left, steps[0].right) == (0, 2)
-    assert steps == _exhaustive(assignment, infos, 4, False)
+    cost, steps = pairwise_path(assignment, infos, 4)
+    assert (steps[0].left, steps[0].right) == (0, 2)
+    exhaustive_cost, exhaustive_steps = _exhaustive_tree(assignment, infos, 4)
+    assert steps == exhaustive_steps and cost == pytest.approx(exhaustive_cost, rel=1e-12)
 
 
-def test_intermediates_stay_within_the_kernels_rank(monkeypatch):
+def test_intermediates_stay_within_the_kernels_rank():
     # The complete graph: every pairwise path forms an intermediate of rank 12.
     assert best_path(parse_einsum(COMPLETE_EIGHT, 8), _infos(COMPLETE_EIGHT, [2]), 4) is None
-    monkeypatch.setattr(contract, "MAX_OUTPUT_RANK", 3)
+    assert pairwise_path(parse_einsum(COMPLETE_EIGHT, 8), _infos(COMPLETE_EIGHT, [2]), 4) is None
     paths = 0
     for equation in OPT_EINSUM + NUMPY:
         n = len(_lhs(equation))
         assignment = parse_einsum(equation, n)
         if n > 6 or len(assignment.output) > 3:
             continue
-        steps = best_path(assignment, _infos(equation, REALISTIC), 4)
-        if steps is not None:
+        found = pairwise_path(assignment, _infos(equation, REALISTIC), 4, max_rank=3)
+        if found is not None:
             paths += 1
-            assert max(len(step.indices) for step in steps) <= 3, equation
+            assert max(len(step.indices) for step in found[1]) <= 3, equation
     assert paths >= 5
 
 

@@ -9,6 +9,7 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from sparsenn.compiler import cache_stats
 from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
@@ -154,16 +155,21 @@ def test_traced_softmax_runs_the_steps_as_eager_does(fmt):
     torch.testing.assert_close(traced_values.grad, eager_values.grad, **exact)
 
 
+def lookups() -> tuple[int, int]:
+    """Lookups so far of the fused steps (one per ``run_steps``) and of the calls (one
+    per evaluation outside a fused kernel), from ``cache_stats()``."""
+    stats = cache_stats()
+    return tuple(stats[name].hits + stats[name].misses for name in ("fused steps", "calls"))
+
+
 @pytest.mark.parametrize("length", [32, 29], ids=["whole-blocks", "padded-tail"])
 @pytest.mark.parametrize("block, head_dim", [(4, 16), (16, 32)], ids=["dot-tile", "register-tile"])
-def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, length, avx2_host, monkeypatch):
+def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, length, avx2_host):
     """Without gradients or dropout, ``O = P V`` is the last step of the attention's fused
-    kernel; it gives what the separate SpMM gives when a gradient is needed, and the
-    weights it returns are the probabilities the SpMM read."""
-    from sparsenn.layers import attention
-
-    ran = []
-    monkeypatch.setattr(attention, "run_steps", lambda steps, ops: ran.append(len(steps)) or run_steps(steps, ops))
+    kernel (one fused call, nothing evaluated apart: steps that did not fuse would be run
+    again without the SpMM, then the SpMM on its own); it gives what the separate SpMM
+    gives when a gradient is needed, and the weights it returns are the probabilities
+    the SpMM read."""
     layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, num_window_blocks=3,
                                           num_random_blocks=1, seed=0).eval()
     length *= block // 4
@@ -171,12 +177,14 @@ def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, 
     q, k, v = (torch.randn(2, 2, length, head_dim, generator=g) for _ in range(3))
     padding = torch.zeros(2, length, dtype=torch.bool)
     padding[1, length // 2:] = True
+    fused, calls = lookups()
     with torch.no_grad():
         out, weights = layer.attend(q, k, v, padding, need_weights=True)
-    assert ran == [len(attention._output_steps(layer._score_scale, True, block))]
-    ran.clear()
+    assert lookups() == (fused + 1, calls)
+    fused, calls = lookups()
     expected, expected_weights = layer.attend(q, k, v.requires_grad_(), padding, need_weights=True)
-    assert ran == [len(attention._probability_steps(layer._score_scale, True, block))]
+    after_fused, after_calls = lookups()
+    assert after_fused == fused + 1 and after_calls > calls  # the scores and softmax fused, the SpMM apart
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(weights.to_dense(), expected_weights.to_dense())
 

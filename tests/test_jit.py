@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -11,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -78,16 +78,32 @@ def call_sum(lib: ctypes.CDLL, num_threads: int = 2) -> float:
     return lib.sum(x.data_ptr(), x.numel(), num_threads)
 
 
-def run_child(source: str, cache: pathlib.Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, SPARSENN_CACHE_DIR=str(cache))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+def child_env(cache: pathlib.Path, package_root: pathlib.Path = REPO_ROOT, **env: str) -> dict[str, str]:
+    """The environment of a child process importing the ``sparsenn`` in ``package_root``,
+    caching kernels in ``cache``, with ``env`` added."""
+    environ = dict(os.environ, SPARSENN_CACHE_DIR=str(cache), **env)
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")]))
+    return environ
+
+
+def run_child(source: str, cache: pathlib.Path, *args: str, **env: str) -> subprocess.Popen:
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, *args],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(cache, **env),
     )
     proc.stdin.write(source)
     proc.stdin.close()
     return proc
+
+
+def run_python(code: str, source: str, cache: pathlib.Path, package_root: pathlib.Path = REPO_ROOT,
+               **env: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh process (no kernel loaded yet) started in ``package_root``,
+    ``source`` on its stdin; fails the test if it fails."""
+    done = subprocess.run([sys.executable, "-c", code], input=source, capture_output=True, text=True,
+                          cwd=package_root, env=child_env(cache, package_root, **env), timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 def child_result(proc: subprocess.Popen) -> tuple[float, int, str]:
@@ -128,12 +144,12 @@ def test_second_load_is_served_from_memory(
 ) -> None:
     source = sum_source()
     lib = jit.load_library(source)
-
-    def forbidden(*args: object, **kwargs: object) -> None:
-        raise AssertionError("unexpected rebuild or reload")
-
-    monkeypatch.setattr(jit.subprocess, "run", forbidden)
-    monkeypatch.setattr(jit.ctypes, "CDLL", forbidden)
+    # Neither a reload (the cached files are gone) nor a rebuild (no compiler) could succeed.
+    for path in cache.iterdir():
+        if path.is_file():
+            path.unlink()
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", "")
     start = time.perf_counter()
     for _ in range(1000):
         assert jit.load_library(source) is lib
@@ -223,22 +239,45 @@ def test_shared_writable_cache_dir_is_refused(
     assert not list(shared.iterdir())
 
 
-def test_unusable_cache_location_falls_back_to_temp_dir(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Keep the per-process fallback dir inside tmp_path so the test leaves nothing behind.
-    monkeypatch.setattr(jit, "_fallback_dir", None)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+# Loads the kernel read from stdin under a warnings recorder; prints what it saw as JSON.
+FALLBACK_CHILD = textwrap.dedent(
+    """
+    import ctypes, json, sys, warnings
+    import torch
+    from sparsenn.compiler.backend import jit
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lib = jit.load_library(sys.stdin.read(), "sum")
+    lib.sum.restype = ctypes.c_double
+    lib.sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    x = torch.arange(%d, dtype=torch.float64)
+    directory = jit.cache_dir()
+    print(json.dumps({
+        "sum": lib.sum(x.data_ptr(), x.numel(), 2),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+        "directory": str(directory),
+        "is_dir": directory.is_dir(),
+        "kernels": sorted(p.name for p in directory.glob("sum_*.so")),
+    }))
+    """
+    % N
+)
+
+
+def test_unusable_cache_location_falls_back_to_temp_dir(tmp_path: pathlib.Path) -> None:
+    """In a fresh process (none has fallen back yet), with the system temp dir in tmp_path
+    ($TMPDIR) so the test leaves nothing behind."""
     blocker = tmp_path / "regular-file"
     blocker.write_text("")
-    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(blocker / "cache"))
-    with pytest.warns(RuntimeWarning, match="cannot use kernel cache directory"):
-        lib = jit.load_library(sum_source(), "sum")
-    assert call_sum(lib) == EXPECTED_SUM
-    fallback = jit.cache_dir()
-    assert fallback.is_dir() and fallback.parent == tmp_path
+    done = run_python(FALLBACK_CHILD, sum_source(), blocker / "cache", TMPDIR=str(tmp_path))
+    seen = json.loads(done.stdout)
+    assert any(w.startswith("RuntimeWarning: cannot use kernel cache directory") for w in seen["warnings"])
+    assert seen["sum"] == EXPECTED_SUM
+    fallback = pathlib.Path(seen["directory"])
+    assert seen["is_dir"] and fallback.parent == tmp_path
     assert fallback.name.startswith("sparsenn-")
-    assert list(fallback.glob("sum_*.so"))
+    assert seen["kernels"]
     assert blocker.read_text() == ""
 
 
@@ -310,24 +349,39 @@ def header_source() -> str:
     return f'// {uuid.uuid4().hex}\n#include "answer.h"\nextern "C" int answer() {{ return ANSWER; }}\n'
 
 
+ANSWER_CHILD = textwrap.dedent(
+    """
+    import sys
+    from sparsenn.compiler.backend import jit
+
+    print(jit.__file__, jit.load_library(sys.stdin.read(), "answer").answer())
+    """
+)
+
+
 def test_runtime_headers_are_on_the_include_path_and_in_the_key(
-    cache: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    cache: pathlib.Path, tmp_path: pathlib.Path
 ) -> None:
-    headers = tmp_path / "runtime"
-    headers.mkdir()
-    (headers / "answer.h").write_text("#define ANSWER 41\n")
-    monkeypatch.setattr(jit, "RUNTIME_HEADERS", headers)
+    """An installed copy of the package with a header of its own, each load in a fresh process."""
+    install = tmp_path / "install"
+    shutil.copytree(REPO_ROOT / "sparsenn", install / "sparsenn", ignore=shutil.ignore_patterns("__pycache__"))
+    header = install / "sparsenn" / "compiler" / "backend" / "runtime" / "answer.h"
     source = header_source()
-    assert jit.load_library(source, "answer").answer() == 41
+
+    def answer() -> int:
+        module, value = run_python(ANSWER_CHILD, source, cache, install).stdout.split()
+        assert pathlib.Path(module).is_relative_to(install)
+        return int(value)
+
+    header.write_text("#define ANSWER 41\n")
+    assert answer() == 41
     # Editing a header gives the same source a new cache entry, built with the new header.
-    (headers / "answer.h").write_text("#define ANSWER 42\n")
-    monkeypatch.setattr(jit, "_libraries", {})
-    assert jit.load_library(source, "answer").answer() == 42
+    header.write_text("#define ANSWER 42\n")
+    assert answer() == 42
     assert len(list(cache.glob("answer_*.so"))) == 2
-    (headers / "answer.h").write_text("#define ANSWER 41\n")
-    monkeypatch.setattr(jit, "_libraries", {})
+    header.write_text("#define ANSWER 41\n")
     mtimes = {p: p.stat().st_mtime_ns for p in cache.glob("*.so")}
-    assert jit.load_library(source, "answer").answer() == 41  # served from the cache
+    assert answer() == 41  # served from the cache
     assert {p: p.stat().st_mtime_ns for p in cache.glob("*.so")} == mtimes
 
 
@@ -361,22 +415,35 @@ def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
     assert headers and {f"sparsenn/compiler/backend/runtime/{name}" for name in headers} <= shipped
 
 
+# Loads the kernel read from stdin, then a new one, logging at INFO to stderr.
+LOGGED_CHILD = textwrap.dedent(
+    """
+    import logging, sys, uuid
+    from sparsenn.compiler.backend import jit
+
+    logging.basicConfig(level=logging.INFO)
+    jit.load_library(sys.stdin.read(), "logged")
+    jit.load_library(f'// {uuid.uuid4().hex}\\nextern "C" int one() {{ return 1; }}\\n', "fresh")
+    """
+)
+
+
 def test_each_build_is_logged(cache: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
     source = sum_source()
     with caplog.at_level(logging.INFO, logger="sparsenn"):
         jit.load_library(source, "logged")
-        jit._libraries.clear()  # as in a new process
-        jit.load_library(source, "logged")  # loaded from the cache, not built
     built = [r for r in caplog.records if "built kernel logged" in r.getMessage()]
     assert len(built) == 1 and built[0].name.startswith("sparsenn.")
+    logged = run_python(LOGGED_CHILD, source, cache).stderr  # a new process: loaded from the cache, not built
+    assert "built kernel fresh" in logged and "built kernel logged" not in logged
 
 
 def test_a_warm_cache_needs_no_compiler(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     source = sum_source()
-    jit.load_library(source, "warm")
-    jit._libraries.clear()  # as in a new process
+    jit.load_library(source, "sum")
+    total, _, _ = child_result(run_child(source, cache, CXX="/nonexistent/c++", PATH=""))  # a new process
+    assert total == EXPECTED_SUM
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     monkeypatch.setenv("PATH", "")
-    assert call_sum(jit.load_library(source, "warm")) == EXPECTED_SUM
     with pytest.raises(jit.CompilerNotFoundError):
         jit.load_library(sum_source(), "cold")

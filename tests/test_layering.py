@@ -6,7 +6,10 @@ functions count too."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
 import sys
+import textwrap
 import tomllib
 from importlib.metadata import packages_distributions
 from pathlib import Path
@@ -93,13 +96,37 @@ def test_the_checker_resolves_relative_and_lazy_imports() -> None:
     assert package_of(PACKAGE / "formats" / "__init__.py") == "sparsenn.formats"
 
 
-def test_operators_without_the_compiler_raise_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    a = sparsenn.from_dense(torch.eye(2), "csr")
-    monkeypatch.setattr(arithmetic, "_installed", [])
-    with pytest.raises(RuntimeError, match=r"arithmetic \(\+, -, \*, @\) is computed by the sparse einsum compiler"):
-        a + a
-    with pytest.raises(RuntimeError, match="import sparsenn first"):
-        a @ torch.ones(2)
+# Storage alone (no compiler installed its arithmetic): each operator's error, one a line.
+STORAGE_ALONE = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import sparsenn.formats
+
+    assert not [name for name in sys.modules if name.startswith(("sparsenn.compiler", "sparsenn.layers"))]
+    a = sparsenn.formats.from_dense(torch.eye(2), "csr")
+    for operation in (lambda: a + a, lambda: a @ torch.ones(2)):
+        try:
+            operation()
+        except RuntimeError as error:
+            print(error)
+    """
+)
+
+
+def test_operators_without_the_compiler_raise_a_clear_error(tmp_path: Path) -> None:
+    """In a process that loaded ``sparsenn.formats`` alone (an install holding the storage
+    package only: ``sparsenn`` without its ``__init__``, so nothing imports the compiler)."""
+    (tmp_path / "sparsenn").mkdir()
+    (tmp_path / "sparsenn" / "formats").symlink_to(PACKAGE / "formats")
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", STORAGE_ALONE], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    errors = done.stdout.splitlines()
+    assert len(errors) == 2
+    assert all("arithmetic (+, -, *, @) is computed by the sparse einsum compiler" in e for e in errors)
+    assert all("import sparsenn first" in e for e in errors)
 
 
 def test_install_rejects_other_objects() -> None:

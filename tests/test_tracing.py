@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import sparsenn
+from sparsenn.compiler import cache_stats
 from sparsenn.compiler.runtime import ops
 from sparsenn.layers.linear import _AFFINE
 
@@ -105,12 +106,10 @@ def test_compiled_attention_redraws_random_blocks_in_training():
 
 @pytest.mark.parametrize("training, padded, drawn_per_call", [(False, False, False), (True, False, False),
                                                                (False, True, True)])
-def test_compiled_attention_keeps_a_fixed_mask(monkeypatch, training, padded, drawn_per_call):
+def test_compiled_attention_keeps_a_fixed_mask(training, padded, drawn_per_call):
     """Eval mode (or a fixed pattern) without padding: the mask is drawn once while
-    tracing and the same arrays reach the kernels every call; padding still draws it per
-    call."""
-    from sparsenn.layers import attention as module
-
+    tracing and the same arrays reach the kernels every call (the traced ops find their
+    pattern validated: no "traced patterns" miss); padding still draws it per call."""
     torch.manual_seed(9)
     layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0,
                                           fixed_pattern=training).train(training)
@@ -118,15 +117,14 @@ def test_compiled_attention_keeps_a_fixed_mask(monkeypatch, training, padded, dr
     padding = torch.zeros(2, 128, dtype=torch.bool) if padded else None
     if padded:
         padding[0, 100:] = True
-    drawn = []
-    block_mask = module.block_mask
-    monkeypatch.setattr(module, "block_mask", lambda *args: drawn.append(1) or block_mask(*args))
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     compiled(x, key_padding_mask=padding)
-    before = len(drawn)
+    before = cache_stats()["traced patterns"]
     outputs = [compiled(x, key_padding_mask=padding)[0] for _ in range(3)]
-    assert len(drawn) - before == (3 if drawn_per_call else 0)
+    after = cache_stats()["traced patterns"]
+    assert after.misses - before.misses == (3 if drawn_per_call else 0)
+    assert after.hits > before.hits
     expected = layer(x, key_padding_mask=padding)[0]
     for out in outputs:
         _assert_close(out, expected)
@@ -142,14 +140,19 @@ def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
         _assert_close(compiled(x)[0], layer(x)[0])
 
 
+def _lookups() -> tuple[int, int]:
+    """Lookups so far of the fused steps (one per ``run_steps``) and of the calls (one
+    per evaluation outside a fused kernel), from ``cache_stats()``."""
+    stats = cache_stats()
+    return tuple(stats[name].hits + stats[name].misses for name in ("fused steps", "calls"))
+
+
 @pytest.mark.parametrize("padded, dynamic", [(False, False), (True, False), (False, True)])
-def test_compiled_attention_inference_runs_the_fused_output_steps(monkeypatch, padded, dynamic):
+def test_compiled_attention_inference_runs_the_fused_output_steps(padded, dynamic):
     """Without gradients, the scores, softmax and SpMM are one ``sparsenn::evaluate`` op
-    over the fused steps ending in the dense output (its fake shape derived step by step,
-    also under symbolic sizes), equal to eager mode."""
-    steps = ops._TABLES["attention_output"]
-    named = []
-    monkeypatch.setitem(ops._TABLES, "attention_output", lambda *args: named.append(args) or steps(*args))
+    over the fused steps ending in the dense output (one fused call, nothing evaluated
+    apart; its fake shape derived step by step, also under symbolic sizes), equal to
+    eager mode."""
     torch.manual_seed(11)
     layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0).eval()
     torch._dynamo.reset()
@@ -161,8 +164,31 @@ def test_compiled_attention_inference_runs_the_fused_output_steps(monkeypatch, p
             if padded:
                 padding = torch.zeros(batch, length, dtype=torch.bool)
                 padding[1, 70:] = True
-            _assert_close(compiled(x, key_padding_mask=padding)[0], layer(x, key_padding_mask=padding)[0])
-    assert named and all(args[1] == padded for args in named)
+            fused, calls = _lookups()
+            out = compiled(x, key_padding_mask=padding)[0]
+            assert _lookups() == (fused + 1, calls)
+            _assert_close(out, layer(x, key_padding_mask=padding)[0])
+
+
+def test_a_new_einsum_equation_is_compiled_once():
+    """Traced code neither reads nor grows the set of known plain equations, so the
+    graph holds no guard on it: calling it again, also after an eager call of the same
+    equation, does not compile it again."""
+    graphs = []
+
+    def backend(graph: torch.fx.GraphModule, inputs) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    a = sparsenn.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) < 0.5), "csr")
+    x = torch.randn(5, 3)
+    torch._dynamo.reset()
+    product = torch.compile(lambda x: sparsenn.einsum("Zq,qY->ZY", a, x), fullgraph=True, backend=backend)
+    first = product(x)
+    eager = sparsenn.einsum("Zq,qY->ZY", a, x)
+    _assert_close(product(x), eager)
+    _assert_close(first, eager)
+    assert len(graphs) == 1
 
 
 def test_compile_fullgraph_einsum_and_softmax():

@@ -55,9 +55,9 @@ them into one kernel that runs every step per coordinate while its rows are in c
 ``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included.
 
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,
-contraction paths, re-stored patterns) are bounded LRU caches (``runtime/cache.py``):
-:func:`cache_stats` reports their sizes and hit counts, :func:`clear_caches` empties
-them (compiled kernels stay loaded and on disk).
+contraction paths and their pair schedules, re-stored patterns) are bounded LRU caches
+(``runtime/cache.py``): :func:`cache_stats` reports their sizes and hit counts,
+:func:`clear_caches` empties them (compiled kernels stay loaded and on disk).
 """
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError

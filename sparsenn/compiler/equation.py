@@ -271,12 +271,14 @@ def _from_sublists(args: tuple) -> tuple[str, tuple]:
     return equation, tuple(args[0:2 * pairs:2])
 
 
-def normalise(equation: object, operands: tuple) -> tuple[object, tuple]:
+def normalise(equation: object, operands: tuple, remember: bool = True) -> tuple[object, tuple]:
     """``(equation, operands)`` of an ``einsum`` call in the core form. Plain equations
     return at once; a non-str equation other than an operand (sublist form) is returned
-    as it is for the core parser to reject."""
+    as it is for the core parser to reject. ``remember=False`` (traced code) neither
+    reads nor adds to the set of known plain equations: a compiled graph would guard on
+    its contents, and be compiled again when it grows."""
     listed = len(operands) == 1 and isinstance(operands[0], (list, tuple))
-    if type(equation) is str and equation in _plain and not listed:
+    if remember and type(equation) is str and equation in _plain and not listed:
         return equation, operands
     if isinstance(equation, (torch.Tensor, SparseTensor)):
         equation, operands = _from_sublists((equation, *operands))
@@ -285,9 +287,10 @@ def normalise(equation: object, operands: tuple) -> tuple[object, tuple]:
     if not isinstance(equation, str):
         return equation, operands
     if _is_plain(equation):
-        if len(_plain) >= _PLAIN_LIMIT:
-            _plain.clear()
-        _plain.add(equation)
+        if remember:
+            if len(_plain) >= _PLAIN_LIMIT:
+                _plain.clear()
+            _plain.add(equation)
         return equation, operands
     return _rewrite(parse(equation), operands)
 

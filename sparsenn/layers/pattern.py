@@ -38,7 +38,8 @@ class PatternBuffers:
     ``format`` is the weight's storage format; the buffer names follow its levels
     (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
     submodule); it holds the SparseTensor last validated over the buffers and a record
-    of those buffers (object, data pointer, version counter).
+    of those buffers (object, data pointer, version counter). ``validations`` counts the
+    full checks of the buffers: one while they stay unchanged, one more after each edit.
     """
 
     def __init__(self, name: str, shape: tuple[int, int], fmt: Format) -> None:
@@ -48,6 +49,7 @@ class PatternBuffers:
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._versioned = False  # every recorded buffer has a version counter (none is an inference tensor)
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
+        self.validations = 0
 
     @property
     def values_name(self) -> str:
@@ -103,6 +105,7 @@ class PatternBuffers:
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
+        self.validations += 1
         owner = type(module).__name__
         for name, (token, why) in list(self._unloaded.items()):
             if _token(module._buffers.get(name, module._parameters.get(name))) == token:

@@ -32,8 +32,13 @@ A split is skipped when ``cost(L) + cost(R)`` already exceeds the best tree foun
 order, as an exhaustive search); beyond, only splits of a connected set into two
 connected sets that share an index (no outer products), and then every split of the
 product's connected components. Each pair (two operands or intermediates and the
-indices kept) is costed once per planning: ``schedule`` calls are the expensive part.
-No intermediate of more than :data:`~..backend.abi.MAX_OUTPUT_RANK` indices is formed.
+indices kept) is costed once per planning, and its schedule is cached across plannings:
+``schedule`` calls are the expensive part (``cache_stats()["pair schedules"]`` counts
+them as misses). No intermediate of more than :data:`~..backend.abi.MAX_OUTPUT_RANK`
+indices is formed.
+
+:func:`pairwise_path` is the tree search alone: the cheapest tree whatever fusing
+would cost, within a rank bound.
 """
 
 from __future__ import annotations
@@ -47,15 +52,18 @@ from .anchor import find_anchor
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
 from ..notation import Access, Assignment, Term
 from ..backend.abi import MAX_OUTPUT_RANK
+from ..runtime.cache import LRUCache
 from .cost import estimate_positions
 from .schedule import GEMM_SPEEDUP, OperandInfo, Schedule, schedule
 
-__all__ = ["Step", "best_path", "describe_path"]
+__all__ = ["Step", "best_path", "pairwise_path", "describe_path"]
 
 INTERMEDIATE_COST = 2.0  # per element of a dense intermediate: written, then read back
 ALL_SPLITS_OPERANDS = 5  # up to this many operands, outer-product splits are searched too
 EXACT_OPERANDS = 10  # beyond, greedy only (listing the splits alone takes 3^n steps)
 EXACT_SPLITS = 500  # more candidate splits than this: greedy only
+
+_pair_schedules: LRUCache[Schedule] = LRUCache("pair schedules", 512)
 
 
 @dataclass(frozen=True)
@@ -95,16 +103,18 @@ def _lowest(mask: int) -> int:
 
 
 class _Pairs:
-    """Pairwise contractions within one product term, each costed once."""
+    """Pairwise contractions within one product term, each costed once; none forms an
+    intermediate of more than ``max_rank`` indices."""
 
-    def __init__(self, term: Term, output: tuple[str, ...], infos: Sequence[OperandInfo], itemsize: int):
+    def __init__(self, term: Term, output: tuple[str, ...], infos: Sequence[OperandInfo], itemsize: int,
+                 max_rank: int = MAX_OUTPUT_RANK):
         self.output = output
         self.full = (1 << len(term.factors)) - 1
         self.itemsize = itemsize
+        self.max_rank = max_rank
         self.dims = {i: infos[a.operand].shape[m] for a in term.factors for m, i in enumerate(a.indices)}
         self.operand_indices = [set(a.indices) for a in term.factors]
         self._costs: dict[tuple, tuple[float, OperandInfo, int | None]] = {}
-        self._schedules: dict[tuple, Schedule] = {}
 
     def join(self, a: _Tree, b: _Tree) -> tuple[float, _Tree]:
         """(cost of the pair, the tree contracting ``a`` and ``b``). The left factor is
@@ -139,19 +149,21 @@ class _Pairs:
         return self._costs[key]
 
     def _schedule(self, pair: Assignment, infos: tuple[OperandInfo, ...], fmt, anchor: int | None = None) -> Schedule:
-        key = (pair, infos, fmt, anchor)
-        if key not in self._schedules:
-            self._schedules[key] = schedule(pair, infos, fmt, self.itemsize, anchor=anchor)
-        return self._schedules[key]
+        key = (pair, infos, fmt, anchor, self.itemsize)
+        planned = _pair_schedules.get(key)
+        if planned is None:
+            planned = schedule(pair, infos, fmt, self.itemsize, anchor=anchor)
+            _pair_schedules.put(key, planned)
+        return planned
 
     def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
         """(cost, info, anchor) of contracting a pair: a BLAS call when both are dense
         (``flops / GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
         ``INTERMEDIATE_COST`` per element; a result on an operand's pattern (that
         operand: ``anchor``) is its values, computed in place; infinite beyond
-        :data:`~..backend.abi.MAX_OUTPUT_RANK` indices."""
+        ``max_rank`` indices."""
         shape = tuple(self.dims[i] for i in pair.output)
-        if len(shape) > MAX_OUTPUT_RANK:
+        if len(shape) > self.max_rank:
             return math.inf, OperandInfo(None, shape), None
         if all(i.format is None for i in infos):
             flops = math.prod(self.dims[i] for i in pair.terms[0].indices)
@@ -306,21 +318,33 @@ def best_path(
     it is costed as the dense-output nest that writes values in place, with no assembly;
     ``dense``: the result is requested dense, and the fused nest is costed so."""
     (term,) = assignment.terms
-    n = len(term.factors)
-    if n < 3:
+    if len(term.factors) < 3:
         return None
     fmt = None if anchored or dense else infer_output_format(assignment, [i.format for i in infos])
     fused = schedule(assignment, infos, fmt, itemsize).cost
-    pairs = _Pairs(term, assignment.output, infos, itemsize)
+    found = pairwise_path(assignment, infos, itemsize, bound=fused)
+    return None if found is None else found[1]
+
+
+def pairwise_path(
+    assignment: Assignment, infos: Sequence[OperandInfo], itemsize: int, bound: float = math.inf,
+    max_rank: int = MAX_OUTPUT_RANK,
+) -> tuple[float, list[Step]] | None:
+    """``(cost, steps)`` of the cheapest tree of pairwise contractions the search finds
+    for ``assignment``'s single product term, or ``None`` when none costs less than
+    ``bound`` with every intermediate within ``max_rank`` indices."""
+    (term,) = assignment.terms
+    n = len(term.factors)
+    pairs = _Pairs(term, assignment.output, infos, itemsize, max_rank)
     leaves = [_Tree(1 << k, a.indices, infos[a.operand], pattern=_pattern(infos, a.operand))
               for k, a in enumerate(term.factors)]
     tree = _greedy(leaves, pairs)
     splits = _splits(pairs.operand_indices)
     if splits is not None:
-        exact = _exact(leaves, splits, pairs, min(fused, tree.cost))
+        exact = _exact(leaves, splits, pairs, min(bound, tree.cost))
         if exact is not None and exact.cost <= tree.cost:
             tree = exact
-    return _steps(tree, n) if tree.cost < fused else None
+    return (tree.cost, _steps(tree, n)) if tree.cost < bound else None
 
 
 def describe_path(assignment: Assignment, steps: Sequence[Step]) -> list[str]:

@@ -60,9 +60,10 @@ def einsum(equation: str, *operands, out_format=None):
     Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
     computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
-    equation, operands = normalise(equation, operands)
+    traced = tracing()
+    equation, operands = normalise(equation, operands, remember=not traced)
     operands = autocast_operands(operands)
-    if tracing():  # parsed by the op's call string, not in traced code
+    if traced:  # parsed by the op's call string, not in traced code
         return traced_evaluate(None, operands, out_format, ("einsum", equation, len(operands)))
     try:
         return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)

@@ -114,9 +114,10 @@ def register(cache: Cache) -> Cache:
 
 
 def clear_caches() -> None:
-    """Empty every compiler cache (parsed equations, calls, plans, contraction paths,
-    re-stored patterns) and release the memory kept for kernel outputs. Compiled kernels
-    stay loaded and on disk; the next call of each expression plans it again."""
+    """Empty every compiler cache (parsed equations, calls, plans, contraction paths and
+    their pair schedules, re-stored patterns) and release the memory kept for kernel
+    outputs. Compiled kernels stay loaded and on disk; the next call of each expression
+    plans it again."""
     for cache in _registry.values():
         cache.clear()
 
