@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
@@ -223,22 +222,19 @@ def test_shared_writable_cache_dir_is_refused(
     assert not list(shared.iterdir())
 
 
-def test_unusable_cache_location_falls_back_to_temp_dir(
+def test_unusable_cache_location_falls_back_to_a_temp_dir_removed_at_exit(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Keep the per-process fallback dir inside tmp_path so the test leaves nothing behind.
-    monkeypatch.setattr(jit, "_fallback_dir", None)
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     blocker = tmp_path / "regular-file"
     blocker.write_text("")
-    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(blocker / "cache"))
-    with pytest.warns(RuntimeWarning, match="cannot use kernel cache directory"):
-        lib = jit.load_library(sum_source(), "sum")
-    assert call_sum(lib) == EXPECTED_SUM
-    fallback = jit.cache_dir()
-    assert fallback.is_dir() and fallback.parent == tmp_path
-    assert fallback.name.startswith("sparsenn-")
-    assert list(fallback.glob("sum_*.so"))
+    total, inode, stderr = child_result(run_child(sum_source(), blocker / "cache"))
+    assert total == EXPECTED_SUM and inode > 0  # built into and loaded from the fallback dir
+    fallback = pathlib.Path(re.search(r"caching compiled kernels in (\S+) for this process only", stderr).group(1))
+    assert fallback.parent == temp and fallback.name.startswith("sparsenn-")
+    assert not fallback.exists() and not list(temp.glob("sparsenn-*"))  # removed when the child exited
     assert blocker.read_text() == ""
 
 
