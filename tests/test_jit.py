@@ -339,11 +339,12 @@ def test_kernels_build_against_the_shipped_headers(cache: pathlib.Path) -> None:
 
 
 def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
-    """A non-editable install has every header the JIT reads (package data)."""
+    """A non-editable install has every header the JIT reads (package data), the typing
+    marker and the license."""
     pytest.importorskip("setuptools")
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO_ROOT / name, source / name)
     shutil.copytree(REPO_ROOT / "sparsenn", source / "sparsenn", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
@@ -351,10 +352,12 @@ def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
          "-w", str(tmp_path / "dist")],
         check=True, capture_output=True, timeout=300,
     )
-    (wheel,) = (tmp_path / "dist").glob("sparsenn-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("sparsenn_torch-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     headers = [f.name for f in jit.RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")]
     assert headers and {f"sparsenn/compiler/backend/runtime/{name}" for name in headers} <= shipped
+    assert "sparsenn/py.typed" in shipped
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in shipped)
 
 
 def test_each_build_is_logged(cache: pathlib.Path, caplog: pytest.LogCaptureFixture) -> None:
