@@ -9,12 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback
-from lightning.pytorch.cli import LightningCLI
 
-from sparsenn.cli import DESCRIPTION, checkout, no_checkout_error
+from sparsenn.cli import DESCRIPTION, INSTALL_EXTRA, checkout, no_checkout_error
+
+try:
+    import lightning as L
+    from lightning.pytorch.callbacks import BasePredictionWriter, Callback
+    from lightning.pytorch.cli import LightningCLI
+except ModuleNotFoundError as exc:
+    raise ModuleNotFoundError(f"the sparsenn command's Lightning classes need the models extra ({exc}): "
+                              f"{INSTALL_EXTRA}", name=exc.name) from exc
 
 if TYPE_CHECKING:
     from models.bench import BenchResult
