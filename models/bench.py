@@ -369,7 +369,7 @@ def chart(results: Sequence[BenchResult]) -> Figure:
 
     if not results:
         raise ValueError("a chart needs at least one result")
-    figure = Figure(figsize=(5.5 * len(results), 4.2))
+    figure = Figure(figsize=(5.5 * len(results), 5.2))
     axes = figure.subplots(1, len(results), squeeze=False)
     for axis, result in zip(axes[0], results):
         threads = result.settings.threads
@@ -379,14 +379,15 @@ def chart(results: Sequence[BenchResult]) -> Figure:
             times = [variant.median_ms[t] for t in threads]
             bars = axis.bar(positions, times, width, label=variant.name)
             axis.bar_label(bars, [f"{result.speedup(variant.name, t):.2f}x" for t in threads], fontsize=7)
+        times = [ms for variant in result.variants for ms in variant.median_ms.values()]
         axis.set_yscale("log")
-        axis.margins(y=0.15)
+        axis.set_ylim(min(times) / 10, max(times) * 2)  # bars start a decade below the fastest: alike in every panel
         labels = [f"{t} thread{'s' if t > 1 else ''}" + (" (busy)" if t in result.busy_threads else "")
                   for t in threads]
         axis.set_xticks(range(len(threads)), labels)
         axis.set_ylabel("median inference time (ms, log scale)")
         axis.set_title(result.name, fontsize=9)
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     figure.suptitle("CPU inference: time of each variant (label: time / sparsenn's time)", fontsize=10)
     figure.tight_layout()
     return figure
