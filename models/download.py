@@ -32,19 +32,18 @@ def data_dir() -> Path:
 
 
 def download(url: str, path: str | Path, hint: str = "") -> Path:
-    """Fetch ``url`` into ``path``; FileNotFoundError naming both (and ``hint``: what else the
-    user can do) when it fails."""
+    """Fetch ``url`` into ``path``; FileNotFoundError naming the URL (and ``hint``: what else
+    the user can do) when it fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"downloading {url} to {path}", file=sys.stderr, flush=True)
+    print(f"downloading {url}", file=sys.stderr, flush=True)
     descriptor, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:
         with os.fdopen(descriptor, "wb") as out, urllib.request.urlopen(url, timeout=_TIMEOUT_S) as response:
             shutil.copyfileobj(response, out, 1 << 20)
         os.replace(partial, path)
     except OSError as exc:
-        raise FileNotFoundError(f"{path} is missing and downloading it from {url} failed ({exc}). {hint}".strip()) \
-            from exc
+        raise FileNotFoundError(f"downloading {url} failed ({exc}). {hint}".strip()) from exc
     finally:
         Path(partial).unlink(missing_ok=True)
     return path
@@ -57,7 +56,7 @@ def suitesparse_matrix(group: str, name: str, root: str | Path | None = None, ur
     path = (data_dir() / "suitesparse" if root is None else Path(root)) / group / f"{name}.mtx"
     if path.is_file():
         return path
-    hint = f"Or put the collection's {name}.mtx there yourself."
+    hint = f"Or put the collection's {name}.mtx at {path} yourself."
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".download-") as workdir:
         archive = download(f"{url}/{group}/{name}.tar.gz", Path(workdir) / f"{name}.tar.gz", hint)

@@ -98,7 +98,7 @@ def download_imdb(data_dir: str | Path, url: str = IMDB_URL) -> None:
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=data_dir, prefix=".download-") as workdir:
-        hint = f"Or write the csv.gz files into {data_dir} from an unpacked copy with write_imdb_csv."
+        hint = f"Or write train.csv.gz and test.csv.gz into {data_dir} from an unpacked copy with write_imdb_csv."
         archive = download(url, Path(workdir) / "aclImdb_v1.tar.gz", hint)
         _write_reviews(data_dir, _archived_reviews(archive))
 

@@ -46,7 +46,7 @@ def test_data_dir_follows_the_environment(tmp_path, monkeypatch):
 
 def test_a_failed_download_names_the_url_and_leaves_nothing(tmp_path):
     url = (tmp_path / "absent.tar.gz").as_uri()
-    with pytest.raises(FileNotFoundError, match=r"downloading it from file://.*absent\.tar\.gz failed.*Try this"):
+    with pytest.raises(FileNotFoundError, match=r"downloading file://.*absent\.tar\.gz failed.*Try this"):
         download(url, tmp_path / "out" / "file.tar.gz", "Try this.")
     assert not list((tmp_path / "out").iterdir())
 
