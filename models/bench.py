@@ -18,9 +18,10 @@ the agreement check.
 sparsenn's, scores each with the task metric, then times them: ``warmup`` untimed calls, then
 the median of ``repeats`` calls per variant, round-robin, at each torch thread count, reading the
 machine's load average before and after each thread count's timing (a busy machine inflates the
-times: :func:`busy_warning`). The first call of the sparsenn variant (planning and building every kernel) is timed separately in a
-fresh process with an empty kernel cache. The model and its data module must have saved their
-init arguments (``save_hyperparameters()``) so that process can rebuild them.
+times: :func:`busy_warning`). The first call of the sparsenn variant (planning and building every
+kernel) is timed separately in a fresh process with an empty kernel cache. The model and its data
+module must have saved their init arguments (``save_hyperparameters()``) so that process can
+rebuild them.
 """
 
 from __future__ import annotations

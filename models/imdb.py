@@ -129,13 +129,17 @@ def _write_reviews(data_dir: str | Path, reviews: Iterable[tuple[str, str]]) -> 
     for split, entries in rows.items():
         if not entries:
             raise ValueError(f"no {split} reviews found: expected files {split}/{{neg,pos}}/<id>_<rating>.txt")
+    for split, entries in rows.items():
         descriptor, partial = tempfile.mkstemp(dir=data_dir, prefix=f".{split}.", suffix=".partial")
         os.close(descriptor)
-        with gzip.open(partial, "wt", newline="", encoding="utf-8") as file:
-            writer = csv.writer(file, lineterminator="\n")
-            writer.writerow(("label", "rating", "file", "text"))
-            writer.writerows((label, rating, path, text) for label, _, rating, path, text in sorted(entries))
-        os.replace(partial, data_dir / f"{split}.csv.gz")
+        try:
+            with gzip.open(partial, "wt", newline="", encoding="utf-8") as file:
+                writer = csv.writer(file, lineterminator="\n")
+                writer.writerow(("label", "rating", "file", "text"))
+                writer.writerows((label, rating, path, text) for label, _, rating, path, text in sorted(entries))
+            os.replace(partial, data_dir / f"{split}.csv.gz")
+        finally:
+            Path(partial).unlink(missing_ok=True)
 
 
 class WordTokenizer:

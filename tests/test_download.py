@@ -68,6 +68,13 @@ def test_imdb_archive_becomes_the_csv_files(tmp_path):
     assert len(texts) == 256 and labels.count(1) == 128
 
 
+def test_an_imdb_archive_without_reviews_is_an_error(tmp_path):
+    archive = _tarball(tmp_path / "aclImdb_v1.tar.gz", {"aclImdb/README": b"readme"})
+    with pytest.raises(ValueError, match="no train reviews found"):
+        download_imdb(tmp_path / "imdb", url=archive.as_uri())
+    assert not list((tmp_path / "imdb").iterdir())
+
+
 def test_imdb_data_module_reads_the_data_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSENN_DATA_DIR", str(tmp_path))
     (tmp_path / "imdb").mkdir()
