@@ -4,9 +4,10 @@
 
 Matrices: the SuiteSparse matrices of ``SUITESPARSE`` (downloaded once from sparse.tamu.edu
 into ``$SPARSENN_DATA_DIR/suitesparse``, see ``models/download.py``), or every ``.mtx`` in
-``--data DIR``, plus synthetic uniform, banded and R-MAT (power-law) ones, all fp32 CSR. Every library is timed on
-the same case in the same run, round-robin (medians after warm-up rounds); the figures
-that matter are the ratios alternative time / sparsenn time (> 1: sparsenn is faster).
+``--data DIR``, plus synthetic uniform, banded and R-MAT (power-law) ones, all fp32 CSR.
+Every library is timed on the same case in the same run, round-robin (medians after warm-up
+rounds); the figures that matter are the ratios alternative time / sparsenn time (> 1:
+sparsenn is faster).
 First-build compile time and warm-cache load time are measured in fresh processes.
 """
 

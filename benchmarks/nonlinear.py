@@ -7,8 +7,8 @@ epilogue, sparsenn against torch.sparse and the unfused paths, fp32.
    along rows against ``torch.sparse.softmax`` on the same pattern in COO (torch rejects
    CSR input), forward and forward+backward: the real road graph luxembourg_osm
    (SuiteSparse DIMACS10, 114,599 rows, ~2 entries per row; downloaded once into
-   ``$SPARSENN_DATA_DIR/suitesparse``, see ``models/download.py``) and a seeded synthetic graph of 10^5
-   rows with power-law degrees (mean 10) and uniform random columns.
+   ``$SPARSENN_DATA_DIR/suitesparse``, see ``models/download.py``) and a seeded synthetic
+   graph of 10^5 rows with power-law degrees (mean 10) and uniform random columns.
 2. Softmax on a BigBird block pattern: sequence 4096, blocks of 64; each block row
    attends to 2 global blocks, a window of 3 and 2 random blocks, and the 2 global block
    rows attend to every block. As ``bsr(64,64)`` (one head) and as a rank-4
