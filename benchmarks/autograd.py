@@ -1,7 +1,7 @@
 """Autograd benchmark: sparsenn vs torch.sparse vs dense / PyG, forward and forward+backward, on a
 90 %-sparse linear layer (x @ W^T) and GCN propagation A @ (X W) (Cora, synthetic R-MAT graph).
 Usage: ``python benchmarks/autograd.py [--quick]``."""
-import argparse, json, os, platform, shutil, statistics, subprocess, sys, tempfile, time  # noqa: E401
+import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time  # noqa: E401
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +11,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import sparsenn  # noqa: E402
+from models.planetoid import load_planetoid  # noqa: E402
 
 SEED, RTOL = 0, 1e-3
-PLANETOID = Path("/work/shared/data/planetoid")
 
 
 # ------------------------------------------------------------------------- cases
@@ -43,10 +43,7 @@ def rmat(scale, m, seed=SEED, p=(0.45, 0.22, 0.22, 0.11)):
 def gcn_case(graph):
     """Normalised adjacency D^-1/2 (A+I) D^-1/2 as (row, col, norm), features X and W shape."""
     if graph == "cora":
-        from torch_geometric.datasets import Planetoid
-        with tempfile.TemporaryDirectory() as tmp:
-            shutil.copytree(PLANETOID, tmp, dirs_exist_ok=True)
-            data = Planetoid(root=tmp, name="Cora")[0]
+        data = load_planetoid("Cora", normalize_features=False)
         n, ei, x, hidden = data.num_nodes, data.edge_index, data.x, 16
     else:
         n, ei = rmat(17, 520_000)

@@ -2,10 +2,12 @@
 
     python benchmarks/kernels.py [--quick] [--threads 1 2] [--out benchmarks/results] [--data DIR]
 
-Matrices: every SuiteSparse ``.mtx`` in ``../shared/data/suitesparse`` plus synthetic
-uniform, banded and R-MAT (power-law) ones, all fp32 CSR. Every library is timed on
-the same case in the same run, round-robin (medians after warm-up rounds); the figures
-that matter are the ratios alternative time / sparsenn time (> 1: sparsenn is faster).
+Matrices: the SuiteSparse matrices of ``SUITESPARSE`` (downloaded once from sparse.tamu.edu
+into ``$SPARSENN_DATA_DIR/suitesparse``, see ``models/download.py``), or every ``.mtx`` in
+``--data DIR``, plus synthetic uniform, banded and R-MAT (power-law) ones, all fp32 CSR.
+Every library is timed on the same case in the same run, round-robin (medians after warm-up
+rounds); the figures that matter are the ratios alternative time / sparsenn time (> 1:
+sparsenn is faster).
 First-build compile time and warm-cache load time are measured in fresh processes.
 """
 
@@ -30,13 +32,19 @@ import scipy.io
 import scipy.sparse as sps
 import torch
 
-import sparsenn
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import sparsenn  # noqa: E402
+from models.download import suitesparse_matrix  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "suitesparse"
+SUITESPARSE = (("Newman", "karate"), ("HB", "494_bus"), ("HB", "west0479"), ("LPnetlib", "lp_ship04l"),
+               ("SNAP", "ca-GrQc"), ("AG-Monien", "crack"), ("Rajat", "rajat01"), ("HB", "bcsstk13"), ("FIDAP", "ex6"),
+               ("DIMACS10", "luxembourg_osm"), ("Grund", "bayer10"), ("HB", "bcsstk33"))
+"""(group, name) of the SuiteSparse matrices benchmarked by default: 156 to 592k nonzeros."""
 BANDWIDTH = {1: 21e9, 2: 28e9}  # bytes/s on this machine, by thread count
 MAX_SPGEMM_NNZ = 5e7
 MAX_DENSE_BYTES = 2 << 30
@@ -119,9 +127,11 @@ def coo_to_csr(rows, cols, n: int, rng: np.random.Generator) -> sps.csr_array:
     return pattern
 
 
-def matrices(data: Path, quick: bool):
-    """(name, fp32 CSR) for the SuiteSparse files, then the synthetic matrices."""
-    for path in sorted(data.glob("*.mtx")):
+def matrices(data: Path | None, quick: bool):
+    """(name, fp32 CSR) for the SuiteSparse files (every .mtx in ``data``, else ``SUITESPARSE``),
+    then the synthetic matrices."""
+    paths = sorted(data.glob("*.mtx")) if data is not None else [suitesparse_matrix(*m) for m in SUITESPARSE]
+    for path in paths:
         m = sps.csr_array(scipy.io.mmread(path), dtype=np.float32)
         if not quick or (m.nnz < 100_000 and m.shape[0] <= 10_000):
             yield path.stem, m
@@ -356,7 +366,7 @@ def main() -> None:
                         help="smoke test: small matrices, one size per kernel, dense n² <= 256 MB")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    parser.add_argument("--data", type=Path, default=DATA, help="directory of SuiteSparse .mtx files")
+    parser.add_argument("--data", type=Path, help="directory of .mtx files to use instead of the SuiteSparse set")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine_info()

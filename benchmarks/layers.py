@@ -4,7 +4,7 @@ SparseGCNConv against PyG GCNConv and plain torch.sparse, forward and forward+ba
     python benchmarks/layers.py [--quick] [--threads 1 2] [--out benchmarks/results]
 
 Linear: 784->256 and 4096->4096 at sparsity 0.5/0.9/0.95/0.99, batch 64 and 1024.
-GCN: Cora, CiteSeer (../shared/data/planetoid) and a synthetic power-law graph with
+GCN: Cora, CiteSeer (shipped in models/data/planetoid) and a synthetic power-law graph with
 169,343 nodes and 1,166,243 edges (the size of ogbn-arxiv). Every method of a case runs
 round-robin in each repeat (so background load hits all alike); medians after warm-up;
 ratio = other method's time / sparsenn time, from the same run. First-call time (kernel
@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -36,9 +35,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import sparsenn  # noqa: E402
+from models.planetoid import load_planetoid  # noqa: E402
 from sparsenn import SparseGCNConv, SparseLinear  # noqa: E402
 
-PLANETOID = ROOT.parent / "shared" / "data" / "planetoid"
 CHECK_RTOL = 1e-4
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
 
@@ -113,11 +112,7 @@ def linear_reference(c: dict) -> list[torch.Tensor]:
 
 # ----------------------------------------------------------------------------------- GCN
 def planetoid(name: str):
-    from torch_geometric.datasets import Planetoid
-
-    with tempfile.TemporaryDirectory() as tmp:
-        shutil.copytree(PLANETOID / name, Path(tmp) / name)
-        data = Planetoid(root=tmp, name=name)[0]
+    data = load_planetoid(name, normalize_features=False)
     return data.x, data.edge_index
 
 

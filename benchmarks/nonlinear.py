@@ -6,8 +6,9 @@ epilogue, sparsenn against torch.sparse and the unfused paths, fp32.
 1. Softmax on graph patterns: ``sparsenn.softmax`` (and ``log_softmax``) of a CSR matrix
    along rows against ``torch.sparse.softmax`` on the same pattern in COO (torch rejects
    CSR input), forward and forward+backward: the real road graph luxembourg_osm
-   (SuiteSparse, 114,599 rows, ~2 entries per row) and a seeded synthetic graph of 10^5
-   rows with power-law degrees (mean 10) and uniform random columns.
+   (SuiteSparse DIMACS10, 114,599 rows, ~2 entries per row; downloaded once into
+   ``$SPARSENN_DATA_DIR/suitesparse``, see ``models/download.py``) and a seeded synthetic
+   graph of 10^5 rows with power-law degrees (mean 10) and uniform random columns.
 2. Softmax on a BigBird block pattern: sequence 4096, blocks of 64; each block row
    attends to 2 global blocks, a window of 3 and 2 random blocks, and the 2 global block
    rows attend to every block. As ``bsr(64,64)`` (one head) and as a rank-4
@@ -37,13 +38,15 @@ from pathlib import Path
 import scipy.io
 import torch
 
-import sparsenn
-from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case, run_first_build,
-                        section_table, target, write_report)
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import sparsenn  # noqa: E402
+from models.download import suitesparse_matrix  # noqa: E402
+from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case,  # noqa: E402
+                        run_first_build, section_table, target, write_report)
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "suitesparse"
 ROWS, MEAN_DEGREE = 100_000, 10
 SEQUENCE, BLOCK, HEADS = 4096, 64, 4
 FEATURES = 128
@@ -66,9 +69,9 @@ def power_law_graph(seed: int = 0) -> sparsenn.SparseTensor:
     return sparsenn.from_coo(torch.stack([rows, cols]), values, (ROWS, ROWS), format="csr")
 
 
-def matrix_market(name: str, seed: int = 0) -> sparsenn.SparseTensor:
+def matrix_market(group: str, name: str, seed: int = 0) -> sparsenn.SparseTensor:
     """A SuiteSparse matrix's pattern in CSR with values N(0, 1)."""
-    pattern = sparsenn.from_scipy(scipy.io.mmread(DATA / f"{name}.mtx").tocsr(), format="csr")
+    pattern = sparsenn.from_scipy(scipy.io.mmread(suitesparse_matrix(group, name)).tocsr(), format="csr")
     g = torch.Generator().manual_seed(seed)
     return pattern.with_values(torch.randn(pattern.nnz, generator=g))
 
@@ -152,7 +155,7 @@ def epilogue_case(A: sparsenn.SparseTensor) -> dict:
 
 
 GRAPHS: dict[str, Callable[[], sparsenn.SparseTensor]] = {
-    "luxembourg_osm": lambda: matrix_market("luxembourg_osm"),
+    "luxembourg_osm": lambda: matrix_market("DIMACS10", "luxembourg_osm"),
     "power-law 1e5 x ~10/row": power_law_graph,
 }
 

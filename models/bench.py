@@ -16,10 +16,12 @@ the agreement check.
 
 :func:`run_bench` calls every variant on the same inputs, checks that each output agrees with
 sparsenn's, scores each with the task metric, then times them: ``warmup`` untimed calls, then
-the median of ``repeats`` calls per variant, round-robin, at each torch thread count. The first
-call of the sparsenn variant (planning and building every kernel) is timed separately in a
-fresh process with an empty kernel cache. The model and its data module must have saved their
-init arguments (``save_hyperparameters()``) so that process can rebuild them.
+the median of ``repeats`` calls per variant, round-robin, at each torch thread count, reading the
+machine's load average before and after each thread count's timing (a busy machine inflates the
+times: :func:`busy_warning`). The first call of the sparsenn variant (planning and building every
+kernel) is timed separately in a fresh process with an empty kernel cache. The model and its data
+module must have saved their init arguments (``save_hyperparameters()``) so that process can
+rebuild them.
 """
 
 from __future__ import annotations
@@ -36,19 +38,27 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = ["Benchmarkable", "BenchSettings", "BenchResult", "VariantResult", "FirstCall", "check_benchmarkable",
-           "run_bench", "format_table", "write_chart", "memoized_conversion", "RTOL", "ATOL"]
+           "run_bench", "format_table", "busy_warning", "write_chart", "chart", "memoized_conversion", "RTOL", "ATOL",
+           "BUSY_MARGIN"]
 
 RTOL, ATOL = 1e-4, 1e-5
 """A variant agrees with sparsenn when ``|ref - ours| <= ATOL * max|ours| + RTOL * |ours|`` elementwise."""
 
 REFERENCE = "sparsenn"
 """The variant every other one is compared with and timed against."""
+
+BUSY_MARGIN = 0.5
+"""The machine was busy during a timing at ``t`` threads when its 1-minute load average, at the
+start or the end of it, exceeded ``t + BUSY_MARGIN``: other processes then shared the cores."""
 
 
 @runtime_checkable
@@ -111,7 +121,8 @@ class FirstCall:
 
 @dataclasses.dataclass(frozen=True)
 class BenchResult:
-    """Everything one :func:`run_bench` measured."""
+    """Everything one :func:`run_bench` measured; ``load_average`` maps each thread count to the
+    1-minute load average at the start and the end of its timing."""
 
     name: str
     inputs: str
@@ -119,11 +130,17 @@ class BenchResult:
     settings: BenchSettings
     variants: tuple[VariantResult, ...]
     first_call: FirstCall | None
+    load_average: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         """Whether every variant's output, baselines aside, agrees with sparsenn's."""
         return all(v.agrees or v.baseline for v in self.variants)
+
+    @property
+    def busy_threads(self) -> tuple[int, ...]:
+        """The thread counts whose timing ran on a busy machine (see :data:`BUSY_MARGIN`)."""
+        return tuple(threads for threads, loads in self.load_average.items() if max(loads) > threads + BUSY_MARGIN)
 
     def speedup(self, variant: str, threads: int) -> float:
         """``variant``'s time over sparsenn's at ``threads``: above 1 means sparsenn is faster."""
@@ -134,6 +151,8 @@ class BenchResult:
         out = dataclasses.asdict(self)
         for variant in out["variants"]:
             variant["median_ms"] = {str(t): ms for t, ms in variant["median_ms"].items()}
+        out["load_average"] = {str(t): list(loads) for t, loads in self.load_average.items()}
+        out["busy_threads"] = list(self.busy_threads)
         out["ok"] = self.ok
         return out
 
@@ -214,10 +233,13 @@ def run_bench(model: Any, datamodule: Any, settings: BenchSettings, name: str | 
         metrics = {label: model.bench_metric(out, target)[1] for label, out in outputs.items()}
         try:
             timings: dict[int, list[float]] = {}
+            load: dict[int, tuple[float, float]] = {}
             for threads in settings.threads:
                 torch.set_num_threads(threads)
                 calls = [lambda call=call: call(*inputs) for call in variants.values()]
+                before = os.getloadavg()[0]
                 timings[threads] = median_ms(calls, settings.warmup, settings.repeats)
+                load[threads] = (before, os.getloadavg()[0])
         finally:
             torch.set_num_threads(threads_before)
     baselines = model.bench_baselines() if hasattr(model, "bench_baselines") else frozenset()
@@ -228,7 +250,7 @@ def run_bench(model: Any, datamodule: Any, settings: BenchSettings, name: str | 
                                      diff, agrees, label in baselines))
     first = first_call(model, datamodule, settings.threads[0]) if settings.first_call else None
     title = name or f"{type(model).__name__} on {type(datamodule).__name__}"
-    return BenchResult(title, _describe(inputs), metric_name, settings, tuple(results), first)
+    return BenchResult(title, _describe(inputs), metric_name, settings, tuple(results), first, load)
 
 
 # ------------------------------------------------------------------------------- first call
@@ -303,13 +325,20 @@ def format_table(result: BenchResult) -> str:
              f"median of {s.repeats} calls after {s.warmup} warm-up; (Nx) = that time / sparsenn's: above 1 means "
              "sparsenn is faster"]
     header = f"{'variant':<18}" + "".join(f"{f'{t} thread' + ('s' if t > 1 else ''):>22}" for t in s.threads)
-    header += f"{'max |diff|':>12}{result.metric_name:>10}"
+    header += f"{'max |diff|':>20}{result.metric_name:>10}"
     lines.append(header)
     for v in result.variants:
         cells = "".join(f"{f'{v.median_ms[t]:.3f} ms ({result.speedup(v.name, t):.2f}x)':>22}" for t in s.threads)
         diff = "-" if v.name == REFERENCE else f"{v.max_abs_diff:.1e}" + (
             "" if v.agrees else " (baseline)" if v.baseline else " !")
-        lines.append(f"{v.name:<18}{cells}{diff:>12}{v.metric:>10.4f}")
+        lines.append(f"{v.name:<18}{cells}{diff:>20}{v.metric:>10.4f}")
+    if result.load_average:
+        loads = ", ".join(f"{t} thread{'s' if t > 1 else ''} {start:.2f} / {end:.2f}"
+                          for t, (start, end) in result.load_average.items())
+        lines.append(f"load average (1 min) at the start / end of each timing: {loads}")
+    warning = busy_warning(result)
+    if warning:
+        lines.append(f"WARNING: {warning}")
     verdict = "agree" if result.ok else "DISAGREE (marked !)"
     baselines = "; (baseline): another function, timed for comparison" if any(v.baseline for v in result.variants) else ""
     lines.append(f"outputs {verdict} with sparsenn's (rtol {RTOL:g}, atol {ATOL:g} * max|sparsenn|){baselines}")
@@ -322,18 +351,27 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def write_chart(results: Sequence[BenchResult], path: str | Path) -> Path:
-    """A PNG bar chart: one panel per result, the variants' median times grouped by thread
-    count. Needs matplotlib (a dependency of sparsenn)."""
-    import matplotlib
+def busy_warning(result: BenchResult) -> str | None:
+    """What to say when the machine was busy during some of ``result``'s timings, else None."""
+    busy = result.busy_threads
+    if not busy:
+        return None
+    counts = ", ".join(f"{t} thread{'s' if t > 1 else ''} (load average up to {max(result.load_average[t]):.1f})"
+                       for t in busy)
+    return (f"the machine was busy while timing at {counts}: other processes shared the cores, so those times are "
+            f"inflated and their ratios unreliable (busy: load average above threads + {BUSY_MARGIN:g})")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def chart(results: Sequence[BenchResult]) -> Figure:
+    """A matplotlib figure: one panel per result, the variants' median times grouped by thread
+    count on a log scale (times 100x apart stay readable), each bar labelled with its ratio to
+    sparsenn's time. Needs matplotlib (the ``models`` extra)."""
+    from matplotlib.figure import Figure
 
     if not results:
-        raise ValueError("write_chart needs at least one result")
-    path = Path(path)
-    figure, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
+        raise ValueError("a chart needs at least one result")
+    figure = Figure(figsize=(5.5 * len(results), 5.2))
+    axes = figure.subplots(1, len(results), squeeze=False)
     for axis, result in zip(axes[0], results):
         threads = result.settings.threads
         width = 0.8 / len(result.variants)
@@ -342,13 +380,23 @@ def write_chart(results: Sequence[BenchResult], path: str | Path) -> Path:
             times = [variant.median_ms[t] for t in threads]
             bars = axis.bar(positions, times, width, label=variant.name)
             axis.bar_label(bars, [f"{result.speedup(variant.name, t):.2f}x" for t in threads], fontsize=7)
-        axis.set_xticks(range(len(threads)), [f"{t} thread{'s' if t > 1 else ''}" for t in threads])
-        axis.set_ylabel("median inference time (ms)")
+        times = [ms for variant in result.variants for ms in variant.median_ms.values()]
+        axis.set_yscale("log")
+        axis.set_ylim(min(times) / 10, max(times) * 2)  # bars start a decade below the fastest: alike in every panel
+        labels = [f"{t} thread{'s' if t > 1 else ''}" + (" (busy)" if t in result.busy_threads else "")
+                  for t in threads]
+        axis.set_xticks(range(len(threads)), labels)
+        axis.set_ylabel("median inference time (ms, log scale)")
         axis.set_title(result.name, fontsize=9)
-        axis.legend(fontsize=7)
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     figure.suptitle("CPU inference: time of each variant (label: time / sparsenn's time)", fontsize=10)
     figure.tight_layout()
+    return figure
+
+
+def write_chart(results: Sequence[BenchResult], path: str | Path) -> Path:
+    """Save :func:`chart` of ``results`` as a PNG at ``path``."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    chart(results).savefig(path, dpi=110)
     return path

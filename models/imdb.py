@@ -2,9 +2,11 @@
 tokenizer built from the training split and a Lightning data module of padded token ids.
 
 The data are ``{data_dir}/train.csv.gz`` and ``{data_dir}/test.csv.gz`` with the columns
-``label`` (0 negative, 1 positive), ``rating``, ``file`` and ``text``, one review per row
-(:func:`write_imdb_csv` makes them from the original ``aclImdb`` folder). Nothing is
-downloaded: a missing file is an error that names it and says how to obtain it.
+``label`` (0 negative, 1 positive), ``rating``, ``file`` and ``text``, one review per row.
+:func:`download_imdb` makes them from the dataset's archive (:data:`IMDB_URL`), which
+:class:`IMDBDataModule` fetches into the data cache (``models.download.data_dir()``) when no
+``data_dir`` is given; :func:`write_imdb_csv` makes them from an unpacked ``aclImdb`` folder.
+The repository ships a sample of 320 real reviews (:data:`IMDB_SAMPLE_DIR`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import itertools
 import json
 import os
 import re
+import tarfile
 import tempfile
 from collections import Counter
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import lightning as L
 import numpy as np
@@ -27,28 +30,33 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
+from models.download import data_dir, download
 from sparsenn.layers.arguments import checked_int
 
-__all__ = ["IMDB_URL", "IMDBDataModule", "WordTokenizer", "default_data_dir", "read_imdb_csv", "write_imdb_csv"]
+__all__ = ["IMDB_URL", "IMDB_SAMPLE_DIR", "IMDBDataModule", "WordTokenizer", "default_data_dir", "download_imdb",
+           "read_imdb_csv", "write_imdb_csv"]
 
 IMDB_URL = "https://ai.stanford.edu/~amaas/data/sentiment/aclImdb_v1.tar.gz"
 """The Large Movie Review Dataset v1.0 archive (84 MB), its authors' canonical source."""
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+IMDB_SAMPLE_DIR = Path(__file__).resolve().parent / "data" / "imdb_sample"
+"""The shipped sample: 256 training and 64 test reviews (see its SOURCES.md)."""
+
 _SPLITS = ("train", "test")
+_REVIEW = re.compile(r"(train|test)/(neg|pos)/(\d+)_(\d+)\.txt")
 
 
 def default_data_dir() -> Path:
-    """``../shared/data/imdb`` next to the repository when it exists, else ``<repo>/data/imdb``."""
-    shared = _REPO_ROOT.parent / "shared" / "data" / "imdb"
-    return shared if shared.is_dir() else _REPO_ROOT / "data" / "imdb"
+    """Where :class:`IMDBDataModule` keeps the downloaded data set: ``<data cache>/imdb``."""
+    return data_dir() / "imdb"
 
 
 def _missing_file_error(path: Path) -> FileNotFoundError:
     return FileNotFoundError(
-        f"IMDB file not found: {path}. Download {IMDB_URL}, unpack it and write the csv.gz files with "
-        f"`python -c \"from models.imdb import write_imdb_csv; write_imdb_csv('aclImdb', '{path.parent}')\"` "
-        f"(or set data_dir to a folder holding train.csv.gz and test.csv.gz: label,rating,file,text)")
+        f"IMDB file not found: {path}. Leave data_dir unset to download {IMDB_URL} into {default_data_dir()}, "
+        f"or write the csv.gz files from the unpacked archive with `python -c \"from models.imdb import "
+        f"write_imdb_csv; write_imdb_csv('aclImdb', '{path.parent}')\"` (a data_dir holds train.csv.gz and "
+        f"test.csv.gz: label,rating,file,text)")
 
 
 def read_imdb_csv(path: str | Path) -> tuple[list[str], list[int]]:
@@ -75,21 +83,63 @@ def read_imdb_csv(path: str | Path) -> tuple[list[str], list[int]]:
 def write_imdb_csv(source: str | Path, data_dir: str | Path) -> None:
     """Write ``train.csv.gz`` and ``test.csv.gz`` into ``data_dir`` from an unpacked
     ``aclImdb`` folder (``{train,test}/{neg,pos}/<id>_<rating>.txt``)."""
-    source, data_dir = Path(source), Path(data_dir)
+    source = Path(source)
+    folders = [source / split / polarity for split in _SPLITS for polarity in ("neg", "pos")]
+    for folder in folders:
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} not found: expected the unpacked aclImdb folder of {IMDB_URL}")
+    _write_reviews(data_dir, ((review.relative_to(source).as_posix(), review.read_text(encoding="utf-8"))
+                              for folder in folders for review in folder.glob("*.txt")))
+
+
+def download_imdb(data_dir: str | Path, url: str = IMDB_URL) -> None:
+    """Download the dataset's archive from ``url`` and write ``train.csv.gz`` and
+    ``test.csv.gz`` into ``data_dir`` (the archive is not kept)."""
+    data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    for split in _SPLITS:
-        rows = []
-        for label, polarity in enumerate(("neg", "pos")):
-            folder = source / split / polarity
-            if not folder.is_dir():
-                raise FileNotFoundError(f"{folder} not found: expected the unpacked aclImdb folder of {IMDB_URL}")
-            for review in sorted(folder.glob("*.txt"), key=lambda p: int(p.stem.split("_")[0])):
-                rating = review.stem.split("_")[1]
-                rows.append((label, rating, f"{split}/{polarity}/{review.name}", review.read_text(encoding="utf-8")))
-        with gzip.open(data_dir / f"{split}.csv.gz", "wt", newline="", encoding="utf-8") as file:
-            writer = csv.writer(file, lineterminator="\n")
-            writer.writerow(("label", "rating", "file", "text"))
-            writer.writerows(rows)
+    with tempfile.TemporaryDirectory(dir=data_dir, prefix=".download-") as workdir:
+        hint = f"Or write train.csv.gz and test.csv.gz into {data_dir} from an unpacked copy with write_imdb_csv."
+        archive = download(url, Path(workdir) / "aclImdb_v1.tar.gz", hint)
+        _write_reviews(data_dir, _archived_reviews(archive))
+
+
+def _archived_reviews(archive: Path) -> Iterator[tuple[str, str]]:
+    """``(path under aclImdb/, text)`` of every labelled review in the archive."""
+    with tarfile.open(archive, "r:gz") as tar:
+        for member in tar:
+            name = member.name.removeprefix("aclImdb/")
+            if member.isfile() and _REVIEW.fullmatch(name):
+                with tar.extractfile(member) as file:
+                    yield name, file.read().decode("utf-8")
+
+
+def _write_reviews(data_dir: str | Path, reviews: Iterable[tuple[str, str]]) -> None:
+    """``train.csv.gz`` and ``test.csv.gz`` in ``data_dir`` from ``(path, text)`` pairs, the
+    path ``<split>/<neg|pos>/<id>_<rating>.txt``; rows ordered by class, then id. Each file
+    is written under a temporary name and renamed when complete."""
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    rows: dict[str, list[tuple[int, int, str, str, str]]] = {split: [] for split in _SPLITS}
+    for path, text in reviews:
+        match = _REVIEW.fullmatch(path)
+        if match is None:
+            raise ValueError(f"{path} is not a review file: expected <split>/<neg|pos>/<id>_<rating>.txt")
+        split, polarity, number, rating = match.groups()
+        rows[split].append((int(polarity == "pos"), int(number), rating, path, text))
+    for split, entries in rows.items():
+        if not entries:
+            raise ValueError(f"no {split} reviews found: expected files {split}/{{neg,pos}}/<id>_<rating>.txt")
+    for split, entries in rows.items():
+        descriptor, partial = tempfile.mkstemp(dir=data_dir, prefix=f".{split}.", suffix=".partial")
+        os.close(descriptor)
+        try:
+            with gzip.open(partial, "wt", newline="", encoding="utf-8") as file:
+                writer = csv.writer(file, lineterminator="\n")
+                writer.writerow(("label", "rating", "file", "text"))
+                writer.writerows((label, rating, path, text) for label, _, rating, path, text in sorted(entries))
+            os.replace(partial, data_dir / f"{split}.csv.gz")
+        finally:
+            Path(partial).unlink(missing_ok=True)
 
 
 class WordTokenizer:
@@ -156,8 +206,8 @@ class IMDBDataModule(L.LightningDataModule):
     modification times and by every setting that changes them.
 
     Args:
-        data_dir: folder with ``train.csv.gz`` and ``test.csv.gz`` (default
-            :func:`default_data_dir`).
+        data_dir: folder with ``train.csv.gz`` and ``test.csv.gz``; None: :func:`default_data_dir`,
+            where :meth:`prepare_data` downloads the data set (84 MB) when it is not there yet.
         max_length: tokens per sequence.
         vocab_size: most ids of the tokenizer, ``<pad>`` and ``<unk>`` included.
         min_freq: fewest occurrences in the training reviews of a word in the vocabulary.
@@ -174,6 +224,8 @@ class IMDBDataModule(L.LightningDataModule):
                  min_freq: int = 2, batch_size: int = 64, val_size: int = 2500, seed: int = 0,
                  num_workers: int = 0, cache_dir: str | None = None) -> None:
         super().__init__()
+        self.save_hyperparameters()  # the first-call benchmark rebuilds the module from them
+        self.downloads = data_dir is None
         self.data_dir = default_data_dir() if data_dir is None else Path(data_dir)
         self.max_length = checked_int("max_length", max_length, 1)
         self.vocab_size_limit = checked_int("vocab_size", vocab_size, 3)
@@ -192,6 +244,12 @@ class IMDBDataModule(L.LightningDataModule):
         if self.tokenizer is None:
             raise RuntimeError("IMDBDataModule.setup() has not run: the vocabulary is built from the training split")
         return len(self.tokenizer)
+
+    def prepare_data(self) -> None:
+        """Download the data set into :func:`default_data_dir` when no ``data_dir`` was given
+        and it is not there yet."""
+        if self.downloads and not all((self.data_dir / f"{split}.csv.gz").is_file() for split in _SPLITS):
+            download_imdb(self.data_dir)
 
     def _paths(self) -> dict[str, Path]:
         paths = {split: self.data_dir / f"{split}.csv.gz" for split in _SPLITS}
@@ -215,6 +273,7 @@ class IMDBDataModule(L.LightningDataModule):
         """Read, split, fit the tokenizer and encode, once (later stages reuse it)."""
         if self.datasets:
             return
+        self.prepare_data()
         paths = self._paths()
         cache = self._cache_file(paths)
         if cache is not None and cache.is_file():

@@ -15,7 +15,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from models import GCN, SparseAutoencoder
-from sparsenn.cli import MAIN_JOB, MainJobStep, SparsennCLI, _show_sparsenn_logs, main, run_main_job
+from sparsenn.cli import SparsennCLI, _show_sparsenn_logs, main
+from sparsenn.main_job import MAIN_JOB, MainJobStep, run_main_job
 
 ROOT = Path(__file__).resolve().parents[1]
 GCN_TINY = str(ROOT / "configs" / "gcn_cora_tiny.yaml")
@@ -151,7 +152,10 @@ def test_print_config_and_help(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("sparsenn", run_name="__main__")
     assert exit_info.value.code == 0
-    assert "{fit,validate,test,predict,bench}" in capsys.readouterr().out
+    assert "{fit,validate,test,predict,bench,run}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--help"])
+    assert exit_info.value.code == 0 and "--trainer.max_epochs" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["run", "--help"])
     assert exit_info.value.code == 0 and "--output_dir" in capsys.readouterr().out

@@ -239,45 +239,19 @@ def test_shared_writable_cache_dir_is_refused(
     assert not list(shared.iterdir())
 
 
-# Loads the kernel read from stdin under a warnings recorder; prints what it saw as JSON.
-FALLBACK_CHILD = textwrap.dedent(
-    """
-    import ctypes, json, sys, warnings
-    import torch
-    from sparsenn.compiler.backend import jit
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        lib = jit.load_library(sys.stdin.read(), "sum")
-    lib.sum.restype = ctypes.c_double
-    lib.sum.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    x = torch.arange(%d, dtype=torch.float64)
-    directory = jit.cache_dir()
-    print(json.dumps({
-        "sum": lib.sum(x.data_ptr(), x.numel(), 2),
-        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
-        "directory": str(directory),
-        "is_dir": directory.is_dir(),
-        "kernels": sorted(p.name for p in directory.glob("sum_*.so")),
-    }))
-    """
-    % N
-)
-
-
-def test_unusable_cache_location_falls_back_to_temp_dir(tmp_path: pathlib.Path) -> None:
-    """In a fresh process (none has fallen back yet), with the system temp dir in tmp_path
-    ($TMPDIR) so the test leaves nothing behind."""
+def test_unusable_cache_location_falls_back_to_a_temp_dir_removed_at_exit(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     blocker = tmp_path / "regular-file"
     blocker.write_text("")
-    done = run_python(FALLBACK_CHILD, sum_source(), blocker / "cache", TMPDIR=str(tmp_path))
-    seen = json.loads(done.stdout)
-    assert any(w.startswith("RuntimeWarning: cannot use kernel cache directory") for w in seen["warnings"])
-    assert seen["sum"] == EXPECTED_SUM
-    fallback = pathlib.Path(seen["directory"])
-    assert seen["is_dir"] and fallback.parent == tmp_path
-    assert fallback.name.startswith("sparsenn-")
-    assert seen["kernels"]
+    total, inode, stderr = child_result(run_child(sum_source(), blocker / "cache"))
+    assert total == EXPECTED_SUM and inode > 0  # built into and loaded from the fallback dir
+    fallback = pathlib.Path(re.search(r"caching compiled kernels in (\S+) for this process only", stderr).group(1))
+    assert fallback.parent == temp and fallback.name.startswith("sparsenn-")
+    assert not fallback.exists() and not list(temp.glob("sparsenn-*"))  # removed when the child exited
     assert blocker.read_text() == ""
 
 
@@ -397,11 +371,12 @@ def test_kernels_build_against_the_shipped_headers(cache: pathlib.Path) -> None:
 
 
 def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
-    """A non-editable install has every header the JIT reads (package data)."""
+    """A non-editable install has every header the JIT reads (package data), the typing
+    marker and the license."""
     pytest.importorskip("setuptools")
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(REPO_ROOT / name, source / name)
     shutil.copytree(REPO_ROOT / "sparsenn", source / "sparsenn", ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
@@ -409,10 +384,12 @@ def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
          "-w", str(tmp_path / "dist")],
         check=True, capture_output=True, timeout=300,
     )
-    (wheel,) = (tmp_path / "dist").glob("sparsenn-*.whl")
+    (wheel,) = (tmp_path / "dist").glob("sparsenn_torch-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     headers = [f.name for f in jit.RUNTIME_HEADERS.iterdir() if f.name.endswith(".h")]
     assert headers and {f"sparsenn/compiler/backend/runtime/{name}" for name in headers} <= shipped
+    assert "sparsenn/py.typed" in shipped
+    assert any(name.endswith(".dist-info/licenses/LICENSE") for name in shipped)
 
 
 # Loads the kernel read from stdin, then a new one, logging at INFO to stderr.

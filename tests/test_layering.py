@@ -1,7 +1,7 @@
 """Layering: storage (``sparsenn.formats``) never imports the compiler or the layers, the
-compiler never imports the layers, and every third-party module ``sparsenn`` imports is
-a declared dependency. Checked on the source (``ast``), so lazy imports inside
-functions count too."""
+compiler never imports the layers, every third-party module the library imports is a
+declared dependency, and only the command's modules import the ``models`` extra. Checked on
+the source (``ast``), so lazy imports inside functions count too."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ ROOT = PACKAGE.parent
 # The repository's reference models, loaded by the CLI with an error naming the folder
 # when sparsenn runs outside a checkout; not part of the distribution.
 REPOSITORY_PACKAGES = {"models"}
+# The `sparsenn` command: the only modules that may import the `models` extra.
+COMMAND_MODULES = {"sparsenn.cli", "sparsenn.lightning_cli", "sparsenn.main_job", "sparsenn.__main__"}
 
 
 def module_name(path: Path) -> str:
@@ -144,10 +146,12 @@ def normalised(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
 
 
-def declared_dependencies() -> set[str]:
+def declared_dependencies(extra: str | None = None) -> set[str]:
+    """The distributions pyproject requires, or those of one ``extra``."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] if extra is None else project["optional-dependencies"][extra]
     names = set()
-    for requirement in project["dependencies"]:
+    for requirement in requirements:
         name = requirement
         for stop in "<>=!~[; ":
             name = name.split(stop)[0]
@@ -155,16 +159,25 @@ def declared_dependencies() -> set[str]:
     return names
 
 
-def test_every_third_party_import_is_a_declared_dependency() -> None:
-    """``import lightning`` in the CLI needs ``lightning`` in pyproject's dependencies."""
-    top_level = {n.split(".")[0] for p in sorted(PACKAGE.rglob("*.py")) for n in imported_modules(p)}
-    third_party = sorted(top_level - set(sys.stdlib_module_names) - {"sparsenn", "__future__"} - REPOSITORY_PACKAGES)
-    assert "lightning" in third_party and "torch" in third_party
+def third_party_imports(paths: list[Path]) -> list[str]:
+    top_level = {n.split(".")[0] for p in paths for n in imported_modules(p)}
+    return sorted(top_level - set(sys.stdlib_module_names) - {"sparsenn", "__future__"} - REPOSITORY_PACKAGES)
+
+
+def undeclared(modules: list[str], declared: set[str]) -> dict[str, list[str]]:
     distributions = packages_distributions()
-    declared = declared_dependencies()
-    undeclared = {
-        module: distributions.get(module, [module])
-        for module in third_party
-        if not any(normalised(d) in declared for d in distributions.get(module, [module]))
-    }
-    assert undeclared == {}
+    return {module: distributions.get(module, [module]) for module in modules
+            if not any(normalised(d) in declared for d in distributions.get(module, [module]))}
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    """The library needs only pyproject's dependencies; ``import lightning`` in the command
+    needs ``lightning`` in the ``models`` extra."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    command = [p for p in paths if module_name(p) in COMMAND_MODULES]
+    library = [p for p in paths if module_name(p) not in COMMAND_MODULES]
+    assert len(command) == len(COMMAND_MODULES)
+    library_imports, command_imports = third_party_imports(library), third_party_imports(command)
+    assert "torch" in library_imports and "lightning" in command_imports and "lightning" not in library_imports
+    assert undeclared(library_imports, declared_dependencies()) == {}
+    assert undeclared(command_imports, declared_dependencies() | declared_dependencies("models")) == {}

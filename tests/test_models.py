@@ -20,7 +20,8 @@ from models import (
     normalized_adjacency_csr,
     read_idx,
 )
-from models.bench import BenchSettings, check_benchmarkable, format_table, memoized_conversion, run_bench, write_chart
+from models.bench import (BUSY_MARGIN, BenchResult, BenchSettings, VariantResult, busy_warning, chart,
+                          check_benchmarkable, format_table, memoized_conversion, run_bench, write_chart)
 
 
 # ------------------------------------------------------------------------------- Planetoid
@@ -256,7 +257,27 @@ def test_run_bench_times_every_variant_and_checks_agreement(mnist_dir, tmp_path)
     assert len({v.metric for v in result.variants}) <= 2  # the same reconstructions up to rounding
     table = format_table(result)
     assert "torch.sparse" in table and "outputs agree" in table and "2 threads" in table
+    assert set(result.load_average) == {1, 2} and min(min(pair) for pair in result.load_average.values()) >= 0
+    assert "load average (1 min) at the start / end of each timing: 1 thread " in table
+    assert result.to_json()["load_average"].keys() == {"1", "2"}
     assert write_chart([result, result], tmp_path / "chart.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_busy_machine_is_reported_and_times_100x_apart_stay_readable():
+    variants = (VariantResult("sparsenn", {1: 1.0, 2: 0.6}, 0.5, 0.0, True),
+                VariantResult("dense", {1: 150.0, 2: 90.0}, 0.5, 0.0, True))
+    quiet = BenchResult("quiet", "x", "accuracy", BenchSettings(), variants, None, {1: (0.2, 1.0), 2: (1.0, 2.0)})
+    busy = BenchResult("busy", "x", "accuracy", BenchSettings(), variants, None,
+                       {1: (0.3, 1.0 + BUSY_MARGIN + 0.1), 2: (4.7, 2.1)})
+    assert quiet.busy_threads == () and busy_warning(quiet) is None and "WARNING" not in format_table(quiet)
+    assert busy.busy_threads == (1, 2) and busy.to_json()["busy_threads"] == [1, 2]
+    assert "WARNING: the machine was busy while timing at 1 thread (load average up to 1.6), 2 threads (load " \
+           "average up to 4.7)" in format_table(busy)
+    figure = chart([quiet, busy])
+    for axis in figure.axes:
+        bottom, top = axis.get_ylim()
+        assert axis.get_yscale() == "log" and bottom < 0.6 and top > 150
+    assert [label.get_text() for label in figure.axes[1].get_xticklabels()] == ["1 thread (busy)", "2 threads (busy)"]
 
 
 def test_bench_reports_a_disagreeing_variant(mnist_dir):

@@ -6,12 +6,14 @@ headers shipped in ``runtime/`` (:data:`RUNTIME_HEADERS`). Each is built once pe
 it, and loaded with :class:`ctypes.CDLL` (which releases the GIL during calls). Loading
 a cached kernel never runs the compiler, so a cache warmed on a build machine (e.g. by
 :func:`sparsenn.precompile`) serves one without a compiler; after changing compilers,
-clear the cache to rebuild with the new one. Each build is logged (logger ``sparsenn``,
-INFO).
+clear the cache to rebuild with the new one. When the cache directory cannot be created or
+written, kernels go to a temporary directory of the process, removed when it exits. Each build
+is logged (logger ``sparsenn``, INFO).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -149,12 +151,19 @@ def _use_fallback_dir(path: pathlib.Path, reason: str) -> pathlib.Path:
     global _fallback_dir
     if _fallback_dir is None:
         _fallback_dir = pathlib.Path(tempfile.mkdtemp(prefix="sparsenn-"))
+        atexit.register(_remove_fallback_dir, _fallback_dir, os.getpid())
     warnings.warn(
         f"cannot use kernel cache directory {path} ({reason}); caching compiled kernels in "
         f"{_fallback_dir} for this process only. Set SPARSENN_CACHE_DIR to a writable directory.",
         RuntimeWarning,
     )
     return _fallback_dir
+
+
+def _remove_fallback_dir(path: pathlib.Path, owner: int) -> None:
+    """At exit of the process that made it (not of a forked child): remove the fallback dir."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ compiler and cache key
