@@ -8,13 +8,13 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
 * the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``;
 * the dense product: ``max(F / (2 · lanes · fma_per_cycle · gemm_efficiency), B / bw)``
   for ``F`` flops over ``B`` bytes of operands and result, ``bw`` the bandwidth of the
-  cache level they fit in (``l2_bytes_per_cycle`` within the L2, else
-  ``stream_bytes_per_cycle``): compute-bound with many rows, bound by reading the dense
-  weight with few (a matrix-vector product);
+  level they fit in (the L2, the last-level cache, else memory): compute-bound with many
+  rows, bound by reading the dense weight with few (a matrix-vector product);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
-  per new set of values (a training step).
+  per new set of values (a training step); the dense product's cost includes checking
+  that they are (reading them and their snapshot, ``2 · nnz`` values).
 
 The dense path is taken when the dense product alone is cheaper; the runtime makes the
 copy once the uses of one set of values have saved what it costs (until then the
@@ -73,7 +73,8 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
     touched += math.prod(sizes[i] for i in assignment.output) * itemsize
     lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
-    dense_cycles = max(compute, touched / _bandwidth(touched, target))
+    checked = 2 * infos[k].nnz * itemsize
+    dense_cycles = max(compute, touched / _bandwidth(touched, target)) + checked / _bandwidth(checked, target)
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
     sparse_cycles = sched.cost * target.cycles_per_cost_unit
@@ -83,5 +84,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
 
 
 def _bandwidth(nbytes: float, target: Target) -> float:
-    """Bytes per cycle one core reads ``nbytes`` at: from its L2 if they fit, else streamed."""
-    return target.l2_bytes_per_cycle if nbytes <= target.l2_bytes else target.stream_bytes_per_cycle
+    """Bytes per cycle one core reads ``nbytes`` at, from the nearest level they fit in."""
+    if nbytes <= target.l2_bytes:
+        return target.l2_bytes_per_cycle
+    return target.llc_bytes_per_cycle if nbytes <= target.llc_bytes else target.dram_bytes_per_cycle

@@ -33,8 +33,9 @@ depends on where the suite runs).
   iterations run on one thread: waking an OpenMP team costs more than the work.
 * **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
   against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
-  product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle`` and
-  ``stream_bytes_per_cycle`` read from the L2 and from beyond it; ``cycles_per_cost_unit``
+  product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
+  and ``dram_bytes_per_cycle`` one core reads from its L2, the last-level cache and
+  memory; ``cycles_per_cost_unit``
   the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
   about 6 units per stored entry, 1.5 cycles); ``max_dense_copy_bytes`` bounds the dense
   copy of an operand the runtime keeps for it.
@@ -77,7 +78,8 @@ class Target:
     fma_per_cycle: int = 2
     gemm_efficiency: float = 0.5
     l2_bytes_per_cycle: float = 32.0
-    stream_bytes_per_cycle: float = 12.0
+    llc_bytes_per_cycle: float = 12.0
+    dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
     max_dense_copy_bytes: int = 256 << 20
 

@@ -1,13 +1,15 @@
 """Dense copies of sparse operands, for the dense path (``plan/dense_path.py``).
 
-A copy is kept while the operand is unchanged: the same values tensor at the same
-version (an in-place update, such as an optimizer step, bumps it) over the same index
-arrays. Each operand's uses are counted, and its copy is made at the use by which
-making it would have paid off (``uses · saved ≥ cost``: never more than twice the
-cheaper of always and never copying, as in ski rental): at once when one use repays
-it, at a later use when the values stay (inference), never when they change at every
-step. Entries hold weak references, so a copy never keeps its operand alive and a
-tensor allocated where a freed one was is never mistaken for it. At most
+A copy is used only while the operand is unchanged: the same values tensor holding the
+same values (compared with a snapshot at every use: an edit through ``.data`` or of an
+inference tensor changes no version counter) over the same index arrays. Each operand's
+uses are counted (restarting when the values' version changes), and its copy is made at
+the use by which making it would have paid off (``uses · saved ≥ cost``: never more
+than twice the cheaper of always and never copying, as in ski rental): at once when
+one use repays it, at a later use when the values stay (inference), never when they
+change at every step. Entries hold weak references, so a copy never keeps its operand
+alive and a tensor allocated where a freed one was is never mistaken for it; a view of the same
+arrays in another shape or format (a transpose) has a copy of its own. At most
 :data:`COPY_BYTES` of copies (``$SPARSENN_DENSE_COPY_BYTES``) and
 :data:`MAX_OPERANDS` operands are kept, least recently used first to go;
 :func:`~.cache.clear_caches` drops them.
@@ -36,13 +38,16 @@ MAX_OPERANDS = 256
 
 @dataclass
 class _Operand:
-    arrays: tuple  # (weak reference, version) of each array defining the operand
-    uses: int
+    arrays: tuple  # weak references to the values and index arrays defining the operand
+    version: int | None  # of the values when last seen (None: an inference tensor has none)
+    uses: int = 0
+    snapshot: torch.Tensor | None = None  # the values the copy was made from
     copy: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.copy is None else self.copy.numel() * self.copy.element_size()
+        kept = (self.copy, self.snapshot)
+        return sum(t.numel() * t.element_size() for t in kept if t is not None)
 
 
 class DenseCopies:
@@ -51,32 +56,38 @@ class DenseCopies:
     def __init__(self, name: str, max_bytes: int, max_operands: int) -> None:
         self.name, self.max_bytes, self.max_operands = name, max_bytes, max_operands
         self.hits = self.misses = self.evictions = 0
-        self._operands: OrderedDict[tuple[int, ...], _Operand] = OrderedDict()
+        self._operands: OrderedDict[tuple, _Operand] = OrderedDict()
         self._lock = threading.Lock()
 
     def copy_for(self, operand: SparseTensor, pays: Callable[[int], bool],
                  make: Callable[[SparseTensor], torch.Tensor]) -> torch.Tensor | None:
-        """The dense copy of ``operand``: the kept one if it is unchanged since, else
-        ``make(operand)`` (then kept) if ``pays(uses)`` for its uses so far, else None."""
+        """The dense copy of ``operand``: the kept one if the operand is unchanged since,
+        else ``make(operand)`` (then kept) if ``pays(uses)`` for its uses so far, else None."""
         key, arrays = _identity(operand)
+        values, version = arrays[0], _version(arrays[0])
         with self._lock:
             known = self._operands.get(key)
-            if known is not None and _same(known.arrays, arrays):
-                self._operands.move_to_end(key)
-                if known.copy is not None:
+            if known is None or not all(ref() is a for ref, a in zip(known.arrays, arrays)):
+                known = self._operands[key] = _Operand(tuple(weakref.ref(a) for a in arrays), version)
+                self._evict()
+            self._operands.move_to_end(key)
+            if known.copy is not None:
+                if torch.equal(known.snapshot, values):
                     self.hits += 1
                     return known.copy
-                known.uses += 1
-            else:
-                known = self._operands[key] = _Operand(tuple((weakref.ref(a), a._version) for a in arrays), 1)
-                self._evict()
+                known.copy = known.snapshot = None
+                known.uses = 0
+            elif version is not None and version != known.version:
+                known.uses = 0
+            known.version = version
+            known.uses += 1
             self.misses += 1
             if not pays(known.uses):
                 return None
         copy = make(operand)
-        if copy.numel() * copy.element_size() <= self.max_bytes:
+        if 2 * copy.numel() * copy.element_size() <= self.max_bytes:
             with self._lock:
-                known.copy = copy
+                known.copy, known.snapshot = copy, values.detach().clone()
                 self._evict()
         return copy
 
@@ -96,15 +107,15 @@ class DenseCopies:
         return CacheStats(len(self._operands), self.max_operands, self.hits, self.misses, self.evictions)
 
 
-def _identity(operand: SparseTensor) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-    """(a key, the arrays whose identity and version define ``operand``)."""
+def _identity(operand: SparseTensor) -> tuple[tuple, list[torch.Tensor]]:
+    """(a key, the arrays defining ``operand``: its values, then its index arrays). The
+    key holds the shape and format too: a transposed view shares every array."""
     arrays = [operand.values, *(a for a in (*operand.pos, *operand.crd) if a is not None)]
-    return tuple(id(a) for a in arrays), arrays
+    return (tuple(operand.shape), operand.format, *(id(a) for a in arrays)), arrays
 
 
-def _same(kept: tuple, arrays: list[torch.Tensor]) -> bool:
-    return len(kept) == len(arrays) and all(ref() is a and version == a._version
-                                            for (ref, version), a in zip(kept, arrays))
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
 
 
 COPIES = register(DenseCopies("dense copies", COPY_BYTES, MAX_OPERANDS))

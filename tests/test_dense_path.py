@@ -1,0 +1,113 @@
+"""The planner's dense path: BLAS on a dense copy of the sparse operand where the cost
+model says it beats the sparse kernel; the copy is kept while the operand is unchanged."""
+
+import pytest
+import torch
+
+import sparsenn
+from _machines import AVX2, AVX512
+from sparsenn.compiler import cache_stats, clear_caches
+from sparsenn.compiler.runtime.evaluate import DensifiedCall, resolve
+from sparsenn.compiler.runtime.validate import check_call
+from sparsenn.compiler.runtime.api import parse
+
+
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def weight(rows, cols, density, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(rows, cols, generator=g, dtype=dtype) * (torch.rand(rows, cols, generator=g) < density)
+    return sparsenn.from_dense(dense, format="csr")
+
+
+def as_dense(result):
+    return result if isinstance(result, torch.Tensor) else result.to_dense()
+
+
+def routed(equation, *operands):
+    assignment = parse(equation, len(operands))
+    return resolve(assignment, check_call(assignment, operands, "dense"))
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_moderate_sparsity_runs_densely_and_high_sparsity_does_not(target):
+    with sparsenn.compiler.use_target(target):
+        half = weight(1024, 1024, 0.5)
+        tenth = weight(1024, 1024, 0.1)
+        assert isinstance(routed("bi,oi->bo", torch.randn(1, 1024), half), DensifiedCall)
+        assert not isinstance(routed("bi,oi->bo", torch.randn(64, 1024), tenth), DensifiedCall)
+        text = sparsenn.explain("bi,oi->bo", torch.randn(1, 1024), half, out_format="dense")
+        assert "dense path" in text and "against the sparse kernel" in text
+
+
+def test_the_copy_is_made_once_it_pays_and_dropped_when_the_values_change(avx2_host):
+    w = weight(1024, 1024, 0.5)
+    values = torch.nn.Parameter(w.values.clone())
+    layer_weight = w.with_values(values)
+    x = torch.randn(1, 1024)
+    call = routed("bi,oi->bo", x, layer_weight)
+    saved = call.dense.sparse_cycles - call.dense.dense_cycles
+    uses = -(-call.dense.densify_cycles // saved)  # the use at which the copy pays for itself
+    clear_caches()
+    expected = x @ layer_weight.to_dense().detach().T
+    for n in range(1, int(uses) + 3):
+        with torch.no_grad():
+            torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, layer_weight, out_format="dense"), expected,
+                                       **TOL)
+        assert (cache_stats()["dense copies"].hits > 0) == (n > uses)
+    with torch.no_grad():
+        values.mul_(2)  # an optimizer step: same tensor, new version
+        torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, layer_weight, out_format="dense"), 2 * expected,
+                                   **TOL)
+        other = layer_weight.with_values(values.detach().clone().neg())
+        torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, other, out_format="dense"), -2 * expected, **TOL)
+
+
+def test_a_result_never_aliases_the_kept_copy(avx2_host):
+    w = weight(1024, 1024, 0.5)
+    x = torch.randn(1, 1024)
+    for _ in range(4):
+        first = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    first.zero_()  # a user writing into a result must not change the next one
+    torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, w, out_format="dense"), x @ w.to_dense().T, **TOL)
+
+
+def test_gradients_through_the_dense_path(avx2_host):
+    w = weight(1024, 1024, 0.5)
+    values = w.values.detach().clone().requires_grad_()
+    x = torch.randn(2, 1024, requires_grad=True)
+    assert isinstance(routed("bi,oi->bo", x.detach(), w), DensifiedCall)
+    for _ in range(3):
+        out = sparsenn.einsum("bi,oi->bo", x, w.with_values(values), out_format="dense")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    dense = w.to_dense()
+    torch.testing.assert_close(x.grad, grad @ dense, **TOL)
+    torch.testing.assert_close(values.grad, (grad.T @ x.detach())[dense != 0], **TOL)  # stored in row-major order
+
+
+def test_a_transposed_view_gets_its_own_copy(avx2_host):
+    w = weight(64, 48, 0.5, dtype=torch.float64)
+    x, y = torch.randn(48, 3, dtype=torch.float64), torch.randn(3, 64, dtype=torch.float64)
+    for _ in range(3):  # views of the same arrays, alternately
+        torch.testing.assert_close(as_dense(w @ x), w.to_dense() @ x)
+        torch.testing.assert_close(as_dense(y @ w), y @ w.to_dense())
+        torch.testing.assert_close(as_dense(x.T @ w.T), x.T @ w.to_dense().T)
+
+
+def test_values_edited_without_a_version_change_are_seen(avx2_host):
+    # gradcheck and pruning code write through ``.data``, which bumps no version counter
+    w = weight(1024, 1024, 0.5)
+    x = torch.randn(1, 1024)
+    for _ in range(6):
+        sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    w.values.data.mul_(-1)
+    torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, w, out_format="dense"), x @ w.to_dense().T, **TOL)
+    with torch.inference_mode():
+        frozen = weight(1024, 1024, 0.5, seed=1)
+        for _ in range(6):
+            sparsenn.einsum("bi,oi->bo", x, frozen, out_format="dense")
+        frozen.values.mul_(3)  # an inference tensor has no version counter at all
+        torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, frozen, out_format="dense"),
+                                   x @ frozen.to_dense().T, **TOL)
