@@ -1,8 +1,9 @@
 """Dense copies of sparse operands, for the dense path (``plan/dense_path.py``).
 
-A copy is used only while the operand is unchanged: the same values tensor holding the
-same values (compared with a snapshot at every use: an edit through ``.data`` or of an
-inference tensor changes no version counter) over the same index arrays. Each operand's
+A copy is used only while the operand is unchanged: the same values tensor, of the same
+dtype, holding the same values (compared with a snapshot at every use: an edit through
+``.data`` or of an inference tensor changes no version counter) over the same index
+arrays, unedited (their versions, or their contents when they have none). Each operand's
 uses are counted (restarting when the values' version changes), and its copy is made at
 the use by which making it would have paid off (``uses · saved ≥ cost``: never more
 than twice the cheaper of always and never copying, as in ski rental): at once when
@@ -39,6 +40,7 @@ MAX_OPERANDS = 256
 @dataclass
 class _Operand:
     arrays: tuple  # weak references to the values and index arrays defining the operand
+    index_state: tuple  # per index array its version, or (no version counter) a copy
     version: int | None  # of the values when last seen (None: an inference tensor has none)
     uses: int = 0
     snapshot: torch.Tensor | None = None  # the values the copy was made from
@@ -67,8 +69,10 @@ class DenseCopies:
         values, version = arrays[0], _version(arrays[0])
         with self._lock:
             known = self._operands.get(key)
-            if known is None or not all(ref() is a for ref, a in zip(known.arrays, arrays)):
-                known = self._operands[key] = _Operand(tuple(weakref.ref(a) for a in arrays), version)
+            if known is None or not all(ref() is a for ref, a in zip(known.arrays, arrays)) \
+                    or not _same_indices(known.index_state, arrays[1:]):
+                known = self._operands[key] = _Operand(tuple(weakref.ref(a) for a in arrays),
+                                                       tuple(_index_state(a) for a in arrays[1:]), version)
                 self._evict()
             self._operands.move_to_end(key)
             if known.copy is not None:
@@ -111,11 +115,21 @@ def _identity(operand: SparseTensor) -> tuple[tuple, list[torch.Tensor]]:
     """(a key, the arrays defining ``operand``: its values, then its index arrays). The
     key holds the shape and format too: a transposed view shares every array."""
     arrays = [operand.values, *(a for a in (*operand.pos, *operand.crd) if a is not None)]
-    return (tuple(operand.shape), operand.format, *(id(a) for a in arrays)), arrays
+    return (tuple(operand.shape), operand.format, operand.values.dtype, *(id(a) for a in arrays)), arrays
 
 
 def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
+
+
+def _index_state(t: torch.Tensor) -> int | torch.Tensor:
+    """What tells an index array's later edits: its version, or a copy of its contents."""
+    return t.clone() if t.is_inference() else t._version
+
+
+def _same_indices(states: tuple, arrays: list[torch.Tensor]) -> bool:
+    return all(torch.equal(state, a) if isinstance(state, torch.Tensor) else state == a._version
+               for state, a in zip(states, arrays))
 
 
 COPIES = register(DenseCopies("dense copies", COPY_BYTES, MAX_OPERANDS))
