@@ -129,10 +129,14 @@ def ratio_text(cell: dict) -> str:
 
 
 def worst_cells(cells: list[dict], count: int) -> list[str]:
-    lines = ["", f"worst {count} cells (ratio to the faster alternative; < 1: sparsenn slower)"]
-    for c in sorted(cells, key=best_ratio)[:count]:
-        lines.append(f"  {best_ratio(c):5.2f}x  {c['shape']:>9} s={c['sparsity']:<4} b={c['batch']:<3} {c['dtype']:<8} "
-                     f"t={c['threads']} {c['pass']:<16} sparsenn {c['sparsenn_ms']:.4g} ms ({ratio_text(c)})")
+    """The ``count`` worst cells of each dtype and thread count."""
+    lines = []
+    for dtype, threads in groups(cells):
+        mine = sorted((c for c in cells if (c["dtype"], c["threads"]) == (dtype, threads)), key=best_ratio)
+        lines += ["", f"worst {count} cells, {dtype}, {threads} thread(s) (ratio to the faster alternative; < 1: "
+                      "sparsenn slower)"]
+        lines += [f"  {best_ratio(c):5.2f}x  {c['shape']:>9} s={c['sparsity']:<4} b={c['batch']:<3} {c['pass']:<16} "
+                  f"sparsenn {c['sparsenn_ms']:.4g} ms ({ratio_text(c)})" for c in mine[:count]]
     return lines
 
 

@@ -54,4 +54,4 @@ def test_quick_sweep_writes_its_schema(tmp_path):
     [figure] = plot.write_heatmaps(data, tmp_path / "redrawn")
     assert figure.name == "heatmap.png" and figure.stat().st_size > 0
     text = plot.summary(data)
-    assert "worst 10 cells" in text and "spmm" in text and "gcn_cora" in text
+    assert "worst 10 cells, float32, 1 thread(s)" in text and "spmm" in text and "gcn_cora" in text
