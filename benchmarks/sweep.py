@@ -30,7 +30,10 @@ built. The load average is recorded at the start and the end.
 
 The default grid is the full one: 7 shapes x 6 sparsities x 6 batches x fp32, bf16 x 1, 2
 threads x 2 passes (2016 cells), 14 graphs x 8 column counts x 2 threads, 3 models x 2
-threads; about 25 minutes on the 2-core EPYC. ``--quick`` is a smoke run of a few cells.
+threads: 17 to 26 minutes on the 2-core EPYC, at load averages of 1.4-4.4 and 2.4-7.8 from
+other runs (which also make the 2-thread cells noisy: re-run ``--threads 2`` on a quiet
+machine before trusting them). ``--skip-backward bfloat16:2`` drops 252 cells if a run must
+be shorter. ``--quick`` is a smoke run of a few cells (about 20 s).
 Writes ``<out>/<machine>.json`` (``<machine>-quick.json`` for ``--quick``) and the heat maps
 (:mod:`sweep_plot`), then prints the summary.
 """
