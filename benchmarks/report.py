@@ -474,14 +474,22 @@ def sweep_section(results: Path) -> list[str]:
     if not sweeps:
         return ["Not yet run."]
     path, data = max(sweeps, key=lambda pair: (str(pair[1].get("date") or ""), pair[0].name))
-    run = Run(path=path, cpu=data.get("cpu") or "", machine=data.get("machine") or "", torch=data.get("torch") or "",
-              commit=data.get("commit") or "", date=str(data.get("date") or ""), command=data.get("command") or "")
-    cells = [c for c in data.get("cells") or [] if usable_cell(c)]
+    cpu = data.get("cpu") or ""
+    if isinstance(cpu, dict):  # sweep.py records the model and its vector units and caches
+        units = ", ".join(k for k in ("avx2", "avx512f", "avx512_bf16") if cpu.get(k))
+        cpu = f"{cpu.get('model', 'a CPU')} ({units}; L2 {cpu.get('l2', '?')})"
+    load = (data.get("loadavg") or {}).get("start")
+    run = Run(path=path, cpu=cpu, machine=data.get("machine") or "", torch=data.get("torch") or "",
+              commit=data.get("commit") or "", date=str(data.get("date") or ""), command=data.get("command") or "",
+              load=load[0] if load else None)
+    everything = [c for c in data.get("cells") or [] if usable_cell(c)]
+    cells = [c for c in everything if c.get("dtype") == "float32" and c.get("threads") == 1]
     if not cells:
         return [provenance(run), "", "The sweep recorded no cell with both sparsenn's and an alternative's time."]
     worst = sorted(cells, key=speedup)[:10]
     lines = [provenance(run), "",
-             f"The {len(worst)} of {len(cells)} cells where sparsenn does worst against the faster of dense and "
+             f"fp32 at 1 thread ({len(cells)} of the {len(everything)} cells; the others are in the raw file and "
+             "the heat maps beside it): the 10 cells where sparsenn does worst against the faster of dense and "
              "torch.sparse (faster / sparsenn > 1: sparsenn faster):", "",
              *markdown_table(["shape", "sparsity", "batch", "dtype", "threads", "pass", "sparsenn ms", "dense ms",
                               "torch.sparse ms", "faster / sparsenn"],
