@@ -6,10 +6,10 @@ intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``ceil(N /
 VECTOR_WIDTH)`` vectors innermost: a loop of one trip is one step, not an eighth of
 one), times the iterations of the enclosing loops; plus the leaf's products (per vector
 when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
-innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop (no register block
-holds its outputs: each entry starts a vector loop too short for its vectors and
-reloads what the previous one stored, where a reduction innermost sums in registers,
-the SpMV form of a product with one batch row); plus
+innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop
+(no register block holds its outputs: each entry starts a vector loop too short for its
+vectors and reloads what the previous one stored, where a reduction innermost sums in
+registers, the SpMV form of a product with one batch row); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
 of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra

@@ -31,7 +31,8 @@ from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, SplitCall, eva
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
-__all__ = ["einsum", "compile_expression", "explain", "plan", "use_target", "parse", "describe_schedule", "CompiledExpression"]
+__all__ = ["einsum", "compile_expression", "explain", "plan", "use_target", "parse", "describe_schedule",
+           "CompiledExpression"]
 
 _equations: LRUCache[Assignment] = LRUCache("equations", 1024)
 

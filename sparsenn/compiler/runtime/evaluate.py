@@ -100,7 +100,7 @@ def route(assignment: Assignment, checked: Checked
                            shaped.schedule.target)
         if dense is not None:
             return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
-                                 checked.sizes, checked.index_dtype)
+                                 (checked.sizes, checked.dtype, checked.index_dtype))
     return shaped
 
 
@@ -211,9 +211,9 @@ class DensifiedCall:
     the sparse kernel runs (bound on first use)."""
 
     def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
-                 sizes: dict[str, int], index_dtype: torch.dtype) -> None:
+                 binding: tuple[dict[str, int], torch.dtype, torch.dtype]) -> None:
         self.assignment, self.out_shape, self.dense, self.shaped = assignment, out_shape, dense, shaped
-        self._bind = (sizes, index_dtype)
+        self._binding = binding  # the call's sizes, dtype and index dtype
         self._launch: Launch | None = None
 
     def run(self, operands: Sequence) -> torch.Tensor:
@@ -228,8 +228,7 @@ class DensifiedCall:
 
     def _sparse(self, operands: Sequence) -> torch.Tensor:
         if self._launch is None:
-            sizes, index_dtype = self._bind
-            self._launch = bind(self.shaped, operands, sizes, operands[self.dense.operand].dtype, index_dtype)
+            self._launch = bind(self.shaped, operands, *self._binding)
         return self._launch.run(operands)
 
 
