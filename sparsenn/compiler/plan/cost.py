@@ -7,9 +7,9 @@ VECTOR_WIDTH)`` vectors innermost: a loop of one trip is one step, not an eighth
 one), times the iterations of the enclosing loops; plus the leaf's products (per vector
 when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
 innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop
-(no register block holds its outputs: each entry starts a vector loop too short for its
-vectors and reloads what the previous one stored, where a reduction innermost sums in
-registers, the SpMV form of a product with one batch row); plus
+(no register block holds its outputs: each entry starts a loop too short for a vector
+and reloads what the previous entry stored, where a reduction innermost sums in
+registers: the SpMV form of a product with a few batch rows); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
 of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra
@@ -39,7 +39,7 @@ SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
-SHORT_OUTPUT_LOOP_COST = 32.0  # a loop over fewer outputs than a vector, updated in memory per reduction trip
+SHORT_OUTPUT_LOOP_COST = 32.0  # per entry of a loop over fewer outputs than a vector, in memory
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
 * the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``;
 * the dense product: ``max(F / (2 · lanes · fma_per_cycle · gemm_efficiency), B / bw)``
   for ``F`` flops over ``B`` bytes of operands and result, ``bw`` the bandwidth of the
-  level they fit in (the L2, the last-level cache, else memory): compute-bound with many
-  rows, bound by reading the dense weight with few (a matrix-vector product);
+  level they fit in (the L2, a core's share of the last-level cache, else memory):
+  compute-bound with many rows, bound by reading the dense weight with few (a
+  matrix-vector product);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
@@ -87,4 +88,5 @@ def _bandwidth(nbytes: float, target: Target) -> float:
     """Bytes per cycle one core reads ``nbytes`` at, from the nearest level they fit in."""
     if nbytes <= target.l2_bytes:
         return target.l2_bytes_per_cycle
-    return target.llc_bytes_per_cycle if nbytes <= target.llc_bytes else target.dram_bytes_per_cycle
+    in_llc = nbytes <= target.llc_share * target.llc_bytes
+    return target.llc_bytes_per_cycle if in_llc else target.dram_bytes_per_cycle

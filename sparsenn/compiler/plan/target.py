@@ -34,8 +34,9 @@ depends on where the suite runs).
 * **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
   against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
   product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
-  and ``dram_bytes_per_cycle`` one core reads from its L2, the last-level cache and
-  memory; ``cycles_per_cost_unit``
+  and ``dram_bytes_per_cycle`` one core reads from its L2, the last-level cache (of
+  which it can count on ``llc_share``: the rest belongs to other cores, and on a VM to
+  other tenants) and memory; ``cycles_per_cost_unit``
   the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
   about 6 units per stored entry, 1.5 cycles); ``max_dense_copy_bytes`` bounds the dense
   copy of an operand the runtime keeps for it.
@@ -79,6 +80,7 @@ class Target:
     gemm_efficiency: float = 0.5
     l2_bytes_per_cycle: float = 32.0
     llc_bytes_per_cycle: float = 12.0
+    llc_share: float = 0.25
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
     max_dense_copy_bytes: int = 256 << 20
