@@ -74,3 +74,14 @@ def test_scalar_results_of_sparse_operands(family):
     v = stored.values.detach().requires_grad_()
     sparsenn.einsum("ij->", stored.with_values(v)).backward()
     torch.testing.assert_close(v.grad, torch.ones_like(v))
+
+
+def test_a_scalar_epilogue_over_a_sum_of_stored_entries():
+    # the epilogue runs over the scalar sum alone: a nest with no loops
+    s = sparsenn.from_dense(torch.zeros(1, 1, 1, dtype=torch.float64), format="coo")
+    x = torch.randn(1, dtype=torch.float64, requires_grad=True)
+    y = sparsenn.compile("Y[] = exp(sum[a,b,c](S[a,b,c] * tanh(X[b])))")(s, x)
+    torch.testing.assert_close(y, torch.tensor(1.0, dtype=torch.float64))
+    y.backward()
+    torch.testing.assert_close(x.grad, torch.zeros(1, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda x: sparsenn.compile("Y[] = exp(sum[i](X[i] * X[i]))")(x), (x,))

@@ -17,11 +17,13 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   per new set of values (a training step); the dense product's cost includes checking
   that they are (reading them and their snapshot, ``2 · nnz`` values).
 
-The dense path is taken when the dense product alone is cheaper; the runtime makes the
-copy once the uses of one set of values have saved what it costs (until then the
-sparse kernel runs). It applies to a plain sum of products of one sparse
-operand, unblocked and with a dense copy of at most ``max_dense_copy_bytes``, and dense
-ones, with a dense result.
+The dense path is taken when the dense product and half the copy cost less than the
+sparse kernel: every set of values is used at least twice (a training step's forward and
+its input gradient, or repeated inference), and at worst, with new values at every call,
+the dense path costs under twice the kernel. It is taken for every call of its signature,
+so a call gives the same result whether or not its copy was kept. It applies to a plain
+sum of products of one sparse operand, unblocked and with a dense copy of at most
+``max_dense_copy_bytes``, and dense ones, with a dense result.
 """
 
 from __future__ import annotations
@@ -48,11 +50,9 @@ class DensePath:
     densify_cycles: float
 
     def describe(self) -> str:
-        uses = math.ceil(self.densify_cycles / (self.sparse_cycles - self.dense_cycles))
-        return (f"dense path: operand {self.operand} made dense, then BLAS ({self.dense_cycles:.3g} cycles) "
-                f"against the sparse kernel ({self.sparse_cycles:.3g} cycles); making it dense costs "
-                f"{self.densify_cycles:.3g}, so the copy is made at use {uses} of the same values "
-                "(the sparse kernel runs until then)")
+        return (f"dense path: operand {self.operand} made dense ({self.densify_cycles:.3g} cycles, kept while its "
+                f"values are unchanged), then BLAS ({self.dense_cycles:.3g} cycles), against the sparse kernel "
+                f"({self.sparse_cycles:.3g} cycles)")
 
 
 def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Schedule, itemsize: int,
@@ -79,7 +79,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
     sparse_cycles = sched.cost * target.cycles_per_cost_unit
-    if dense_cycles >= sparse_cycles:
+    if dense_cycles + densify_cycles / 2 >= sparse_cycles:
         return None
     return DensePath(k, sparse_cycles, dense_cycles, densify_cycles)
 

@@ -673,7 +673,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     output = assignment.output
     order, f = nest.order, [x.nest_factor() for x in factors]
     block = nest.register_block
-    bounded = {t.index for t in nest.tiles if t.index != order[0]}
+    bounded = {t.index for t in nest.tiles if not order or t.index != order[0]}
     fields = {"prefetch": decisions.prefetch_loops(
         order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
         "simd": decisions.simd_loop(order, output, f)}
@@ -759,7 +759,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
 
         def cost_of(order, term=term):
             cost = nest_cost(term, order, infos, dims, layout, target.lanes(itemsize))[0]
-            parallel = order[0] in assignment.output
+            parallel = bool(order) and order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of, _storage_orders(term, infos))
@@ -776,7 +776,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         _, leaves, factors = nest_cost(term, best, infos, dims, layout)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
-        parallel = best[0] in assignment.output
+        parallel = bool(best) and best[0] in assignment.output
         nests.append(Nest(t, best, tiles, parallel, costs[best], panels=_panels(best, tiles, factors)))
         nest_factors.append(factors)
         transposes += _transposes(t, factors, term)

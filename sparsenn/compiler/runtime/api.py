@@ -221,8 +221,9 @@ def _plan(assignment: Assignment, checked: Checked) -> Plan:
         split = routed.split
         inner = check_call(split.assignment, split.operands(checked.operands), split.request)
         return _plan(split.assignment, inner)
-    if isinstance(routed, DensifiedCall):  # the kernel that runs when the dense copy does not pay
-        routed = routed.shaped
+    if isinstance(routed, DensifiedCall):
+        raise ValueError("the call runs densely, BLAS on a dense copy of its sparse operand, not a kernel "
+                         "(explain() shows why)")
     if isinstance(routed, ShapePlan):
         return replace(routed.plan, schedule=routed.schedule)
     if isinstance(routed, DenseCall):
@@ -266,8 +267,9 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
     routed = route(assignment, checked)
     if isinstance(routed, DensifiedCall):
         lines.append(routed.dense.describe())
-        lines.append("the sparse kernel:")
-    shown = _plan(assignment, checked)
+        lines.append("the sparse kernel it was weighed against:")
+        routed = routed.shaped
+    shown = replace(routed.plan, schedule=routed.schedule)
     if shown.assignment != assignment:
         lines.append(f"biases folded into the epilogue: {shown.assignment}")
     lines.append(f"output format: {'dense' if shown.output_format is None else shown.output_format}")

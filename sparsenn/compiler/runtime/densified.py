@@ -1,19 +1,14 @@
 """Dense copies of sparse operands, for the dense path (``plan/dense_path.py``).
 
-A copy is used only while the operand is unchanged: the same values tensor, of the same
-dtype, holding the same values (compared with a snapshot at every use: an edit through
-``.data`` or of an inference tensor changes no version counter) over the same index
-arrays, unedited (their versions, or their contents when they have none). Each operand's
-uses are counted (restarting when the values' version changes), and its copy is made at
-the use by which making it would have paid off (``uses · saved ≥ cost``: never more
-than twice the cheaper of always and never copying, as in ski rental): at once when
-one use repays it, at a later use when the values stay (inference), never when they
-change at every step. Entries hold weak references, so a copy never keeps its operand
-alive and a tensor allocated where a freed one was is never mistaken for it; a view of the same
-arrays in another shape or format (a transpose) has a copy of its own. At most
-:data:`COPY_BYTES` of copies (``$SPARSENN_DENSE_COPY_BYTES``) and
-:data:`MAX_OPERANDS` operands are kept, least recently used first to go;
-:func:`~.cache.clear_caches` drops them.
+A copy is reused only while the operand is unchanged: the same values tensor, of the
+same dtype, holding the same values (compared with a snapshot at every use: an edit
+through ``.data`` or of an inference tensor changes no version counter) over the same
+index arrays, unedited (their versions, or their contents when they have none). Entries
+hold weak references, so a copy never keeps its operand alive and a tensor allocated
+where a freed one was is never mistaken for it; a view of the same arrays in another
+shape or format (a transpose) has a copy of its own. At most :data:`COPY_BYTES` of
+copies and snapshots (``$SPARSENN_DENSE_COPY_BYTES``) and :data:`MAX_OPERANDS` operands
+are kept, least recently used first to go; :func:`~.cache.clear_caches` drops them.
 """
 
 from __future__ import annotations
@@ -41,15 +36,12 @@ MAX_OPERANDS = 256
 class _Operand:
     arrays: tuple  # weak references to the values and index arrays defining the operand
     index_state: tuple  # per index array its version, or (no version counter) a copy
-    version: int | None  # of the values when last seen (None: an inference tensor has none)
-    uses: int = 0
-    snapshot: torch.Tensor | None = None  # the values the copy was made from
-    copy: torch.Tensor | None = None
+    snapshot: torch.Tensor  # the values the copy was made from
+    copy: torch.Tensor
 
     @property
     def nbytes(self) -> int:
-        kept = (self.copy, self.snapshot)
-        return sum(t.numel() * t.element_size() for t in kept if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.copy, self.snapshot))
 
 
 class DenseCopies:
@@ -61,37 +53,25 @@ class DenseCopies:
         self._operands: OrderedDict[tuple, _Operand] = OrderedDict()
         self._lock = threading.Lock()
 
-    def copy_for(self, operand: SparseTensor, pays: Callable[[int], bool],
-                 make: Callable[[SparseTensor], torch.Tensor]) -> torch.Tensor | None:
+    def copy_for(self, operand: SparseTensor, make: Callable[[SparseTensor], torch.Tensor]) -> torch.Tensor:
         """The dense copy of ``operand``: the kept one if the operand is unchanged since,
-        else ``make(operand)`` (then kept) if ``pays(uses)`` for its uses so far, else None."""
+        else ``make(operand)``, then kept."""
         key, arrays = _identity(operand)
-        values, version = arrays[0], _version(arrays[0])
         with self._lock:
             known = self._operands.get(key)
-            if known is None or not all(ref() is a for ref, a in zip(known.arrays, arrays)) \
-                    or not _same_indices(known.index_state, arrays[1:]):
-                known = self._operands[key] = _Operand(tuple(weakref.ref(a) for a in arrays),
-                                                       tuple(_index_state(a) for a in arrays[1:]), version)
-                self._evict()
-            self._operands.move_to_end(key)
-            if known.copy is not None:
-                if torch.equal(known.snapshot, values):
-                    self.hits += 1
-                    return known.copy
-                known.copy = known.snapshot = None
-                known.uses = 0
-            elif version is not None and version != known.version:
-                known.uses = 0
-            known.version = version
-            known.uses += 1
+            if known is not None and all(ref() is a for ref, a in zip(known.arrays, arrays)) \
+                    and _same_indices(known.index_state, arrays[1:]) and torch.equal(known.snapshot, arrays[0]):
+                self._operands.move_to_end(key)
+                self.hits += 1
+                return known.copy
             self.misses += 1
-            if not pays(known.uses):
-                return None
         copy = make(operand)
-        if 2 * copy.numel() * copy.element_size() <= self.max_bytes:
+        kept = _Operand(tuple(weakref.ref(a) for a in arrays), tuple(_index_state(a) for a in arrays[1:]),
+                        arrays[0].detach().clone(), copy)
+        if kept.nbytes <= self.max_bytes:
             with self._lock:
-                known.copy, known.snapshot = copy, values.detach().clone()
+                self._operands[key] = kept
+                self._operands.move_to_end(key)
                 self._evict()
         return copy
 
@@ -116,10 +96,6 @@ def _identity(operand: SparseTensor) -> tuple[tuple, list[torch.Tensor]]:
     key holds the shape and format too: a transposed view shares every array."""
     arrays = [operand.values, *(a for a in (*operand.pos, *operand.crd) if a is not None)]
     return (tuple(operand.shape), operand.format, operand.values.dtype, *(id(a) for a in arrays)), arrays
-
-
-def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else t._version
 
 
 def _index_state(t: torch.Tensor) -> int | torch.Tensor:

@@ -10,7 +10,9 @@ A call resolves to one of four runnable objects:
 * a :class:`DenseCall` when every operand is dense and the call a plain sum of
   products: ``torch.einsum`` per term, or a large product of two factors as one
   ``torch.bmm`` into pooled memory (values, max/min reductions and epilogues over dense
-  operands run as kernels: one pass, where torch would run an op per function).
+  operands run as kernels: one pass, where torch would run an op per function);
+* a :class:`DensifiedCall` when the planner finds BLAS on a dense copy of the one
+  sparse operand cheaper than its kernel (``plan/dense_path.py``).
 
 Calls whose operands kernels read as given are cached by :func:`validate.call_key`, so
 a repeated call costs the key, one lookup and the launch; other calls are checked,
@@ -99,8 +101,7 @@ def route(assignment: Assignment, checked: Checked
         dense = dense_path(assignment, infos, shaped.schedule, compute_dtype(checked.dtype).itemsize,
                            shaped.schedule.target)
         if dense is not None:
-            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
-                                 (checked.sizes, checked.dtype, checked.index_dtype))
+            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped)
     return shaped
 
 
@@ -205,31 +206,23 @@ class DenseCall:
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
 
 
+@dataclass(frozen=True)
 class DensifiedCall:
-    """A product run densely on a dense copy of its sparse operand, made once it pays
-    for itself and kept while the operand is unchanged (:mod:`.densified`); until then
-    the sparse kernel runs (bound on first use)."""
+    """A product run densely on a dense copy of its sparse operand, kept while the
+    operand is unchanged (:mod:`.densified`); ``shaped`` is the sparse kernel the planner
+    weighed it against."""
 
-    def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
-                 binding: tuple[dict[str, int], torch.dtype, torch.dtype]) -> None:
-        self.assignment, self.out_shape, self.dense, self.shaped = assignment, out_shape, dense, shaped
-        self._binding = binding  # the call's sizes, dtype and index dtype
-        self._launch: Launch | None = None
+    assignment: Assignment
+    out_shape: tuple[int, ...]
+    dense: DensePath
+    shaped: ShapePlan
 
     def run(self, operands: Sequence) -> torch.Tensor:
-        k, dense = self.dense.operand, self.dense
-        saved = dense.sparse_cycles - dense.dense_cycles
-        copy = COPIES.copy_for(operands[k], lambda uses: uses * saved >= dense.densify_cycles, _made_dense)
-        if copy is None:
-            return self._sparse(operands)
+        k = self.dense.operand
+        copy = COPIES.copy_for(operands[k], _made_dense)
         out = _summed_products(self.assignment, [copy if n == k else op for n, op in enumerate(operands)],
                                self.out_shape)
         return out.clone() if out.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr() else out
-
-    def _sparse(self, operands: Sequence) -> torch.Tensor:
-        if self._launch is None:
-            self._launch = bind(self.shaped, operands, *self._binding)
-        return self._launch.run(operands)
 
 
 def _made_dense(operand: SparseTensor) -> torch.Tensor:
