@@ -119,3 +119,15 @@ def test_values_edited_without_a_version_change_are_seen(avx2_host):
         frozen.values.mul_(3)  # an inference tensor has no version counter at all
         torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, frozen, out_format="dense"),
                                    x @ frozen.to_dense().T, **TOL)
+
+
+def test_infinities_in_a_dense_operand_meet_no_unstored_zero(avx2_host):
+    # an entry that is not stored forms no product: inf in x where W stores nothing stays out
+    w = weight(1024, 1024, 0.5)
+    x = torch.randn(4, 1024)
+    assert isinstance(routed("bi,oi->bo", x, w), DensifiedCall)
+    x[0, 0] = torch.inf
+    out = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    stores = w.to_dense()[:, 0] != 0
+    assert torch.isinf(out[0, stores]).all() and torch.isfinite(out[0, ~stores]).all()
+    torch.testing.assert_close(out[1:], x[1:] @ w.to_dense().T, **TOL)

@@ -115,10 +115,12 @@ def test_long_sums_accumulate_in_float32(dtype, equation, avx2_host):
     # Sums of up to 3000 ones: 16-bit partial sums would stall at 256 (bfloat16) or 2048
     # (float16); float32 sums them exactly, then one rounding gives torch's rounding of
     # the exact sum (3008 for 3000 in bfloat16).
-    lengths = 3000 - 40 * torch.arange(64)
-    rows = (torch.arange(3000)[None, :] < lengths[:, None]).to(dtype)
+    # (ones in every 8th column: sparse enough for a kernel rather than the dense path)
+    lengths = 24000 - 320 * torch.arange(64)
+    columns = torch.arange(24000)[None, :]
+    rows = ((columns < lengths[:, None]) & (columns % 8 == 0)).to(dtype)
     matrix = sparsenn.from_dense(rows.T if equation == "ij,i->j" else rows, format="csr")
-    operand = torch.ones(3000, 40, dtype=dtype) if equation == "ij,jk->ik" else torch.ones(3000, dtype=dtype)
+    operand = torch.ones(24000, 40, dtype=dtype) if equation == "ij,jk->ik" else torch.ones(24000, dtype=dtype)
     got = sparsenn.einsum(equation, matrix, operand, out_format="dense")
     reference = torch.einsum(equation, matrix.to_dense().float(), operand.float())
     assert torch.equal(got, reference.to(dtype)) and reference.max() == 3000

@@ -11,6 +11,9 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   level they fit in (the L2, a core's share of the last-level cache, else memory):
   compute-bound with many rows, bound by reading the dense weight with few (a
   matrix-vector product);
+* the dense path's own calls: ``PYTHON_CALLS_CYCLES`` (the check of the copy,
+  ``torch.einsum``'s dispatch, a bias added apart: about 10 µs, more than a small
+  kernel takes);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
@@ -37,7 +40,9 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path"]
+__all__ = ["DensePath", "dense_path", "PYTHON_CALLS_CYCLES"]
+
+PYTHON_CALLS_CYCLES = 30_000.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
     lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
     checked = 2 * infos[k].nnz * itemsize
-    dense_cycles = max(compute, touched / _bandwidth(touched, target)) + checked / _bandwidth(checked, target)
+    dense_cycles = (max(compute, touched / _bandwidth(touched, target)) + checked / _bandwidth(checked, target)
+                    + PYTHON_CALLS_CYCLES)
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
     sparse_cycles = sched.cost * target.cycles_per_cost_unit

@@ -101,7 +101,8 @@ def route(assignment: Assignment, checked: Checked
         dense = dense_path(assignment, infos, shaped.schedule, compute_dtype(checked.dtype).itemsize,
                            shaped.schedule.target)
         if dense is not None:
-            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped)
+            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
+                                 (checked.sizes, checked.dtype, checked.index_dtype))
     return shaped
 
 
@@ -206,19 +207,25 @@ class DenseCall:
         return _stored_densely(out, self.request) if isinstance(self.request, Format) else out
 
 
-@dataclass(frozen=True)
 class DensifiedCall:
     """A product run densely on a dense copy of its sparse operand, kept while the
     operand is unchanged (:mod:`.densified`); ``shaped`` is the sparse kernel the planner
-    weighed it against."""
+    weighed it against. A call whose dense operands hold an infinity or a NaN runs that
+    kernel instead: the copy's zeros would multiply them (``0 · inf = nan``), where an
+    entry that is not stored forms no product."""
 
-    assignment: Assignment
-    out_shape: tuple[int, ...]
-    dense: DensePath
-    shaped: ShapePlan
+    def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
+                 binding: tuple[dict[str, int], torch.dtype, torch.dtype]) -> None:
+        self.assignment, self.out_shape, self.dense, self.shaped = assignment, out_shape, dense, shaped
+        self._binding = binding  # the call's sizes, dtype and index dtype, to bind the kernel on first use
+        self._launch: Launch | None = None
 
     def run(self, operands: Sequence) -> torch.Tensor:
         k = self.dense.operand
+        if not all(bool(torch.isfinite(op).all()) for n, op in enumerate(operands) if n != k):
+            if self._launch is None:
+                self._launch = bind(self.shaped, operands, *self._binding)
+            return self._launch.run(operands)
         copy = COPIES.copy_for(operands[k], _made_dense)
         out = _summed_products(self.assignment, [copy if n == k else op for n, op in enumerate(operands)],
                                self.out_shape)
