@@ -131,3 +131,14 @@ def test_infinities_in_a_dense_operand_meet_no_unstored_zero(avx2_host):
     stores = w.to_dense()[:, 0] != 0
     assert torch.isinf(out[0, stores]).all() and torch.isfinite(out[0, ~stores]).all()
     torch.testing.assert_close(out[1:], x[1:] @ w.to_dense().T, **TOL)
+
+
+def test_the_kernel_a_dense_call_was_weighed_against_is_built_only_when_it_runs(avx2_host):
+    w = weight(1024, 1024, 0.5)
+    x = torch.randn(4, 1024)
+    clear_caches()
+    sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    assert cache_stats()["plans"].size == 1  # the kernel making the copy, not the product's
+    x[0, 0] = torch.nan  # the kernel runs: now it is built
+    assert sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")[0].isnan().any()
+    assert cache_stats()["plans"].size == 2

@@ -31,3 +31,10 @@ def test_lanes(vector_bytes, itemsize, lanes):
 def test_invalid_fields_are_rejected_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         Target(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("fma_per_cycle", 0), ("gemm_efficiency", 1.5), ("llc_share", -0.1),
+                                          ("cycles_per_cost_unit", float("inf")), ("dram_bytes_per_cycle", "4")])
+def test_cycle_model_fields_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"Target.{field}"):
+        Target(**{field: value})

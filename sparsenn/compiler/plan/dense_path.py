@@ -25,8 +25,9 @@ sparse kernel: every set of values is used at least twice (a training step's for
 its input gradient, or repeated inference), and at worst, with new values at every call,
 the dense path costs under twice the kernel. It is taken for every call of its signature,
 so a call gives the same result whether or not its copy was kept. It applies to a plain
-sum of products of one sparse operand, unblocked and with a dense copy of at most
-``max_dense_copy_bytes``, and dense ones, with a dense result.
+sum of products of one sparse operand, unblocked and whose copy (with the snapshot of its
+values the runtime checks it by) fits the runtime's budget for copies, and dense ones,
+with a dense result.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class DensePath:
 
 
 def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Schedule, itemsize: int,
-               target: Target) -> DensePath | None:
-    """The dense path of a dense-result call if it is cheaper (see the module doc), else None."""
+               target: Target, copy_budget: int) -> DensePath | None:
+    """The dense path of a dense-result call if it is cheaper (see the module doc), else
+    None; ``copy_budget``: the bytes the runtime may keep for the copy and its snapshot."""
     if not assignment.is_product_sum or sched.output_format is not None or len(infos) < 2:
         return None
     sparse = [n for n, info in enumerate(infos) if info.format is not None]
@@ -70,7 +72,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
         return None
     (k,) = sparse
     dense_bytes = math.prod(infos[k].shape) * itemsize
-    if dense_bytes > target.max_dense_copy_bytes:
+    if dense_bytes + infos[k].nnz * itemsize > copy_budget:
         return None
     sizes = {i: infos[a.operand].shape[m] for t in assignment.terms for a in t.factors
              for m, i in enumerate(a.indices)}

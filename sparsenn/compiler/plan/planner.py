@@ -22,6 +22,7 @@ of three or more factors may instead run as pairwise contractions
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -107,13 +108,21 @@ class Plan:
 
 @dataclass(frozen=True)
 class ShapePlan:
-    """A call's plan for its shapes: the shared :class:`Plan`, this shape's schedule
-    (with its estimates) and the format the result is converted to (a requested format
-    the kernel does not produce natively), if any."""
+    """A call's plan for its shapes: this shape's schedule (with its estimates), the
+    kernel's output format and anchor, the format the result is converted to (a
+    requested format the kernel does not produce natively), if any, and the shared
+    :class:`Plan`, built on first use (a call the runtime computes otherwise, on the
+    dense path, never builds its kernel)."""
 
-    plan: Plan
     schedule: Schedule
+    output_format: Format | None
+    anchor: int | None
     final_format: Format | None
+    build: Callable[[], Plan] = field(compare=False, repr=False)
+
+    @functools.cached_property
+    def plan(self) -> Plan:
+        return self.build()
 
 
 _shape_plans: LRUCache[ShapePlan] = LRUCache("shape plans", 512)
@@ -213,12 +222,16 @@ def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request:
     if anchor is not None:
         output = formats[anchor]
     key = (assignment, formats, output, anchor, dtype, index_dtype, decisions(sched))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _build_plan(assignment, formats, output, anchor, decisions(sched), dtype, index_dtype)
-        _plans.put(key, plan)
+
+    def build() -> Plan:
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _build_plan(assignment, formats, output, anchor, decisions(sched), dtype, index_dtype)
+            _plans.put(key, plan)
+        return plan
+
     final = requested if output is not None and requested is not None and requested != output else None
-    return ShapePlan(plan, sched, final)
+    return ShapePlan(sched, output, anchor, final, build)
 
 
 def plan_call(assignment: Assignment, infos: tuple[OperandInfo, ...], request: Request, dtype: torch.dtype,

@@ -38,8 +38,7 @@ depends on where the suite runs).
   which it can count on ``llc_share``: the rest belongs to other cores, and on a VM to
   other tenants) and memory; ``cycles_per_cost_unit``
   the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
-  about 6 units per stored entry, 1.5 cycles); ``max_dense_copy_bytes`` bounds the dense
-  copy of an operand the runtime keeps for it.
+  about 6 units per stored entry, 1.5 cycles).
 """
 
 from __future__ import annotations
@@ -83,7 +82,6 @@ class Target:
     llc_share: float = 0.25
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
-    max_dense_copy_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.widest_vector_bytes is None:
@@ -98,6 +96,14 @@ class Target:
             value = getattr(self, name)
             if value & (value - 1):
                 raise ValueError(f"Target.{name} must be a power of two, got {value}")
+        for name in ("fma_per_cycle", "gemm_efficiency", "l2_bytes_per_cycle", "llc_bytes_per_cycle", "llc_share",
+                     "dram_bytes_per_cycle", "cycles_per_cost_unit"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"Target.{name} must be a positive number, got {value!r}")
+        for name in ("gemm_efficiency", "llc_share"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"Target.{name} is a fraction, at most 1, got {getattr(self, name)!r}")
         if self.widest_vector_bytes < self.vector_bytes:
             raise ValueError(f"Target.widest_vector_bytes ({self.widest_vector_bytes}) is below vector_bytes "
                              f"({self.vector_bytes})")

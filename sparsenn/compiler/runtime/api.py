@@ -20,14 +20,13 @@ from ..equation import broadcast_size_one, normalise
 from ..expression import parse_statement
 from ..notation import Assignment, parse_einsum
 from ..program import Program, plain, run, signature, stage, stage_inputs
-from ..plan.bias import fold_bias
 from ..plan.contract import describe_path
-from ..plan.planner import Plan, ShapePlan, operand_infos
+from ..plan.planner import Plan, ShapePlan
 from ..plan.schedule import Schedule
 from ..plan.target import ACTIVE_TARGET, Target
 from .autocast import autocast_operands
 from .cache import LRUCache, clear_caches
-from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, SplitCall, evaluate, path_call, route, split_of
+from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
@@ -248,23 +247,21 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         else:
             desc = f"dense {tuple(op.shape)}"
         lines.append(f"  {describe_operand(assignment, n)}: {desc}")
-    split = split_of(assignment, checked)
-    if split is not None:
+    routed = route(assignment, checked)
+    if isinstance(routed, SplitCall):
+        split = routed.split
         lines.append(split.describe())
         return "\n".join(lines + [_explain(split.assignment, split.operands(checked.operands), split.request)])
-    if checked.all_dense and assignment.is_product_sum:
+    if isinstance(routed, DenseCall):
         lines.append("all operands dense: dispatched to torch.einsum")
         return "\n".join(lines)
-    infos = operand_infos(checked.operands)
-    path = path_call(fold_bias(assignment, [i.format for i in infos], checked.request), infos, checked)
-    if path is not None:
+    if isinstance(routed, (PathCall, EpiloguePathCall)):
         lines.append("contraction path: cheaper than one fused kernel, each step its own kernel (BLAS when both "
                      "operands are dense):")
-        if isinstance(path, EpiloguePathCall):
-            steps = describe_path(path.path.assignment, path.path.steps)
+        if isinstance(routed, EpiloguePathCall):
+            steps = describe_path(routed.path.assignment, routed.path.steps)
             return "\n".join(lines + steps + ["  then the epilogue, elementwise over the result"])
-        return "\n".join(lines + describe_path(path.assignment, path.steps))
-    routed = route(assignment, checked)
+        return "\n".join(lines + describe_path(routed.assignment, routed.steps))
     if isinstance(routed, DensifiedCall):
         lines.append(routed.dense.describe())
         lines.append("the sparse kernel it was weighed against:")

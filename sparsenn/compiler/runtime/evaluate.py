@@ -97,9 +97,9 @@ def route(assignment: Assignment, checked: Checked
     if path is not None:
         return path
     shaped = plan_call(folded, infos, checked.request, checked.dtype, checked.index_dtype)
-    if shaped.plan.output_format is None and shaped.plan.anchor is None and shaped.final_format is None:
+    if shaped.output_format is None and shaped.anchor is None and shaped.final_format is None:
         dense = dense_path(assignment, infos, shaped.schedule, compute_dtype(checked.dtype).itemsize,
-                           shaped.schedule.target)
+                           shaped.schedule.target, COPIES.max_bytes)
         if dense is not None:
             return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
                                  (checked.sizes, checked.dtype, checked.index_dtype))
@@ -210,8 +210,8 @@ class DenseCall:
 class DensifiedCall:
     """A product run densely on a dense copy of its sparse operand, kept while the
     operand is unchanged (:mod:`.densified`); ``shaped`` is the sparse kernel the planner
-    weighed it against. A call whose dense operands hold an infinity or a NaN runs that
-    kernel instead: the copy's zeros would multiply them (``0 · inf = nan``), where an
+    weighed it against (built only if it runs). A call whose dense operands hold an
+    infinity or a NaN runs that kernel instead: the copy's zeros would multiply them (``0 · inf = nan``), where an
     entry that is not stored forms no product."""
 
     def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
