@@ -446,7 +446,7 @@ class BlockSparseAttention(nn.Module):
                                                 self.num_random_blocks, generator)
         return self._patterns[n]
 
-    def _forward_pattern(self, seq_len: int, is_causal: bool) -> BlockPattern:
+    def _forward_pattern(self, seq_len: int, is_causal: bool = False) -> BlockPattern:
         """Redrawn in training (unless ``fixed_pattern``), else :meth:`pattern`; without
         the blocks above the diagonal if ``is_causal`` (kept for the last pattern)."""
         if self.training and not self.fixed_pattern:
@@ -642,6 +642,10 @@ class BlockSparseAttention(nn.Module):
         if traced and entries:
             raise NotImplementedError(f"a traced BlockSparseAttention takes no attn_mask or is_causal on its sparse "
                                       f"path (sequences of more than {self.dense_up_to} tokens); call it eagerly")
+        if traced and need_weights and average and padding is not None:
+            raise NotImplementedError("a traced BlockSparseAttention with a key_padding_mask returns per-head weights "
+                                      "only: pass average_attn_weights=False, or need_weights=False")
+        uniform = padding is None  # every batch element stores as many blocks
         extra = -(-length // self.block_size) * self.block_size - length
         if extra:
             q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
@@ -680,7 +684,7 @@ class BlockSparseAttention(nn.Module):
         if not need_weights:
             return out, None
         if average:
-            probs = _head_mean(probs, bias is None or bias.shape[1] == 1)
+            probs = _head_mean(probs, bias is None or bias.shape[1] == 1, uniform)
         if not extra:
             return out, probs
         indices, values = probs.coords()
@@ -731,19 +735,30 @@ class BlockSparseAttention(nn.Module):
         return probs @ v, (probs if need_weights else None)
 
 
-def _head_mean(weights: SparseTensor, shared: bool) -> SparseTensor:
+def _head_mean(weights: SparseTensor, shared: bool, uniform: bool) -> SparseTensor:
     """``(batch, L', L')`` mean over heads of ``(batch, heads, L', L')`` blocked attention
-    weights: their values' mean per batch element, O(stored entries), when the heads
-    ``shared`` one pattern; else the compiled sum over heads, divided."""
+    weights, when the heads ``shared`` one pattern: their values' mean, O(stored entries)
+    (by views when every batch element stores as many blocks, ``uniform``); else the
+    compiled sum over heads, divided."""
     batch, heads = weights.shape[:2]
     if not shared:
         total = einsum("bhij->bij", weights)
         return total.with_values(total.values / heads)
     s = weights.format.block[-1]
     pos, crd = weights.pos[3], weights.crd[3]
-    counts = pos.diff().view(batch, heads, -1)[:, 0]  # stored blocks per block row, head 0
+    counts = pos.diff().view(batch, heads, -1)  # stored blocks per (batch, head, block row)
+    if uniform:
+        first_crd, mean = crd.view(batch, heads, -1)[:, 0].flatten(), weights.values.view(batch, heads, -1).mean(1)
+    else:
+        per_head = counts[:, 0].sum(1)  # stored blocks of each head of a batch element
+        starts = torch.cat([per_head.new_zeros(1), (per_head * heads).cumsum(0)[:-1]])
+        offsets = torch.cat([per_head.new_zeros(1), per_head.cumsum(0)[:-1]])
+        total = int(per_head.sum())
+        first = torch.repeat_interleave(starts - offsets, per_head, output_size=total) + torch.arange(total)
+        stride = torch.repeat_interleave(per_head, per_head, output_size=total)  # to the next head's block
+        blocks = weights.values.view(-1, s * s)
+        first_crd, mean = crd[first], sum(blocks[first + h * stride] for h in range(heads)) / heads
     return SparseTensor((batch,) + weights.shape[2:], f"ddc(1,{s},{s})",
-                        (None, None, torch.cat([pos.new_zeros(1), counts.flatten().cumsum(0).to(pos.dtype)]), None,
-                         None, None),
-                        (None, None, crd.view(batch, heads, -1)[:, 0].flatten(), None, None, None),
-                        weights.values.view(batch, heads, -1).mean(1).flatten(), check=False)
+                        (None, None, torch.cat([pos.new_zeros(1), counts[:, 0].flatten().cumsum(0).to(pos.dtype)]),
+                         None, None, None),
+                        (None, None, first_crd, None, None, None), mean.flatten(), check=False)
