@@ -620,6 +620,8 @@ class BlockSparseAttention(nn.Module):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.shape != q.shape or t.shape[1] != self.num_heads:
                 raise ValueError(f"q, k and v must be tensors of one shape (batch, {self.num_heads}, L, head_dim); "
                                  f"{name} is {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if isinstance(is_causal, Tensor) and is_causal.dtype == torch.bool and is_causal.numel() == 1:
+            is_causal = bool(is_causal)  # torch.onnx.export hands default arguments on as tensors
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
         batch, _, length, _ = q.shape

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from sparsenn.compiler import compile_expression, einsum, explain
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
-from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
+from sparsenn.layers.conventions import factory_kwargs, refuse_onnx_export, refuse_torchscript
 
 from .routing import dispatch_arrays, kept_choices, occurrences
 
@@ -308,6 +308,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_tracing():
+            refuse_onnx_export(self)
             raise RuntimeError("torch.jit.trace cannot record SparseMoE: the routing decides the sizes of the expert "
                                "panels, which a trace would fix to the example's; torch.compile traces them")
         routed = self.gate(x)
