@@ -81,6 +81,9 @@ class Level(ABC):
     has_crd: ClassVar[bool]
     full: ClassVar[bool]
     branchless: ClassVar[bool] = False
+    # Every fiber holds the same number of positions, the parent's position times that
+    # number onwards: positions affine in the parent's, coordinates stored.
+    affine_fibers: ClassVar[bool] = False
     assembly: ClassVar[str]  # "insert" (located) or "append"
     ordered: ClassVar[bool] = True
 
@@ -202,6 +205,7 @@ class Grouped(Level):
     has_pos: ClassVar[bool] = False
     has_crd: ClassVar[bool] = True
     full: ClassVar[bool] = False
+    affine_fibers: ClassVar[bool] = True
     assembly: ClassVar[str] = "append"
 
     def __post_init__(self) -> None:

@@ -51,6 +51,20 @@ every step. With *packed* factors every row runs one panel of ``k`` at a time::
 (``pack`` a per-thread buffer kept across calls; ``R`` is the one dense loop ``d``; every
 layer's tiles add into the output; a factor laid out with ``d`` last is packed by
 blocks of lanes x lanes, each transposed in registers).
+
+A *grouped* tile (``W``'s last level ``e`` holds a fixed number of entries per group)
+runs::
+
+    for P': for ab in whole tiles of a: a = ab; locate a
+                for kb in whole blocks of k, then the partial block (masked):
+                    acc[0:T][0:B] = 0
+                    for R without e: for t in the tile: for e in row t's group:
+                        acc[t][:] += W at row a + t * vector factors[kb : kb + B]
+                    out[P', ab + t, kb : kb + B] (+)= coef * acc[t]
+            for a in the rows left: the register block above
+
+(``W``'s position at row ``a + t`` is its position at ``a`` plus ``t`` times the extents
+of its dense levels between ``a`` and ``e``).
 """
 
 from __future__ import annotations
@@ -306,12 +320,102 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
     wrap = {r: blocks}
     plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
                      block_from=r, wrap=wrap, blocked={r: interleaved} if len(sums) > 1 else {})
-    if nest.register_tile is not None:
+    if nest.register_tile is not None and nest.register_tile.grouped_by is not None:
+        wrap[r - 1] = _grouped_tile(lo, nest, plain, coef, once, (k_lo, n_k), with_k, scalars)
+    elif nest.register_tile is not None:
         wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars, outside,
                                      k_anchor, offset)
     if lo.a.epilogue is not None and nest.epilogue_at is not None:
         fuse_epilogue(lo, wrap, plain.bounds, order, nest.epilogue_at)
     emit_order(lo, plain, states)
+
+
+def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalars):
+    """The wrapper of loop ``a`` that runs its whole grouped tiles (see the module doc),
+    then ``plain`` (the register block) over the rows left."""
+    order, tile, size = nest.order, nest.register_tile, nest.register_block.size
+    a, k, w = tile.index, order[-1], tile.grouped_by
+    r = order.index(a) + 1
+    var_a, var_k, v = lo.var(a), lo.var(k), ir.Var("v")
+    k_lo, n_k = k_range
+    ab, kb, rest, left, acc, mask = (lo.fresh(n) for n in ("ab", "kb", "krest", "aleft", "gacc", "kmask"))
+    vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+    lane = ir.mul(v, ir.Lanes())
+    nest_without_prefetch = dataclasses.replace(nest, prefetch=())
+    partial = [False]
+
+    def count() -> ir.Expr | None:
+        return ir.Elem(mask, (v,)) if partial[0] else None
+
+    def row_shift(st, t: int) -> ir.Expr:
+        """How far row ``t`` of the tile moves the grouping factor's position at its
+        current level: ``t`` times the extents of its dense levels below ``a``."""
+        held = [i for i, _ in st.levels]
+        below = [lo.dim(i) for i in held[held.index(a) + 1:st.depth]]
+        return ir.mul(ir.Const(t), product_of(below)) if below else ir.Const(t)
+
+    def rows_of_group(st):
+        """At the shared reductions' innermost point: each row's own loop over its group."""
+        for t in range(tile.rows):
+            def row(t=t):
+                shifted = list(st)
+                shifted[w] = dataclasses.replace(st[w], pos=ir.add(st[w].pos, row_shift(st[w], t)))
+
+                def fma(at):
+                    lo.emit(ir.Decl(var_k, "index", kb, const=True))
+                    loads = [lo.vector_load(at[n], count=count()) for n in with_k]
+                    lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (ir.Const(t), v)),
+                                                          product_of([lo.product(at, scalars), *loads]), "+=")))
+
+                walk = NestWalk(nest_without_prefetch, order[:-1], fma, dict(plain.bounds))
+                emit_order(lo, walk, shifted, len(order) - 2)
+            lo.emit(lo.block(row))
+
+    def block_pass(st):
+        """One block of ``k`` for the tile's rows: sums over the reductions, stored."""
+        lo.emit(ir.Decl(acc, "VV", "zero", shape=(tile.rows, vectors)))
+        emit_order(lo, NestWalk(nest_without_prefetch, order[:-2], rows_of_group, dict(plain.bounds)), st, r)
+        lo.emit(ir.Decl(var_k, "index", kb, const=True))
+        for t in range(tile.rows):
+            at = ir.add(lo.offset(lo.s.output_order, {a: ir.add(ab, ir.Const(t))}), lane)
+            scaled = ir.mul(coef, ir.Elem(acc, (ir.Const(t), v)))
+            value = scaled if once else ir.add(ir.VectorLoad(OUT, at, count()), scaled)
+            lo.emit(counted(v, vectors, ir.VectorStore(OUT, at, value, count())))
+
+    def wrapper(st, inner):
+        a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
+        lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
+                        const=True))
+
+        def run_tile():
+            lo.emit(ir.Decl(var_a, "index", ab, const=True))
+            located = list(st)
+            locate(lo, a, st, located)
+            lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
+                           lo.block(lambda: block_pass(located))))
+            lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+
+            def partial_block():
+                lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
+                lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
+                    rest, lane)),)))))
+                partial[0] = True
+                block_pass(located)
+                partial[0] = False
+
+            lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
+
+        lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.lt(ab, left), ir.Assign(ab, ir.Const(tile.rows), "+="),
+                       lo.block(run_tile)))
+        given = plain.bounds.get(a)
+        plain.bounds[a] = (left, a_hi)
+        inner()
+        if given is None:  # the wrapper may be emitted again (in another branch): as it found the bounds
+            del plain.bounds[a]
+        else:
+            plain.bounds[a] = given
+
+    return wrapper
 
 
 ROW = ir.Var("t")

@@ -84,6 +84,14 @@ level. It returns a :class:`Schedule`:
   serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a packed tile runs at the
   speed of a dense GEMM and is costed as BLAS is (``cost / GEMM_SPEEDUP``), which
   decides between it and a contraction path.
+* **Grouped tiles.** When no register tile applies because the one sparse factor ``W``
+  reads ``a`` and ``R`` through dense levels down to an innermost reduction ``e`` over
+  its last level, whose fibers are affine in their parent (``count`` entries per
+  group: an n:m weight), and the other factors are the block's vectors, not reading
+  ``a``: ``a`` is unrolled by ``rows`` as in a register tile, but each row steps through
+  its own group of ``e``, reading the vectors at its own coordinates. The rows of a
+  group then read the same few vectors (``dims[e]`` of them per block, at most a
+  quarter of the L1): loaded once from the L2 for the tile instead of once per row.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -154,7 +162,8 @@ class RegisterTile:
     SIMD vectors per row); ``gathered_by``: the factor whose stored coordinates the rows
     are (rows gathered by a sparse level), None for a dense range of rows;
     ``stepped_by``: the factor whose stored coordinates a packed tile's reduction steps
-    through, None for a dense reduction."""
+    through, None for a dense reduction; ``grouped_by``: the factor whose innermost
+    reduction each row steps through on its own (a *grouped tile*, see the module doc)."""
 
     index: str
     rows: int
@@ -164,6 +173,7 @@ class RegisterTile:
     panel: int = 0  # ... each panel spanning this much of the register block's index
     depth: int = 0  # ... and this much of the reduction (0: all of it)
     stepped_by: int | None = None
+    grouped_by: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,7 +227,8 @@ class Nest:
         if self.register_tile:
             t = self.register_tile
             rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
-            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows})")
+            grouped = "" if t.grouped_by is None else f", each row through its own groups of factor {t.grouped_by}"
+            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows}{grouped})")
             if t.packed:
                 depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
                 stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
@@ -428,7 +439,59 @@ def _registers(
 ) -> tuple[Tile | None, RegisterTile | None]:
     """The register block and register tile of ``nest``'s order under cache ``tiles``."""
     block = _register_block(output_order, nest.order, factors, tiles, dims, itemsize, target)
-    return block, _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
+    tile = _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
+    return block, tile or _grouped_tile(nest.order, output, factors, block, tiles, dims, itemsize, target)
+
+
+def _tile_shape(k: str, block: Tile, dims: dict[str, int], itemsize: int, target: Target) -> tuple[int, int] | None:
+    """(vectors, most rows) of a register tile over ``block``: whole vectors of ``k``
+    (at most 4, or 2 with 16 registers), and the rows their accumulators leave room for."""
+    lanes = target.lanes(itemsize)
+    whole = min(block.size, dims[k] // lanes * lanes)  # a tile's blocks are whole vectors
+    vectors = min(4 if target.vector_registers >= 32 else 2, whole // lanes)
+    if vectors < 1:
+        return None
+    most = min(8, (target.vector_registers - 1 - vectors) // vectors)
+    return (vectors, most) if most >= 2 else None
+
+
+def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
+                  tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target) -> RegisterTile | None:
+    """A grouped tile over the output loop ``a`` above the register block's reductions
+    (see the module doc), or None: one sparse factor reads ``a`` and the reductions
+    through dense levels down to an innermost reduction ``e`` over its last level,
+    whose fibers are affine in their parent (an n:m weight's groups); the others are
+    the vectors of the block, dense, not reading ``a``; a group's vectors over all of
+    ``e`` fit a quarter of the L1."""
+    if block is None or len(order) < 3:
+        return None
+    r = decisions.reductions_from(order, output, len(order) - 1)
+    a, e, k = order[r - 1], order[-2], order[-1]
+    if r < 1 or r == len(order) - 1 or a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
+        return None
+    sparse = [n for n, f in enumerate(factors) if f.sparse]
+    if len(sparse) != 1:
+        return None
+    (w,) = sparse
+    held = [i for i, _ in factors[w].levels]
+    if a not in held or held[-1] != e or k in held:
+        return None
+    above, (_, last) = factors[w].levels[held.index(a):-1], factors[w].levels[-1]
+    if not last.affine_fibers or not all(level.full and level.locatable for _, level in above):
+        return None
+    if any(a in (i for i, _ in f.levels) or k not in (i for i, _ in f.levels)
+           for n, f in enumerate(factors) if n != w):
+        return None
+    shape = _tile_shape(k, block, dims, itemsize, target)
+    if shape is None or dims[e] * shape[0] * target.lanes(itemsize) * itemsize > target.l1_bytes // 4:
+        return None
+    vectors, most = shape
+    return RegisterTile(a, _rows(most, dims[a]), vectors, grouped_by=w)
+
+
+def _rows(most: int, extent: int) -> int:
+    """A tile's rows: a divisor of the rows' ``extent`` down to half of ``most``, else ``most``."""
+    return min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if extent % n == 0), most), extent)
 
 
 def _register_tile_over_cache_tiles(
@@ -522,15 +585,11 @@ def _register_tile(
     if not readers or (gathered_by is not None and (outside or any(
             f.sparse for n, f in enumerate(factors) if n != gathered_by and a in (i for i, _ in f.levels)))):
         return None
-    lanes = target.lanes(itemsize)
-    whole = min(block.size, dims[k] // lanes * lanes)  # a tile's blocks are whole vectors
-    vectors = min(4 if target.vector_registers >= 32 else 2, whole // lanes)
-    if vectors < 1:
+    shape = _tile_shape(k, block, dims, itemsize, target)
+    if shape is None:
         return None
-    most = min(8, (target.vector_registers - 1 - vectors) // vectors)
-    if most < 2:
-        return None
-    width = vectors * lanes
+    vectors, most = shape
+    width = vectors * target.lanes(itemsize)
     if gathered_by is None:
         expected_rows = dims[a]
     else:
@@ -539,7 +598,7 @@ def _register_tile(
     packed, panel, depth, stepped_by = _packed(order, r, factors, width, most, expected_rows, dims, itemsize, target)
     rows = most
     if gathered_by is None and not packed:  # packed, the rows past the last whole tile run from the panels
-        rows = min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if dims[a] % n == 0), most), dims[a])
+        rows = _rows(most, dims[a])
     return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth, stepped_by)
 
 
