@@ -237,7 +237,7 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
     outside = [n for n, st in enumerate(states) if k in _held(st) and not summed & set(_held(st))]
     with_k = [n for n, st in enumerate(states) if not st.sparse and k in st.dense_indices and n not in outside]
     scalars = [n for n in range(len(term.factors)) if n not in with_k and n not in outside]
-    kb, acc, rest, mask = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("krest"), lo.fresh("kmask")
+    kb, acc, mask = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("kmask")
     var_k, v = lo.var(k), ir.Var("v")
     k_lo, n_k = walk.bounds.get(k, (ir.Const(0), lo.dim(k)))
     if k in walk.bounds:
@@ -303,19 +303,12 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
     def blocks(st, inner):
         """Loop ``r`` and those inside it, wrapped in whole blocks of k, then in the
         last, partial block, masked."""
-        lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
-                       lo.block(lambda: one_pass(st, inner))))
-        lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
-
-        def partial_block():
-            lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
-            lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
-                rest, lane)),)))))
-            partial[0], plain.block = True, (k, kb, n_k)
+        def one_block(last: bool):
+            partial[0], plain.block = last, (k, kb, n_k if last else ir.add(kb, size))
             one_pass(st, inner)
             partial[0], plain.block = False, (k, kb, ir.add(kb, size))
 
-        lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
+        _blocks_of_k(lo, kb, mask, size, (k_lo, n_k), one_block)
 
     wrap = {r: blocks}
     plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
@@ -330,6 +323,27 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
     emit_order(lo, plain, states)
 
 
+def _blocks_of_k(lo: Lowering, kb: ir.Var, mask: ir.Var, size: int, k_range, one_block) -> None:
+    """``one_block(False)`` for ``kb`` at each whole block of ``size`` in ``k_range``, then
+    ``one_block(True)`` for the last, partial block at ``kb``, whose vector ``v`` holds
+    the lanes ``mask[v]``."""
+    k_lo, n_k = k_range
+    v, lane = ir.Var("v"), ir.mul(ir.Var("v"), ir.Lanes())
+    rest = lo.fresh("krest")
+    lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
+                   lo.block(lambda: one_block(False))))
+    lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+
+    def partial_block():
+        vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+        lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
+        lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
+            rest, lane)),)))))
+        one_block(True)
+
+    lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
+
+
 def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalars):
     """The wrapper of loop ``a`` that runs its whole grouped tiles (see the module doc),
     then ``plain`` (the register block) over the rows left."""
@@ -337,8 +351,7 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
     a, k, w = tile.index, order[-1], tile.grouped_by
     r = order.index(a) + 1
     var_a, var_k, v = lo.var(a), lo.var(k), ir.Var("v")
-    k_lo, n_k = k_range
-    ab, kb, rest, left, acc, mask = (lo.fresh(n) for n in ("ab", "kb", "krest", "aleft", "gacc", "kmask"))
+    ab, kb, left, acc, mask = (lo.fresh(n) for n in ("ab", "kb", "aleft", "gacc", "kmask"))
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
     lane = ir.mul(v, ir.Lanes())
     nest_without_prefetch = dataclasses.replace(nest, prefetch=())
@@ -391,19 +404,13 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
             lo.emit(ir.Decl(var_a, "index", ab, const=True))
             located = list(st)
             locate(lo, a, st, located)
-            lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
-                           lo.block(lambda: block_pass(located))))
-            lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
 
-            def partial_block():
-                lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
-                lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
-                    rest, lane)),)))))
-                partial[0] = True
+            def one_block(last: bool):
+                partial[0] = last
                 block_pass(located)
                 partial[0] = False
 
-            lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
+            _blocks_of_k(lo, kb, mask, size, k_range, one_block)
 
         lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.lt(ab, left), ir.Assign(ab, ir.Const(tile.rows), "+="),
                        lo.block(run_tile)))
