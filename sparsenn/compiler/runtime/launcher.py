@@ -33,7 +33,7 @@ from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "bind", "output_allocator", "run_stages"]
+__all__ = ["Launch", "Assembly", "bind", "output_allocator", "output_fill", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -42,10 +42,15 @@ Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' re
 def output_allocator(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
     """How to allocate a dense output, ``allocate(shape, dtype=...)``: uninitialised
     (:func:`memory.empty`) when the kernel stores every element, else filled with the
-    reduction's identity (0 for a sum, -inf for a max)."""
-    if overwrites:
-        return memory.empty
-    return functools.partial(memory.filled, IDENTITY[reduction])
+    reduction's identity (see :func:`output_fill`)."""
+    fill = output_fill(reduction, overwrites)
+    return memory.empty if fill is None else functools.partial(memory.filled, fill)
+
+
+def output_fill(reduction: str, overwrites: bool) -> float | None:
+    """What a dense output holds before the kernel runs: nothing (None) when the kernel
+    stores every element, else the reduction's identity (0 for a sum, -inf for a max)."""
+    return None if overwrites else IDENTITY[reduction]
 
 
 @dataclass(frozen=True)
@@ -100,22 +105,23 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
     kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
-    out_dtype = launch.out_dtype
+    rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
-    assembles, allocate = plan.assembles, output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)
-    anchor, permutation = plan.anchor, plan.output_permutation
+    assembles, anchor, permutation = plan.assembles, plan.anchor, plan.output_permutation
+    allocate = None if assembles else memory.allocator(
+        allocation, launch.out_dtype, output_fill(plan.assignment.reduction, plan.kernel.overwrites_output))
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
-        made = run_stages(stages, operands)  # held until the kernel has read the staged copies
+        made = run_stages(stages, operands) if stages else None  # held until the kernel has read the staged copies
         arguments = pointers(operands, made)
         threads = torch.get_num_threads() if parallel else 1
         if assembles:
             result = _assembled(launch, arguments, threads)
         else:
-            out = allocate(allocation, dtype=out_dtype)
+            out = allocate()
             if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
-            if out_dtype != dtype:
+            if rounded:
                 out = out.to(dtype)
             if anchor is None:
                 return out if permutation is None else out.permute(permutation)
