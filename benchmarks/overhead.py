@@ -7,7 +7,9 @@ taken from ``$SPARSENN_DATA_DIR/suitesparse``, downloaded on first use.)
 
 Each call is timed in batches of ``calls`` back-to-back calls (a Python loop, as user
 code would make them), sparsenn's batch and torch's batch alternating, after a warm-up
-batch of each; the table gives the median per-call time of each and their ratio, so
+batch of each, in CPU time of the calling thread (on a host shared with other jobs, wall
+time counts the time the thread waits for a core, mostly in the longer batches); the
+table gives the median per-call time of each and their ratio, so
 the figures are the cost of a call whose kernel, Python objects and operands are warm:
 dispatch plus kernel. The cases: SpMV on a 4×4 CSR matrix (the call is all overhead),
 SpMV, SpMM and SpGEMM on the two smallest SuiteSparse matrices, and a
@@ -23,6 +25,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 import timeit
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -74,7 +77,7 @@ def per_call_us(ours: Callable, theirs: Callable, batches: int, calls_per_batch:
     times: tuple[list[float], list[float]] = ([], [])
     for n in range(batches + 1):
         for fn, recorded in zip((ours, theirs), times):
-            seconds = timeit.timeit(fn, number=calls_per_batch)
+            seconds = timeit.Timer(fn, timer=time.thread_time).timeit(number=calls_per_batch)
             if n:
                 recorded.append(seconds / calls_per_batch * 1e6)
     return statistics.median(times[0]), statistics.median(times[1])
@@ -86,7 +89,7 @@ def write_results(out: Path, rows: list[list]) -> None:
     record = {"benchmark": "overhead", "cpu": info["cpu"], "machine": f"{info['cores']} cores, L2 {info['l2']}",
               "torch": info["torch"], "commit": info["git"], "date": info["date"], "load": info["loadavg"][0],
               "command": " ".join(["python", *sys.argv]), "columns": COLUMNS, "rows": rows,
-              "notes": ["Medians of alternating batches. The layer's torch column is F.linear with the dense "
+              "notes": ["Medians of alternating batches, in thread CPU time. The layer's torch column is F.linear with the dense "
                         "weight; with autograd, both record the forward for a backward pass (not run)."]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
