@@ -1,49 +1,86 @@
-"""Per-call overhead: sparsenn against torch on the small SuiteSparse matrices, 1 thread.
+"""Per-call overhead: sparsenn against torch on tiny operands, 1 thread.
 
-    python benchmarks/overhead.py [--data DIR] [--batches 40] [--calls 100] [--out DIR]
+    python benchmarks/overhead.py [--data DIR] [--batches 40] [--calls 200] [--out DIR]
 
-Each call is timed as the fastest of ``batches`` batches of ``calls`` back-to-back calls
-(a Python loop, as user code would make them), so the figures are the cost of a call
-whose kernel, Python objects and operands are warm: dispatch plus kernel. The table is
-printed and written to ``DIR/overhead.json`` in the common schema of ``report.py``.
+(``--data``: a directory holding ``karate.mtx`` and ``494_bus.mtx``; by default they are
+taken from ``$SPARSENN_DATA_DIR/suitesparse``, downloaded on first use.)
+
+Each call is timed in batches of ``calls`` back-to-back calls (a Python loop, as user
+code would make them), sparsenn's batch and torch's batch alternating, after a warm-up
+batch of each, in CPU time of the calling thread (on a host shared with other jobs, wall
+time counts the time the thread waits for a core, mostly in the longer batches); the
+table gives the median per-call time of each and their ratio, so
+the figures are the cost of a call whose kernel, Python objects and operands are warm:
+dispatch plus kernel. The cases: SpMV on a 4×4 CSR matrix (the call is all overhead),
+SpMV, SpMM and SpGEMM on the two smallest SuiteSparse matrices, and a
+``SparseLinear(16, 8, sparsity=0.5)`` forward on one input row against ``F.linear``
+with its dense weight, under ``torch.no_grad()`` and recording autograd (the layer's
+parameters require grad). The table is printed and written to ``DIR/overhead.json``
+in the common schema of ``report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 import timeit
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
 import scipy.io
 import scipy.sparse as sps
 import torch
+import torch.nn.functional as F
 
 import sparsenn
-from kernels import DATA, torch_csr
+from kernels import suitesparse_matrix, torch_csr
 from structured import machine_info
 
-MATRICES = ("karate", "494_bus")
-COLUMNS = ["matrix (nnz)", "kernel", "sparsenn µs", "torch µs"]
+MATRICES = (("Newman", "karate"), ("HB", "494_bus"))  # SuiteSparse (group, name)
+COLUMNS = ["operands", "call", "sparsenn µs", "torch µs", "sparsenn / torch"]
+
+Case = tuple[Callable[[], object], Callable[[], object], Callable[[], AbstractContextManager]]
 
 
-def calls(m: sps.csr_array) -> dict[str, tuple]:
-    """kernel name -> (sparsenn call, torch call) on ``m``."""
+def matrix_cases(m: sps.csr_array) -> dict[str, Case]:
+    """call name -> (sparsenn call, torch call, grad mode) on ``m``, under no_grad."""
     a, at = sparsenn.from_scipy(m, format="csr"), torch_csr(m)
     att = at.t().to_sparse_csr()
     x, b = torch.randn(m.shape[1]), torch.randn(m.shape[1], 32)
     return {
-        "SpMV": (lambda: sparsenn.einsum("ij,j->i", a, x), lambda: at @ x),
-        "SpMM k=32": (lambda: sparsenn.einsum("ij,jk->ik", a, b), lambda: torch.sparse.mm(at, b)),
-        "SpGEMM A·Aᵀ": (lambda: sparsenn.einsum("ij,kj->ik", a, a), lambda: at @ att),
+        "SpMV": (lambda: sparsenn.einsum("ij,j->i", a, x), lambda: at @ x, torch.no_grad),
+        "SpMM k=32": (lambda: sparsenn.einsum("ij,jk->ik", a, b), lambda: torch.sparse.mm(at, b), torch.no_grad),
+        "SpGEMM A·Aᵀ": (lambda: sparsenn.einsum("ij,kj->ik", a, a), lambda: at @ att, torch.no_grad),
     }
 
 
-def per_call_us(fn, batches: int, calls_per_batch: int) -> float:
-    fn()
-    return min(timeit.repeat(fn, number=calls_per_batch, repeat=batches)) / calls_per_batch * 1e6
+def layer_cases() -> dict[str, Case]:
+    """``SparseLinear(16, 8, sparsity=0.5)`` on a (1, 16) input against ``F.linear`` with
+    its dense weight, without and with autograd recording."""
+    torch.manual_seed(0)
+    layer = sparsenn.SparseLinear(16, 8, sparsity=0.5)
+    weight = layer.to_dense().weight.detach().requires_grad_()
+    bias = layer.bias.detach().clone().requires_grad_()
+    x = torch.randn(1, 16)
+    ours, theirs = (lambda: layer(x)), (lambda: F.linear(x, weight, bias))
+    return {"forward, no_grad": (ours, theirs, torch.no_grad),
+            "forward, autograd": (ours, theirs, torch.enable_grad)}
+
+
+def per_call_us(ours: Callable, theirs: Callable, batches: int, calls_per_batch: int) -> tuple[float, float]:
+    """Median per-call µs of ``ours`` and ``theirs``, their batches alternating after one warm-up each."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for n in range(batches + 1):
+        for fn, recorded in zip((ours, theirs), times):
+            seconds = timeit.Timer(fn, timer=time.thread_time).timeit(number=calls_per_batch)
+            if n:
+                recorded.append(seconds / calls_per_batch * 1e6)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def write_results(out: Path, rows: list[list]) -> None:
@@ -51,28 +88,37 @@ def write_results(out: Path, rows: list[list]) -> None:
     info = machine_info()
     record = {"benchmark": "overhead", "cpu": info["cpu"], "machine": f"{info['cores']} cores, L2 {info['l2']}",
               "torch": info["torch"], "commit": info["git"], "date": info["date"], "load": info["loadavg"][0],
-              "command": " ".join(["python", *sys.argv]), "columns": COLUMNS, "rows": rows}
+              "command": " ".join(["python", *sys.argv]), "columns": COLUMNS, "rows": rows,
+              "notes": ["Medians of alternating batches, in thread CPU time. The layer's torch column is F.linear with the dense "
+                        "weight; with autograd, both record the forward for a backward pass (not run)."]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", type=Path, default=DATA, help="directory of SuiteSparse .mtx files")
+    parser.add_argument("--data", type=Path, default=None, help="directory of SuiteSparse .mtx files")
     parser.add_argument("--batches", type=int, default=40)
-    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "overhead")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print("| matrix (nnz) | kernel | sparsenn | torch |\n|---|---|---:|---:|")
+    torch.manual_seed(0)
+    tiny = sps.csr_array(sps.random(4, 4, density=0.5, random_state=0, dtype=np.float32))
+    groups = {f"4×4 ({tiny.nnz})": {"SpMV": matrix_cases(tiny)["SpMV"]}}
+    for group, name in MATRICES:
+        path = suitesparse_matrix(group, name) if args.data is None else args.data / f"{name}.mtx"
+        m = sps.csr_array(scipy.io.mmread(path), dtype=np.float32)
+        groups[f"{name} ({m.nnz})"] = matrix_cases(m)
+    groups["SparseLinear(16, 8, 50 %), batch 1"] = layer_cases()
+    print("| operands | call | sparsenn | torch | sparsenn / torch |\n|---|---|---:|---:|---:|")
     rows = []
-    for name in MATRICES:
-        m = sps.csr_array(scipy.io.mmread(args.data / f"{name}.mtx"), dtype=np.float32)
-        for kernel, (ours, theirs) in calls(m).items():
-            row = [f"{name} ({m.nnz})", kernel, round(per_call_us(ours, args.batches, args.calls), 1),
-                   round(per_call_us(theirs, args.batches, args.calls), 1)]
-            rows.append(row)
-            print(f"| {row[0]} | {kernel} | {row[2]:.1f} µs | {row[3]:.1f} µs |", flush=True)
+    for operands, cases in groups.items():
+        for call, (ours, theirs, mode) in cases.items():
+            with mode():
+                us, them = per_call_us(ours, theirs, args.batches, args.calls)
+            rows.append([operands, call, round(us, 2), round(them, 2), round(us / them, 2)])
+            print(f"| {operands} | {call} | {us:.2f} µs | {them:.2f} µs | {us / them:.2f} |", flush=True)
     write_results(args.out, rows)
 
 

@@ -29,6 +29,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 
 from sparsenn.formats import SparseTensor
 
@@ -272,10 +273,7 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     traced = tracing()
     if traced:
         evaluate = traced_evaluate
-    if not torch.is_grad_enabled() or not any(
-        (op.values if isinstance(op, SparseTensor) else op).requires_grad
-        for op in operands if isinstance(op, (SparseTensor, torch.Tensor))
-    ):
+    if not torch.is_grad_enabled() or not _requires_grad(operands):
         return evaluate(assignment, operands, out_format)
     if traced:  # each op's autograd formula records its gradients
         if assignment.epilogue is None:
@@ -297,5 +295,28 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
         else:
             return evaluate(assignment, operands, out_format)  # raises the usual TypeError
     spec = _Spec(assignment, operands, templates, out_format, evaluate)
-    values = _SparseEinsum.apply(spec, *tensors)
+    values = _apply(_SparseEinsum, spec, *tensors)
     return spec.result.with_values(values) if spec.result is not None else values
+
+
+def _requires_grad(operands: Sequence) -> bool:
+    """Whether a dense operand or a sparse operand's values require grad."""
+    for op in operands:
+        if isinstance(op, SparseTensor):
+            op = op.values
+        elif not isinstance(op, torch.Tensor):
+            continue
+        if op.requires_grad:
+            return True
+    return False
+
+
+def _apply(function: type[torch.autograd.Function], *args):
+    """``function.apply(*args)`` for a Function whose ``forward`` has no default
+    arguments. Outside torch.func transforms it does what ``Function.apply`` does then
+    (dead functorch wrappers unwrapped, then torch's C entry point) without the rest of
+    its Python wrapper, which costs as much as a small call's kernel (binding the default
+    arguments with ``inspect`` once ``setup_context`` is defined: several µs per call)."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))

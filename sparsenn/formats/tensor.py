@@ -167,6 +167,15 @@ class SparseTensor(Constructors):
         """Positions of storage level ``level`` (the root, above level 0, has one)."""
         return self.signature[2][level]
 
+    def index_arrays_unmodified(self) -> bool:
+        """Whether every pos/crd array is the one validated at construction: same data
+        address, same in-place modification counter (half of :meth:`check_unmodified`,
+        as a test; not for traced code, whose arrays are fake)."""
+        for array, version in zip(self._index_arrays, self._versions):
+            if (array.data_ptr(), None if array.is_inference() else array._version) != version:
+                return False
+        return True
+
     def check_unmodified(self) -> None:
         """Raise ValueError if a pos/crd array was modified in place (or its ``.data``
         replaced) since construction, or ``values`` no longer has one entry per stored
@@ -174,10 +183,9 @@ class SparseTensor(Constructors):
         structure a kernel trusts; it costs O(number of levels)."""
         if torch.compiler.is_compiling():  # fake arrays: the traced op checks the real ones
             return
-        for array, version in zip(self._index_arrays, self._versions):
-            if (array.data_ptr(), None if array.is_inference() else array._version) != version:
-                raise ValueError("index arrays of this SparseTensor were modified in place or replaced after "
-                                 "construction; build a new SparseTensor instead of editing pos/crd")
+        if not self.index_arrays_unmodified():
+            raise ValueError("index arrays of this SparseTensor were modified in place or replaced after "
+                             "construction; build a new SparseTensor instead of editing pos/crd")
         values = self.values
         if values.dim() != 1 or values.shape[0] != self._num_values:
             raise ValueError(f"values has shape {tuple(values.shape)}, expected ({self._num_values},) "

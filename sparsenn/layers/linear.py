@@ -382,17 +382,14 @@ class SparseLinear(nn.Module):
         output of another SparseLinear (or of elementwise ops on it, which keep its
         strides) is read as it is."""
         x = self._checked_input(x)
-        if isinstance(x, SparseTensor):
-            # Dense whatever the formats: a product of two sparse operands is sparse.
+        if isinstance(x, SparseTensor) or x.dim() == 2:
             return self._affine(x)
-        # Dense whatever the weight's format: one that stores o in a compressed level
-        # (csc, coo, dcsr, dcsc) makes the product sparse in o.
         return self._affine(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
     def _checked_input(self, x: object) -> Tensor | SparseTensor:
         """``x`` validated against the layer; a torch sparse tensor (COO, CSR, CSC, BSR,
         BSC) becomes a SparseTensor of its natural format (``sparsenn.from_torch``)."""
-        dtype = self.weight_values.dtype
+        dtype = self._parameters["weight_values"].dtype  # as self.weight_values, without Module.__getattr__
         if isinstance(x, Tensor) and x.layout != torch.strided:
             if x.dim() != 2:
                 raise ValueError(f"a torch sparse input must have shape (batch, {self.in_features}), got "
@@ -409,16 +406,19 @@ class SparseLinear(nn.Module):
                 raise ValueError(f"input must have shape (..., {self.in_features}), got {tuple(x.shape)}")
         else:
             raise TypeError(f"input must be a torch.Tensor or a SparseTensor, got {type(x).__name__}")
-        if autocast_dtype(x.dtype) != autocast_dtype(dtype):  # under autocast, both become its dtype
+        if x.dtype != dtype and autocast_dtype(x.dtype) != autocast_dtype(dtype):  # under autocast, both become its dtype
             raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
         return x
 
     def _affine(self, x: Tensor | SparseTensor) -> Tensor:
-        """``x W^T (+ b)`` for a 2-D input, dense: the bias is added to each output
-        slice by the kernel that finishes it (an epilogue), not in a second pass."""
-        if self.bias is None:
+        """``x W^T (+ b)`` for a 2-D input, dense whatever the formats (a product of two
+        sparse operands, or with a weight that stores o in a compressed level, is sparse):
+        the bias is added to each output slice by the kernel that finishes it (an
+        epilogue), not in a second pass."""
+        bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
+        if bias is None:
             return einsum("bi,oi->bo", x, self.weight, out_format="dense")
-        return _AFFINE(x, self.weight, self.bias)
+        return _AFFINE(x, self.weight, bias)
 
     # ------------------------------------------------------------------ conversion
     @classmethod

@@ -47,6 +47,7 @@ class PatternBuffers:
         self.name, self.shape, self.format = name, shape, fmt
         self._names = self.buffer_names()
         self._checked: SparseTensor | None = None  # over the buffers as last validated
+        self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._versioned = False  # every recorded buffer has a version counter (none is an inference tensor)
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
@@ -75,7 +76,7 @@ class PatternBuffers:
                 if array is not None:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
         self._names = self.buffer_names()
-        self._checked, self._record, self._unloaded = None, (), {}
+        self._checked, self._weight, self._record, self._unloaded = None, None, (), {}
         self.deferred = None
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
@@ -90,12 +91,13 @@ class PatternBuffers:
         O(levels) while the buffers are the tensors last validated, with the same data
         pointers and in-place version counters; validated in full (ValueError naming the
         buffer) after they were edited, replaced or partly loaded. Buffers created under
-        ``torch.inference_mode`` carry no version counter: they are validated at every call."""
+        ``torch.inference_mode`` carry no version counter: they are validated at every call.
+        The same SparseTensor is returned while the buffers and the parameter object are."""
         values = module._parameters.get(self.values_name)
         if torch.compiler.is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
             pos, crd = self._arrays(module)
             return SparseTensor(self.shape, self.format, pos, crd, values, check=False)
-        checked = self._checked
+        checked, weight = self._checked, self._weight
         if checked is not None and self._versioned and values is not None and values.shape == checked.values.shape:
             buffers = module._buffers
             for name, (array, address, version) in zip(self._names, self._record):
@@ -103,8 +105,11 @@ class PatternBuffers:
                 if current is not array or current.data_ptr() != address or current._version != version:
                     break
             else:
-                return checked.with_values(values)
-        return self._validate(module, values).with_values(values)
+                if weight is None or weight.values is not values:  # the same parameter: the same weight
+                    weight = self._weight = checked.with_values(values)
+                return weight
+        weight = self._weight = self._validate(module, values).with_values(values)
+        return weight
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
@@ -207,4 +212,4 @@ class PatternBuffers:
                f"pattern ({', '.join(self.buffer_names(saved) + (self.values_name,))})")
         for name in stale:
             self._unloaded[name] = (_token(module._buffers.get(name, module._parameters.get(name))), why)
-        self._checked = None
+        self._checked = self._weight = None

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["LRUCache", "CacheStats", "clear_caches", "cache_stats", "register"]
+__all__ = ["LRUCache", "GuardedCache", "CacheStats", "clear_caches", "cache_stats", "register"]
 
 V = TypeVar("V")
 
@@ -96,6 +96,63 @@ class LRUCache(Generic[V]):
     def __repr__(self) -> str:
         s = self.stats()
         return f"LRUCache({self.name!r}, {s.size}/{s.maxsize}, hits={s.hits}, misses={s.misses})"
+
+
+Guard = Callable[[object, object], bool]  # (operands, detail) -> whether a call has an entry's key
+
+
+class GuardedCache(LRUCache[tuple[Guard, V]]):
+    """An :class:`LRUCache` of call keys whose entries carry a guard, a test of
+    ``(operands, detail)`` true exactly for the calls with the entry's key; per
+    expression (an object matched by identity, and held) the entries of its last
+    ``per_expression`` call signatures are also found by their guards, newest first, so a
+    repeated call is found without building and hashing its key (:meth:`find`). Hits and
+    misses count calls: one per call found by guard or looked up by key."""
+
+    __slots__ = ("per_expression", "_recent")
+
+    def __init__(self, name: str, maxsize: int, per_expression: int) -> None:
+        super().__init__(name, maxsize)
+        self.per_expression = per_expression
+        # id(expression) -> (expression, ((guard, value), ...)): holding it keeps the id unique.
+        self._recent: dict[int, tuple[object, tuple[tuple[Guard, V], ...]]] = {}
+
+    def find(self, expression: object, operands: object, detail: object) -> V | None:
+        """The value of ``expression``'s first recent entry whose guard passes, or None
+        (uncounted: look the key up next)."""
+        slot = self._recent.get(id(expression))
+        if slot is not None:
+            for guard, value in slot[1]:
+                if guard(operands, detail):
+                    self.hits += 1
+                    return value
+        return None
+
+    def lookup(self, expression: object, key: Hashable) -> V | None:
+        """The value stored under ``key`` (now ``expression``'s newest recent entry), or None."""
+        entry = self.get(key)
+        if entry is None:
+            return None
+        self._remember(expression, entry)
+        return entry[1]
+
+    def store(self, expression: object, key: Hashable, guard: Guard, value: V) -> None:
+        """Store ``value`` under ``key`` with its guard, as ``expression``'s newest recent entry."""
+        self.put(key, (guard, value))
+        self._remember(expression, (guard, value))
+
+    def _remember(self, expression: object, entry: tuple[Guard, V]) -> None:
+        with self._lock:
+            slot = self._recent.pop(id(expression), None)
+            older = tuple(e for e in slot[1] if e is not entry)[: self.per_expression - 1] if slot else ()
+            self._recent[id(expression)] = (expression, (entry, *older))
+            while len(self._recent) > self.maxsize:
+                del self._recent[next(iter(self._recent))]
+
+    def clear(self) -> None:
+        super().clear()
+        with self._lock:
+            self._recent.clear()
 
 
 _registry: dict[str, LRUCache] = {}

@@ -14,9 +14,10 @@ A call resolves to one of four runnable objects:
 * a :class:`DensifiedCall` when the planner finds BLAS on a dense copy of the one
   sparse operand cheaper than its kernel (``plan/dense_path.py``).
 
-Calls whose operands kernels read as given are cached by :func:`validate.call_key`, so
-a repeated call costs the key, one lookup and the launch; other calls are checked,
-converted and resolved each time.
+Calls whose operands kernels read as given are cached by :func:`validate.call_key`, and
+the last few signatures of each expression also by their guards
+(:func:`validate.call_guard`), so a repeated call costs its guard and the launch; other
+calls are checked, converted and resolved each time.
 """
 
 from __future__ import annotations
@@ -39,30 +40,33 @@ from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
 from ..plan.planner import DENSE, Request, ShapePlan, contraction_path, operand_infos, path_request, plan_call
 from . import memory
-from .cache import LRUCache
+from .cache import GuardedCache
 from .densified import COPIES
 from .launcher import Launch, bind
-from .validate import Checked, call_key, check_call
+from .validate import Checked, call_guard, call_key, check_call
 
 __all__ = ["evaluate", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall", "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
-_calls: LRUCache[Run] = LRUCache("calls", 1024)  # call key -> the run function of what it resolved to
+_calls: GuardedCache[Run] = GuardedCache("calls", 1024, per_expression=4)  # call key -> the run function
 
 
 def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Tensor | SparseTensor:
     """``assignment`` over ``operands``: a dense tensor, or a SparseTensor when the
     result's format (from the operands' formats and ``out_format``) is sparse."""
+    run = _calls.find(assignment, operands, out_format)
+    if run is not None:
+        return run(operands)
     key = call_key(assignment, operands, out_format)
     if key is not None:
-        run = _calls.get(key)
+        run = _calls.lookup(assignment, key)
         if run is not None:
             return run(operands)
     checked = check_call(assignment, operands, out_format)
     run = resolve(assignment, checked).run
     if key is not None:
-        _calls.put(key, run)
+        _calls.store(assignment, key, call_guard(assignment, operands, out_format), run)
     return run(checked.operands)
 
 

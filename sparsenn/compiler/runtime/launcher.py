@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "bind", "output_allocator", "run_stages"]
+__all__ = ["Launch", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -42,10 +43,15 @@ Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' re
 def output_allocator(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
     """How to allocate a dense output, ``allocate(shape, dtype=...)``: uninitialised
     (:func:`memory.empty`) when the kernel stores every element, else filled with the
-    reduction's identity (0 for a sum, -inf for a max)."""
-    if overwrites:
-        return memory.empty
-    return functools.partial(memory.filled, IDENTITY[reduction])
+    reduction's identity (see :func:`output_fill`)."""
+    fill = output_fill(reduction, overwrites)
+    return memory.empty if fill is None else functools.partial(memory.filled, fill)
+
+
+def output_fill(reduction: str, overwrites: bool) -> float | None:
+    """What a dense output holds before the kernel runs: nothing (None) when the kernel
+    stores every element, else the reduction's identity (0 for a sum, -inf for a max)."""
+    return None if overwrites else IDENTITY[reduction]
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,7 @@ class Launch:
     parallel: bool
     stages: tuple[Stage, ...]
     pointers: Pointers
-    array_type: type  # ctypes array of the kernel's array arguments (and a dense output)
+    pack: Callable[..., bytes]  # the kernel's array arguments (and a dense output) as sn_run's void* array
     allocation: tuple[int, ...]  # shape of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
     out_shape: tuple[int, ...]
@@ -99,23 +105,24 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     """The per-call work of ``launch``, a closure over its constants (read faster than
     attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
-    kernel_run, array_type, allocation, dtype = launch.entry.run, launch.array_type, launch.allocation, launch.dtype
-    out_dtype = launch.out_dtype
+    kernel_run, pack, allocation, dtype = launch.entry.run, launch.pack, launch.allocation, launch.dtype
+    rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
-    assembles, allocate = plan.assembles, output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)
-    anchor, permutation = plan.anchor, plan.output_permutation
+    assembles, anchor, permutation = plan.assembles, plan.anchor, plan.output_permutation
+    allocate = None if assembles else memory.allocator(
+        allocation, launch.out_dtype, output_fill(plan.assignment.reduction, plan.kernel.overwrites_output))
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
-        made = run_stages(stages, operands)  # held until the kernel has read the staged copies
+        made = run_stages(stages, operands) if stages else None  # held until the kernel has read the staged copies
         arguments = pointers(operands, made)
         threads = torch.get_num_threads() if parallel else 1
         if assembles:
             result = _assembled(launch, arguments, threads)
         else:
-            out = allocate(allocation, dtype=out_dtype)
-            if kernel_run(array_type(*arguments, out.data_ptr()), dims, threads, None) != 0:
+            out = allocate()
+            if kernel_run(pack(*arguments, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
-            if out_dtype != dtype:
+            if rounded:
                 out = out.to(dtype)
             if anchor is None:
                 return out if permutation is None else out.permute(permutation)
@@ -132,7 +139,7 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
     stages' tensors) alive."""
     entry, layout, rank = launch.entry, launch.assembly, len(launch.out_shape)
     handle = ctypes.c_void_p()
-    arguments = launch.array_type(*pointers)
+    arguments = launch.pack(*pointers)
     if entry.run(arguments, launch.dims, threads, ctypes.byref(handle)) != 0:
         if handle.value:
             entry.free(handle)
@@ -219,9 +226,16 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
         runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
-        ctypes.c_void_p * (len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
+        argument_packer(len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
         output_dtype(kernel, dtype), index_dtype, shaped.final_format,
     )
+
+
+def argument_packer(count: int) -> Callable[..., bytes]:
+    """``pack(*addresses)``: ``count`` data addresses as a C array of ``void*``, passed to
+    ``sn_run`` as its ``arrays`` (ctypes passes a bytes object as a pointer to its
+    contents; packing them costs half of building a ctypes array)."""
+    return struct.Struct(f"{count}P").pack
 
 
 def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:

@@ -7,7 +7,8 @@ kernels read them (a dense-format SparseTensor as a tensor; blocked ones as they
 :mod:`..blocks` to split). :func:`call_key` is the cache key of a call whose operands need no such
 conversion: everything :func:`check_call` checks follows from the key, except what it
 checks itself on every call (CPU, strided, contiguous sparse values, unedited index
-arrays).
+arrays). :func:`call_guard` tests that a call has a given key without building it: a
+repeated call is recognised by its guard alone.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from sparsenn.formats.validate import VALUE_DTYPE_NAMES, VALUE_DTYPES
 
 from ..notation import Assignment
 from ..plan.planner import AUTO, DENSE, Request, shared_patterns
+from .cache import Guard
 
-__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key"]
+__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key", "call_guard"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +172,33 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
             return None
     key.append(shared_patterns(operands))
     return tuple(key)
+
+
+def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
+    """A test of ``(operands, out_format)`` that is true exactly when a call of
+    ``assignment`` with them has the :func:`call_key` of this call (not None) and passes
+    its per-call checks. Written out for these operands' kinds as one expression (as
+    :func:`launcher._pointers` is), so a match costs attribute reads and comparisons
+    only: no tuple is built or hashed. The caller matches ``assignment`` by identity."""
+    constants: dict[str, object] = {"SparseTensor": SparseTensor, "Tensor": torch.Tensor, "strided": torch.strided,
+                                    "shared_patterns": shared_patterns, "request": out_format,
+                                    "request_type": type(out_format)}
+    tests = [f"len(ops) == {len(operands)}",
+             "out_format is None" if out_format is None else
+             "type(out_format) is request_type and out_format == request"]
+    for n, op in enumerate(operands):
+        if isinstance(op, SparseTensor):
+            constants[f"signature{n}"], constants[f"dtype{n}"] = op.signature, op.values.dtype
+            constants[f"values{n}"] = op.values.shape
+            tests.append(f"type(op{n} := ops[{n}]) is SparseTensor and op{n}.signature == signature{n} "
+                         f"and (values{n}_ := op{n}.values).shape == values{n} and values{n}_.dtype is dtype{n} "
+                         f"and values{n}_.is_cpu and values{n}_.is_contiguous() and op{n}.index_arrays_unmodified()")
+        else:
+            constants[f"shape{n}"], constants[f"dtype{n}"], constants[f"stride{n}"] = op.shape, op.dtype, op.stride()
+            tests.append(f"isinstance(op{n} := ops[{n}], Tensor) and op{n}.layout is strided "
+                         f"and op{n}.shape == shape{n} and op{n}.dtype is dtype{n} and op{n}.is_cpu "
+                         f"and op{n}.stride() == stride{n}")
+    if sum(isinstance(op, SparseTensor) for op in operands) >= 2:
+        constants["shared"] = shared_patterns(operands)
+        tests.append("shared_patterns(ops) == shared")
+    return eval(f"lambda ops, out_format: {' and '.join(tests)}", constants)

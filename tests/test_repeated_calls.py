@@ -1,0 +1,158 @@
+"""A repeated call is recognised by its guard (``validate.call_guard``) and runs its
+cached launch at once: every way an operand can change between two calls (in-place
+edits, ``.data`` reassignment, a new shape, dtype or layout at the same object) either
+passes the guard with the launch still valid or fails it and is checked in full."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsenn
+from sparsenn import SparseLinear
+from sparsenn.compiler import cache_stats, clear_caches
+from sparsenn.compiler.runtime import api, memory
+from sparsenn.compiler.runtime.cache import GuardedCache
+from sparsenn.compiler.runtime.evaluate import resolve
+from sparsenn.compiler.runtime.launcher import Launch
+from sparsenn.compiler.runtime.validate import check_call
+
+
+def sp(shape, fmt="csr", density=0.4, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(shape, generator=g, dtype=dtype) * (torch.rand(shape, generator=g) < density)
+    return sparsenn.from_dense(dense, format=fmt)
+
+
+def launch_of(equation, *operands) -> Launch:
+    """What ``einsum(equation, *operands)`` runs, bound to these operands."""
+    assignment = api.parse(equation, len(operands))
+    launch = resolve(assignment, check_call(assignment, operands, None))
+    assert isinstance(launch, Launch)
+    return launch
+
+
+def guard_hits() -> int:
+    return cache_stats()["calls"].hits
+
+
+def test_in_place_edits_of_values_and_dense_operands_are_read_by_the_cached_launch():
+    a, x = sp((6, 5)), torch.randn(5, dtype=torch.float64)
+    sparsenn.einsum("ij,j->i", a, x)
+    a.values.mul_(3)
+    x.add_(1)
+    hits = guard_hits()
+    torch.testing.assert_close(sparsenn.einsum("ij,j->i", a, x), a.to_dense() @ x)
+    assert guard_hits() == hits + 1
+
+
+def test_data_reassignment_at_the_same_object_changes_shape_layout_or_dtype_safely():
+    a = sp((23, 19))
+    x = torch.randn(19, 6, dtype=torch.float64)  # read as given: no copy to the kernel's layout
+    assert launch_of("ij,jk->ik", a, x).stages == ()
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), a.to_dense() @ x)
+    x.data = torch.randn(6, 19, dtype=torch.float64).t()  # same shape, transposed strides
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), a.to_dense() @ x)
+    x.data = torch.randn(19, 7, dtype=torch.float64)  # a new shape
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), a.to_dense() @ x)
+    x.data = torch.randn(4, 7, dtype=torch.float64)  # a shape that does not fit
+    with pytest.raises(ValueError, match="index 'j' has size 4"):
+        sparsenn.einsum("ij,jk->ik", a, x)
+    x.data = torch.randn(19, 7, dtype=torch.float32)  # a dtype that does not match
+    with pytest.raises(TypeError, match="dtype"):
+        sparsenn.einsum("ij,jk->ik", a, x)
+    a.values.data = a.values.data.float()
+    torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), a.to_dense() @ x)
+
+
+def test_a_resized_dense_operand_fails_the_guard():
+    a, x = sp((6, 5)), torch.randn(5, dtype=torch.float64)
+    sparsenn.einsum("ij,j->i", a, x)
+    x.resize_(4)
+    with pytest.raises(ValueError, match="index 'j' has size 4"):
+        sparsenn.einsum("ij,j->i", a, x)
+
+
+@pytest.mark.parametrize("edit", ["in place", ".data", "values resized"])
+def test_an_edited_sparse_operand_is_rejected_after_a_cached_call(edit):
+    a, x = sp((6, 5)), torch.randn(5, dtype=torch.float64)
+    sparsenn.einsum("ij,j->i", a, x)
+    if edit == "in place":
+        a.crd[1][0] = 4
+    elif edit == ".data":
+        a.crd[1].data = a.crd[1].clone()
+    else:
+        a.values.data = torch.randn(a.nnz + 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="modified in place or replaced|resized after construction"):
+        sparsenn.einsum("ij,j->i", a, x)
+
+
+def test_values_made_non_contiguous_after_a_cached_call_are_copied():
+    a, x = sp((6, 5)), torch.randn(5, dtype=torch.float64)
+    sparsenn.einsum("ij,j->i", a, x)
+    a.values.data = torch.randn(2 * a.nnz, dtype=torch.float64)[::2]
+    assert not a.values.is_contiguous()
+    torch.testing.assert_close(sparsenn.einsum("ij,j->i", a, x), a.to_dense() @ x)
+
+
+def test_shared_and_separate_patterns_of_one_signature_are_told_apart():
+    s = sp((6, 5))
+    t = sparsenn.from_dense(s.to_dense() * 2, format="csr")  # s's pattern in arrays of its own
+    other = s.with_values(torch.randn(s.nnz, dtype=torch.float64))
+    for u, v in ((s, other), (s, t), (s, other)):
+        torch.testing.assert_close(sparsenn.einsum("ij,ij->ij", u, v, out_format="dense"),
+                                   u.to_dense() * v.to_dense())
+
+
+def test_more_signatures_than_an_expression_keeps_alternate_correctly():
+    clear_caches()
+    a = sp((6, 5))
+    xs = [torch.randn(5, k, dtype=torch.float64) for k in range(1, 8)]
+    for _ in range(3):
+        for x in xs:
+            torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), a.to_dense() @ x)
+    for request in (None, "dense", "csr"):
+        result = sparsenn.einsum("ij,kj->ik", a, a, out_format=request)
+        assert isinstance(result, torch.Tensor) == (request == "dense")
+    stats = cache_stats()["calls"]
+    assert stats.size <= stats.maxsize
+
+
+def test_guarded_cache_finds_recent_entries_by_guard_and_bounds_them():
+    cache = GuardedCache("test: guarded", 2, per_expression=2)
+    expression = object()
+    for n in range(3):
+        cache.store(expression, ("key", n), lambda ops, detail, n=n: ops == n, f"value {n}")
+    assert cache.find(expression, 2, None) == "value 2" and cache.find(expression, 1, None) == "value 1"
+    assert cache.find(expression, 0, None) is None  # beyond per_expression: found by key only
+    assert cache.lookup(expression, ("key", 0)) is None  # evicted from the LRU of 2 as well
+    assert cache.lookup(expression, ("key", 2)) == "value 2"
+    cache.clear()
+    assert cache.find(expression, 2, None) is None and cache.stats().size == 0
+
+
+def test_a_bound_allocator_poisons_when_poisoning_is_turned_on_later():
+    allocate, filled = memory.allocator((3, 2), torch.float32), memory.allocator((3, 2), torch.float64, float("-inf"))
+    previous = memory.poison_outputs(False)
+    try:
+        memory.poison_outputs(True)
+        assert allocate().isnan().all() and allocate().shape == (3, 2)
+        assert (filled() == float("-inf")).all() and filled().dtype == torch.float64
+    finally:
+        memory.poison_outputs(previous)
+
+
+def test_sparse_linear_reads_its_parameter_as_it_is_now():
+    torch.manual_seed(0)
+    layer, x = SparseLinear(16, 8, sparsity=0.5, dtype=torch.float64), torch.randn(3, 16, dtype=torch.float64)
+    layer(x)
+    with torch.no_grad():
+        layer.weight_values.mul_(2)
+    torch.testing.assert_close(layer(x), layer.to_dense()(x))
+    layer.weight_values.data = torch.randn_like(layer.weight_values)
+    torch.testing.assert_close(layer(x), layer.to_dense()(x))
+    layer.float()
+    torch.testing.assert_close(layer(x.float()), layer.to_dense()(x.float()))
+    out = layer(x.float())
+    out.sum().backward()
+    assert layer.weight_values.grad is not None and layer.weight_values.grad.dtype == torch.float32
