@@ -124,6 +124,10 @@ def _expr(e: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
         if e.lanes is None:
             return f"sn_load({at})", _ATOM
         return f"sn_load_first({at}, {print_expr(e.lanes, stored)})", _ATOM
+    if isinstance(e, ir.Gather):
+        base = _expr(ir.Address(e.array, e.offset), stored)[0]
+        crd = _expr(ir.Address(e.crd, e.at), stored)[0]
+        return f"sn_gather({base}, {crd}, {print_expr(e.stride, stored)})", _ATOM
     if isinstance(e, ir.Call):
         return _call(e, stored), _ATOM
     if isinstance(e, ir.Math):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "Expr", "Stmt", "Var", "Const", "Lanes", "VectorZero", "Array", "Load", "Address", "Bin", "Select", "Cast",
-    "Call", "Math", "RuntimeCall", "VectorLoad", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
+    "Call", "Math", "RuntimeCall", "VectorLoad", "Gather", "Elem", "Decl", "Assign", "Incr", "VectorStore", "Prefetch", "Effect",
     "If", "For", "While", "Block", "Parallel", "Team", "Guarded", "Continue", "Break", "Return", "EFFECTS",
     "RUNTIME_CALLS", "WORKSPACES", "add", "sub", "mul", "lt", "le", "eq", "and_", "or_", "min_", "max_",
     "c",
@@ -189,6 +189,18 @@ class VectorLoad(Expr):
     array: Array
     offset: Expr
     lanes: Expr | None = None
+
+
+@dataclass(frozen=True)
+class Gather(Expr):
+    """The SIMD vector of ``array`` at ``offset + crd[at + l] * stride`` for each lane
+    ``l`` (the elements a vector of stored coordinates picks)."""
+
+    array: Array
+    offset: Expr
+    crd: Array
+    at: Expr
+    stride: Expr
 
 
 @dataclass(frozen=True)

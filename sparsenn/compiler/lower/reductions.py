@@ -6,7 +6,9 @@
 * :func:`extremum_reduction`: ``acc = max(acc, coef * X)`` (or min) the same way,
   lanes combined by NaN-keeping ``sn_vmax`` / ``sn_vmin``;
 * :func:`sparse_reduction`: ``acc += coef * sum_q prod(factors at crd[q])`` over a
-  fiber, position ``q`` into sum ``q mod A`` of ``A`` interleaved sums, a scalar tail;
+  fiber, gathered: whole vectors of positions first (values loaded, dense factors
+  gathered at ``crd[q : q + lanes]``); then position ``q`` into sum ``q mod A`` of
+  ``A`` interleaved sums, a scalar tail;
 * :func:`row_blocker`: blocks of ``R`` positions of a fiber whose vector reductions
   share the loads of the factors not indexed by it, then one transpose-and-add
   (``hsums``) of the ``R`` sums.
@@ -19,7 +21,7 @@ from collections.abc import Sequence
 from ..functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import RowBlock
-from .context import Lowering, counted, product_of
+from .context import ONES, Lowering, counted, product_of
 from .iterators import Cursor, FactorState, locate, open_cursor
 
 __all__ = ["Summed", "vector_reduction", "extremum_reduction", "sparse_reduction", "row_blocker", "enter"]
@@ -131,7 +133,7 @@ def enter(lo: Lowering, index: str, states, cursor: Cursor, position: ir.Expr) -
 
 def sparse_reduction(
     lo: Lowering, index: str, states, driver: int, accumulator: ir.Var, summed: Summed, accumulators: int,
-    bounds=None,
+    bounds=None, gathered: bool = False,
 ) -> None:
     coef, factors = summed
     acc = lo.fresh("sacc")
@@ -140,6 +142,7 @@ def sparse_reduction(
     def fill():
         cursor = open_cursor(lo, driver, states[driver], bounds)
         q = cursor.q
+        vsum = _gathered_sums(lo, index, states, driver, cursor, factors) if gathered else None
 
         def step(position: ir.Expr, target: ir.Expr) -> ir.Block:
             def body():
@@ -152,9 +155,46 @@ def sparse_reduction(
             counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
         lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
         lo.emit(counted(U, n, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="), pragma=None, start=1))
+        if vsum is not None:
+            lo.emit(ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Call("hsum", (vsum,)), "+="))
         lo.emit(ir.Assign(accumulator, ir.mul(coef, ir.Elem(acc, (ir.Const(0),))), "+="))
 
     lo.emit(lo.block(fill))
+
+
+GATHERED_VECTORS = 2  # SIMD sums of a gathered sparse reduction (a gather's latency is long)
+
+
+def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int]) -> ir.Var:
+    """Whole groups of ``GATHERED_VECTORS`` vectors of positions from ``q``: the driving
+    factor's values loaded, each dense factor gathered at the positions' coordinates
+    (its offset is affine in the coordinate), summed into SIMD sums; returns their sum."""
+    q, sums, total = cursor.q, lo.fresh("gsum"), lo.fresh("gtot")
+    lanes = ir.mul(U, ir.Lanes())
+
+    def lane_values(st, k: int) -> ir.Expr:
+        if not st.valued:
+            return ONES
+        if k == driver:
+            return ir.VectorLoad(ir.Array("val", st.slot), ir.add(q, lanes))
+        if index not in st.dense_indices:
+            return ir.Call("splat", (lo.values(states, [k])[0],))
+        base = lo.dense_offset(st, {index: ir.Const(0)})
+        if lo.slots[st.slot].panel is None:  # row-major: the extents after the index
+            after = [lo.dim(i) for i in st.dense_indices[st.dense_indices.index(index) + 1:]]
+            stride = product_of(after) if after else ir.Const(1)
+        else:
+            stride = ir.sub(lo.dense_offset(st, {index: ir.Const(1)}), base)
+        return ir.Gather(ir.Array("dense", st.slot), base, cursor.crd, ir.add(q, lanes), stride)
+
+    step = ir.mul(ir.Const(GATHERED_VECTORS), ir.Lanes())
+    lo.emit(ir.Decl(sums, "VV", "zero", shape=(GATHERED_VECTORS,)))
+    lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
+        counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (U,)), product_of(
+            [lane_values(states[k], k) for k in factors]), "+=")),))))
+    lo.emit(ir.Decl(total, "VV", ir.Elem(sums, (ir.Const(0),))))
+    lo.emit(counted(U, GATHERED_VECTORS, ir.Assign(total, ir.Elem(sums, (U,)), "+="), pragma=None, start=1))
+    return total
 
 
 def row_blocker(

@@ -15,7 +15,9 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
 * **Sparse reduction.** An innermost reduction loop driven by one unique, branching
   sparse level (a compressed fiber; the other factors indexed there locate dense
   levels) sums into ``sparse_accumulators`` interleaved sums: position ``q`` feeds sum
-  ``q mod A``.
+  ``q mod A``. When the level is the driving factor's last and the other factors are
+  dense, whole vectors of positions go first: the values loaded as a vector, the dense
+  factors gathered at the vector of coordinates (an SpMV's ``x[crd[q]]``).
 * **Row block.** A loop over such a fiber whose body is an innermost vector reduction
   with some factors not indexed by the fiber (SDDMM's ``X[i, :]`` for each ``Y[j, :]``)
   takes ``row_block`` positions at a time: the common factors are loaded once per
@@ -108,6 +110,7 @@ class VectorReduction:
 class SparseReduction:
     index: str
     accumulators: int
+    gathered: bool = False  # positions SIMD lanes at a time, the dense factors gathered
 
 
 @dataclass(frozen=True)
@@ -215,9 +218,12 @@ def extremum_reduction(order, output, factors, target: Target) -> VectorReductio
 
 
 def sparse_reduction(order, output, factors, target: Target) -> SparseReduction | None:
-    if summed_factors(order, output, factors) and driver(order[-1], factors) is not None:
-        return SparseReduction(order[-1], target.sparse_accumulators)
-    return None
+    summed = summed_factors(order, output, factors)
+    k = driver(order[-1], factors) if summed else None
+    if k is None:
+        return None
+    gathered = factors[k].indices[-1] == order[-1] and all(not factors[n].sparse for n in summed if n != k)
+    return SparseReduction(order[-1], target.sparse_accumulators, gathered)
 
 
 def row_block(order, output, factors, target: Target) -> RowBlock | None:

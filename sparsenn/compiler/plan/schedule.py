@@ -243,7 +243,8 @@ class Nest:
                          f"{t.col_count})")
         if self.sparse_reduction:
             r = self.sparse_reduction
-            parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators)")
+            gathered = ", whole vectors of entries first, gathered" if r.gathered else ""
+            parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators{gathered})")
         if self.row_block:
             b = self.row_block
             parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")

@@ -217,6 +217,21 @@ static inline void sn_store_first(S* p, VV v, sn_lane_mask m) {
 }
 #endif
 
+/* The vector of p[crd[l] * stride] over lanes l: values at a vector of stored
+   coordinates (a loop the compiler turns into a gather instruction where there is one). */
+template <class J> static inline VV sn_gather(const V* p, const J* crd, int64_t stride) {
+  VV v;
+  for (int l = 0; l < SN_W; ++l) v[l] = p[(int64_t)crd[l] * stride];
+  return v;
+}
+#ifdef SN_STORAGE
+template <class J> static inline VV sn_gather(const S* p, const J* crd, int64_t stride) {
+  VU h;
+  for (int l = 0; l < SN_W; ++l) h[l] = p[(int64_t)crd[l] * stride].bits;
+  return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
+}
+#endif
+
 /* Horizontal sums as trees of shuffles and adds (log2(SN_W) dependent adds, no round
    trip through memory), unrolled by parameter packs (L over lanes, P over vectors) so
    that every lane index is a constant. sn_fold<h> adds lanes [h, 2h) onto lanes
