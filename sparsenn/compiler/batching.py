@@ -11,10 +11,16 @@ whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
   the original levels, then ``b`` in one more dense level below them
   (:func:`batched_format`): it shares the index arrays and its values are ``(nnz, B)``
   row-major, each stored entry's ``B`` values side by side.
-* A dense result is ``Out[b, o]`` (batched at 0). A sparse result is asked for in the
-  batched format of its unbatched format, so it keeps its unbatched pattern (the same
-  for every ``b``: a result's pattern depends on its operands' patterns only), and its
-  values come back as ``(nnz, B)``, batched at 1.
+* A dense result is ``Out[b, o]`` (batched at 0). A sparse result has the unbatched
+  pattern for every ``b`` (a result's pattern depends on its operands' patterns only):
+  when an operand of the result's format is read at the output's indices (a sampled
+  product, such as a sparse weight's gradient), that operand is batched too (expanded
+  if it was not) and the result asked for in its batched format, so the kernel writes
+  the values at its positions as it does unbatched; they come back as ``(nnz, B)``,
+  batched at 1. Otherwise the result is asked for with ``b`` in a dense level above
+  its format's levels (:func:`stacked_format`, a layout kernels assemble: ``csr``
+  becomes ``ddc``), its values ``(B, nnz)``, batched at 0, and the pattern returned is
+  the first element's.
 
 Blocked and ``nm(n,m)`` formats cannot take a dense level below their in-block levels,
 and ``out_format="auto"`` decides the result's type by its estimated fill: those calls
@@ -35,7 +41,7 @@ from sparsenn.formats.level import Dense
 from .notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 
-__all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call"]
+__all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
 
 Run = Callable[[Assignment, list, object], object]  # evaluate(assignment, operands, out_format)
 
@@ -50,12 +56,37 @@ class BatchedResult:
     pattern: SparseTensor | None
 
 
+@functools.lru_cache(maxsize=256)
 def batched_format(fmt: Format) -> Format | None:
     """``fmt`` of a tensor ``[b, x]``: ``x``'s levels, then ``b`` in a dense level below them
     (``csr`` becomes ``dcd[1,2,0]``); None for a blocked or ``nm(n,m)`` format."""
     if fmt.block is not None:
         return None
     return Format(fmt.levels + (Dense(),), tuple(m + 1 for m in fmt.mode_order) + (0,))
+
+
+@functools.lru_cache(maxsize=256)
+def stacked_format(fmt: Format) -> Format | None:
+    """``fmt`` of a tensor ``[b, x]`` stored as ``B`` copies of ``x``: ``b`` in a dense
+    level above ``x``'s levels (``csr`` becomes ``ddc``); None for a blocked or
+    ``nm(n,m)`` format."""
+    if fmt.block is not None:
+        return None
+    return Format((Dense(),) + fmt.levels, (0,) + tuple(m + 1 for m in fmt.mode_order))
+
+
+def _first_element(stacked: SparseTensor, fmt: Format) -> SparseTensor:
+    """Element 0 of a tensor of :func:`stacked_format` as a tensor of ``fmt``, sharing the
+    first segment of each array."""
+    parent = 1
+    pos, crd = [], []
+    for level, size, p, c in zip(fmt.levels, stacked.level_sizes[1:], stacked.pos[1:], stacked.crd[1:]):
+        p = None if p is None else p[:parent + 1]
+        parent = level.num_positions(parent, size, p)
+        pos.append(p)
+        crd.append(None if c is None else c[:parent])
+    return SparseTensor(stacked.shape[1:], fmt, pos, crd, stacked.values[:parent], check=False,
+                        index_dtype=stacked.index_dtype)
 
 
 def _batch_index(assignment: Assignment) -> str:
@@ -97,7 +128,8 @@ def _batched_operand(template: SparseTensor | None, tensor: torch.Tensor, dim: i
                         index_dtype=template.index_dtype)
 
 
-def _unbatched_result_format(assignment: Assignment, templates: Sequence[SparseTensor | None], out_format):
+@functools.lru_cache(maxsize=1024)
+def _unbatched_result_format(assignment: Assignment, formats: tuple[Format | None, ...], out_format):
     """The format the unbatched call's result takes (None: dense), or ``"loop"`` when the
     batched call cannot ask for it (``"auto"``, a blocked result)."""
     if isinstance(out_format, str):
@@ -109,10 +141,10 @@ def _unbatched_result_format(assignment: Assignment, templates: Sequence[SparseT
         except ValueError:
             return "loop"  # each element's call reports what is wrong
     if out_format is None:
-        out_format = result_format(assignment, [None if t is None else t.format for t in templates])
+        out_format = result_format(assignment, formats)
         if out_format is None:
             return None
-    if isinstance(out_format, Format) and batched_format(out_format) is not None:
+    if isinstance(out_format, Format) and stacked_format(out_format) is not None:
         return out_format
     return "loop"
 
@@ -124,19 +156,38 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     one call of the batched assignment where it can be one (see the module's docs).
     ``templates[n]``: operand ``n``'s pattern (its values are ``tensors[n]``), or None if
     dense; ``in_dims[n]``: the batch dimension of ``tensors[n]``, or None."""
-    fmt = _unbatched_result_format(assignment, templates, out_format)
+    fmt = _unbatched_result_format(assignment, tuple(None if t is None else t.format for t in templates), out_format)
     if fmt == "loop" or any(d is not None and t is not None and batched_format(t.format) is None
                             for t, d in zip(templates, in_dims)):
         return looped_call(run, assignment, templates, tensors, in_dims, batch_size, out_format)
+    in_dims, tensors = list(in_dims), list(tensors)
+    sampled = None if fmt is None else _sampled_operand(assignment, templates, fmt)
+    if sampled is not None and in_dims[sampled] is None:  # batched too, so the result is written on it
+        tensors[sampled] = tensors[sampled].expand(batch_size, *tensors[sampled].shape)
+        in_dims[sampled] = 0
     operands = [_batched_operand(t, x, d) for t, x, d in zip(templates, tensors, in_dims)]
     batched = batched_assignment(assignment, tuple(d is not None for d in in_dims))
-    result = run(batched, operands, "dense" if fmt is None else batched_format(fmt))
     if fmt is None:
-        return BatchedResult(result, 0, None)
+        return BatchedResult(run(batched, operands, "dense"), 0, None)
+    if sampled is None:
+        result = run(batched, operands, stacked_format(fmt))
+        return BatchedResult(result.values.view(batch_size, -1), 0, _first_element(result, fmt))
+    result = run(batched, operands, batched_format(fmt))
     values = result.values.view(-1, batch_size)
     pattern = SparseTensor(result.shape[1:], fmt, result.pos[:-1], result.crd[:-1], values[:, 0], check=False,
                            index_dtype=result.index_dtype)
     return BatchedResult(values, 1, pattern)
+
+
+def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | None], fmt: Format) -> int | None:
+    """A sparse operand of format ``fmt`` read at exactly the output's indices, whose
+    pattern the batched result can then be written on (as the unbatched one is): the
+    first, or None."""
+    for access in assignment.accesses:
+        template = templates[access.operand]
+        if template is not None and template.format == fmt and access.indices == assignment.output:
+            return access.operand
+    return None
 
 
 def looped_call(run: Run, assignment: Assignment, templates: Sequence[SparseTensor | None],
