@@ -38,7 +38,7 @@ from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
 from .runtime.ops import traced_evaluate, tracing
 
-__all__ = ["differentiable_evaluate"]
+__all__ = ["differentiable_evaluate", "transforming"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -143,7 +143,11 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
     over all its factors; under a max or min, only where the value equals the result,
     divided by the number of such entries (the extras ``result`` and ``count``).
     Cached: the same call's backward builds the same expression."""
-    target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
+    used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
+    primes = 0  # a gradient's own gradient renames its indices again: "@'0", ...
+    while any(f"@{chr(39) * primes}{m}" in used for m in range(rank)):
+        primes += 1
+    target = tuple(f"@{chr(39) * primes}{m}" for m in range(rank))  # user index names cannot start with @
     extra = 1 + assignment.num_operands
     extras: list[Extra] = []
 
@@ -335,7 +339,7 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     return _gradients(spec, list(operands), grad_out, result, wanted)
 
 
-def _functorch_active() -> bool:
+def transforming() -> bool:
     """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is running: its tensors
     reach kernels only through :class:`_SparseEinsum`'s rules."""
     return torch._C._functorch.peek_interpreter_stack() is not None
@@ -350,7 +354,7 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     traced = tracing()
     if traced:
         evaluate = traced_evaluate
-    transformed = _functorch_active()
+    transformed = transforming()
     if not transformed and (not torch.is_grad_enabled() or not any(
         (op.values if isinstance(op, SparseTensor) else op).requires_grad
         for op in operands if isinstance(op, (SparseTensor, torch.Tensor))

@@ -108,21 +108,24 @@ class _Probabilities(torch.autograd.Function):
     scaling, while the row is in cache, written once) when the steps fuse, else the
     scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
     softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
-    bias is a constant)."""
+    bias is a constant). Under ``torch.func.vmap``, once per batch element; forward mode
+    (``jvp``) is not defined."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
+    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
                 block_size: int) -> Tensor:
         padded = bias is not None
         operands = [mask, q, k] + ([bias] if padded else [])
         if tracing():
-            values = traced_evaluate(None, operands, None, ("kernel", "attention", scale, padded, block_size)).values
-        else:
-            results = run_steps(_probability_steps(scale, padded, block_size), operands)
-            values = softmax(_scores(scale, padded)(*operands), -1).values if results is None else results[-1].values
-        ctx.save_for_backward(q, k, values)
+            return traced_evaluate(None, operands, None, ("kernel", "attention", scale, padded, block_size)).values
+        results = run_steps(_probability_steps(scale, padded, block_size), operands)
+        return softmax(_scores(scale, padded)(*operands), -1).values if results is None else results[-1].values
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, _, mask, scale, _ = inputs
+        ctx.save_for_backward(q, k, output)
         ctx.mask, ctx.scale = mask, scale
-        return values
 
     @staticmethod
     def backward(ctx, d_values: Tensor):
@@ -132,6 +135,18 @@ class _Probabilities(torch.autograd.Function):
         dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
         dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
         return dq, dk, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
+             block_size: int):
+        """Once per batch element (the mask's block format takes no batch level)."""
+        def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
+            return t if dim is None else t.select(dim, n)
+
+        out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
+                                    element(bias, in_dims[2], n), mask, scale, block_size)
+               for n in range(info.batch_size)]
+        return torch.stack(out), 0
 
 
 @dataclass(frozen=True)

@@ -620,13 +620,16 @@ class _RecordedEvaluate(torch.autograd.Function):
     so that autograd tracks each)."""
 
     @staticmethod
-    def forward(ctx, keyset, call: str, shapes: list, order: list, *tensors: Tensor) -> Tensor:
+    def forward(keyset, call: str, shapes: list, order: list, *tensors: Tensor) -> Tensor:
         with torch._C._AutoDispatchBelowAutograd():
-            result = _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, list(tensors), shapes, order)
+            return _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, list(tensors), shapes, order)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, call, shapes, _, *tensors = inputs
         ctx.call, ctx.shapes, ctx.slots = call, shapes, _differentiable_slots(decode(call))
         ctx.needed = [tensors[slot].requires_grad for slot in ctx.slots]
-        ctx.save_for_backward(*tensors, result)
-        return result
+        ctx.save_for_backward(*tensors, output)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
