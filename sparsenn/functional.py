@@ -34,13 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsenn.compiler.autograd import differentiable_evaluate, transforming
+from sparsenn.compiler.autograd import differentiable_evaluate
 from sparsenn.compiler.batching import batched_format
 from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
 from sparsenn.formats import SparseTensor
 
 __all__ = ["softmax", "log_softmax", "softmax_steps", "softmax_gradient"]

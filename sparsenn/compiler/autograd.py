@@ -36,9 +36,9 @@ from .batching import batched_call
 from .functions import apply, derivative
 from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
-from .runtime.ops import traced_evaluate, tracing
+from .runtime.ops import traced_evaluate, tracing, transforming
 
-__all__ = ["differentiable_evaluate", "transforming"]
+__all__ = ["differentiable_evaluate"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -337,12 +337,6 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     spec = _Spec(assignment, templates, out_format, evaluate)
     return _gradients(spec, list(operands), grad_out, result, wanted)
-
-
-def transforming() -> bool:
-    """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is running: its tensors
-    reach kernels only through :class:`_SparseEinsum`'s rules."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
 from sparsenn.compiler.program import stage
 from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
 from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax, softmax_gradient, softmax_steps
 from sparsenn.layers.arguments import checked_int
@@ -112,9 +112,10 @@ class _Probabilities(torch.autograd.Function):
     (``jvp``) is not defined."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
+    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor, scale: float,
                 block_size: int) -> Tensor:
         padded = bias is not None
+        mask = mask._share(mask.shape, mask.format, mask_values)  # a tensor input: torch.func unwraps it
         operands = [mask, q, k] + ([bias] if padded else [])
         if tracing():
             return traced_evaluate(None, operands, None, ("kernel", "attention", scale, padded, block_size)).values
@@ -123,7 +124,7 @@ class _Probabilities(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, _, mask, scale, _ = inputs
+        q, k, _, _, mask, scale, _ = inputs
         ctx.save_for_backward(q, k, output)
         ctx.mask, ctx.scale = mask, scale
 
@@ -134,17 +135,18 @@ class _Probabilities(torch.autograd.Function):
         d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
         dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
         dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None, None, None
+        return dq, dk, None, None, None, None, None
 
     @staticmethod
-    def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
-             block_size: int):
+    def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
+             scale: float, block_size: int):
         """Once per batch element (the mask's block format takes no batch level)."""
         def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
             return t if dim is None else t.select(dim, n)
 
         out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
-                                    element(bias, in_dims[2], n), mask, scale, block_size)
+                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale,
+                                    block_size)
                for n in range(info.batch_size)]
         return torch.stack(out), 0
 
@@ -400,7 +402,7 @@ class BlockSparseAttention(nn.Module):
         """:meth:`_mask`, kept from the last call without padding when the pattern (the
         eval-mode one, or a fixed one) and shapes repeat: the kernels then also find its
         index arrays' plans and re-stored copies cached."""
-        if padding is not None:
+        if padding is not None or transforming():  # a transform's tensors must not outlive it
             return self._mask(pattern, batch, padding, dtype)
         last = self._last_mask
         if last is not None and last[0] is pattern and last[1:3] == (batch, dtype):
@@ -522,7 +524,8 @@ class BlockSparseAttention(nn.Module):
             bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
         out, probs = self._fused_output(q, k, v, bias, mask, need_weights, traced)
         if out is None:
-            probs = mask.with_values(_Probabilities.apply(q, k, bias, mask, self._score_scale, self.block_size))
+            probs = mask.with_values(
+                _Probabilities.apply(q, k, bias, mask.values, mask, self._score_scale, self.block_size))
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
             out = einsum("bhij,bhjd->bhid", probs, v)
         out = out[:, :, :length]

@@ -53,13 +53,21 @@ from .validate import check_call
 if TYPE_CHECKING:
     from ..program import Program
 
-__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing"]
+__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing",
+           "transforming"]
 
 
 def tracing() -> bool:
     """Whether a tracer (``torch.compile``/``torch.export`` or ``torch.jit.trace``) is
     recording the current call."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def transforming() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is running: its tensors
+    are wrappers without storage, which reach kernels only through the autograd
+    Functions' rules (``..autograd``, ``sparsenn.functional``)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
 
 
 @dataclass(frozen=True)
