@@ -43,7 +43,7 @@ __all__ = ["differentiable_evaluate"]
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
     """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern."""
-    return tensor if template is None else template._share(template.shape, template.format, tensor)
+    return tensor if template is None else template._share(template.shape, template.format, tensor.contiguous())
 
 
 class _Spec:

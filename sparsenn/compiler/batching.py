@@ -23,8 +23,10 @@ whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
   the first element's.
 
 Blocked and ``nm(n,m)`` formats cannot take a dense level below their in-block levels,
-and ``out_format="auto"`` decides the result's type by its estimated fill: those calls
-run once per batch element (:func:`looped_call`) and their results are stacked.
+``out_format="auto"`` decides the result's type by its estimated fill, and a sparse
+result over batched operands with repeated coordinates in a level (COO) is assembled
+with duplicates: those calls run once per batch element (:func:`looped_call`) and their
+results are stacked.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ def _batched_operand(template: SparseTensor | None, tensor: torch.Tensor, dim: i
     """One operand of the batched call: ``tensor`` (a dense operand, or the values on
     ``template``'s pattern) with its batch dimension ``dim`` first, or as it is if None."""
     if dim is None:
-        return tensor if template is None else template._share(template.shape, template.format, tensor)
+        return tensor if template is None else template._share(template.shape, template.format, tensor.contiguous())
     if template is None:
         return tensor.movedim(dim, 0)
     template.check_unmodified()  # the batched view takes the arrays' versions as they are now
@@ -157,8 +159,8 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     ``templates[n]``: operand ``n``'s pattern (its values are ``tensors[n]``), or None if
     dense; ``in_dims[n]``: the batch dimension of ``tensors[n]``, or None."""
     fmt = _unbatched_result_format(assignment, tuple(None if t is None else t.format for t in templates), out_format)
-    if fmt == "loop" or any(d is not None and t is not None and batched_format(t.format) is None
-                            for t, d in zip(templates, in_dims)):
+    if fmt == "loop" or any(t is not None and (batched_format(t.format) is None or fmt is not None and not _unique(t))
+                            for t, d in zip(templates, in_dims) if d is not None):
         return looped_call(run, assignment, templates, tensors, in_dims, batch_size, out_format)
     in_dims, tensors = list(in_dims), list(tensors)
     sampled = None if fmt is None else _sampled_operand(assignment, templates, fmt)
@@ -179,13 +181,19 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     return BatchedResult(values, 1, pattern)
 
 
+def _unique(template: SparseTensor) -> bool:
+    """Whether every level of its format stores a coordinate once per parent (not COO's
+    rows): a sparse result over batched operands of such a format runs per element."""
+    return all(level.unique for level in template.format.levels)
+
+
 def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | None], fmt: Format) -> int | None:
     """A sparse operand of format ``fmt`` read at exactly the output's indices, whose
     pattern the batched result can then be written on (as the unbatched one is): the
     first, or None."""
     for access in assignment.accesses:
         template = templates[access.operand]
-        if template is not None and template.format == fmt and access.indices == assignment.output:
+        if template is not None and template.format == fmt and access.indices == assignment.output and _unique(template):
             return access.operand
     return None
 

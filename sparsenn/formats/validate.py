@@ -64,8 +64,8 @@ def check_array(name: str, array: object, dtypes: tuple[torch.dtype, ...], conti
         raise ValueError(f"{name} has layout {array.layout}; expected a strided tensor")
     if array.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
-    if contiguous and not array.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
+    if contiguous and not array.is_contiguous() and not torch._C._functorch.is_functorch_wrapped_tensor(array):
+        raise ValueError(f"{name} must be contiguous")  # a torch.func transform's rules lay out its tensors
     return array
 
 
