@@ -279,6 +279,12 @@ def test_higher_order_gradients():
     squares = lambda v: sparsenn.einsum("ij,j->i", A.with_values(v), x).pow(2).sum()  # noqa: E731
     torch.testing.assert_close(torch.autograd.functional.hessian(squares, A.values),
                                torch.autograd.functional.hessian(lambda v: (_dense(A, v) @ x).pow(2).sum(), A.values))
+    w = _x(A.nnz, seed=23)
+    weights = lambda v: sparsenn.softmax(A.with_values(v)).values @ w  # noqa: E731
+    full = lambda v: torch.full(A.shape, float("-inf"), dtype=DT).index_put(tuple(A.coords()[0]), v)  # noqa: E731
+    reference = lambda v: torch.softmax(full(v), -1)[tuple(A.coords()[0])] @ w  # noqa: E731
+    torch.testing.assert_close(torch.autograd.functional.hessian(weights, A.values),
+                               torch.autograd.functional.hessian(reference, A.values))
 
 
 def test_forward_mode_of_a_max_reduction_is_refused():
