@@ -43,7 +43,7 @@ __all__ = ["differentiable_evaluate"]
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
     """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern."""
-    return tensor if template is None else template._share(template.shape, template.format, tensor.contiguous())
+    return tensor if template is None else template._share(template.shape, template.format, tensor)
 
 
 class _Spec:
@@ -218,6 +218,7 @@ class _SparseEinsum(torch.autograd.Function):
 
     @staticmethod
     def forward(spec: _Spec, *tensors):
+        tensors = [t if tpl is None else t.contiguous() for tpl, t in zip(spec.templates, tensors)]  # kernels' layout
         result = spec.evaluate(spec.assignment, spec.rebuild(tensors), spec.out_format)
         if isinstance(result, SparseTensor):
             spec.result = result  # the pattern is fixed; its values carry the gradient
@@ -242,7 +243,8 @@ class _SparseEinsum(torch.autograd.Function):
         if spec.assignment.reduction != "sum":
             *tensors, result = tensors
         operands = spec.rebuild(tensors)
-        grad = grad.contiguous()
+        if not transforming():  # a transform's rules lay out its tensors
+            grad = grad.contiguous()
         grad_out = _operand(spec.result, grad)
         wanted = [n for n, needed in enumerate(ctx.needs_input_grad[1:]) if needed]
         grads: list = [None] * len(tensors)

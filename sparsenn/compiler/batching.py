@@ -42,6 +42,7 @@ from sparsenn.formats.level import Dense
 
 from .notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
+from .runtime.ops import transforming
 
 __all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
 
@@ -120,7 +121,9 @@ def _batched_operand(template: SparseTensor | None, tensor: torch.Tensor, dim: i
     """One operand of the batched call: ``tensor`` (a dense operand, or the values on
     ``template``'s pattern) with its batch dimension ``dim`` first, or as it is if None."""
     if dim is None:
-        return tensor if template is None else template._share(template.shape, template.format, tensor.contiguous())
+        if template is None:
+            return tensor
+        return template._share(template.shape, template.format, tensor if transforming() else tensor.contiguous())
     if template is None:
         return tensor.movedim(dim, 0)
     template.check_unmodified()  # the batched view takes the arrays' versions as they are now
