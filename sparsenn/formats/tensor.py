@@ -108,7 +108,7 @@ class SparseTensor(Constructors):
         fmt = parse_format(format, len(shape))
         sizes = tuple(size for _, size, _ in fmt.storage_levels(shape))
         pos, crd = tuple(pos), tuple(crd)
-        if torch._C._functorch.peek_interpreter_stack() is not None:
+        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
             pos, crd = _plain_arrays(pos), _plain_arrays(crd)
         arrays = [a for a in pos + crd if a is not None]
         if check:

@@ -66,8 +66,9 @@ def tracing() -> bool:
 def transforming() -> bool:
     """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is running: its tensors
     are wrappers without storage, which reach kernels only through the autograd
-    Functions' rules (``..autograd``, ``sparsenn.functional``)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    Functions' rules (``..autograd``, ``sparsenn.functional``). False while
+    ``torch.compile`` traces (its graphs hold the ops)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 @dataclass(frozen=True)
