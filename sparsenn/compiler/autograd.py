@@ -341,27 +341,29 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     return _gradients(spec, list(operands), grad_out, result, wanted)
 
 
+def _requires_grad(operands: Sequence) -> bool:
+    """Whether autograd records a call over ``operands`` (grad mode, and a dense operand or
+    sparse operand's values requiring grad)."""
+    return torch.is_grad_enabled() and any(
+        (op.values if isinstance(op, SparseTensor) else op).requires_grad
+        for op in operands if isinstance(op, (SparseTensor, torch.Tensor)))
+
+
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
-    dense operand or sparse operand's values require grad. An epilogue is then run as a
-    second, elementwise assignment over the saved reduced values (see
+    dense operand or sparse operand's values require grad, and for a torch.func transform
+    (whose rules :class:`_SparseEinsum` defines) while one runs. An epilogue is then run
+    as a second, elementwise assignment over the saved reduced values (see
     :func:`~.plan.bias.split_epilogue`). Under a tracer each evaluation is one
     ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
-    traced = tracing()
-    if traced:
-        evaluate = traced_evaluate
-    transformed = transforming()
-    if not transformed and (not torch.is_grad_enabled() or not any(
-        (op.values if isinstance(op, SparseTensor) else op).requires_grad
-        for op in operands if isinstance(op, (SparseTensor, torch.Tensor))
-    )):
+    if tracing():  # each op's autograd formula records its gradients
+        if assignment.epilogue is None or not _requires_grad(operands):
+            return traced_evaluate(assignment, operands, out_format)
+        pre = traced_evaluate(assignment, operands, "dense", ("reduced",))
+        return traced_evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
+                               ("epilogue",))
+    if not transforming() and not _requires_grad(operands):
         return evaluate(assignment, operands, out_format)
-    if traced:  # each op's autograd formula records its gradients
-        if assignment.epilogue is None:
-            return evaluate(assignment, operands, out_format)
-        pre = evaluate(assignment, operands, "dense", ("reduced",))
-        return evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
-                        ("epilogue",))
     if assignment.epilogue is not None:
         reduced, apply_epilogue, read = split_epilogue(assignment)
         pre = differentiable_evaluate(evaluate, reduced, operands, "dense")
