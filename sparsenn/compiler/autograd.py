@@ -19,8 +19,16 @@ equals the result, split equally between ties (as ``torch.amax``). An epilogue
 elementwise term over ``R``, so each has the gradient above.
 
 All contributions for one operand form one expression, compiled and scheduled like
-any other. Only the gradients that are needed are built and run. Higher-order
-gradients are not supported.
+any other. Only the gradients that are needed are built and run. They are evaluated
+as differentiable calls, so a backward with ``create_graph=True`` (or a nested
+``torch.func`` transform) differentiates them again: higher-order gradients.
+
+torch.func (:class:`_SparseEinsum`, in ``forward`` + ``setup_context`` form): ``grad``,
+``vjp`` and ``jacrev`` use the backward above; ``jvp`` and ``jacfwd`` the tangent
+``dOut = sum_t sum_{f reads X} (T_f replaced by dT_f)`` of a multilinear term (a value
+tree contributes ``dv/dT_f * dT_f``), one einsum; ``vmap`` one batched einsum
+(:mod:`.batching`). Under any transform every call goes through the Function, whose
+rules hand the kernels plain tensors.
 """
 
 from __future__ import annotations
@@ -338,7 +346,8 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
 
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     spec = _Spec(assignment, templates, out_format, evaluate)
-    return _gradients(spec, list(operands), grad_out, result, wanted)
+    with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
+        return _gradients(spec, list(operands), grad_out, result, wanted)
 
 
 def _requires_grad(operands: Sequence) -> bool:
