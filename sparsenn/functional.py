@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsenn.compiler.autograd import differentiable_evaluate
+from sparsenn.compiler.autograd import differentiable_evaluate, recorded
 from sparsenn.compiler.batching import batched_format
 from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
@@ -126,20 +126,15 @@ def _fused_softmax_grad(rank: int, dim: int) -> tuple[Step, ...]:
 
 def _steps(name: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor | None:
     """The values of the last of the fused steps ``name``, or None when they do not fuse
-    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)."""
+    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)
+    or autograd records them (a backward with ``create_graph=True``: the steps then run
+    one by one, each differentiable)."""
     if tracing():
         return traced_evaluate(None, operands, None, ("kernel", "softmax", pattern.ndim, dim, name)).values
-    if _recorded(operands):
+    if recorded(operands):
         return None
     results = run_steps(_kernel(pattern.ndim, dim, name), operands)
     return None if results is None else results[-1].values
-
-
-def _recorded(operands: list) -> bool:
-    """Whether autograd records kernels over ``operands`` (a backward with
-    ``create_graph=True``): they then run one by one, each differentiable."""
-    return torch.is_grad_enabled() and any(
-        (op.values if isinstance(op, SparseTensor) else op).requires_grad for op in operands)
 
 
 def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_format) -> torch.Tensor | SparseTensor:
@@ -149,7 +144,7 @@ def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_forma
     transform's tensors)."""
     if tracing():
         return traced_evaluate(None, operands, out_format, ("kernel", "softmax", pattern.ndim, dim, kernel))
-    if transforming() or _recorded(operands):
+    if transforming() or recorded(operands):
         return differentiable_evaluate(evaluate, _kernel(pattern.ndim, dim, kernel), operands, out_format)
     return evaluate(_kernel(pattern.ndim, dim, kernel), operands, out_format)
 

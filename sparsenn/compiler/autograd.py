@@ -46,7 +46,7 @@ from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
 from .runtime.ops import traced_evaluate, tracing, transforming
 
-__all__ = ["differentiable_evaluate"]
+__all__ = ["differentiable_evaluate", "recorded"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -350,7 +350,7 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
         return _gradients(spec, list(operands), grad_out, result, wanted)
 
 
-def _requires_grad(operands: Sequence) -> bool:
+def recorded(operands: Sequence) -> bool:
     """Whether autograd records a call over ``operands`` (grad mode, and a dense operand or
     sparse operand's values requiring grad)."""
     return torch.is_grad_enabled() and any(
@@ -366,12 +366,12 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     :func:`~.plan.bias.split_epilogue`). Under a tracer each evaluation is one
     ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
     if tracing():  # each op's autograd formula records its gradients
-        if assignment.epilogue is None or not _requires_grad(operands):
+        if assignment.epilogue is None or not recorded(operands):
             return traced_evaluate(assignment, operands, out_format)
         pre = traced_evaluate(assignment, operands, "dense", ("reduced",))
         return traced_evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
                                ("epilogue",))
-    if not transforming() and not _requires_grad(operands):
+    if not transforming() and not recorded(operands):
         return evaluate(assignment, operands, out_format)
     if assignment.epilogue is not None:
         reduced, apply_epilogue, read = split_epilogue(assignment)
