@@ -92,8 +92,9 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
 
     def attention() -> dict:
         torch.manual_seed(0)
-        layer = sparsenn.BlockSparseAttention(256, 4, block_size=64, seed=0)
-        return _case(layer, (torch.randn(1, 2048, 256),), compile_times, "attention")
+        layer = sparsenn.BlockSparseAttention(256, 4, block_size=64, batch_first=True, seed=0)
+        # (query, key, value, key_padding_mask, need_weights)
+        return _case(layer, (torch.randn(1, 2048, 256), None, None, None, False), compile_times, "attention")
 
     def moe() -> dict:
         torch.manual_seed(0)

@@ -67,6 +67,8 @@ class EncoderLayer(nn.Module):
     def _attend(self, x: Tensor, padding: Tensor) -> Tensor:
         if isinstance(self.attention, nn.MultiheadAttention):
             return self.attention(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+        if isinstance(self.attention, sparsenn.BlockSparseAttention):
+            return self.attention(x, key_padding_mask=padding, need_weights=False)[0]
         return self.attention(x, key_padding_mask=padding)[0]
 
     def forward(self, x: Tensor, padding: Tensor) -> Tensor:
@@ -148,7 +150,7 @@ class BigBirdClassifier(L.LightningModule):
         return sparsenn.BlockSparseAttention(
             h.embed_dim, h.num_heads, block_size=h.block_size, num_global_blocks=h.num_global_blocks,
             num_window_blocks=h.num_window_blocks, num_random_blocks=h.num_random_blocks, dropout=h.dropout,
-            seed=h.pattern_seed + layer)
+            batch_first=True, seed=h.pattern_seed + layer)
 
     def forward(self, token_ids: Tensor, padding_mask: Tensor) -> Tensor:
         """Class logits ``(batch, num_classes)`` of ``token_ids`` (long, ``(batch, L)``,

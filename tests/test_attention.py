@@ -21,7 +21,7 @@ EMBED, HEADS, BLOCK, BATCH = 16, 2, 4, 3
 
 def layer(dtype=torch.float32, **kwargs) -> sparsenn.BlockSparseAttention:
     kwargs = {"block_size": BLOCK, "num_global_blocks": 2, "num_window_blocks": 3, "num_random_blocks": 1,
-              "seed": 1, **kwargs}
+              "seed": 1, "batch_first": True, **kwargs}
     return sparsenn.BlockSparseAttention(EMBED, HEADS, **kwargs).to(dtype).eval()
 
 
@@ -101,7 +101,7 @@ def test_forward_and_gradients_match_sdpa(length, padded):
 
 @pytest.mark.parametrize("length, padded", [(24, False), (22, True)])
 def test_gradcheck_fp64(length, padded):
-    m = sparsenn.BlockSparseAttention(4, 2, block_size=4, num_global_blocks=1, num_window_blocks=1,
+    m = sparsenn.BlockSparseAttention(4, 2, block_size=4, num_global_blocks=1, num_window_blocks=1, batch_first=True,
                                       num_random_blocks=1, seed=2).double().eval()
     x = torch.randn(2, length, 4, dtype=torch.float64, requires_grad=True)
     pad = None
@@ -133,13 +133,13 @@ def pattern_of(weights: sparsenn.SparseTensor) -> torch.Tensor:
 def test_training_redraws_the_pattern_and_eval_keeps_it():
     m = layer().train()
     x = torch.randn(1, 64, EMBED)
-    drawn = [pattern_of(m(x, need_weights=True)[1]) for _ in range(4)]
+    drawn = [pattern_of(m(x, need_weights=True, average_attn_weights=False)[1]) for _ in range(4)]
     assert any(not torch.equal(drawn[0], d) for d in drawn[1:])
     m.eval()
-    fixed = [pattern_of(m(x, need_weights=True)[1]) for _ in range(2)]
+    fixed = [pattern_of(m(x, need_weights=True, average_attn_weights=False)[1]) for _ in range(2)]
     assert torch.equal(fixed[0], fixed[1]) and torch.equal(fixed[0][0, 0], m.attention_mask(64)[0, 0])
     m = layer(fixed_pattern=True).train()
-    assert torch.equal(pattern_of(m(x, need_weights=True)[1]), fixed[0])
+    assert torch.equal(pattern_of(m(x, need_weights=True, average_attn_weights=False)[1]), fixed[0])
 
 
 def test_a_fixed_pattern_keeps_its_mask_between_calls():
@@ -147,18 +147,18 @@ def test_a_fixed_pattern_keeps_its_mask_between_calls():
     their plans cached); a redrawn pattern gets a new one."""
     m = layer().eval()
     x = torch.randn(1, 64, EMBED)
-    first = m(x, need_weights=True)[1]
-    second = m(x, need_weights=True)[1]
+    first = m(x, need_weights=True, average_attn_weights=False)[1]
+    second = m(x, need_weights=True, average_attn_weights=False)[1]
     assert all(a is b for a, b in zip(first.pos + first.crd, second.pos + second.crd))
     m.train()
-    third = m(x, need_weights=True)[1]
+    third = m(x, need_weights=True, average_attn_weights=False)[1]
     assert not all(a is b for a, b in zip(first.pos + first.crd, third.pos + third.crd))
 
 
 def test_training_pattern_matches_sdpa():
     m = layer().train()
     x = torch.randn(BATCH, 32, EMBED)
-    out, weights = m(x, need_weights=True)
+    out, weights = m(x, average_attn_weights=False)
     mask = pattern_of(weights)[:, :1]
     torch.testing.assert_close(out, reference(m, x, mask), rtol=1e-5, atol=1e-5)
 
@@ -167,7 +167,7 @@ def test_dropout_on_stored_probabilities():
     torch.manual_seed(3)
     m = layer(dropout=0.5).train()
     x = torch.randn(BATCH, 32, EMBED)
-    _, weights = m(x, need_weights=True)
+    _, weights = m(x, average_attn_weights=False)
     values = weights.values
     dropped = (values == 0).float().mean().item()
     assert 0.4 < dropped < 0.6  # of ~10^4 stored probabilities, half dropped
@@ -176,7 +176,7 @@ def test_dropout_on_stored_probabilities():
     sums = weights.to_dense().sum(-1)
     assert 0.8 < sums.mean().item() < 1.2 and not torch.allclose(sums, torch.ones_like(sums))
     m.eval()
-    _, weights = m(x, need_weights=True)
+    _, weights = m(x, average_attn_weights=False)
     torch.testing.assert_close(weights.to_dense().sum(-1), torch.ones(BATCH, HEADS, 32))
 
 
@@ -184,14 +184,14 @@ def test_need_weights_are_the_probabilities():
     m = layer()
     x = torch.randn(BATCH, 30, EMBED)
     pad = padding_mask(30, seed=4)
-    out, weights = m(x, key_padding_mask=pad, need_weights=True)
+    out, weights = m(x, key_padding_mask=pad, average_attn_weights=False)
     assert isinstance(weights, sparsenn.SparseTensor) and weights.shape == (BATCH, HEADS, 30, 30)
     q, k, _ = m._project(x, None, None)
     mask = m.attention_mask(30, pad)
     scores = (q @ k.transpose(-1, -2) / (EMBED // HEADS) ** 0.5).masked_fill(~mask, float("-inf"))
     expected = torch.softmax(scores, -1).nan_to_num(0.0)
     torch.testing.assert_close(weights.to_dense(), expected, rtol=1e-5, atol=1e-6)
-    assert m(x)[1] is None
+    assert m(x, need_weights=False)[1] is None
 
 
 # ----------------------------------------------------------------------------- dense fallback
@@ -205,7 +205,7 @@ def test_short_sequence_is_dense_attention_with_one_warning():
     pad = torch.zeros(BATCH, 20, dtype=torch.bool)
     pad[0, 3:] = True
     with pytest.warns(UserWarning, match="exact dense attention"):
-        out, weights = m(x, key_padding_mask=pad, need_weights=True)
+        out, weights = m(x, key_padding_mask=pad, average_attn_weights=False)
     ref, ref_weights = mha(x, x, x, key_padding_mask=pad, average_attn_weights=False)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(weights.to_dense(), ref_weights, rtol=1e-5, atol=1e-6)

@@ -15,6 +15,8 @@ from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.plan.planner import operand_info
 from sparsenn.compiler.runtime.api import plan
 
+from _machines import AVX512
+
 # An AVX2 core with a 1 MiB L2: schedules below do not depend on the host.
 AVX2 = Target(vector_bytes=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
 
@@ -171,13 +173,26 @@ def test_spmm_register_blocks_the_dense_output_row():
     assert dense_schedule("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 64), target=sse).nests[0].register_block.size == 32
 
 
-def test_no_register_block_without_a_reduction_or_for_narrow_rows():
+def test_narrow_rows_get_masked_vectors_and_interleaved_sums():
     a = sparse((N, N), "csr")
-    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 3)).nests[0].register_block is None  # k < one vector
-    # k between one vector and a full block: the whole vectors that fit (float32: 8 lanes).
-    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 16)).nests[0].register_block.size == 16
-    assert dense_schedule("ij,jk->ik", a, torch.randn(N, 20)).nests[0].register_block.size == 16
+    # k narrower than a block: the vectors that cover it, the last masked (float32: 8
+    # lanes on AVX2, 16 on AVX-512), their sums interleaved over the stored entries of a
+    # row until they make the target's independent chains of adds.
+    for k, target, size, sums in ((3, AVX2, 8, 4), (7, AVX512, 8, 4), (16, AVX2, 16, 2), (20, AVX2, 24, 2),
+                                  (20, AVX512, 24, 2), (40, AVX2, 32, 1)):
+        s = dense_schedule("ij,jk->ik", a, torch.randn(N, k), target=target)
+        (nest,) = s.nests
+        assert (nest.register_block.size, nest.block_sums) == (size, sums), (k, target)
+        assert ("partial block masked" in "\n".join(s.reasons)) == (k % size != 0)
+    # A dense reduction: no stored entries to interleave (its rows make a register tile).
+    (nest,) = dense_schedule("ij,jk->ik", torch.randn(64, 64), torch.randn(64, 3)).nests
+    assert nest.block_sums == 1
+
+
+def test_no_register_block_without_a_reduction_or_over_a_sparse_index():
+    a = sparse((N, N), "csr")
     assert dense_schedule("ij,ij->ij", a, torch.randn(N, N)).nests[0].register_block is None  # k sparse
+    assert dense_schedule("ij,jk->ijk", a, torch.randn(N, 3)).nests[0].register_block is None  # no reduction
 
 
 def test_three_operand_sampled_product_is_fused():
@@ -278,10 +293,11 @@ def test_team_loops_stop_at_a_held_loop():
 @pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
-    """``Y = X Wᵀ`` with a csr ``W``: with one or two batch rows the nest keeps each
-    output's sum over the stored weights of its row in registers (the SpMV form, batch
-    loop outside the reduction); from a vector up, the batch rows are the innermost loop,
-    held in a register block across the row's stored weights."""
+    """``Y = X Wᵀ`` with a csr ``W``: with one batch row the nest keeps each output's
+    sum over the stored weights of its row in registers (the SpMV form); from two rows
+    up, the batch rows are the innermost loop, held in a register block across the
+    row's stored weights (one masked vector below a vector's lanes, its sums interleaved
+    over the stored weights)."""
     import _machines
 
     # sparse enough that the planner never runs it densely
@@ -289,12 +305,13 @@ def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
     target = getattr(_machines, machine)
     lanes = target.lanes(dtype.itemsize)
     with sparsenn.compiler.use_target(target):
-        for batch in (1, 2, lanes, 64):
+        for batch in (1, 2, 3, lanes, 64):
             x = torch.randn(batch, 300, dtype=dtype)
             (nest,) = plan("bi,oi->bo", x, weight, out_format="dense").schedule.nests
-            if batch < lanes:
+            if batch == 1:
                 assert nest.order[-1] == "i" and nest.sparse_reduction is not None, (batch, nest.order)
             else:
                 assert nest.order == ("o", "i", "b") and nest.register_block is not None, (batch, nest.order)
+                assert nest.block_sums > 1 or batch == 64, (batch, nest.block_sums)
             torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight, out_format="dense"),
                                        x @ weight.to_dense().T)

@@ -195,7 +195,8 @@ def test_vmap_cannot_batch_a_pattern():
 def _layers():
     g = torch.Generator().manual_seed(0)
     edges = torch.randint(0, 10, (2, 30), generator=g)
-    attention = sparsenn.BlockSparseAttention(16, 2, block_size=4, seed=0).double().eval()  # one pattern
+    # eval: one pattern for every call
+    attention = sparsenn.BlockSparseAttention(16, 2, block_size=4, batch_first=True, seed=0).double().eval()
     return {
         "linear": (sparsenn.SparseLinear(8, 6, sparsity=0.5).double(), (_x(3, 8),), lambda out: out),
         "gcn": (sparsenn.SparseGCNConv(4, 3).double(), (_x(10, 4), edges), lambda out: out),
@@ -239,7 +240,7 @@ def test_transforms_leave_layer_caches_empty():
     x = _x(10, 4)
     params = {k: v.detach() for k, v in gcn.named_parameters()}
     grad(lambda p: functional_call(gcn, p, (x, edges)).sum())(params)
-    attention = sparsenn.BlockSparseAttention(16, 2, block_size=4, seed=0).double().eval()
+    attention = sparsenn.BlockSparseAttention(16, 2, block_size=4, batch_first=True, seed=0).double().eval()
     y = _x(1, 64, 16)
     grad(lambda p: functional_call(attention, p, (y,))[0].sum())(dict(attention.named_parameters()))
     with torch.no_grad():

@@ -83,23 +83,24 @@ def test_compile_reads_an_adjacency_cached_by_an_eager_call():
 @pytest.mark.parametrize("training, length, padded", [(False, 128, False), (False, 120, True), (True, 128, False)])
 def test_compile_fullgraph_block_sparse_attention(training, length, padded):
     torch.manual_seed(4)
-    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_window_blocks=3, num_random_blocks=1,
+    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_window_blocks=3, num_random_blocks=1,
                                               seed=0, fixed_pattern=training).train(training)
     x = torch.randn(2, length, 32)
     padding = None
     if padded:
         padding = torch.zeros(2, length, dtype=torch.bool)
         padding[1, 70:] = True
-    _compiled_matches(attention, x, backend="inductor" if padded else "aot_eager", key_padding_mask=padding)
+    _compiled_matches(attention, x, backend="inductor" if padded else "aot_eager", key_padding_mask=padding,
+                      need_weights=False)
 
 
 def test_compiled_attention_redraws_random_blocks_in_training():
     torch.manual_seed(5)
-    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=2, seed=0).train()
+    attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_random_blocks=2, seed=0).train()
     x = torch.randn(1, 256, 32)
     torch._dynamo.reset()
     compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")
-    first, second = compiled(x, need_weights=True)[1], compiled(x, need_weights=True)[1]
+    first, second = (compiled(x, average_attn_weights=False)[1] for _ in range(2))
     assert first.nnz == second.nnz
     assert not torch.equal(first.crd[3], second.crd[3])
 
@@ -111,7 +112,7 @@ def test_compiled_attention_keeps_a_fixed_mask(training, padded, drawn_per_call)
     tracing and the same arrays reach the kernels every call (the traced ops find their
     pattern validated: no "traced patterns" miss); padding still draws it per call."""
     torch.manual_seed(9)
-    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0,
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_random_blocks=1, seed=0,
                                           fixed_pattern=training).train(training)
     x = torch.randn(2, 128, 32)
     padding = torch.zeros(2, 128, dtype=torch.bool) if padded else None
@@ -119,9 +120,9 @@ def test_compiled_attention_keeps_a_fixed_mask(training, padded, drawn_per_call)
         padding[0, 100:] = True
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    compiled(x, key_padding_mask=padding)
+    compiled(x, key_padding_mask=padding, need_weights=False)
     before = cache_stats()["traced patterns"]
-    outputs = [compiled(x, key_padding_mask=padding)[0] for _ in range(3)]
+    outputs = [compiled(x, key_padding_mask=padding, need_weights=False)[0] for _ in range(3)]
     after = cache_stats()["traced patterns"]
     assert after.misses - before.misses == (3 if drawn_per_call else 0)
     assert after.hits > before.hits
@@ -132,12 +133,12 @@ def test_compiled_attention_keeps_a_fixed_mask(training, padded, drawn_per_call)
 
 def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
     torch.manual_seed(10)
-    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0).eval()
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_random_blocks=1, seed=0).eval()
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend="aot_eager")
     for batch, length in ((2, 128), (3, 160)):
         x = torch.randn(batch, length, 32)
-        _assert_close(compiled(x)[0], layer(x)[0])
+        _assert_close(compiled(x, need_weights=False)[0], layer(x)[0])
 
 
 def _lookups() -> tuple[int, int]:
@@ -154,7 +155,7 @@ def test_compiled_attention_inference_runs_the_fused_output_steps(padded, dynami
     apart; its fake shape derived step by step, also under symbolic sizes), equal to
     eager mode."""
     torch.manual_seed(11)
-    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, num_random_blocks=1, seed=0).eval()
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_random_blocks=1, seed=0).eval()
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=dynamic, backend="aot_eager")
     with torch.no_grad():
@@ -165,7 +166,7 @@ def test_compiled_attention_inference_runs_the_fused_output_steps(padded, dynami
                 padding = torch.zeros(batch, length, dtype=torch.bool)
                 padding[1, 70:] = True
             fused, calls = _lookups()
-            out = compiled(x, key_padding_mask=padding)[0]
+            out = compiled(x, key_padding_mask=padding, need_weights=False)[0]
             assert _lookups() == (fused + 1, calls)
             _assert_close(out, layer(x, key_padding_mask=padding)[0])
 

@@ -196,7 +196,8 @@ def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | 
     first, or None."""
     for access in assignment.accesses:
         template = templates[access.operand]
-        if template is not None and template.format == fmt and access.indices == assignment.output and _unique(template):
+        if (template is not None and template.format == fmt and access.indices == assignment.output
+                and _unique(template)):
             return access.operand
     return None
 

@@ -42,16 +42,19 @@ from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tra
 from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax, softmax_gradient, softmax_steps
 from sparsenn.layers.arguments import checked_int
+from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
 @functools.lru_cache(maxsize=None)
-def _scores(scale: float, padded: bool) -> CompiledExpression:
-    """The scores on ``M``'s pattern (the mask read for its positions only), plus a key
-    bias (``-inf`` at padded keys) in the same kernel when ``padded``. (Adding the bias in
-    a second masked expression has a sampled gradient assembled element-wise and re-packed
-    by a sort of every stored entry: 25 s at batch 64, L 1024.)"""
-    bias = " + bias[b,j]" if padded else ""
+def _scores(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
+    """The scores on ``M``'s pattern, plus a key bias (``-inf`` at padded keys) when
+    ``padded``, or plus ``M``'s values (an additive bias on each stored entry: an
+    attention mask) when ``entries``, in the same kernel; else ``M`` is read for its
+    positions only. (Adding a bias in a second masked expression has a sampled gradient
+    assembled element-wise and re-packed by a sort of every stored entry: 25 s at batch
+    64, L 1024.)"""
+    bias = " + bias[b,j]" if padded else " + M[b,h,i,j]" if entries else ""
     return compile_expression(f"S<M>[b,h,i,j] = {scale!r} * Q[b,h,i,d] * K[b,h,j,d]{bias}")
 
 
@@ -80,11 +83,11 @@ def _step(expression: CompiledExpression, block_size: int, sources: tuple[int | 
 
 
 @functools.lru_cache(maxsize=None)
-def _probability_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ...]:
+def _probability_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
     """``P = softmax(S)`` of the scores :func:`_scores` over ``(M, Q, K[, bias])`` as fused
     steps: the scores' one assignment for these formats, then softmax's steps over its
     result, in place (:func:`sparsenn.functional.softmax_steps`)."""
-    scores = _step(_scores(scale, padded), block_size, (0, 1, 2, 3), on=0)
+    scores = _step(_scores(scale, padded, entries), block_size, (0, 1, 2, 3), on=0)
     return softmax_steps(4, 3, scores)
 
 
@@ -92,10 +95,10 @@ register_kernels("attention", _probability_steps)
 
 
 @functools.lru_cache(maxsize=None)
-def _output_steps(scale: float, padded: bool, block_size: int) -> tuple[Step, ...]:
+def _output_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
     """``O = P V`` over ``(M, Q, K[, bias], V)`` as fused steps: :func:`_probability_steps`,
     then the block SpMM of each block row of ``P`` (read in place) by ``V``."""
-    probabilities = _probability_steps(scale, padded, block_size)
+    probabilities = _probability_steps(scale, padded, block_size, entries)
     return probabilities + (_step(_OUTPUT, block_size, (Result(len(probabilities) - 1), 4 if padded else 3)),)
 
 
@@ -108,19 +111,23 @@ class _Probabilities(torch.autograd.Function):
     scaling, while the row is in cache, written once) when the steps fuse, else the
     scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
     softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
-    bias is a constant). Under ``torch.func.vmap``, once per batch element; forward mode
-    (``jvp``) is not defined."""
+    bias is a constant). ``bias``: None, a ``(batch, L')`` key bias, or ``mask.values``
+    (an additive bias on the stored entries, which the scores then read). The mask's values
+    are a tensor input too, so torch.func hands them over unwrapped. Under
+    ``torch.func.vmap``, once per batch element; forward mode (``jvp``) is not defined."""
 
     @staticmethod
     def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor, scale: float,
                 block_size: int) -> Tensor:
-        padded = bias is not None
-        mask = mask._share(mask.shape, mask.format, mask_values)  # a tensor input: torch.func unwraps it
+        padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
+        mask = mask._share(mask.shape, mask.format, mask_values)
         operands = [mask, q, k] + ([bias] if padded else [])
         if tracing():
-            return traced_evaluate(None, operands, None, ("kernel", "attention", scale, padded, block_size)).values
-        results = run_steps(_probability_steps(scale, padded, block_size), operands)
-        return softmax(_scores(scale, padded)(*operands), -1).values if results is None else results[-1].values
+            return traced_evaluate(None, operands, None,
+                                   ("kernel", "attention", scale, padded, block_size, entries)).values
+        results = run_steps(_probability_steps(scale, padded, block_size, entries), operands)
+        return (softmax(_scores(scale, padded, entries)(*operands), -1).values if results is None
+                else results[-1].values)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -244,6 +251,57 @@ def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, p
                         _at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
 
 
+def causal_pattern(pattern: BlockPattern) -> BlockPattern:
+    """``pattern`` without its blocks above the diagonal (key block after the query block)."""
+    n = pattern.num_blocks
+    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
+    keep = pattern.cols <= row_of
+    counts = torch.bincount(row_of[keep], minlength=n)
+    return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), pattern.cols[keep])
+
+
+def entry_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
+               bias: Tensor | None, causal: bool, dtype: torch.dtype) -> tuple[SparseTensor, Tensor | None]:
+    """``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded length
+    ``L'``, its values an additive bias on each stored entry: ``bias`` (``(batch or 1,
+    heads or 1, L', L')``, read at the stored entries only), ``-inf`` above the diagonal of
+    the diagonal blocks when ``causal``, ``-inf`` at padded keys. A block whose every
+    entry is ``-inf`` (for that batch element and head) is left out. O(stored entries).
+
+    With the mask, the rows to keep: None, or where a query row has stored entries that
+    are all ``-inf`` (its softmax would be NaN), 0 on its entries and 1 elsewhere (that
+    row's bias is then 0, and its probabilities are to be multiplied by 0)."""
+    n, s = pattern.num_blocks, block_size
+    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
+    cols = pattern.cols
+    stored = cols.numel()
+    values = torch.zeros(1, 1, stored, s, s, dtype=dtype)
+    if bias is not None:
+        values = values + bias.reshape(*bias.shape[:2], n, s, n, s).transpose(3, 4)[:, :, row_of, cols]
+    if causal:
+        above = (row_of == cols)[:, None, None] & torch.ones(s, s, dtype=torch.bool).triu(1)
+        values = torch.where(above, float("-inf"), values)
+    if padding is not None:
+        values = torch.where(padding.view(batch, n, s)[:, None, cols, None, :], float("-inf"), values)
+    allowed = ~torch.isneginf(values)  # (batch or 1, heads or 1, stored, s, s)
+    keep = allowed.flatten(3).any(3).expand(batch, heads, stored)
+    # A stored row with no allowed key (in any block of its block row): its softmax would be NaN.
+    open_rows = torch.zeros(*allowed.shape[:2], n, s, dtype=torch.long).index_add_(2, row_of, allowed.any(4).long())
+    closed = (open_rows == 0)[:, :, row_of, :, None]  # (batch or 1, heads or 1, stored, s, 1)
+    rows = None
+    if bool(closed.any()):
+        values = values.masked_fill(closed, 0.0)
+        rows = (~closed).to(dtype).expand(batch, heads, stored, s, s)[keep].flatten()
+    counts = torch.zeros(batch, heads, n, dtype=torch.long).index_add_(2, row_of, keep.long())
+    index = _mask_index_dtype(batch, heads, n)
+    pos = torch.cat([counts.new_zeros(1), counts.flatten().cumsum(0)]).to(index)
+    crd = cols.expand(batch, heads, stored)[keep].to(index)
+    length = n * s
+    mask = SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
+                        _at_key_blocks(crd), values.expand(batch, heads, stored, s, s)[keep].flatten(), check=False)
+    return mask, rows
+
+
 def _mask_index_dtype(batch: int, heads: int, num_blocks: int) -> torch.dtype:
     return torch.int32 if batch * heads * num_blocks * num_blocks < 2**31 else torch.int64
 
@@ -300,24 +358,46 @@ class BlockSparseAttention(nn.Module):
     ``nn.MultiheadAttention`` (same projection parameters: ``in_proj_weight``,
     ``in_proj_bias``, ``out_proj``).
 
-    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=False)``:
-    self-attention when key and value are omitted; key and value must have the query's
-    length (the pattern is square). ``key_padding_mask``: bool ``(batch, L)``, True at
-    keys to ignore. Returns ``(output, weights)``; ``weights`` is None, or with
-    ``need_weights`` the attention probabilities after dropout, per head, as a
-    ``(batch, heads, L, L)`` SparseTensor (blocked ``dddc(1,1,s,s)`` when ``L`` is a
-    multiple of ``block_size``, else element-wise ``dddc`` trimmed to ``L``).
+    ``forward(query, key=None, value=None, key_padding_mask=None, need_weights=True,
+    attn_mask=None, average_attn_weights=True, is_causal=False)`` takes
+    ``nn.MultiheadAttention``'s arguments and defaults: inputs ``(L, batch, E)``, or
+    ``(batch, L, E)`` with ``batch_first=True``; self-attention when key and value are
+    omitted; key and value must have the query's length (the pattern is square).
+
+    * ``key_padding_mask``: bool ``(batch, L)``, True at keys to ignore.
+    * ``attn_mask``: ``(L, L)`` or ``(batch * num_heads, L, L)``, bool (True = not
+      allowed to attend, as ``nn.MultiheadAttention``) or float (added to the scores).
+      It is read at the pattern's stored entries only (restricted to the pattern): an
+      additive bias on the stored blocks, inside the scores' kernel; blocks it masks
+      wholly are left out of the pattern.
+    * ``is_causal``: query ``i`` attends to keys ``j <= i`` only (decoder BigBird): the
+      blocks above the diagonal leave the pattern and the diagonal blocks get the
+      element mask. Unlike ``nn.MultiheadAttention`` it needs no ``attn_mask``; one given
+      is applied as well.
+    * ``need_weights``: also return the attention probabilities after dropout, as a
+      SparseTensor: ``(batch, L, L)`` averaged over heads (``average_attn_weights``) or
+      ``(batch, heads, L, L)`` per head (blocked ``dddc(1,1,s,s)`` when ``L`` is a
+      multiple of ``block_size``, else element-wise ``dddc`` trimmed to ``L``). Computing
+      them costs time: pass ``need_weights=False`` unless they are used.
+
+    Returns ``(output, weights or None)``. A query row with no allowed key in the pattern
+    gets zero attention (``nn.MultiheadAttention`` gives NaN).
 
     The random blocks come from ``seed`` (drawn from torch's generator when None): the
     same pattern in eval mode, redrawn at every forward in training unless
     ``fixed_pattern``. A sequence of at most ``(g + w + r) · block_size`` tokens has no
-    sparse pattern; it gets exact dense attention (with a one-time warning).
+    sparse pattern; it gets exact dense attention (with a one-time warning). ``device``,
+    ``dtype``: of the parameters, as ``nn.MultiheadAttention`` takes them.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(self, embed_dim: int, num_heads: int, *, block_size: int = 64, num_global_blocks: int = 2,
                  num_window_blocks: int = 3, num_random_blocks: int = 2, dropout: float = 0.0, bias: bool = True,
-                 batch_first: bool = True, seed: int | None = None, fixed_pattern: bool = False) -> None:
+                 batch_first: bool = False, seed: int | None = None, fixed_pattern: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
+        kwargs = factory_kwargs(device, dtype)
         self.embed_dim = checked_int("embed_dim", embed_dim, 1)
         self.num_heads = checked_int("num_heads", num_heads, 1)
         if embed_dim % num_heads:
@@ -333,19 +413,30 @@ class BlockSparseAttention(nn.Module):
         self.dropout = float(dropout)
         self.batch_first = bool(batch_first)
         self.fixed_pattern = bool(fixed_pattern)
-        self.seed = int(torch.randint(2**62, ())) if seed is None else checked_int("seed", seed, 0)
+        self.seed = int(torch.randint(2**62, (), device="cpu")) if seed is None else checked_int("seed", seed, 0)
         self.head_dim = embed_dim // num_heads
-        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim))
-        self.in_proj_bias = nn.Parameter(torch.zeros(3 * embed_dim)) if bias else None
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
-        nn.init.xavier_uniform_(self.in_proj_weight)
-        if bias:
-            nn.init.zeros_(self.out_proj.bias)
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * embed_dim, embed_dim, **kwargs))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **kwargs)) if bias else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kwargs)
+        self._reset_projections()
         self._training_generator = torch.Generator().manual_seed(self.seed)
         self._patterns: dict[int, BlockPattern] = {}
+        self._causal: tuple[BlockPattern, BlockPattern] | None = None  # (a pattern, its causal part)
         self._mask_format = _mask_format(block_size)  # traced code reads it
-        self._last_mask: tuple | None = None  # (pattern, batch, dtype, mask) of the last unpadded call
+        self._last_mask: tuple | None = None  # (pattern, batch, dtype, causal, mask) of the last unpadded call
         self._warned_dense = False
+
+    def reset_parameters(self) -> None:
+        """``out_proj``'s ``nn.Linear`` initialisation, then :meth:`_reset_projections`."""
+        self.out_proj.reset_parameters()
+        self._reset_projections()
+
+    def _reset_projections(self) -> None:
+        """``nn.MultiheadAttention``'s: Xavier-uniform ``in_proj_weight``, zero biases."""
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.zeros_(self.in_proj_bias)
+            nn.init.zeros_(self.out_proj.bias)
 
     @property
     def dense_up_to(self) -> int:
@@ -373,42 +464,57 @@ class BlockSparseAttention(nn.Module):
                                                 self.num_random_blocks, generator)
         return self._patterns[n]
 
-    def _forward_pattern(self, seq_len: int) -> BlockPattern:
-        """Redrawn in training (unless ``fixed_pattern``), else :meth:`pattern`."""
+    def _forward_pattern(self, seq_len: int, is_causal: bool = False) -> BlockPattern:
+        """Redrawn in training (unless ``fixed_pattern``), else :meth:`pattern`; without
+        the blocks above the diagonal if ``is_causal`` (kept for the last pattern)."""
         if self.training and not self.fixed_pattern:
             n = -(-seq_len // self.block_size)
-            return bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks,
-                                   self._training_generator)
-        return self.pattern(seq_len)
+            pattern = bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks,
+                                      self._training_generator)
+        else:
+            pattern = self.pattern(seq_len)
+        if not is_causal:
+            return pattern
+        if self._causal is None or self._causal[0] is not pattern:
+            self._causal = (pattern, causal_pattern(pattern))
+        return self._causal[1]
 
-    def attention_mask(self, seq_len: int, key_padding_mask: Tensor | None = None) -> Tensor:
-        """Dense bool mask, True where a query may attend, of the eval-mode computation:
-        ``(1, 1, L, L)``, or ``(batch, 1, L, L)`` with a key padding mask. Quadratic in
-        ``L``: for inspection and tests (e.g. as ``scaled_dot_product_attention``'s
-        ``attn_mask``)."""
+    def attention_mask(self, seq_len: int, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
+        """Dense bool mask, True where a query may attend, of the eval-mode computation
+        (without an ``attn_mask``): ``(1, 1, L, L)``, or ``(batch, 1, L, L)`` with a key
+        padding mask. Quadratic in ``L``: for inspection and tests (e.g. as
+        ``scaled_dot_product_attention``'s ``attn_mask``)."""
         if seq_len <= self.dense_up_to:
             mask = torch.ones(seq_len, seq_len, dtype=torch.bool)
         else:
             s = self.block_size
             mask = self.pattern(seq_len).to_dense().repeat_interleave(s, 0).repeat_interleave(s, 1)
             mask = mask[:seq_len, :seq_len]
+        if is_causal:
+            mask = mask.tril()
         if key_padding_mask is None:
             return mask[None, None]
         padding = self._check_padding(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0,
                                       seq_len)
         return mask[None, None] & ~padding[:, None, None, :]
 
-    def _mask_for(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """:meth:`_mask`, kept from the last call without padding when the pattern (the
-        eval-mode one, or a fixed one) and shapes repeat: the kernels then also find its
-        index arrays' plans and re-stored copies cached."""
-        if padding is not None or transforming():  # a transform's tensors must not outlive it
+    def _mask_for(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype,
+                  causal: bool = False) -> SparseTensor:
+        """:meth:`_mask` (:func:`entry_mask` of a causal ``pattern``: its diagonal blocks'
+        element mask as the values), kept from the last call without padding when the
+        pattern (the eval-mode one, or a fixed one) and shapes repeat: the kernels then
+        also find its index arrays' plans and re-stored copies cached."""
+        if padding is not None:
             return self._mask(pattern, batch, padding, dtype)
         last = self._last_mask
-        if last is not None and last[0] is pattern and last[1:3] == (batch, dtype):
-            return last[3]
-        mask = self._mask(pattern, batch, None, dtype)
-        self._last_mask = (pattern, batch, dtype, mask)
+        if last is not None and last[0] is pattern and last[1:4] == (batch, dtype, causal):
+            return last[4]
+        if causal:  # without padding, every row keeps its diagonal: no closed rows
+            mask = entry_mask(pattern, batch, self.num_heads, self.block_size, None, None, True, dtype)[0]
+        else:
+            mask = self._mask(pattern, batch, None, dtype)
+        if not transforming():  # a torch.func transform's tensors must not outlive it
+            self._last_mask = (pattern, batch, dtype, causal, mask)
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
@@ -437,6 +543,11 @@ class BlockSparseAttention(nn.Module):
                             _at_key_blocks(crd), values, check=False)
 
     # ------------------------------------------------------------------ forward
+    @property
+    def _layout(self) -> str:
+        """The inputs' declared layout, for error messages."""
+        return f"{'(batch, L, E)' if self.batch_first else '(L, batch, E)'} (batch_first={self.batch_first})"
+
     def _check_padding(self, key_padding_mask: object, batch: int, seq_len: int) -> Tensor:
         """The (batch, L) bool key padding mask (TypeError/ValueError otherwise)."""
         if not isinstance(key_padding_mask, Tensor):
@@ -445,9 +556,31 @@ class BlockSparseAttention(nn.Module):
             raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore the key), "
                             f"got dtype {key_padding_mask.dtype}")
         if tuple(key_padding_mask.shape) != (batch, seq_len):
-            raise ValueError(f"key_padding_mask must have shape (batch, L) = {(batch, seq_len)}, "
-                             f"got {tuple(key_padding_mask.shape)}")
+            raise ValueError(f"key_padding_mask must have shape (batch, L) = {(batch, seq_len)}, got "
+                             f"{tuple(key_padding_mask.shape)}; the inputs are read as {self._layout}")
         return key_padding_mask
+
+    def _check_attn_mask(self, attn_mask: object, batch: int, seq_len: int, dtype: torch.dtype) -> Tensor:
+        """``attn_mask`` as an additive float bias ``(1, 1, L, L)`` or ``(batch, heads, L, L)``
+        (``-inf`` where a bool mask is True); TypeError/ValueError otherwise."""
+        if not isinstance(attn_mask, Tensor) or attn_mask.layout != torch.strided:
+            raise TypeError(f"attn_mask must be a dense torch.Tensor, got "
+                            f"{attn_mask.layout if isinstance(attn_mask, Tensor) else type(attn_mask).__name__}")
+        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+            raise TypeError(f"attn_mask must be a bool tensor (True = not allowed to attend) or a float tensor "
+                            f"(added to the scores), got dtype {attn_mask.dtype}")
+        heads = self.num_heads
+        if tuple(attn_mask.shape) == (seq_len, seq_len):
+            mask = attn_mask[None, None]
+        elif tuple(attn_mask.shape) == (batch * heads, seq_len, seq_len):
+            mask = attn_mask.view(batch, heads, seq_len, seq_len)
+        else:
+            raise ValueError(f"attn_mask must have shape (L, L) = {(seq_len, seq_len)} or (batch * num_heads, L, L) "
+                             f"= {(batch * heads, seq_len, seq_len)}, got {tuple(attn_mask.shape)}; the inputs are "
+                             f"read as {self._layout}")
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask, float("-inf"))
+        return mask.to(dtype)
 
     def _check_input(self, name: str, x: object) -> Tensor:
         if not isinstance(x, Tensor):
@@ -471,8 +604,8 @@ class BlockSparseAttention(nn.Module):
         return tuple(rearrange(t, "b l (h d) -> b h l d", h=self.num_heads) for t in (q, k, v))
 
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
-                key_padding_mask: Tensor | None = None,
-                need_weights: bool = False) -> tuple[Tensor, SparseTensor | None]:
+                key_padding_mask: Tensor | None = None, need_weights: bool = True, attn_mask: Tensor | None = None,
+                average_attn_weights: bool = True, is_causal: bool = False) -> tuple[Tensor, SparseTensor | None]:
         query = self._check_input("query", query)
         if (key is None) != (value is None):
             raise ValueError("give both key and value, or neither (self-attention)")
@@ -480,73 +613,118 @@ class BlockSparseAttention(nn.Module):
             key, value = self._check_input("key", key), self._check_input("value", value)
             if key.shape[:2] != value.shape[:2]:
                 raise ValueError(f"key and value must have the same batch and length, got key "
-                                 f"{tuple(key.shape)} and value {tuple(value.shape)}")
+                                 f"{tuple(key.shape)} and value {tuple(value.shape)} (read as {self._layout})")
             if key.shape[:2] != query.shape[:2]:
-                raise ValueError(f"key and value must have the query's batch and length (BigBird's pattern "
-                                 f"is square), got query {tuple(query.shape)} and key {tuple(key.shape)}")
-        out, weights = self.attend(*self._project(query, key, value), key_padding_mask, need_weights)
+                raise ValueError(f"key and value must have the query's batch and length (BigBird's pattern is "
+                                 f"square), got (batch, L) = {tuple(query.shape[:2])} for the query and "
+                                 f"{tuple(key.shape[:2])} for the key, read as {self._layout}")
+        q, k, v = self._project(query, key, value)
+        out, weights = self._attend(q, k, v, key_padding_mask, need_weights, attn_mask, is_causal,
+                                    bool(average_attn_weights))
         out = self.out_proj(rearrange(out, "b h l d -> b l (h d)"))
         return (out if self.batch_first else out.transpose(0, 1)), weights
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None,
-               need_weights: bool = False) -> tuple[Tensor, SparseTensor | None]:
+               need_weights: bool = False, attn_mask: Tensor | None = None,
+               is_causal: bool = False) -> tuple[Tensor, SparseTensor | None]:
         """The attention alone, on projected heads: ``q, k, v`` of shape
-        ``(batch, heads, L, head_dim)`` -> ``(output of that shape, weights or None)``."""
+        ``(batch, heads, L, head_dim)`` -> ``(output of that shape, per-head weights or None)``;
+        the masks as :meth:`forward` takes them."""
+        return self._attend(q, k, v, key_padding_mask, need_weights, attn_mask, is_causal, False)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, need_weights: bool,
+                attn_mask: Tensor | None, is_causal: bool, average: bool) -> tuple[Tensor, SparseTensor | None]:
+        """:meth:`attend`, the weights averaged over heads if ``average``."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4 or t.shape != q.shape or t.shape[1] != self.num_heads:
                 raise ValueError(f"q, k and v must be tensors of one shape (batch, {self.num_heads}, L, head_dim); "
                                  f"{name} is {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
+        if isinstance(is_causal, Tensor) and is_causal.dtype == torch.bool and is_causal.numel() == 1:
+            is_causal = bool(is_causal)  # torch.onnx.export hands default arguments on as tensors
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
         batch, _, length, _ = q.shape
         padding = None if key_padding_mask is None else self._check_padding(key_padding_mask, batch, length)
+        bias = None if attn_mask is None else self._check_attn_mask(attn_mask, batch, length, q.dtype)
         if length <= self.dense_up_to:
-            return self._dense(q, k, v, padding, need_weights)
-        return self._sparse(q, k, v, padding, need_weights)
+            out, probs = self._dense(q, k, v, padding, bias, is_causal, need_weights)
+            return out, (None if probs is None else from_dense(probs.mean(1) if average else probs,
+                                                               format="ddc" if average else "dddc"))
+        return self._sparse(q, k, v, padding, bias, is_causal, need_weights, average)
 
-    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
-                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
-        """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length."""
+    def _sparse(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
+                need_weights: bool, average: bool) -> tuple[Tensor, SparseTensor | None]:
+        """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length. An
+        ``attn_mask`` (``bias``) or ``is_causal`` makes the mask's values an additive bias
+        on its stored entries (:func:`entry_mask`), the key padding included."""
         batch, _, length, _ = q.shape
         traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
+        entries = bias is not None or is_causal
+        if traced and entries:
+            raise NotImplementedError(f"a traced BlockSparseAttention takes no attn_mask or is_causal on its sparse "
+                                      f"path (sequences of more than {self.dense_up_to} tokens); call it eagerly")
+        if traced and need_weights and average and padding is not None:
+            raise NotImplementedError("a traced BlockSparseAttention with a key_padding_mask returns per-head weights "
+                                      "only: pass average_attn_weights=False, or need_weights=False")
+        uniform = padding is None  # every batch element stores as many blocks
         extra = -(-length // self.block_size) * self.block_size - length
         if extra:
             q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
             tail = torch.ones(batch, extra, dtype=torch.bool)
             padding = torch.cat([torch.zeros(batch, length, dtype=torch.bool) if padding is None else padding, tail], 1)
+            if bias is not None:
+                bias = nn.functional.pad(bias, (0, extra, 0, extra))
+        rows = None
         if traced:
             if need_weights and extra:
                 raise NotImplementedError("a traced BlockSparseAttention returns weights only for lengths that are "
                                           f"multiples of block_size ({self.block_size}), got {length}")
             mask = self._traced_mask(length, batch, padding, q.dtype)
+        elif bias is None and padding is None:
+            mask = self._mask_for(self._forward_pattern(length, is_causal), batch, None, q.dtype, is_causal)
+        elif entries:
+            mask, rows = entry_mask(self._forward_pattern(length, is_causal), batch, self.num_heads,
+                                    self.block_size, padding, bias, is_causal, q.dtype)
         else:
-            mask = self._mask_for(self._forward_pattern(length), batch, padding, q.dtype)
-        bias = None
-        if padding is not None:
-            bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-        out, probs = self._fused_output(q, k, v, bias, mask, need_weights, traced)
+            mask = self._mask_for(self._forward_pattern(length, False), batch, padding, q.dtype)
+        if entries:
+            score_bias = mask.values
+        elif padding is not None:
+            score_bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
+        else:
+            score_bias = None
+        out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, score_bias, mask,
+                                                                              need_weights, traced)
         if out is None:
             probs = mask.with_values(
-                _Probabilities.apply(q, k, bias, mask.values, mask, self._score_scale, self.block_size))
+                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale, self.block_size))
+            if rows is not None:  # rows whose every key is masked: zero attention
+                probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
             out = einsum("bhij,bhjd->bhid", probs, v)
         out = out[:, :, :length]
         if not need_weights:
             return out, None
+        if average:
+            probs = _head_mean(probs, bias is None or bias.shape[1] == 1, uniform)
         if not extra:
             return out, probs
         indices, values = probs.coords()
-        inside = (indices[2] < length) & (indices[3] < length)
-        return out, from_coo(indices[:, inside], values[inside], (batch, self.num_heads, length, length),
-                             format="dddc")
+        inside = (indices[-2] < length) & (indices[-1] < length)
+        return out, from_coo(indices[:, inside], values[inside], probs.shape[:-2] + (length, length),
+                             format="d" * (probs.ndim - 1) + "c")
 
     def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: SparseTensor,
                       need_weights: bool, traced: bool) -> tuple[Tensor | None, SparseTensor | None]:
         """``(O, P)`` by the fused kernel of :func:`_output_steps` when nothing needs ``P``
-        apart (no dropout, no gradient; while traced, no weights either), else ``(None, None)``."""
+        apart (no dropout, no gradient; while traced, no weights either), else ``(None, None)``;
+        ``bias`` as :class:`_Probabilities` takes it."""
         if (self.training and self.dropout > 0.0) or (
                 torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
             return None, None
-        operands = [mask, q, k] + ([] if bias is None else [bias]) + [v]
-        key = (self._score_scale, bias is not None, self.block_size)
+        padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
+        operands = [mask, q, k] + ([bias] if padded else []) + [v]
+        key = (self._score_scale, padded, self.block_size, entries)
         if traced:
             if need_weights:
                 return None, None
@@ -554,19 +732,55 @@ class BlockSparseAttention(nn.Module):
         results = run_steps(_output_steps(*key), operands)
         return (None, None) if results is None else (results[-1], results[-2])
 
-    def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None,
+    def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
         """Exact dense attention, for sequences too short for a sparse pattern; a row with
-        no unpadded key gives zero, as in the sparse path."""
+        no allowed key gives zero, as in the sparse path."""
         if not self._warned_dense:
             warnings.warn(f"BlockSparseAttention: a sequence of {q.shape[2]} tokens (at most {self.dense_up_to}) "
                           f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=4)
             self._warned_dense = True
+        length = q.shape[2]
         scores = (q * self._score_scale) @ k.transpose(-1, -2)
+        if bias is not None:
+            scores = scores + bias
+        if is_causal:
+            scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
         if padding is not None:
             scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, -1)
-        if padding is not None:
-            probs = probs.masked_fill(padding.all(1)[:, None, None, None], 0.0)
+        if padding is not None or bias is not None:  # rows whose every key is masked: zero attention
+            closed = scores.amax(-1, keepdim=True) == float("-inf")
+            probs = torch.softmax(scores.masked_fill(closed, 0.0), -1).masked_fill(closed, 0.0)
+        else:
+            probs = torch.softmax(scores, -1)
         probs = nn.functional.dropout(probs, self.dropout, self.training)
-        return probs @ v, (from_dense(probs, format="dddc") if need_weights else None)
+        return probs @ v, (probs if need_weights else None)
+
+
+def _head_mean(weights: SparseTensor, shared: bool, uniform: bool) -> SparseTensor:
+    """``(batch, L', L')`` mean over heads of ``(batch, heads, L', L')`` blocked attention
+    weights, when the heads ``shared`` one pattern: their values' mean, O(stored entries)
+    (by views when every batch element stores as many blocks, ``uniform``); else the
+    compiled sum over heads, divided."""
+    batch, heads = weights.shape[:2]
+    if not shared:
+        total = einsum("bhij->bij", weights)
+        return total.with_values(total.values / heads)
+    s = weights.format.block[-1]
+    pos, crd = weights.pos[3], weights.crd[3]
+    counts = pos.diff().view(batch, heads, -1)  # stored blocks per (batch, head, block row)
+    if uniform:
+        first_crd, mean = crd.view(batch, heads, -1)[:, 0].flatten(), weights.values.view(batch, heads, -1).mean(1)
+    else:
+        per_head = counts[:, 0].sum(1)  # stored blocks of each head of a batch element
+        starts = torch.cat([per_head.new_zeros(1), (per_head * heads).cumsum(0)[:-1]])
+        offsets = torch.cat([per_head.new_zeros(1), per_head.cumsum(0)[:-1]])
+        total = int(per_head.sum())
+        first = torch.repeat_interleave(starts - offsets, per_head, output_size=total) + torch.arange(total)
+        stride = torch.repeat_interleave(per_head, per_head, output_size=total)  # to the next head's block
+        blocks = weights.values.view(-1, s * s)
+        first_crd, mean = crd[first], sum(blocks[first + h * stride] for h in range(heads)) / heads
+    return SparseTensor((batch,) + weights.shape[2:], f"ddc(1,{s},{s})",
+                        (None, None, torch.cat([pos.new_zeros(1), counts[:, 0].flatten().cumsum(0).to(pos.dtype)]),
+                         None, None, None),
+                        (None, None, first_crd, None, None, None), mean.flatten(), check=False)

@@ -16,12 +16,12 @@ from sparsenn.compiler import compile_expression, einsum
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.compiler.runtime.ops import transforming
 from sparsenn.formats import SparseTensor, parse_format
+from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 
 __all__ = ["SparseGCNConv", "gcn_norm"]
 
 _PROPAGATE = compile_expression("Y[t,o] = A[t,s] * H[s,o] + bias[o]", out_format="dense")
 
-_VALUE_DTYPES = (torch.float32, torch.float64)
 _CSR = parse_format("csr", 2)  # parsed here: traced code must not build formats
 
 
@@ -116,11 +116,15 @@ class SparseGCNConv(nn.Module):
             before building the optimizer. Every later argument is keyword-only.
         improved: self-loop weight 2 instead of 1.
         cached: normalise on the first call and reuse that adjacency afterwards (for a
-            fixed graph, transductive learning); :meth:`reset_cache` forgets it.
+            fixed graph, transductive learning); :meth:`reset_cache` forgets it, and so
+            does moving the layer (``.to()``, ``.double()``, ``to_empty``): the next call
+            normalises again, in the parameters' dtype.
         add_self_loops: add self-loops before normalising (default: ``normalize``).
         normalize: apply the symmetric normalisation; when False the adjacency is used as
             given and self-loops cannot be added.
         bias: learn an additive bias.
+        device, dtype: of the parameters, as ``nn.Linear`` takes them (``"cpu"`` or
+            ``"meta"``; float32, float64, bfloat16 or float16; defaults: torch's).
 
     ``forward(x, edge_index, edge_weight=None)``: ``x`` is a dense ``(N, in_channels)``
     tensor or a SparseTensor (sparse features such as bag-of-words: ``X Wᵀ`` is then a
@@ -139,9 +143,11 @@ class SparseGCNConv(nn.Module):
     ``edge_weight`` (or the adjacency's values) when they require grad.
     """
 
+    __prepare_scriptable__ = refuse_torchscript
+
     def __init__(self, in_channels: int, out_channels: int, *, improved: bool = False, cached: bool = False,
                  add_self_loops: bool | None = None, normalize: bool = True, bias: bool = True,
-                 dtype: torch.dtype | None = None) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -157,18 +163,16 @@ class SparseGCNConv(nn.Module):
             add_self_loops = normalize
         if add_self_loops and not normalize:
             raise ValueError("add_self_loops=True needs normalize=True (self-loops are added during normalisation)")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _VALUE_DTYPES:
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        kwargs = factory_kwargs(device, dtype)
         self.in_channels, self.out_channels = int(in_channels), int(out_channels)
         self.improved, self.cached = bool(improved), bool(cached)
         self.add_self_loops, self.normalize = bool(add_self_loops), bool(normalize)
         if self.in_channels == -1:
-            self.weight = nn.parameter.UninitializedParameter(dtype=dtype)
+            self.weight = nn.parameter.UninitializedParameter(**kwargs)
         else:
-            self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, dtype=dtype))
+            self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, **kwargs))
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_channels, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.out_channels, **kwargs))
         else:
             self.register_parameter("bias", None)
         self._cached_adjacency: SparseTensor | None = None
@@ -186,6 +190,12 @@ class SparseGCNConv(nn.Module):
     def reset_cache(self) -> None:
         """Forget the normalised adjacency cached by ``cached=True``."""
         self._cached_adjacency = None
+
+    def _apply(self, fn, recurse: bool = True):
+        """``nn.Module._apply`` (``.to()``, ``.double()``, ``to_empty``, ...), forgetting the
+        cached adjacency, which ``fn`` would make stale (another dtype) or garbage (``to_empty``)."""
+        self.reset_cache()
+        return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, improved={self.improved}, cached={self.cached}, "
@@ -253,7 +263,7 @@ class SparseGCNConv(nn.Module):
         saved = state_dict.get(key)
         if isinstance(saved, Tensor) and is_lazy(saved):
             self.in_channels = -1
-            self.weight = nn.parameter.UninitializedParameter(dtype=self.weight.dtype)
+            self.weight = nn.parameter.UninitializedParameter(device=self.weight.device, dtype=self.weight.dtype)
             state_dict = {k: v for k, v in state_dict.items() if k != key}
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                           unexpected_keys, error_msgs)

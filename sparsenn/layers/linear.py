@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.layers.conventions import FLOAT_DTYPES, factory_kwargs, refuse_onnx_export, refuse_torchscript
 from sparsenn.layers.pattern import PatternBuffers
 
 __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
@@ -25,7 +27,6 @@ __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count"
 _AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
 
 Method = Literal["magnitude", "random"]
-_VALUE_DTYPES = (torch.float32, torch.float64)
 
 
 def check_sparsity(sparsity: object, name: str = "sparsity") -> float:
@@ -98,23 +99,31 @@ def layer_nnz(fmt: Format, out_features: int, in_features: int, sparsity: float)
     return kept_count(out_features * in_features, sparsity)
 
 
-def _chosen(count: int, keep: int, scores: Tensor | None) -> Tensor:
-    """Indices of ``keep`` of ``count`` units: the top ``scores``, or random when None."""
+def _chosen(count: int, keep: int, scores: Tensor | None, first: bool) -> Tensor:
+    """Indices of ``keep`` of ``count`` units: the top ``scores``, the first ``keep`` if
+    ``first``, or random."""
+    if first:
+        return torch.arange(keep)
     if scores is None:
         return torch.randperm(count)[:keep]
     return torch.topk(scores.reshape(-1), keep, sorted=False).indices
 
 
-def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitudes: Tensor | None) -> Tensor:
+def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitudes: Tensor | None,
+                  first: bool = False) -> Tensor:
     """(2, nnz) coordinates of a chosen pattern: the largest ``magnitudes`` (entries,
-    block Frobenius norms, or within each group of m for nm), or random when None."""
+    block Frobenius norms, or within each group of m for nm), random when None, or the
+    first units in row-major order if ``first`` (a placeholder with the same nnz)."""
     out_features, in_features = shape
     nm = fmt.nm
     if nm is not None:
         n, m = nm
         groups = in_features // m
-        scores = torch.rand(out_features, groups, m) if magnitudes is None else magnitudes.reshape(-1, groups, m)
-        offsets = torch.topk(scores, n, dim=-1, sorted=False).indices
+        if first:
+            offsets = torch.arange(n).expand(out_features, groups, n)
+        else:
+            scores = torch.rand(out_features, groups, m) if magnitudes is None else magnitudes.reshape(-1, groups, m)
+            offsets = torch.topk(scores, n, dim=-1, sorted=False).indices
         rows = torch.arange(out_features)[:, None, None].expand_as(offsets)
         cols = torch.arange(0, in_features, m)[None, :, None] + offsets
         return torch.stack([rows.reshape(-1), cols.reshape(-1)])
@@ -122,11 +131,11 @@ def _kept_indices(fmt: Format, shape: tuple[int, int], sparsity: float, magnitud
         bh, bw = fmt.block
         row_blocks, col_blocks = out_features // bh, in_features // bw
         norms = None if magnitudes is None else magnitudes.reshape(row_blocks, bh, col_blocks, bw).square().sum((1, 3))
-        chosen = _chosen(row_blocks * col_blocks, _kept_blocks(row_blocks * col_blocks, sparsity), norms)
+        chosen = _chosen(row_blocks * col_blocks, _kept_blocks(row_blocks * col_blocks, sparsity), norms, first)
         rows = (chosen // col_blocks)[:, None, None] * bh + torch.arange(bh)[None, :, None]
         cols = (chosen % col_blocks)[:, None, None] * bw + torch.arange(bw)[None, None, :]
         return torch.stack([rows.expand(-1, bh, bw).reshape(-1), cols.expand(-1, bh, bw).reshape(-1)])
-    chosen = _chosen(out_features * in_features, kept_count(out_features * in_features, sparsity), magnitudes)
+    chosen = _chosen(out_features * in_features, kept_count(out_features * in_features, sparsity), magnitudes, first)
     return torch.stack([chosen // in_features, chosen % in_features])
 
 
@@ -198,6 +207,28 @@ def _pattern_indices(pattern: object, shape: tuple[int, int]) -> Tensor:
     return indices
 
 
+@dataclass(frozen=True)
+class _PendingPattern:
+    """The pattern a layer built on the meta device gets in ``reset_parameters``: the
+    given ``(2, nnz)`` indices, or a random one of ``sparsity`` when None."""
+
+    indices: Tensor | None
+    sparsity: float | None
+
+
+def _pattern_tensor(fmt: Format, shape: tuple[int, int], indices: Tensor) -> SparseTensor:
+    """The ``fmt`` SparseTensor (zero values) storing exactly the ``(2, nnz)`` ``indices``."""
+    try:
+        tensor = SparseTensor.from_coo(indices, torch.zeros(indices.shape[1]), shape, fmt, duplicates="error")
+    except ValueError as exc:
+        raise ValueError(f"invalid pattern: {exc}") from None
+    if tensor.nnz != indices.shape[1]:
+        raise ValueError(f"format {fmt} stores {tensor.nnz} positions for a pattern of {indices.shape[1]} "
+                         "entries (a dense level below a sparse one stores explicit zeros); use 'csr', 'csc', "
+                         "'coo', 'dcsr', 'dcsc', 'bsr(bh,bw)', 'bsc(bh,bw)' or 'nm(n,m)'")
+    return tensor
+
+
 class SparseLinear(nn.Module):
     r"""Linear layer with a sparse weight of fixed pattern: :math:`y = x W^\top + b`.
 
@@ -227,7 +258,11 @@ class SparseLinear(nn.Module):
             n random offsets in every group), a bool mask of shape ``(out, in)`` or a
             ``(2, nnz)`` integer tensor of ``(output, input)`` coordinates without duplicates
             (for blocked formats a union of whole blocks, for ``nm(n,m)`` exactly n per group).
-        dtype: float32 or float64 (default: torch's default dtype).
+        device: ``"cpu"`` or ``"meta"`` (default: torch's default device). On the meta
+            device nothing is allocated nor drawn; ``to_empty(device="cpu")`` and then
+            ``reset_parameters()`` (a new random pattern, or the given one) or
+            ``load_state_dict`` make a working layer.
+        dtype: float32, float64, bfloat16 or float16 (default: torch's default dtype).
 
     Values are initialised like ``nn.Linear`` for the kept fan-in: uniform in
     :math:`\pm 1/\sqrt{f}` with :math:`f = \mathrm{nnz} / \mathrm{out}`, the mean number of
@@ -239,45 +274,49 @@ class SparseLinear(nn.Module):
     always a dense tensor ``(..., out_features)``.
     """
 
+    __prepare_scriptable__ = refuse_torchscript
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, sparsity: float | None = None,
-                 format: str | Format = "csr", pattern: str | Tensor = "random",
+                 format: str | Format = "csr", pattern: str | Tensor = "random", device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features = _check_features("in_features", in_features)
         self.out_features = _check_features("out_features", out_features)
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if dtype not in _VALUE_DTYPES:
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        kwargs = factory_kwargs(device, dtype)
+        on_meta = kwargs["device"].type == "meta"
         fmt = check_weight_format(format)
         shape = (self.out_features, self.in_features)
         problem = shape_problem(fmt, *shape)
         if problem is not None:
             raise ValueError(f"format {fmt} does not fit this layer's (out_features, in_features) = {shape} "
                              f"weight: {problem}")
-        if isinstance(pattern, str):
-            if pattern != "random":
-                raise ValueError(f"pattern must be 'random', a bool mask or a (2, nnz) index tensor, got {pattern!r}")
-            indices = _kept_indices(fmt, shape, resolve_sparsity(fmt, sparsity), None)
+        with torch.device("cpu"):  # the pattern is built on the CPU whatever the default device
+            if isinstance(pattern, str):
+                if pattern != "random":
+                    raise ValueError(f"pattern must be 'random', a bool mask or a (2, nnz) index tensor, "
+                                     f"got {pattern!r}")
+                sparsity = resolve_sparsity(fmt, sparsity)
+                given = None
+                indices = _kept_indices(fmt, shape, sparsity, None, first=on_meta)
+            else:
+                if sparsity is not None:
+                    raise ValueError("sparsity must be None when a pattern is given (the pattern fixes the sparsity)")
+                given = indices = _pattern_indices(pattern, shape)
+                _check_structure(fmt, indices, shape)
+            tensor = _pattern_tensor(fmt, shape, indices)
+        self._pending_pattern = _PendingPattern(given, sparsity) if on_meta else None
+        self.weight_values = nn.Parameter(torch.empty(tensor.nnz, **kwargs))
+        if on_meta:
+            self._set_pattern(tensor.format, *(tuple(None if a is None else a.to("meta") for a in arrays)
+                                               for arrays in (tensor.pos, tensor.crd)))
+            self._weight_pattern.deferred = ("it was built on the meta device and holds no pattern yet; call "
+                                             "to_empty(device='cpu') and then reset_parameters() or load_state_dict()")
         else:
-            if sparsity is not None:
-                raise ValueError("sparsity must be None when a pattern is given (the pattern fixes the sparsity)")
-            indices = _pattern_indices(pattern, shape)
-            _check_structure(fmt, indices, shape)
-        try:
-            tensor = SparseTensor.from_coo(indices, torch.zeros(indices.shape[1], dtype=dtype), shape, fmt,
-                                           duplicates="error")
-        except ValueError as exc:
-            raise ValueError(f"invalid pattern: {exc}") from None
-        if tensor.nnz != indices.shape[1]:
-            raise ValueError(f"format {fmt} stores {tensor.nnz} positions for a pattern of {indices.shape[1]} "
-                             "entries (a dense level below a sparse one stores explicit zeros); use 'csr', 'csc', "
-                             "'coo', 'dcsr', 'dcsc', 'bsr(bh,bw)', 'bsc(bh,bw)' or 'nm(n,m)'")
-        self.weight_values = nn.Parameter(tensor.values)
-        self._set_pattern(tensor.format, tensor.pos, tensor.crd)
+            self._set_pattern(tensor.format, tensor.pos, tensor.crd)
         if bias:
-            self.bias = nn.Parameter(torch.empty(self.out_features, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(self.out_features, **kwargs))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -314,7 +353,18 @@ class SparseLinear(nn.Module):
         return 1.0 - self.nnz / (self.in_features * self.out_features)
 
     def reset_parameters(self) -> None:
-        """Uniform init in ±1/sqrt(kept fan-in) for the values and the bias (pattern kept)."""
+        """Uniform init in ±1/sqrt(kept fan-in) for the values and the bias (pattern kept).
+        A layer built on the meta device and then moved by ``to_empty`` gets its pattern
+        here: the given one, or a random one of the layer's sparsity."""
+        pending = self._pending_pattern
+        if pending is not None and self.weight_values.device.type != "meta":
+            shape = (self.out_features, self.in_features)
+            with torch.device("cpu"):
+                indices = (_kept_indices(self.format, shape, pending.sparsity, None) if pending.indices is None
+                           else pending.indices)
+                tensor = _pattern_tensor(self.format, shape, indices)
+            self._set_pattern(tensor.format, tensor.pos, tensor.crd)
+            self._pending_pattern = None
         fan_in = max(self.nnz / self.out_features, 1.0)
         bound = 1.0 / math.sqrt(fan_in)
         with torch.no_grad():
@@ -390,8 +440,9 @@ class SparseLinear(nn.Module):
         sparsity = resolve_sparsity(fmt, sparsity)
         method = _check_method(method)
         dense = linear.weight.detach()
-        if dense.dtype not in _VALUE_DTYPES:
-            raise TypeError(f"linear has dtype {dense.dtype}; SparseLinear supports float32 and float64")
+        if dense.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"linear has dtype {dense.dtype}; SparseLinear supports float32, float64, bfloat16 and "
+                            "float16")
         out_features, in_features = dense.shape
         problem = shape_problem(fmt, out_features, in_features)
         if problem is not None:
@@ -431,7 +482,9 @@ class SparseLinear(nn.Module):
 
     # ------------------------------------------------------------------ state_dict
     def get_extra_state(self) -> dict[str, Any]:
-        """The weight's format and shape, saved beside the pattern buffers."""
+        """The weight's format and shape, saved beside the pattern buffers. ``torch.onnx.export``
+        reads the state dict before tracing: refused here (:func:`refuse_onnx_export`)."""
+        refuse_onnx_export(self)
         return {"format": str(self.format), "shape": (self.out_features, self.in_features)}
 
     def set_extra_state(self, state: Any) -> None:
@@ -445,6 +498,7 @@ class SparseLinear(nn.Module):
         A state dict holding part of the pattern (``strict=False`` with a buffer left out)
         is loaded as torch would, and the next forward raises naming the missing buffer."""
         pattern = self._weight_pattern
+        errors = len(error_msgs)
         saved = pattern.saved_format(state_dict, prefix)
         if isinstance(saved, str):
             error_msgs.append(f"{prefix or 'SparseLinear'}: {saved}")
@@ -465,3 +519,5 @@ class SparseLinear(nn.Module):
                                       unexpected_keys, error_msgs)
         if pattern.is_partial(present, missing):
             pattern.mark_unloaded(self, missing, present, saved)
+        elif not missing and len(error_msgs) == errors:  # a whole pattern: a meta-built layer has one now
+            self._pending_pattern = pattern.deferred = None

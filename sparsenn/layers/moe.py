@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from sparsenn.compiler import compile_expression, einsum, explain
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
+from sparsenn.layers.conventions import factory_kwargs, refuse_onnx_export, refuse_torchscript
 
 from .routing import dispatch_arrays, kept_choices, occurrences
 
@@ -54,7 +55,6 @@ Noise = Literal["none", "jitter", "gumbel"]
 NOISES = ("none", "jitter", "gumbel")
 JITTER = 1e-2
 ACTIVATIONS = ("gelu", "relu", "silu")  # functions of the compiler's index notation
-_VALUE_DTYPES = (torch.float32, torch.float64)
 CSR = parse_format("csr", 2)
 
 
@@ -164,12 +164,15 @@ class SparseMoEGate(nn.Module):
     ``logits + Gumbel(0, 1)`` while the weights stay ``p``. ``capacity_factor=None``
     drops nothing; a factor limits each expert to ``ceil(T/E · cf · k)`` choices and
     drops the others, lowest probability first (weights are normalised before dropping).
-    Returns a :class:`GateOutput`.
+    ``device``, ``dtype``: of the router, as ``nn.Linear`` takes them. Returns a
+    :class:`GateOutput`.
     """
+
+    __prepare_scriptable__ = refuse_torchscript
 
     def __init__(self, d_model: int, num_experts: int, *, k: int = 2, noise: Noise = "none",
                  capacity_factor: float | None = None, normalize: bool = True,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.d_model = _check_int("d_model", d_model, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
@@ -183,10 +186,13 @@ class SparseMoEGate(nn.Module):
                 raise TypeError(f"capacity_factor must be a number or None, got {type(capacity_factor).__name__}")
             if not capacity_factor > 0:
                 raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-        if dtype not in _VALUE_DTYPES:
-            raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+        kwargs = factory_kwargs(device, dtype)
         self.noise, self.capacity_factor, self.normalize = noise, capacity_factor, bool(normalize)
-        self.router = nn.Linear(self.d_model, self.num_experts, bias=False, dtype=dtype)
+        self.router = nn.Linear(self.d_model, self.num_experts, bias=False, **kwargs)
+
+    def reset_parameters(self) -> None:
+        """The router's ``nn.Linear`` initialisation."""
+        self.router.reset_parameters()
 
     def forward(self, x: Tensor) -> GateOutput:
         tokens = _check_input(x, self.d_model, self.router.weight.dtype)
@@ -237,38 +243,52 @@ class SparseMoE(nn.Module):
     "silu". Input ``(..., d_model)``, output of the same shape; after each forward,
     ``aux_loss``, ``z_loss`` and ``dropped`` hold the gate's :class:`GateOutput` fields.
     Under DDP every expert weight gets a gradient (zeros for experts without tokens), so
-    ``find_unused_parameters`` is not needed.
+    ``find_unused_parameters`` is not needed. ``device``, ``dtype``: of the parameters (and
+    of the default gate), as ``nn.Linear`` takes them.
     """
 
+    __prepare_scriptable__ = refuse_torchscript
+
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, *, k: int = 2, activation: str = "gelu",
-                 gate: SparseMoEGate | None = None, bias: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 gate: SparseMoEGate | None = None, bias: bool = False, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.d_model = _check_int("d_model", d_model, 1)
         self.d_hidden = _check_int("d_hidden", d_hidden, 1)
         self.num_experts = _check_int("num_experts", num_experts, 1)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        kwargs = factory_kwargs(device, dtype)
         if gate is None:
-            gate = SparseMoEGate(d_model, num_experts, k=k, dtype=dtype)
+            gate = SparseMoEGate(d_model, num_experts, k=k, **kwargs)
         elif not isinstance(gate, SparseMoEGate):
             raise TypeError(f"gate must be a SparseMoEGate or None, got {type(gate).__name__}")
         elif (gate.d_model, gate.num_experts, gate.k) != (self.d_model, self.num_experts, k):
             raise ValueError(f"gate has (d_model, num_experts, k) = {(gate.d_model, gate.num_experts, gate.k)}, "
                              f"the layer {(self.d_model, self.num_experts, k)}")
         self.k, self.activation, self.gate = gate.k, activation, gate
-        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_hidden, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, d_hidden, d_model, dtype=dtype))
-        self.b1 = nn.Parameter(torch.zeros(num_experts, d_hidden, dtype=dtype)) if bias else None
-        self.b2 = nn.Parameter(torch.zeros(num_experts, d_model, dtype=dtype)) if bias else None
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, d_hidden, **kwargs))
+        self.w2 = nn.Parameter(torch.empty(num_experts, d_hidden, d_model, **kwargs))
+        self.b1 = nn.Parameter(torch.empty(num_experts, d_hidden, **kwargs)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, d_model, **kwargs)) if bias else None
         self.aux_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.dropped: Tensor | None = None
-        self.reset_parameters()
+        self._reset_experts()  # a given gate keeps its weights
 
     def reset_parameters(self) -> None:
-        """Each expert as ``nn.Linear``: ``U(-1/√fan_in, 1/√fan_in)``."""
+        """The experts' parameters (:meth:`_reset_experts`) and the gate's
+        (:meth:`SparseMoEGate.reset_parameters`)."""
+        self._reset_experts()
+        self.gate.reset_parameters()
+
+    def _reset_experts(self) -> None:
+        """Each expert's weights as ``nn.Linear``'s, ``U(-1/√fan_in, 1/√fan_in)``; zero biases."""
         nn.init.uniform_(self.w1, -self.d_model ** -0.5, self.d_model ** -0.5)
         nn.init.uniform_(self.w2, -self.d_hidden ** -0.5, self.d_hidden ** -0.5)
+        for bias in (self.b1, self.b2):
+            if bias is not None:
+                nn.init.zeros_(bias)
 
     def experts(self, x: Tensor, gates: SparseTensor) -> Tensor:
         """``Σ_e gates[t,e] FFN_e(x_t)`` for tokens ``x`` ``(T, d_model)`` and a ``T × E`` csr gate."""
@@ -288,6 +308,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_tracing():
+            refuse_onnx_export(self)
             raise RuntimeError("torch.jit.trace cannot record SparseMoE: the routing decides the sizes of the expert "
                                "panels, which a trace would fix to the example's; torch.compile traces them")
         routed = self.gate(x)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.tensor import array_version
+from sparsenn.layers.optimizer_state import watch_resized
 
 __all__ = ["PatternBuffers"]
 
@@ -49,6 +50,7 @@ class PatternBuffers:
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._versioned = False  # every recorded buffer has a version counter (none is an inference tensor)
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
+        self.deferred: str | None = None  # why the buffers hold no pattern yet (a layer built on the meta device)
         self.validations = 0
 
     @property
@@ -74,6 +76,7 @@ class PatternBuffers:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
         self._names = self.buffer_names()
         self._checked, self._record, self._unloaded = None, (), {}
+        self.deferred = None
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
         levels = range(len(self.format.levels))
@@ -107,6 +110,8 @@ class PatternBuffers:
         """Check the buffers in full; remember them as validated."""
         self.validations += 1
         owner = type(module).__name__
+        if self.deferred is not None:
+            raise ValueError(f"{owner}: {self.deferred}")
         for name, (token, why) in list(self._unloaded.items()):
             if _token(module._buffers.get(name, module._parameters.get(name))) == token:
                 raise ValueError(f"{owner}: {name} was not loaded: {why}")
@@ -186,7 +191,9 @@ class PatternBuffers:
                       tuple(None if c is None else torch.empty_like(c) for c in crd))
         parameter = module._parameters[self.values_name]
         if parameter.shape != values.shape:
+            watch_resized(parameter, prefix + self.values_name, parameter.shape)
             parameter.data = parameter.new_empty(values.shape)
+            parameter.grad = None  # the old pattern's
         return None
 
     def mark_unloaded(self, module: nn.Module, missing: tuple[str, ...], loaded: tuple[str, ...],

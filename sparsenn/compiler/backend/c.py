@@ -20,7 +20,8 @@ from ..loops import ir
 
 __all__ = ["print_block", "print_expr", "array_name"]
 
-_TYPES = {"int": "int", "index": "int64_t", "I": "I", "V": "V", "VV": "VV", "bool": "bool", "size": "size_t"}
+_TYPES = {"int": "int", "index": "int64_t", "I": "I", "V": "V", "VV": "VV", "bool": "bool", "size": "size_t",
+          "lanes": "sn_lane_mask"}
 
 # Binary operators by precedence (higher binds tighter).
 _PRECEDENCE = {"*": 6, "/": 6, "%": 6, "+": 5, "-": 5, "<": 4, "<=": 4, ">": 4, ">=": 4, "==": 3, "!=": 3,
@@ -58,7 +59,7 @@ _WORKSPACES = {"dense": "DenseWS", "sparse": "SparseWS", "count": "CountWS", "fi
 # Arrays of run-time index width (int32 or int64, as the caller allocated them).
 _INDEX_OUTPUTS = ("out_pos", "out_crd")
 
-_CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "balanced_bound": "sn_balanced_bound", "splat": "sn_splat",
+_CALLS = {"abs": "std::abs", "hsum": "sn_hsum", "first_lanes": "sn_first_lanes", "balanced_bound": "sn_balanced_bound", "splat": "sn_splat",
           "vmax": "sn_vmax", "vmin": "sn_vmin", "hmax": "sn_hmax", "hmin": "sn_hmin"}
 
 
@@ -119,7 +120,10 @@ def _expr(e: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
     if isinstance(e, ir.Cast):
         return f"({_TYPES[e.type]}){_wrap(e.operand, _ATOM, stored)}", 7
     if isinstance(e, ir.VectorLoad):
-        return f"sn_load({_expr(ir.Address(e.array, e.offset), stored)[0]})", _ATOM
+        at = _expr(ir.Address(e.array, e.offset), stored)[0]
+        if e.lanes is None:
+            return f"sn_load({at})", _ATOM
+        return f"sn_load_first({at}, {print_expr(e.lanes, stored)})", _ATOM
     if isinstance(e, ir.Call):
         return _call(e, stored), _ATOM
     if isinstance(e, ir.Math):
@@ -227,8 +231,10 @@ class _Printer:
             self.line(_simple(s, self.stored) + ";")
         elif isinstance(s, (ir.VectorStore, ir.Prefetch)):
             at = _expr(ir.Address(s.array, s.offset), self.stored)[0]
-            if isinstance(s, ir.VectorStore):
+            if isinstance(s, ir.VectorStore) and s.lanes is None:
                 self.line(f"sn_store({at}, {print_expr(s.value, self.stored)});")
+            elif isinstance(s, ir.VectorStore):
+                self.line(f"sn_store_first({at}, {print_expr(s.value, self.stored)}, {print_expr(s.lanes, self.stored)});")
             else:
                 self.line(f"sn_prefetch({at}, {print_expr(s.size, self.stored)});")
         elif isinstance(s, ir.Effect):

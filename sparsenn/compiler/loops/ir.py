@@ -151,7 +151,9 @@ class Call(Expr):
     """A pure helper: ``min``/``max`` (any number of arguments, int64), ``abs``,
     ``lower_bound(array, lo, hi, value)`` (the first position in ``[lo, hi)`` whose
     coordinate is not below ``value``), ``hsum(vector)`` (sum of its lanes),
-    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V)."""
+    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V),
+    ``first_lanes(n)`` (the mask of a vector's first ``n`` lanes, ``n`` clamped to
+    ``[0, lanes]``; a ``lanes`` variable)."""
 
     name: str
     args: tuple[Expr | Array, ...]
@@ -181,10 +183,12 @@ class RuntimeCall(Expr):
 
 @dataclass(frozen=True)
 class VectorLoad(Expr):
-    """The SIMD vector of ``array`` starting at ``offset``."""
+    """The SIMD vector of ``array`` starting at ``offset``; with ``lanes`` (a lane mask,
+    ``first_lanes(n)``), only those lanes (the others zero; nothing past them is read)."""
 
     array: Array
     offset: Expr
+    lanes: Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -225,9 +229,13 @@ class Incr(Stmt):
 
 @dataclass(frozen=True)
 class VectorStore(Stmt):
+    """Store SIMD vector ``value`` at ``array + offset``; with ``lanes`` (a lane mask),
+    only those lanes."""
+
     array: Array
     offset: Expr
     value: Expr
+    lanes: Expr | None = None
 
 
 @dataclass(frozen=True)

@@ -135,13 +135,14 @@ class Lowering:
         row_count = product_of([self.dim(i) for i in rows])
         return ir.add(ir.add(ir.mul(start, row_count), ir.mul(self.offset(rows, at), ir.sub(end, start))), within)
 
-    def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None) -> ir.Expr:
+    def vector_load(self, st, at: dict[str, ir.Expr] | None = None, lane: ir.Expr | None = None,
+                    count: ir.Expr | None = None) -> ir.Expr:
         """SIMD vector of a unit-stride dense factor ``lane`` elements past its current
-        position (or past ``at``)."""
+        position (or past ``at``); with ``count``, its first ``count`` lanes."""
         if not st.valued:
             return ONES
         lane = ir.mul(ir.Var("v"), ir.Lanes()) if lane is None else lane
-        return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.dense_offset(st, at), lane))
+        return ir.VectorLoad(ir.Array("dense", st.slot), ir.add(self.dense_offset(st, at), lane), count)
 
 
 def lower_value(value: Value, factors: Sequence[ir.Expr], reduced: ir.Expr | None = None) -> ir.Expr:

@@ -15,11 +15,14 @@ outermost loop (or its team loops, flattened: :func:`.order.emit_order`) runs in
     for P: for kb in whole blocks of k: acc[0:B] = 0
                for R: acc[:] += scalar factors * vector factors[kb : kb + B]
                out[P, kb : kb + B] (+)= coef * outside vectors[kb : kb + B] * acc
-           for R: for k in the last, partial block: out[P, k] += coef * product
+           the last, partial block the same way, its vectors' lanes past k masked
 
 with ``acc`` ``B / lanes`` SIMD vectors kept in registers; the *outside* vectors hold
 ``k`` but no index of ``R`` (a sampled output's anchor, whose positions the stores
-take). A register tile over the loop
+take). With ``S`` interleaved sums (``R`` one sparse loop), the stored positions
+``q .. q + S - 1`` of each whole group add into ``S`` sets of accumulators, summed
+into ``acc`` after the groups (a block of one vector would wait on every add). A
+register tile over the loop
 ``a`` just above ``R`` (``P = P' + (a,)``) runs::
 
     for P': for ab in whole tiles of a: a = ab; locate a
@@ -64,6 +67,7 @@ from .chunks import CHUNKS_PER_THREAD, EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCH
 from .context import ONES, Lowering, counted, product_of
 from .epilogue import epilogue_pass, fuse_epilogue
 from .iterators import initial_states, locate, open_cursor
+from .reductions import enter
 from .order import NestWalk, emit_order
 
 __all__ = ["lower_dense_output", "anchor_factor"]
@@ -219,7 +223,7 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
     outside = [n for n, st in enumerate(states) if k in _held(st) and not summed & set(_held(st))]
     with_k = [n for n, st in enumerate(states) if not st.sparse and k in st.dense_indices and n not in outside]
     scalars = [n for n in range(len(term.factors)) if n not in with_k and n not in outside]
-    kb, acc, rest = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("krest")
+    kb, acc, rest, mask = lo.fresh("kb"), lo.fresh("vacc"), lo.fresh("krest"), lo.fresh("kmask")
     var_k, v = lo.var(k), ir.Var("v")
     k_lo, n_k = walk.bounds.get(k, (ir.Const(0), lo.dim(k)))
     if k in walk.bounds:
@@ -227,47 +231,81 @@ def _register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor
         lo.emit(ir.Decl(end, "index", n_k, const=True))
         n_k = end
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+    lane = ir.mul(v, ir.Lanes())
+    # Whether the pass being emitted is the last, partial block: vector v then holds
+    # the lanes ``mask[v]`` of its span.
+    partial = [False]
+
+    def count() -> ir.Expr | None:
+        return ir.Elem(mask, (v,)) if partial[0] else None
+
+    # The block's sums: ``acc``, and with interleaved sums, ``sums[u]`` for the position
+    # ``u`` of each whole group of the sparse loop's positions (``sums[0]`` is ``acc``).
+    sums = [acc, *(lo.fresh("vacc") for _ in range(nest.block_sums - 1))]
+    into = [acc]  # the sums the leaf adds into
 
     def vector_leaf(st):
         lo.emit(ir.Decl(var_k, "index", kb, const=True))
-        loads = [lo.vector_load(st[n]) for n in with_k]
-        lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (v,)), product_of([lo.product(st, scalars), *loads]), "+=")))
+        loads = [lo.vector_load(st[n], count=count()) for n in with_k]
+        lo.emit(counted(v, vectors, ir.Assign(ir.Elem(into[0], (v,)), product_of([lo.product(st, scalars), *loads]),
+                                              "+=")))
+
+    def interleaved(states_at_r):
+        """Whole groups of ``len(sums)`` positions of the sparse loop ``order[r]``, each
+        position into its own sums, added into ``acc`` after the groups."""
+        def emit(cursor, prefetch):
+            q, group = cursor.q, len(sums)
+
+            def at_position(u: int):
+                if prefetch:
+                    prefetch(ir.add(q, u))
+                into[0] = sums[u]
+                emit_order(lo, plain, enter(lo, order[r], states_at_r, cursor, ir.add(q, u)), r + 1)
+                into[0] = acc
+
+            lo.emit(ir.For(None, ir.le(ir.add(q, group), cursor.h), ir.Assign(q, ir.Const(group), "+="),
+                           ir.Block(tuple(lo.block(lambda u=u: at_position(u)) for u in range(group)))))
+            lo.emit(counted(v, vectors, *(ir.Assign(ir.Elem(acc, (v,)), ir.Elem(other, (v,)), "+=")
+                                          for other in sums[1:])))
+        return emit
+
+    def one_pass(st, inner):
+        """One pass over the reductions: the block's sums in registers, then stored."""
+        for each in sums:
+            lo.emit(ir.Decl(each, "VV", None, shape=(vectors,)))
+            lo.emit(counted(v, vectors, ir.Assign(ir.Elem(each, (v,)), ir.VectorZero())))
+        inner()
+
+        def store():
+            lo.emit(ir.Decl(var_k, "index", kb, const=True))
+            at_k = _located(lo, k, st)
+            scaled = product_of([coef, ir.Elem(acc, (v,)), *(_vector_at(lo, at_k[n], lane, count=count())
+                                                            for n in outside)])
+            value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(at_k), lane), count()), scaled)
+            lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(at_k), lane), value, count())))
+
+        lo.emit(lo.block(store))
 
     def blocks(st, inner):
-        """Loop ``r`` and those inside it, wrapped in whole blocks of k, then the rest."""
-        def body():
-            lo.emit(ir.Decl(acc, "VV", None, shape=(vectors,)))
-            lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (v,)), ir.VectorZero())))
-            inner()
-
-            def store():
-                lane = ir.mul(v, ir.Lanes())
-                lo.emit(ir.Decl(var_k, "index", kb, const=True))
-                at_k = _located(lo, k, st)
-                scaled = product_of([coef, ir.Elem(acc, (v,)), *(_vector_at(lo, at_k[n], lane) for n in outside)])
-                value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(at_k), lane)), scaled)
-                lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(at_k), lane), value)))
-
-            lo.emit(lo.block(store))
-
+        """Loop ``r`` and those inside it, wrapped in whole blocks of k, then in the
+        last, partial block, masked."""
         lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
-                       lo.block(body)))
+                       lo.block(lambda: one_pass(st, inner))))
         lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
 
-        def remainder():
-            if once:
-                lo.emit(ir.For(ir.Decl(var_k, "index", rest), ir.lt(var_k, n_k), ir.Incr(var_k), lo.block(
-                    lambda: lo.emit(ir.Assign(ir.Load(OUT, offset(_located(lo, k, st))), ir.Const(0))))))
-            tail = NestWalk(nest, order, lambda inner: lo.emit(ir.Assign(
-                ir.Load(OUT, offset(inner)), product_of([coef, *lo.values(inner)]), "+=")),
-                {**walk.bounds, k: (rest, n_k)})
-            emit_order(lo, tail, st, r)
+        def partial_block():
+            lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
+            lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
+                rest, lane)),)))))
+            partial[0], plain.block = True, (k, kb, n_k)
+            one_pass(st, inner)
+            partial[0], plain.block = False, (k, kb, ir.add(kb, size))
 
-        lo.emit(ir.If(ir.lt(rest, n_k), lo.block(remainder)))
+        lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
 
     wrap = {r: blocks}
     plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
-                     block_from=r, wrap=wrap)
+                     block_from=r, wrap=wrap, blocked={r: interleaved} if len(sums) > 1 else {})
     if nest.register_tile is not None:
         wrap[r - 1] = _register_tile(lo, nest, plain, term, coef, once, (k_lo, n_k), with_k, scalars, outside,
                                      k_anchor, offset)
@@ -571,16 +609,18 @@ def _located(lo: Lowering, index: str, states) -> list:
     return located
 
 
-def _vector_at(lo: Lowering, st, lane: ir.Expr, shifts: dict[str, ir.Expr] | None = None) -> ir.Expr:
+def _vector_at(lo: Lowering, st, lane: ir.Expr, shifts: dict[str, ir.Expr] | None = None,
+               count: ir.Expr | None = None) -> ir.Expr:
     """SIMD vector of a factor ``lane`` elements past its position (moved on by
     ``shifts``, see :func:`_shifted_pos`): a dense operand laid out with the vector's
-    index last, or a sparse one whose last level is over it, dense."""
+    index last, or a sparse one whose last level is over it, dense; with ``count``, its
+    first ``count`` lanes."""
     if not st.valued:
         return ONES
     if not st.sparse:
         at = {i: ir.add(lo.var(i), shift) for i, shift in (shifts or {}).items() if i in st.dense_indices}
-        return lo.vector_load(st, at, lane)
-    return ir.VectorLoad(ir.Array("val", st.slot), ir.add(_shifted_pos(lo, st, shifts or {}), lane))
+        return lo.vector_load(st, at, lane, count)
+    return ir.VectorLoad(ir.Array("val", st.slot), ir.add(_shifted_pos(lo, st, shifts or {}), lane), count)
 
 
 def _shifted_pos(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:

@@ -32,7 +32,8 @@ class NestWalk:
     it combines (``sum``, ``max``, ``min``) and its sum of products, an open register block
     ``(k, start, end)`` from loop position ``block_from``, and ``wrap[j](states,
     inner)``, which emits what encloses loop ``j`` and calls ``inner`` for the loops
-    from ``j`` on."""
+    from ``j`` on; ``blocked[j](states)``: the emitter of loop ``j``'s whole blocks of
+    positions (see :func:`.merge.co_iterate`)."""
 
     nest: Nest
     order: Sequence[str]
@@ -45,6 +46,7 @@ class NestWalk:
     block: tuple | None = None
     block_from: int = 0
     wrap: dict = field(default_factory=dict)
+    blocked: dict = field(default_factory=dict)
 
 
 def _prefetched(nest: Nest, index: str) -> tuple[int, ...]:
@@ -81,7 +83,7 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
         reductions.sparse_reduction(lo, index, states, driver, walk.accumulator, walk.summed,
                                     nest.sparse_reduction.accumulators, bounds)
     else:
-        blocked = None
+        blocked = walk.blocked[position](states) if position in walk.blocked else None
         if reduced and nest.row_block and nest.row_block.index == index and position == len(order) - 2:
             (driver,) = filtering(index, states)
             blocked = reductions.row_blocker(lo, nest.row_block, states, driver, walk.around.get(position + 1),

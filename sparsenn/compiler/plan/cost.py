@@ -7,9 +7,9 @@ VECTOR_WIDTH)`` vectors innermost: a loop of one trip is one step, not an eighth
 one), times the iterations of the enclosing loops; plus the leaf's products (per vector
 when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
 innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop
-(no register block holds its outputs: each entry starts a loop too short for a vector
-and reloads what the previous entry stored, where a reduction innermost sums in
-registers: the SpMV form of a product with a few batch rows); plus
+when no register block can hold its outputs (:func:`register_blockable`; each entry
+then starts a loop too short for a vector and reloads what the previous entry stored,
+where a reduction innermost sums in registers: the SpMV form); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
 of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra
@@ -30,9 +30,10 @@ from sparsenn.formats import Format
 from sparsenn.formats.level import Dense, Level
 
 from ..notation import Term
-from .decisions import NestFactor
+from .decisions import NestFactor, reductions_from
 
-__all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "nest_cost"]
+__all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "outside_vector", "register_blockable",
+           "nest_cost"]
 
 TRANSPOSE_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
@@ -119,6 +120,32 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
     return Factor(access.operand, True, list(zip(wanted, levels)), fibers, wanted == natural, info.nnz, storage)
 
 
+def outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
+    """Whether factor ``f`` holds a register-blocked ``k`` as its last level, dense, and
+    no index of the reductions the block sums over: it is read as a vector where the
+    block is stored, scaling the sums (a sampled output's anchor). ``below``: its levels
+    from this index down must be dense too (positions affine in a register tile's rows)."""
+    held = [i for i, _ in f.levels]
+    if not held or held[-1] != k or reductions & set(held):
+        return False
+    start = held.index(below) if below in held else len(held) - 1
+    return all(level.full and level.locatable for _, level in f.levels[start:])
+
+
+def register_blockable(order: Sequence[str], output: Sequence[str], factors: Sequence[Factor]) -> bool:
+    """Whether the innermost loop ``k`` can keep a block of outputs in registers (one
+    vector at least, masked where ``k`` is narrower) across reduction loops directly
+    above it: ``k`` is an output index, read by some factor inside the sums and by no
+    sparse one but vectors outside them (so every factor holding it is a dense operand
+    laid out with it last, or a dense last level)."""
+    if len(order) < 2 or order[-1] not in output or order[-2] in output:
+        return False
+    k = order[-1]
+    reductions = set(order[reductions_from(order, output, len(order) - 1):-1])
+    inside = [f for f in factors if any(i == k for i, _ in f.levels) and not outside_vector(f, k, reductions)]
+    return bool(inside) and not any(f.sparse for f in inside)  # else broadcast over k, or k sparse
+
+
 def nest_cost(
     term: Term,
     order: Sequence[str],
@@ -141,7 +168,7 @@ def nest_cost(
     for position, index in enumerate(order):
         n = float(max(dims[index], 1))
         if position == len(order) - 1 and last_reduction is not None and last_reduction < position \
-                and n < lanes:
+                and n < lanes and not register_blockable(order, output, factors):
             cost += iters * SHORT_OUTPUT_LOOP_COST
         fibers, entered = [], []
         for k, f in enumerate(factors):

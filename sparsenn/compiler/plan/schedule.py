@@ -118,7 +118,7 @@ from sparsenn.formats import Format
 from .. import notation
 from ..notation import Assignment, Term
 from . import decisions
-from .cost import Factor, OperandInfo, estimate_positions, nest_cost
+from .cost import Factor, OperandInfo, estimate_positions, nest_cost, outside_vector, register_blockable
 from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
 from .target import Target
 
@@ -189,6 +189,9 @@ class Nest:
     cost: float = 0.0
     team_loops: int = 1  # a parallel nest's threads share the coordinates of order[:team_loops]
     register_block: Tile | None = None  # innermost output loop blocked into registers
+    # ... its sums interleaved over this many consecutive positions of the sparse loop
+    # above it (independent chains of adds: a block of one vector would wait on each).
+    block_sums: int = 1
     register_tile: RegisterTile | None = None  # ... and a second output loop with it
     dot_tile: DotTile | None = None  # two output loops around a vector reduction
     vector_reduction: VectorReduction | None = None
@@ -209,7 +212,8 @@ class Nest:
                  parallel if self.parallel else "serial",
                  "tiles: " + (", ".join(f"{t.index} by {t.size}" for t in self.tiles) or "none")]
         if self.register_block:
-            parts.append(f"register block: {self.register_block.index} by {self.register_block.size}")
+            sums = f" ({self.block_sums} interleaved sums)" if self.block_sums > 1 else ""
+            parts.append(f"register block: {self.register_block.index} by {self.register_block.size}{sums}")
         if self.register_tile:
             t = self.register_tile
             rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
@@ -372,10 +376,10 @@ def _tiles(
                 footprint += math.prod(dims[i] for i in access.indices if i != index)
         if footprint == 0:
             continue
-        size = (l2 // 2) // (footprint * itemsize)
-        size = 1 << max(size, 1).bit_length() - 1
+        fits = (l2 // 2) // (footprint * itemsize)
+        size = 1 << max(fits, 1).bit_length() - 1
         # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
-        if MIN_TILE_BYTES // itemsize <= size < dims[index]:
+        if MIN_TILE_BYTES // itemsize <= size and fits < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
@@ -418,18 +422,6 @@ def _register_tiled_order(
     return next((o for o in sorted(candidates, key=candidates.get) if candidates[o] <= bound and tiled(o)), None)
 
 
-def _outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
-    """Whether factor ``f`` holds the register-blocked ``k`` as its last level, dense,
-    and no index of the reductions the block sums over: it is read as a vector where the
-    block is stored, scaling the sums (a sampled output's anchor). ``below``: its levels
-    from this index down must be dense too (positions affine in a register tile's rows)."""
-    held = [i for i, _ in f.levels]
-    if not held or held[-1] != k or reductions & set(held):
-        return False
-    start = held.index(below) if below in held else len(held) - 1
-    return all(level.full and level.locatable for _, level in f.levels[start:])
-
-
 def _registers(
     nest: Nest, tiles: Sequence[Tile], output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor],
     dims: dict[str, int], itemsize: int, target: Target,
@@ -465,33 +457,35 @@ def _register_block(
 ) -> Tile | None:
     """A register block for the innermost loop (see the module doc), or None.
 
-    Requires: the innermost index is the output's unit-stride (last) index, is read by
-    some factor inside the reductions and by no sparse one but vectors outside them (so
-    every factor holding it is a dense operand laid out with it last, or a dense last
-    level), spans at least one block (one tile, if tiled), and reduction loops sit
-    directly above it (otherwise there is nothing to keep in registers across)."""
-    if len(order) < 2 or not output_order:
+    Requires the nest's structure to allow one (:func:`.cost.register_blockable`) and
+    the innermost index to be the output's unit-stride (last) index."""
+    if not output_order or order[-1] != output_order[-1] or not register_blockable(order, output_order, factors):
         return None
     k = order[-1]
-    if k != output_order[-1] or order[-2] in output_order:
-        return None
-    reductions = set(order[decisions.reductions_from(order, output_order, len(order) - 1):-1])
-    holders = [f for f in factors if any(i == k for i, _ in f.levels)]
-    inside = [f for f in holders if not _outside_vector(f, k, reductions)]
-    if not inside or any(f.sparse for f in inside):  # broadcast over k, or k sparse
-        return None
     spans = [dims[k], *(t.size for t in tiles if t.index == k)]  # the extent and its tile
     span = min(spans)
     lanes = target.lanes(itemsize)
     wide = target.wide_register_block_vectors * lanes
     if span >= wide and all(s % wide == 0 for s in spans):
         return Tile(k, wide)
-    if span < lanes:
-        return None
-    # Narrower extents (k = 8 .. 31 floats) take as many whole vectors as fit: left to a
-    # plain loop, their k loop would run scalar (the vectoriser's cost model skips loops
-    # that need a remainder).
-    return Tile(k, min(target.register_block_vectors * lanes, span // lanes * lanes))
+    # Other extents take the vectors that cover them, up to a register block; the last,
+    # partial block is masked. Left to a plain loop, a k loop narrower than a block would
+    # run scalar (the vectoriser's cost model skips loops that need a remainder).
+    return Tile(k, min(target.register_block_vectors * lanes, max(math.ceil(span / lanes), 1) * lanes))
+
+
+def _block_sums(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
+                tile: RegisterTile | None, itemsize: int, target: Target) -> int:
+    """Interleaved sums of a register block without a tile whose reductions are one
+    loop driven by a single sparse level: enough that its vectors make the target's
+    ``sparse_accumulators`` independent chains of adds (1: none)."""
+    if block is None or tile is not None:
+        return 1
+    r = decisions.reductions_from(order, output, len(order) - 1)
+    if len(order) - 1 - r != 1 or decisions.driver(order[r], [f.nest_factor() for f in factors]) is None:
+        return 1
+    vectors = block.size // target.lanes(itemsize)
+    return max(1, math.ceil(target.sparse_accumulators / vectors))
 
 
 def _register_tile(
@@ -515,7 +509,7 @@ def _register_tile(
         if a not in held:
             continue
         if k in held:
-            if not _outside_vector(f, k, reductions, a):
+            if not outside_vector(f, k, reductions, a):
                 return None  # a vector factor
             outside = True
             continue
@@ -529,9 +523,12 @@ def _register_tile(
             f.sparse for n, f in enumerate(factors) if n != gathered_by and a in (i for i, _ in f.levels)))):
         return None
     lanes = target.lanes(itemsize)
-    vectors = min(4 if target.vector_registers >= 32 else 2, block.size // lanes)
+    whole = min(block.size, dims[k] // lanes * lanes)  # a tile's blocks are whole vectors
+    vectors = min(4 if target.vector_registers >= 32 else 2, whole // lanes)
+    if vectors < 1:
+        return None
     most = min(8, (target.vector_registers - 1 - vectors) // vectors)
-    if vectors < 1 or most < 2:
+    if most < 2:
         return None
     width = vectors * lanes
     if gathered_by is None:
@@ -815,7 +812,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
                 total -= nest.cost - cost
                 reasons.append(f"term {nest.term}: factor(s) {list(tile.packed)} packed per thread: costed as a "
                                f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
-        blocked.append(replace(nest, register_block=block, register_tile=tile, cost=cost))
+        sums = _block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
+        blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost))
     nests = [_dense_decisions(nest, n, factors, assignment, target)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:
@@ -828,9 +826,11 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             block = nest.register_block
             vectors = block.size // target.lanes(itemsize)
             why = "tile" if vectors == wide else "do not tile"
+            masked = "; the last, partial block masked" if dims[block.index] % block.size else ""
+            sums = f"; {nest.block_sums} interleaved sums" if nest.block_sums > 1 else ""
             reasons.append(
                 f"term {nest.term}: register block of {block.size} over {block.index} ({vectors} vectors: "
-                f"{wide}-vector blocks {why} {block.index} exactly)"
+                f"{wide}-vector blocks {why} {block.index} exactly{masked}{sums})"
             )
     return Schedule(
         None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total

@@ -680,6 +680,10 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     """``evaluate(derived(assignment, derive), operands, out_format)`` as one
     ``sparsenn::evaluate`` op (differentiable through ``sparsenn::evaluate_backward``); a
     sparse result keeps the anchor operand's pattern."""
+    if torch.onnx.is_in_onnx_export():
+        raise RuntimeError("torch.onnx.export cannot export sparsenn's compiled sparse kernels (the sparsenn::evaluate "
+                           "op has no ONNX equivalent); use torch.export.export (the ExportedProgram keeps sparsenn's "
+                           "ops, and runs where sparsenn is installed) or torch.compile")
     fields = _describe(operands)
     call, anchor = _encoded(assignment, derive, out_format, *fields)
     tensors, shapes = _flatten(operands, fields[2::3]), _shapes(operands)

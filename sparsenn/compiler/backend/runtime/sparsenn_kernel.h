@@ -146,6 +146,77 @@ typedef sn_lane_index VI __attribute__((vector_size(SN_VECTOR_BYTES)));
 #endif
 typedef std::make_integer_sequence<int, SN_W> sn_lanes;
 
+/* A mask of a vector's first lanes, sn_first_lanes(n) (lanes [0, n), n clamped to [0,
+   SN_W]), and loads and stores of only those lanes, the others loaded as zero: nothing
+   past them is read or written (a row narrower than a vector, or a row's last, partial
+   vector). A mask register and one masked instruction where the CPU has them (AVX-512;
+   AVX2 for 32-byte vectors), else a loop over the lanes. */
+#if (defined(__AVX512F__) && SN_VECTOR_BYTES == 64) || (defined(__AVX512VL__) && SN_VECTOR_BYTES == 32)
+#define SN_MASK_REGISTERS 1
+#include <immintrin.h>
+typedef unsigned sn_lane_mask;
+static inline sn_lane_mask sn_first_lanes(int64_t n) {
+  return n <= 0 ? 0u : n >= SN_W ? (1u << SN_W) - 1 : (1u << n) - 1;
+}
+static inline bool sn_lane_on(sn_lane_mask m, int l) { return (m >> l) & 1u; }
+#elif defined(__AVX2__) && SN_VECTOR_BYTES == 32
+#define SN_MASK_VECTORS 1
+#include <immintrin.h>
+typedef VI sn_lane_mask;
+static inline sn_lane_mask sn_first_lanes(int64_t n) {
+  VI lane;
+  for (int l = 0; l < SN_W; ++l) lane[l] = l;
+  return lane < (sn_lane_index)std::clamp<int64_t>(n, 0, SN_W);
+}
+static inline bool sn_lane_on(sn_lane_mask m, int l) { return m[l] != 0; }
+#else
+typedef int sn_lane_mask;
+static inline sn_lane_mask sn_first_lanes(int64_t n) { return (int)std::clamp<int64_t>(n, 0, SN_W); }
+static inline bool sn_lane_on(sn_lane_mask m, int l) { return l < m; }
+#endif
+static inline VV sn_load_first(const V* p, sn_lane_mask m) {
+#if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
+  if constexpr (sizeof(V) == 4) return (VV)_mm512_maskz_loadu_ps((__mmask16)m, p);
+  else return (VV)_mm512_maskz_loadu_pd((__mmask8)m, p);
+#elif SN_MASK_REGISTERS
+  if constexpr (sizeof(V) == 4) return (VV)_mm256_maskz_loadu_ps((__mmask8)m, p);
+  else return (VV)_mm256_maskz_loadu_pd((__mmask8)m, p);
+#elif SN_MASK_VECTORS
+  if constexpr (sizeof(V) == 4) return (VV)_mm256_maskload_ps((const float*)p, (__m256i)m);
+  else return (VV)_mm256_maskload_pd((const double*)p, (__m256i)m);
+#else
+  VV v{};
+  for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) v[l] = p[l];
+  return v;
+#endif
+}
+static inline void sn_store_first(V* p, VV v, sn_lane_mask m) {
+#if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
+  if constexpr (sizeof(V) == 4) _mm512_mask_storeu_ps(p, (__mmask16)m, (__m512)v);
+  else _mm512_mask_storeu_pd(p, (__mmask8)m, (__m512d)v);
+#elif SN_MASK_REGISTERS
+  if constexpr (sizeof(V) == 4) _mm256_mask_storeu_ps(p, (__mmask8)m, (__m256)v);
+  else _mm256_mask_storeu_pd(p, (__mmask8)m, (__m256d)v);
+#elif SN_MASK_VECTORS
+  if constexpr (sizeof(V) == 4) _mm256_maskstore_ps((float*)p, (__m256i)m, (__m256)v);
+  else _mm256_maskstore_pd((double*)p, (__m256i)m, (__m256d)v);
+#else
+  for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) p[l] = v[l];
+#endif
+}
+#ifdef SN_STORAGE
+static inline VV sn_load_first(const S* p, sn_lane_mask m) {
+  VU h{};
+  for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) h[l] = p[l].bits;
+  return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
+}
+static inline void sn_store_first(S* p, VV v, sn_lane_mask m) {
+  const VU u = __builtin_bit_cast(VU, v);
+  const VU bits = sn_is_bf16 ? sn_bf16_rounded(u, sn_mask(v != v)) : sn_f16_rounded<VU, VV>(u);
+  for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) p[l].bits = (uint16_t)bits[l];
+}
+#endif
+
 /* Horizontal sums as trees of shuffles and adds (log2(SN_W) dependent adds, no round
    trip through memory), unrolled by parameter packs (L over lanes, P over vectors) so
    that every lane index is a constant. sn_fold<h> adds lanes [h, 2h) onto lanes
