@@ -389,6 +389,7 @@ SOURCES: dict[str, tuple[Callable[[dict, Path], Run], tuple[str, ...]]] = {
     "nonlinear": (rows_reader("nonlinear"), ("nonlinear/*.json",)),
     "precision": (read_precision, ("precision.json", "precision_quick.json")),
     "tracing": (rows_reader("tracing", subject="compiled"), ("tracing/*.json",)),
+    "torchfunc": (rows_reader("torchfunc", subject="vmap"), ("torchfunc/*.json",)),
     "moe": (rows_reader("moe", extra=(("GFLOP/s (routed pairs)", "gflops"),)), ("moe/*.json", "moe/*/*.json")),
     "models": (read_models, ("models/run.json",)),
 }

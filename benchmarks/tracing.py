@@ -13,7 +13,7 @@ eagerly, fp32 inference.
 4. ``SparseMoE(512, 2048, 8 experts, k=2)`` on 4096 tokens (the routing's sizes unbacked
    symbolic sizes in the compiled graph).
 
-Target (#19): compiled time <= 1.1 x eager, i.e. eager / compiled >= 0.91. The compile
+Target (#36): eager / compiled >= 0.95 (#19 asked for 0.91). The compile
 time of the first compiled call (Dynamo, AOTAutograd, inductor; kernels already cached by
 the eager warm-up) is reported apart. Timing as in ``structured.py``: round-robin rounds
 after warm-up, medians, ratio = eager time / compiled time.
@@ -69,7 +69,7 @@ def _case(model: nn.Module, inputs: tuple, compile_times: dict, name: str) -> di
     first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
     return {"ours": run(compiled), "alts": {"eager": run(model)},
             "check": lambda: compare(first(run(compiled)()), first(expected)),
-            "nnz": 1, "numel": 1, "targets": [target("eager", 1 / 1.1)]}
+            "nnz": 1, "numel": 1, "targets": [target("eager", 0.95)]}
 
 
 def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[], dict]]]:
@@ -114,8 +114,7 @@ def markdown(info: dict, rows: list[dict], compile_times: dict, quick: bool) -> 
            f"{info['date']}; load average at start {info['loadavg']}.", "",
            f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
            "fp32 inference under no_grad. 'sparsenn' is the model compiled with torch.compile(fullgraph=True) "
-           "(inductor); 'eager' the same model uncompiled; ratio = eager / compiled (>= 0.91: compiled at most "
-           "1.1x slower)."]
+           "(inductor); 'eager' the same model uncompiled; ratio = eager / compiled (target >= 0.95)."]
     for section, title in SECTIONS.items():
         rows_of = [r for r in rows if r["section"] == section]
         if rows_of:

@@ -34,11 +34,13 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsenn.compiler.autograd import differentiable_evaluate, recorded
+from sparsenn.compiler.batching import batched_format
 from sparsenn.compiler.functions import apply
 from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
 from sparsenn.formats import SparseTensor
 
 __all__ = ["softmax", "log_softmax", "softmax_steps", "softmax_gradient"]
@@ -124,18 +126,26 @@ def _fused_softmax_grad(rank: int, dim: int) -> tuple[Step, ...]:
 
 def _steps(name: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor | None:
     """The values of the last of the fused steps ``name``, or None when they do not fuse
-    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)."""
+    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)
+    or autograd records them (a backward with ``create_graph=True``: the steps then run
+    one by one, each differentiable)."""
     if tracing():
         return traced_evaluate(None, operands, None, ("kernel", "softmax", pattern.ndim, dim, name)).values
+    if recorded(operands):
+        return None
     results = run_steps(_kernel(pattern.ndim, dim, name), operands)
     return None if results is None else results[-1].values
 
 
 def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_format) -> torch.Tensor | SparseTensor:
     """Kernel ``kernel`` of softmax along ``dim`` of tensors shaped like ``pattern``; while
-    traced, a ``sparsenn::evaluate`` op naming it (``compiler/runtime/ops.py``)."""
+    traced, a ``sparsenn::evaluate`` op naming it (``compiler/runtime/ops.py``); under a
+    torch.func transform, through the einsum's rules (a backward's operands are the
+    transform's tensors)."""
     if tracing():
         return traced_evaluate(None, operands, out_format, ("kernel", "softmax", pattern.ndim, dim, kernel))
+    if transforming() or recorded(operands):
+        return differentiable_evaluate(evaluate, _kernel(pattern.ndim, dim, kernel), operands, out_format)
     return evaluate(_kernel(pattern.ndim, dim, kernel), operands, out_format)
 
 
@@ -145,11 +155,14 @@ def _sampled(kernel: str, pattern: SparseTensor, dim: int, operands: list) -> to
 
 
 class _Softmax(torch.autograd.Function):
-    """``values`` of ``pattern`` -> values of softmax (or log-softmax) along ``dim``."""
+    """``values`` of ``pattern`` -> values of softmax (or log-softmax) along ``dim``, with
+    torch.func's ``vmap`` rule: the batched values as a dense level below ``pattern``'s,
+    softmax along ``dim + 1`` (one call; a blocked or n:m pattern runs once per batch
+    element). Traced by torch.compile as it is; eagerly, :class:`_SoftmaxWithJvp`."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
-        s = pattern.with_values(values)
+    def forward(values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
+        s = _on_pattern(pattern, values)
         out = None if log else _steps("forward", s, dim, [s])
         if out is None:
             m = _run("max", s, dim, [s], "dense")
@@ -158,14 +171,17 @@ class _Softmax(torch.autograd.Function):
                 out = _sampled("shift", s, dim, [s, m, torch.log(z)])
             else:
                 out = _sampled("softmax", s, dim, [s, m, torch.reciprocal(z)])
-        ctx.save_for_backward(out)
-        ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
         return out
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, pattern, dim, log = inputs
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+        ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
+
+    @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if torch.is_grad_enabled():
-            raise RuntimeError("sparsenn.softmax: higher-order gradients (create_graph=True) are not supported")
         (out,) = ctx.saved_tensors
         if not ctx.log:
             return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
@@ -173,6 +189,38 @@ class _Softmax(torch.autograd.Function):
         d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, out)
         g = _run("row_sum", pattern, dim, [d_out], "dense")
         return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool):
+        fmt = batched_format(pattern.format)
+        if fmt is None:
+            function = _softmax_function()
+            out = [function.apply(values.select(in_dims[0], k), pattern, dim, log) for k in range(info.batch_size)]
+            return torch.stack(out), 0
+        batched = SparseTensor((info.batch_size, *pattern.shape), fmt, pattern.pos + (None,), pattern.crd + (None,),
+                               values.movedim(in_dims[0], -1).contiguous().reshape(-1), check=False,
+                               index_dtype=pattern.index_dtype)
+        return _softmax_function().apply(batched.values, batched, dim + 1, log).view(-1, info.batch_size), 1
+
+
+class _SoftmaxWithJvp(_Softmax):
+    """:class:`_Softmax` with forward mode (``jvp``, ``jacfwd``), which torch.compile
+    cannot trace: softmax's Jacobian is symmetric, so its tangent is its gradient's
+    expression; log-softmax's is ``dL = dS - sum_j P dS`` with ``P = exp(L)``."""
+
+    @staticmethod
+    def jvp(ctx, tangent: torch.Tensor, *_):
+        (out,) = ctx.saved_tensors
+        pattern, dim = ctx.pattern, ctx.dim
+        if not ctx.log:
+            return softmax_gradient(pattern, dim, out, tangent)
+        d_in, probabilities = _on_pattern(pattern, tangent.contiguous()), _on_pattern(pattern, torch.exp(out))
+        g = _run("dot", pattern, dim, [d_in, probabilities], "dense")
+        return _sampled("shift", pattern, dim, [d_in, g, torch.zeros_like(g)])
+
+
+def _softmax_function() -> type[_Softmax]:
+    return _Softmax if tracing() else _SoftmaxWithJvp
 
 
 def softmax_gradient(pattern: SparseTensor, dim: int, probabilities: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -219,7 +267,7 @@ def softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
     (unstored entries are ``-inf``, as ``torch.sparse.softmax``), on ``S``'s pattern.
     Differentiable with respect to ``S.values``."""
     d = _normalised_dim(S, dim, "softmax")
-    return S.with_values(_Softmax.apply(S.values, S, d, False))
+    return S.with_values(_softmax_function().apply(S.values, S, d, False))
 
 
 def log_softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
@@ -227,4 +275,4 @@ def log_softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
     (as ``torch.sparse.log_softmax``), on ``S``'s pattern. Differentiable with respect
     to ``S.values``."""
     d = _normalised_dim(S, dim, "log_softmax")
-    return S.with_values(_Softmax.apply(S.values, S, d, True))
+    return S.with_values(_softmax_function().apply(S.values, S, d, True))

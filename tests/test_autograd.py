@@ -111,14 +111,6 @@ def test_only_needed_gradients_and_no_graph_without_grad():
     torch.testing.assert_close(x.grad, a.to_dense().T @ torch.ones(6, 3, dtype=torch.float64))
 
 
-def test_higher_order_gradients_are_refused():
-    a = sparse((4, 4))
-    v = leaf(a)
-    y = sparsenn.einsum("ij,j->i", a.with_values(v), dense(4)).sum()
-    with pytest.raises(RuntimeError, match="higher-order"):
-        torch.autograd.grad(y, v, create_graph=True)
-
-
 def test_sparse_gradient_never_densifies():
     n, nnz = 100_000, 1_000_000
     g = torch.Generator().manual_seed(0)

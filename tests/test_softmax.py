@@ -156,14 +156,6 @@ def test_without_grad_and_no_grad_mode():
     assert sparsenn.softmax(S.with_values(values)).values.requires_grad
 
 
-def test_higher_order_gradients_are_refused():
-    S = random_sparse((6, 7), "csr", seed=9)
-    values = S.values.clone().requires_grad_()
-    out = sparsenn.softmax(S.with_values(values)).values
-    with pytest.raises(RuntimeError, match="higher-order"):
-        torch.autograd.grad(out.sum(), values, create_graph=True)
-
-
 @pytest.mark.parametrize("name", FUNCTIONS)
 def test_bad_input(name):
     function = FUNCTIONS[name][0]

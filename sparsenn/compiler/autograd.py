@@ -19,8 +19,16 @@ equals the result, split equally between ties (as ``torch.amax``). An epilogue
 elementwise term over ``R``, so each has the gradient above.
 
 All contributions for one operand form one expression, compiled and scheduled like
-any other. Only the gradients that are needed are built and run. Higher-order
-gradients are not supported.
+any other. Only the gradients that are needed are built and run. They are evaluated
+as differentiable calls, so a backward with ``create_graph=True`` (or a nested
+``torch.func`` transform) differentiates them again: higher-order gradients.
+
+torch.func (:class:`_SparseEinsum`, in ``forward`` + ``setup_context`` form): ``grad``,
+``vjp`` and ``jacrev`` use the backward above; ``jvp`` and ``jacfwd`` the tangent
+``dOut = sum_t sum_{f reads X} (T_f replaced by dT_f)`` of a multilinear term (a value
+tree contributes ``dv/dT_f * dT_f``), one einsum; ``vmap`` one batched einsum
+(:mod:`.batching`). Under any transform every call goes through the Function, whose
+rules hand the kernels plain tensors.
 """
 
 from __future__ import annotations
@@ -33,27 +41,38 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from sparsenn.formats import SparseTensor
 
+from .batching import batched_call
 from .functions import apply, derivative
 from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
-from .runtime.ops import traced_evaluate, tracing
+from .runtime.ops import traced_evaluate, tracing, transforming
 
-__all__ = ["differentiable_evaluate"]
+__all__ = ["differentiable_evaluate", "recorded"]
+
+
+def _operand(template: SparseTensor | None, tensor: torch.Tensor):
+    """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern."""
+    return tensor if template is None else template._share(template.shape, template.format, tensor)
 
 
 class _Spec:
     """Everything about a call that is not a tensor autograd tracks."""
 
-    def __init__(self, assignment: Assignment, operands: Sequence, templates: list, out_format, evaluate):
+    def __init__(self, assignment: Assignment, templates: list, out_format, evaluate):
         self.assignment = assignment
-        self.operands = operands  # as given, for the forward pass only
         self.templates = templates  # per operand: SparseTensor pattern, or None if dense
         self.out_format = out_format
         self.evaluate = evaluate
         self.result: SparseTensor | None = None
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
-        return [t if tpl is None else tpl.with_values(t) for tpl, t in zip(self.templates, tensors)]
+        """The operands: dense tensors, or values on their templates' patterns."""
+        return [_operand(tpl, t) for tpl, t in zip(self.templates, tensors)]
+
+    def run(self, assignment: Assignment, operands: list, out_format):
+        """``assignment`` evaluated as this call is, recorded for autograd and torch.func
+        when they need it (a backward, tangent or batched call is one)."""
+        return differentiable_evaluate(self.evaluate, assignment, operands, out_format)
 
 
 # What a gradient expression reads besides ``(grad_out, *operands)``, in order: an
@@ -80,7 +99,7 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
         elif extra[0] == "result":
             inputs.append(result)
         else:
-            inputs.append(spec.evaluate(_ties(spec.assignment), list(operands) + [result], "dense"))
+            inputs.append(spec.run(_ties(spec.assignment), list(operands) + [result], "dense"))
     return assignment, inputs, template.format if template is not None else "dense"
 
 
@@ -133,7 +152,11 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
     over all its factors; under a max or min, only where the value equals the result,
     divided by the number of such entries (the extras ``result`` and ``count``).
     Cached: the same call's backward builds the same expression."""
-    target = tuple(f"@{m}" for m in range(rank))  # cannot clash with user index names
+    used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
+    primes = 0  # a gradient's own gradient renames its indices again: "@'0", ...
+    while any(f"@{chr(39) * primes}{m}" in used for m in range(rank)):
+        primes += 1
+    target = tuple(f"@{chr(39) * primes}{m}" for m in range(rank))  # user index names cannot start with @
     extra = 1 + assignment.num_operands
     extras: list[Extra] = []
 
@@ -197,38 +220,101 @@ def _epilogue_reads(assignment: Assignment) -> tuple[int, ...]:
 
 
 class _SparseEinsum(torch.autograd.Function):
+    """One evaluation as a function of its dense operands and sparse operands' values
+    (the patterns are constants of ``spec``), with the torch.func rules: ``backward``
+    (vjp) and ``jvp`` are compiled einsums, ``vmap`` one batched einsum
+    (:mod:`.batching`)."""
+
     @staticmethod
-    def forward(ctx, spec: _Spec, *tensors):
-        result = spec.evaluate(spec.assignment, spec.operands, spec.out_format)  # operands hold ``tensors``
-        spec.operands = None
-        ctx.spec = spec
-        if spec.assignment.reduction != "sum":  # the gradient flows to the entries equal to the result
-            ctx.save_for_backward(*tensors, result)
-        else:
-            ctx.save_for_backward(*tensors)
+    def forward(spec: _Spec, *tensors):
+        tensors = [t if tpl is None else t.contiguous() for tpl, t in zip(spec.templates, tensors)]  # kernels' layout
+        result = spec.evaluate(spec.assignment, spec.rebuild(tensors), spec.out_format)
         if isinstance(result, SparseTensor):
             spec.result = result  # the pattern is fixed; its values carry the gradient
             return result.values
         return result
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        spec, *tensors = inputs
+        ctx.spec = spec
+        if spec.assignment.reduction != "sum":  # the gradient flows to the entries equal to the result
+            ctx.save_for_backward(*tensors, output)
+        else:
+            ctx.save_for_backward(*tensors)
+        ctx.save_for_forward(*tensors)
+
+    @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "sparsenn: higher-order gradients (create_graph=True) of sparse einsums are not supported"
-            )
         spec: _Spec = ctx.spec
         tensors = ctx.saved_tensors
         result = None
         if spec.assignment.reduction != "sum":
             *tensors, result = tensors
         operands = spec.rebuild(tensors)
-        grad_out = spec.result.with_values(grad.contiguous()) if spec.result is not None else grad.contiguous()
+        if not transforming():  # a transform's rules lay out its tensors
+            grad = grad.contiguous()
+        grad_out = _operand(spec.result, grad)
         wanted = [n for n, needed in enumerate(ctx.needs_input_grad[1:]) if needed]
         grads: list = [None] * len(tensors)
         for n, g in zip(wanted, _gradients(spec, operands, grad_out, result, wanted)):
             grads[n] = g
         return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx, _, *tangents):
+        spec: _Spec = ctx.spec
+        moving = tuple(n for n, t in enumerate(tangents) if t is not None)
+        assignment = _tangent_assignment(spec.assignment, moving, spec.result is not None)
+        inputs = spec.rebuild(ctx.saved_tensors) + [_operand(spec.templates[n], tangents[n]) for n in moving]
+        if spec.result is None:
+            return spec.run(assignment, inputs, "dense")
+        pattern = spec.result
+        inputs.append(_operand(pattern, torch.ones_like(pattern.values)))
+        return spec.run(assignment, inputs, pattern.format).values
+
+    @staticmethod
+    def vmap(info, in_dims, spec: _Spec, *tensors):
+        batched = batched_call(spec.run, spec.assignment, spec.templates, tensors, in_dims[1:], info.batch_size,
+                               spec.out_format)
+        if batched.pattern is not None:
+            spec.result = batched.pattern
+        return batched.tensor, batched.out_dim
+
+
+@functools.lru_cache(maxsize=1024)
+def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled: bool) -> Assignment:
+    """The tangent of ``assignment`` given tangents of the operands ``moving``, over
+    ``(*operands, *their tangents, mask if sampled)``: per term and factor ``k`` of a
+    moving operand, the term with ``T_k`` replaced by its tangent ``dT_k`` where the term
+    multiplies it (multilinear), else ``dvalue/dT_k * dT_k`` read at all its factors.
+    ``sampled``: the result is sparse, and ``0 * mask`` (its pattern) keeps every stored
+    position, as for a sampled gradient. Max and min reductions have no tangent here."""
+    if assignment.reduction != "sum":
+        raise NotImplementedError(f"sparsenn: forward-mode derivatives (jvp, jacfwd) of a {assignment.reduction}-"
+                                  "reduction are not supported; use reverse mode (vjp, grad, jacrev)")
+    count = assignment.num_operands
+    slot = {n: count + j for j, n in enumerate(moving)}
+    terms = []
+    for term in assignment.terms:
+        multiplied = term.multiplied
+        for k, factor in enumerate(term.factors):
+            if factor.operand not in slot:
+                continue
+            tangent = Access(slot[factor.operand], factor.indices)
+            if multiplied is not None and k in multiplied:
+                terms.append(Term(term.coefficient, term.factors[:k] + (tangent,) + term.factors[k + 1:], term.value))
+                continue
+            partial = derivative(_reduced_value(term), Factor(k))
+            if partial != Constant(0.0):
+                terms.append(Term(1.0, term.factors + (tangent,), apply("mul", partial, Factor(len(term.factors)))))
+    names = assignment.operand_names + tuple(f"d{assignment.operand_names[n]}" for n in moving)
+    if sampled:
+        terms.append(Term(0.0, (Access(len(names), assignment.output),)))
+        names += ("mask",)
+    elif not terms:  # nothing moves: zeros of the result's shape
+        terms.append(Term(0.0, assignment.terms[0].factors, assignment.terms[0].value))
+    return Assignment(assignment.output, tuple(terms), names)
 
 
 def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
@@ -241,7 +327,7 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
             grads.append(None)
             continue
         assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
-        g = spec.evaluate(assignment, inputs, out_format)
+        g = spec.run(assignment, inputs, out_format)
         template = spec.templates[n]
         if isinstance(g, SparseTensor):
             g = g.values
@@ -260,27 +346,41 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     from .runtime.evaluate import evaluate
 
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
-    spec = _Spec(assignment, None, templates, out_format, evaluate)
-    return _gradients(spec, list(operands), grad_out, result, wanted)
+    spec = _Spec(assignment, templates, out_format, evaluate)
+    with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
+        return _gradients(spec, list(operands), grad_out, result, wanted)
+
+
+def recorded(operands: Sequence) -> bool:
+    """Whether autograd records a call over ``operands`` (grad mode, and a dense operand or
+    sparse operand's values requiring grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    for op in operands:  # a plain loop: this runs on every call
+        if isinstance(op, SparseTensor):
+            op = op.values
+        elif not isinstance(op, torch.Tensor):
+            continue
+        if op.requires_grad:
+            return True
+    return False
 
 
 def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence, out_format):
     """``evaluate(assignment, operands, out_format)``, recorded for autograd when any
-    dense operand or sparse operand's values require grad. An epilogue is then run as a
-    second, elementwise assignment over the saved reduced values (see
+    dense operand or sparse operand's values require grad, and for a torch.func transform
+    (whose rules :class:`_SparseEinsum` defines) while one runs. An epilogue is then run
+    as a second, elementwise assignment over the saved reduced values (see
     :func:`~.plan.bias.split_epilogue`). Under a tracer each evaluation is one
     ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
-    traced = tracing()
-    if traced:
-        evaluate = traced_evaluate
-    if not torch.is_grad_enabled() or not _requires_grad(operands):
+    if tracing():  # each op's autograd formula records its gradients
+        if assignment.epilogue is None or not recorded(operands):
+            return traced_evaluate(assignment, operands, out_format)
+        pre = traced_evaluate(assignment, operands, "dense", ("reduced",))
+        return traced_evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
+                               ("epilogue",))
+    if not recorded(operands) and not transforming():
         return evaluate(assignment, operands, out_format)
-    if traced:  # each op's autograd formula records its gradients
-        if assignment.epilogue is None:
-            return evaluate(assignment, operands, out_format)
-        pre = evaluate(assignment, operands, "dense", ("reduced",))
-        return evaluate(assignment, [pre, *(operands[n] for n in _epilogue_reads(assignment))], out_format,
-                        ("epilogue",))
     if assignment.epilogue is not None:
         reduced, apply_epilogue, read = split_epilogue(assignment)
         pre = differentiable_evaluate(evaluate, reduced, operands, "dense")
@@ -294,21 +394,9 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
             templates.append(None)
         else:
             return evaluate(assignment, operands, out_format)  # raises the usual TypeError
-    spec = _Spec(assignment, operands, templates, out_format, evaluate)
+    spec = _Spec(assignment, templates, out_format, evaluate)
     values = _apply(_SparseEinsum, spec, *tensors)
-    return spec.result.with_values(values) if spec.result is not None else values
-
-
-def _requires_grad(operands: Sequence) -> bool:
-    """Whether a dense operand or a sparse operand's values require grad."""
-    for op in operands:
-        if isinstance(op, SparseTensor):
-            op = op.values
-        elif not isinstance(op, torch.Tensor):
-            continue
-        if op.requires_grad:
-            return True
-    return False
+    return values if spec.result is None else _operand(spec.result, values)
 
 
 def _apply(function: type[torch.autograd.Function], *args):

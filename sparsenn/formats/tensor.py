@@ -41,6 +41,21 @@ def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
     return array.data_ptr(), None if array.is_inference() else array._version
 
 
+def _plain_arrays(arrays: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """Index arrays computed under a torch.func transform (``grad``, ``vmap``, ...) as the
+    plain tensors inside its wrappers: a pattern is a constant of every transform (only
+    values are differentiated or batched). ValueError for arrays ``vmap`` batches."""
+    plain = []
+    for array in arrays:
+        while array is not None and torch._C._functorch.is_functorch_wrapped_tensor(array):
+            if torch._C._functorch.is_batchedtensor(array):
+                raise ValueError("a SparseTensor's index arrays (its pattern) cannot be batched by vmap; "
+                                 "batch its values on one pattern instead")
+            array = torch._C._functorch.get_unwrapped(array)
+        plain.append(array)
+    return tuple(plain)
+
+
 def _stored_positions(level_sizes: tuple[int, ...], crd: tuple[Tensor | None, ...]) -> tuple[int, ...]:
     """Positions of each storage level: a dense level multiplies its parent's count,
     compressed, singleton and grouped levels have one coordinate per position."""
@@ -93,6 +108,8 @@ class SparseTensor(Constructors):
         fmt = parse_format(format, len(shape))
         sizes = tuple(size for _, size, _ in fmt.storage_levels(shape))
         pos, crd = tuple(pos), tuple(crd)
+        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+            pos, crd = _plain_arrays(pos), _plain_arrays(crd)
         arrays = [a for a in pos + crd if a is not None]
         if check:
             validate(fmt, shape, sizes, pos, crd, values, index_dtype)

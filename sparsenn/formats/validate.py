@@ -52,6 +52,12 @@ def validate(fmt: Format, shape: tuple[int, ...], sizes: tuple[int, ...], pos: t
     check_order(fmt, pos, crd)
 
 
+def _transformed(array: Tensor) -> bool:
+    """Whether ``array`` is a torch.func transform's tensor, whose rules lay it out for
+    the kernels (never while torch.compile traces)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(array)
+
+
 def check_array(name: str, array: object, dtypes: tuple[torch.dtype, ...], contiguous: bool = True) -> Tensor:
     """Check that ``array`` is a 1-D (``contiguous``) strided CPU tensor with a dtype in ``dtypes``."""
     if not isinstance(array, Tensor):
@@ -64,7 +70,7 @@ def check_array(name: str, array: object, dtypes: tuple[torch.dtype, ...], conti
         raise ValueError(f"{name} has layout {array.layout}; expected a strided tensor")
     if array.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(array.shape)}")
-    if contiguous and not array.is_contiguous():
+    if contiguous and not array.is_contiguous() and not _transformed(array):
         raise ValueError(f"{name} must be contiguous")
     return array
 

@@ -38,7 +38,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
 from sparsenn.compiler.program import stage
 from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing
+from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
 from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
 from sparsenn.functional import softmax, softmax_gradient, softmax_steps
 from sparsenn.layers.arguments import checked_int
@@ -112,23 +112,28 @@ class _Probabilities(torch.autograd.Function):
     scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
     softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
     bias is a constant). ``bias``: None, a ``(batch, L')`` key bias, or ``mask.values``
-    (an additive bias on the stored entries, which the scores then read)."""
+    (an additive bias on the stored entries, which the scores then read). The mask's values
+    are a tensor input too, so torch.func hands them over unwrapped. Under
+    ``torch.func.vmap``, once per batch element; forward mode (``jvp``) is not defined."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, bias: Tensor | None, mask: SparseTensor, scale: float,
+    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor, scale: float,
                 block_size: int) -> Tensor:
         padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
+        mask = mask._share(mask.shape, mask.format, mask_values)
         operands = [mask, q, k] + ([bias] if padded else [])
         if tracing():
-            values = traced_evaluate(None, operands, None,
-                                     ("kernel", "attention", scale, padded, block_size, entries)).values
-        else:
-            results = run_steps(_probability_steps(scale, padded, block_size, entries), operands)
-            values = (softmax(_scores(scale, padded, entries)(*operands), -1).values if results is None
-                      else results[-1].values)
-        ctx.save_for_backward(q, k, values)
+            return traced_evaluate(None, operands, None,
+                                   ("kernel", "attention", scale, padded, block_size, entries)).values
+        results = run_steps(_probability_steps(scale, padded, block_size, entries), operands)
+        return (softmax(_scores(scale, padded, entries)(*operands), -1).values if results is None
+                else results[-1].values)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, _, _, mask, scale, _ = inputs
+        ctx.save_for_backward(q, k, output)
         ctx.mask, ctx.scale = mask, scale
-        return values
 
     @staticmethod
     def backward(ctx, d_values: Tensor):
@@ -137,7 +142,20 @@ class _Probabilities(torch.autograd.Function):
         d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
         dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
         dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None, None, None
+        return dq, dk, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
+             scale: float, block_size: int):
+        """Once per batch element (the mask's block format takes no batch level)."""
+        def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
+            return t if dim is None else t.select(dim, n)
+
+        out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
+                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale,
+                                    block_size)
+               for n in range(info.batch_size)]
+        return torch.stack(out), 0
 
 
 @dataclass(frozen=True)
@@ -495,7 +513,8 @@ class BlockSparseAttention(nn.Module):
             mask = entry_mask(pattern, batch, self.num_heads, self.block_size, None, None, True, dtype)[0]
         else:
             mask = self._mask(pattern, batch, None, dtype)
-        self._last_mask = (pattern, batch, dtype, causal, mask)
+        if not transforming():  # a torch.func transform's tensors must not outlive it
+            self._last_mask = (pattern, batch, dtype, causal, mask)
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
@@ -677,7 +696,8 @@ class BlockSparseAttention(nn.Module):
         out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, score_bias, mask,
                                                                               need_weights, traced)
         if out is None:
-            probs = mask.with_values(_Probabilities.apply(q, k, score_bias, mask, self._score_scale, self.block_size))
+            probs = mask.with_values(
+                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale, self.block_size))
             if rows is not None:  # rows whose every key is masked: zero attention
                 probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))

@@ -14,6 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.compiler.runtime.autocast import autocast_dtype
+from sparsenn.compiler.runtime.ops import transforming
 from sparsenn.formats import SparseTensor, parse_format
 from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 
@@ -310,7 +311,7 @@ class SparseGCNConv(nn.Module):
                              "(the cache would hold a stale autograd graph); use cached=False")
         adjacency = _adjacency(source, target, weight, num_nodes, self.improved, self.add_self_loops,
                                self.normalize, dtype)
-        if self.cached:
+        if self.cached and not transforming():  # a torch.func transform's tensors must not outlive it
             self._cached_adjacency = adjacency
         return adjacency
 

@@ -133,7 +133,10 @@ _fused: LRUCache[object] = LRUCache("fused steps", 256)
 
 
 def run_steps(steps: tuple[Step, ...], operands: Sequence) -> list | None:
-    """Every step's result by one fused kernel, or None if the steps do not fuse."""
+    """Every step's result by one fused kernel, or None if the steps do not fuse (or a
+    torch.func transform runs: its tensors reach kernels through autograd Functions' rules)."""
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        return None
     key = call_key(steps[0].assignment, operands, None)
     if key is None:
         return None

@@ -53,13 +53,22 @@ from .validate import check_call
 if TYPE_CHECKING:
     from ..program import Program
 
-__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing"]
+__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing",
+           "transforming"]
 
 
 def tracing() -> bool:
     """Whether a tracer (``torch.compile``/``torch.export`` or ``torch.jit.trace``) is
     recording the current call."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def transforming() -> bool:
+    """Whether a torch.func transform (grad, vjp, jvp, vmap, ...) is running: its tensors
+    are wrappers without storage, which reach kernels only through the autograd
+    Functions' rules (``..autograd``, ``sparsenn.functional``). False while
+    ``torch.compile`` traces (its graphs hold the ops)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
 @dataclass(frozen=True)
@@ -620,13 +629,16 @@ class _RecordedEvaluate(torch.autograd.Function):
     so that autograd tracks each)."""
 
     @staticmethod
-    def forward(ctx, keyset, call: str, shapes: list, order: list, *tensors: Tensor) -> Tensor:
+    def forward(keyset, call: str, shapes: list, order: list, *tensors: Tensor) -> Tensor:
         with torch._C._AutoDispatchBelowAutograd():
-            result = _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, list(tensors), shapes, order)
+            return _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, list(tensors), shapes, order)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, call, shapes, _, *tensors = inputs
         ctx.call, ctx.shapes, ctx.slots = call, shapes, _differentiable_slots(decode(call))
         ctx.needed = [tensors[slot].requires_grad for slot in ctx.slots]
-        ctx.save_for_backward(*tensors, result)
-        return result
+        ctx.save_for_backward(*tensors, output)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

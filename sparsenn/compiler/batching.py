@@ -1,0 +1,217 @@
+"""``torch.func.vmap`` over one assignment: the vmapped dimension becomes an index.
+
+For ``Out[o] = sum_t c_t prod_f T_f[x_f]`` with some operands batched along ``b``,
+the batched call is the single assignment ``Out[b,o] = sum_t c_t prod_f T_f[b?,x_f]``,
+in which the access of every batched operand gains ``b``: one compiled kernel for the
+whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
+
+* A dense operand batched at ``d`` is read with ``b`` first (``movedim(d, 0)``, a view).
+* A :class:`SparseTensor` whose values are batched (``(B, nnz)``: patterns are never
+  batched, only values) becomes the rank ``r + 1`` tensor ``[b, x]`` whose format stores
+  the original levels, then ``b`` in one more dense level below them
+  (:func:`batched_format`): it shares the index arrays and its values are ``(nnz, B)``
+  row-major, each stored entry's ``B`` values side by side.
+* A dense result is ``Out[b, o]`` (batched at 0). A sparse result has the unbatched
+  pattern for every ``b`` (a result's pattern depends on its operands' patterns only):
+  when an operand of the result's format is read at the output's indices (a sampled
+  product, such as a sparse weight's gradient), that operand is batched too (expanded
+  if it was not) and the result asked for in its batched format, so the kernel writes
+  the values at its positions as it does unbatched; they come back as ``(nnz, B)``,
+  batched at 1. Otherwise the result is asked for with ``b`` in a dense level above
+  its format's levels (:func:`stacked_format`, a layout kernels assemble: ``csr``
+  becomes ``ddc``), its values ``(B, nnz)``, batched at 0, and the pattern returned is
+  the first element's.
+
+Blocked and ``nm(n,m)`` formats cannot take a dense level below their in-block levels,
+``out_format="auto"`` decides the result's type by its estimated fill, and a sparse
+result over batched operands with repeated coordinates in a level (COO) is assembled
+with duplicates: those calls run once per batch element (:func:`looped_call`) and their
+results are stacked.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.level import Dense
+
+from .notation import Access, Assignment, Epilogue, Term
+from .plan.infer import result_format
+from .runtime.ops import transforming
+
+__all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
+
+Run = Callable[[Assignment, list, object], object]  # evaluate(assignment, operands, out_format)
+
+
+@dataclass(frozen=True)
+class BatchedResult:
+    """A vmapped call's physical result: ``tensor`` batched at ``out_dim`` (a dense result,
+    or a sparse result's values), and for a sparse result its unbatched ``pattern``."""
+
+    tensor: torch.Tensor
+    out_dim: int
+    pattern: SparseTensor | None
+
+
+@functools.lru_cache(maxsize=256)
+def batched_format(fmt: Format) -> Format | None:
+    """``fmt`` of a tensor ``[b, x]``: ``x``'s levels, then ``b`` in a dense level below them
+    (``csr`` becomes ``dcd[1,2,0]``); None for a blocked or ``nm(n,m)`` format."""
+    if fmt.block is not None:
+        return None
+    return Format(fmt.levels + (Dense(),), tuple(m + 1 for m in fmt.mode_order) + (0,))
+
+
+@functools.lru_cache(maxsize=256)
+def stacked_format(fmt: Format) -> Format | None:
+    """``fmt`` of a tensor ``[b, x]`` stored as ``B`` copies of ``x``: ``b`` in a dense
+    level above ``x``'s levels (``csr`` becomes ``ddc``); None for a blocked or
+    ``nm(n,m)`` format."""
+    if fmt.block is not None:
+        return None
+    return Format((Dense(),) + fmt.levels, (0,) + tuple(m + 1 for m in fmt.mode_order))
+
+
+def _first_element(stacked: SparseTensor, fmt: Format) -> SparseTensor:
+    """Element 0 of a tensor of :func:`stacked_format` as a tensor of ``fmt``, sharing the
+    first segment of each array."""
+    parent = 1
+    pos, crd = [], []
+    for level, size, p, c in zip(fmt.levels, stacked.level_sizes[1:], stacked.pos[1:], stacked.crd[1:]):
+        p = None if p is None else p[:parent + 1]
+        parent = level.num_positions(parent, size, p)
+        pos.append(p)
+        crd.append(None if c is None else c[:parent])
+    return SparseTensor(stacked.shape[1:], fmt, pos, crd, stacked.values[:parent], check=False,
+                        index_dtype=stacked.index_dtype)
+
+
+def _batch_index(assignment: Assignment) -> str:
+    """An index name the assignment does not use (``@`` cannot start a user's index)."""
+    used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
+    n = 0
+    while f"@v{n}" in used:
+        n += 1
+    return f"@v{n}"
+
+
+@functools.lru_cache(maxsize=1024)
+def batched_assignment(assignment: Assignment, batched: tuple[bool, ...]) -> Assignment:
+    """``assignment`` with a new first output index read by every operand in ``batched``
+    (as its first index). Cached: a vmapped call site builds the same object each call."""
+    b = _batch_index(assignment)
+
+    def access(a: Access) -> Access:
+        return Access(a.operand, (b, *a.indices)) if batched[a.operand] else a
+
+    terms = tuple(Term(t.coefficient, tuple(map(access, t.factors)), t.value) for t in assignment.terms)
+    epilogue = assignment.epilogue
+    if epilogue is not None:
+        epilogue = Epilogue(tuple(map(access, epilogue.factors)), epilogue.value)
+    return Assignment((b, *assignment.output), terms, assignment.operand_names, assignment.reduction, epilogue)
+
+
+def _batched_operand(template: SparseTensor | None, tensor: torch.Tensor, dim: int | None):
+    """One operand of the batched call: ``tensor`` (a dense operand, or the values on
+    ``template``'s pattern) with its batch dimension ``dim`` first, or as it is if None."""
+    if dim is None:
+        if template is None:
+            return tensor
+        return template._share(template.shape, template.format, tensor if transforming() else tensor.contiguous())
+    if template is None:
+        return tensor.movedim(dim, 0)
+    template.check_unmodified()  # the batched view takes the arrays' versions as they are now
+    values = tensor.movedim(dim, -1).contiguous()
+    return SparseTensor((values.shape[-1], *template.shape), batched_format(template.format),
+                        template.pos + (None,), template.crd + (None,), values.reshape(-1), check=False,
+                        index_dtype=template.index_dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _unbatched_result_format(assignment: Assignment, formats: tuple[Format | None, ...], out_format):
+    """The format the unbatched call's result takes (None: dense), or ``"loop"`` when the
+    batched call cannot ask for it (``"auto"``, a blocked result)."""
+    if isinstance(out_format, str):
+        name = out_format.strip().lower()
+        if name == "dense":
+            return None
+        try:
+            out_format = parse_format(name, len(assignment.output)) if name != "auto" else name
+        except ValueError:
+            return "loop"  # each element's call reports what is wrong
+    if out_format is None:
+        out_format = result_format(assignment, formats)
+        if out_format is None:
+            return None
+    if isinstance(out_format, Format) and stacked_format(out_format) is not None:
+        return out_format
+    return "loop"
+
+
+def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTensor | None],
+                 tensors: Sequence[torch.Tensor], in_dims: Sequence[int | None], batch_size: int,
+                 out_format) -> BatchedResult:
+    """``run(assignment, operands, out_format)`` for each of ``batch_size`` elements, as
+    one call of the batched assignment where it can be one (see the module's docs).
+    ``templates[n]``: operand ``n``'s pattern (its values are ``tensors[n]``), or None if
+    dense; ``in_dims[n]``: the batch dimension of ``tensors[n]``, or None."""
+    fmt = _unbatched_result_format(assignment, tuple(None if t is None else t.format for t in templates), out_format)
+    if fmt == "loop" or any(t is not None and (batched_format(t.format) is None or fmt is not None and not _unique(t))
+                            for t, d in zip(templates, in_dims) if d is not None):
+        return looped_call(run, assignment, templates, tensors, in_dims, batch_size, out_format)
+    in_dims, tensors = list(in_dims), list(tensors)
+    sampled = None if fmt is None else _sampled_operand(assignment, templates, fmt)
+    if sampled is not None and in_dims[sampled] is None:  # batched too, so the result is written on it
+        tensors[sampled] = tensors[sampled].expand(batch_size, *tensors[sampled].shape)
+        in_dims[sampled] = 0
+    operands = [_batched_operand(t, x, d) for t, x, d in zip(templates, tensors, in_dims)]
+    batched = batched_assignment(assignment, tuple(d is not None for d in in_dims))
+    if fmt is None:
+        return BatchedResult(run(batched, operands, "dense"), 0, None)
+    if sampled is None:
+        result = run(batched, operands, stacked_format(fmt))
+        return BatchedResult(result.values.view(batch_size, -1), 0, _first_element(result, fmt))
+    result = run(batched, operands, batched_format(fmt))
+    values = result.values.view(-1, batch_size)
+    pattern = SparseTensor(result.shape[1:], fmt, result.pos[:-1], result.crd[:-1], values[:, 0], check=False,
+                           index_dtype=result.index_dtype)
+    return BatchedResult(values, 1, pattern)
+
+
+def _unique(template: SparseTensor) -> bool:
+    """Whether every level of its format stores a coordinate once per parent (not COO's
+    rows): a sparse result over batched operands of such a format runs per element."""
+    return all(level.unique for level in template.format.levels)
+
+
+def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | None], fmt: Format) -> int | None:
+    """A sparse operand of format ``fmt`` read at exactly the output's indices, whose
+    pattern the batched result can then be written on (as the unbatched one is): the
+    first, or None."""
+    for access in assignment.accesses:
+        template = templates[access.operand]
+        if (template is not None and template.format == fmt and access.indices == assignment.output
+                and _unique(template)):
+            return access.operand
+    return None
+
+
+def looped_call(run: Run, assignment: Assignment, templates: Sequence[SparseTensor | None],
+                tensors: Sequence[torch.Tensor], in_dims: Sequence[int | None], batch_size: int,
+                out_format) -> BatchedResult:
+    """``run`` once per batch element, the results stacked (dense) or their values stacked
+    on the first one's pattern (sparse: every element's pattern is the same)."""
+    results = []
+    for k in range(batch_size):
+        operands = [_batched_operand(t, x if d is None else x.select(d, k), None)
+                    for t, x, d in zip(templates, tensors, in_dims)]
+        results.append(run(assignment, operands, out_format))
+    if not isinstance(results[0], SparseTensor):
+        return BatchedResult(torch.stack(results), 0, None)
+    return BatchedResult(torch.stack([r.values for r in results]), 0, results[0])
