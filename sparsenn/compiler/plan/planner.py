@@ -276,7 +276,8 @@ def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Form
         finish_order = tuple(abi.finish_arrays(fmt.rank, fmt.dense_prefix))
 
     def load() -> abi.EntryPoints:
-        return abi.bind(jit.load_library(source, "sparse_einsum"), assembles_sparse_output=not kernel.dense_output)
+        library = jit.load_library(source, "sparse_einsum", str(assignment))
+        return abi.bind(library, assembles_sparse_output=not kernel.dense_output)
 
     return Generated(kernel, source, arguments, finish_order, load)
 
