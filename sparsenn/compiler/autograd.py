@@ -32,6 +32,7 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
+from .backend import jit
 from .functions import apply, derivative
 from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
@@ -50,6 +51,7 @@ class _Spec:
         self.out_format = out_format
         self.evaluate = evaluate
         self.result: SparseTensor | None = None
+        self.built_kernels = False  # the forward compiled a kernel: the backward's are likely new too
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
         return [t if tpl is None else tpl.with_values(t) for tpl, t in zip(self.templates, tensors)]
@@ -198,7 +200,9 @@ def _epilogue_reads(assignment: Assignment) -> tuple[int, ...]:
 class _SparseEinsum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _Spec, *tensors):
+        built = jit.builds
         result = spec.evaluate(spec.assignment, spec.operands, spec.out_format)  # operands hold ``tensors``
+        spec.built_kernels = jit.builds != built
         spec.operands = None
         ctx.spec = spec
         if spec.assignment.reduction != "sum":  # the gradient flows to the entries equal to the result
@@ -232,15 +236,20 @@ class _SparseEinsum(torch.autograd.Function):
 
 def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
-    values (sparse) or like it (dense); None for an operand no factor reads."""
+    values (sparse) or like it (dense); None for an operand no factor reads. After a
+    forward that compiled its kernel, the gradients' kernels are built together first."""
     read = {a.operand for a in spec.assignment.accesses}
+    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in read}
+    if spec.built_kernels and len(calls) > 1:
+        from .runtime.evaluate import build_together
+
+        build_together(list(calls.values()))
     grads = []
     for n in wanted:
-        if n not in read:
+        if n not in calls:
             grads.append(None)
             continue
-        assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
-        g = spec.evaluate(assignment, inputs, out_format)
+        g = spec.evaluate(*calls[n])
         template = spec.templates[n]
         if isinstance(g, SparseTensor):
             g = g.values
