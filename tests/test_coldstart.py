@@ -40,3 +40,43 @@ def test_import_sparsenn_is_lazy_and_any_public_name_loads_the_library():
                       "print((a + a).to_dense().sum().item(), sparsenn.compiler.einsum is sparsenn.einsum)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4.0", "True"]
+
+
+# ------------------------------------------------------------------------- precompile
+def reference_models():
+    """Each reference model (small sizes) with an input batch: (name, model, inputs)."""
+    import torch
+
+    from models import GCN, PlanetoidDataModule, SparseAutoencoder
+    from models.bigbird import BigBirdClassifier
+
+    torch.manual_seed(0)
+    cora = PlanetoidDataModule("Cora")
+    cora.setup("fit")
+    tokens = torch.randint(1, 64, (4, 48))
+    padding = torch.arange(48).expand(4, 48) >= torch.tensor([[48], [30], [17], [9]])
+    return [
+        ("gcn", GCN(1433, 7, hidden_channels=8), (cora.graph.x, cora.graph.edge_index)),
+        ("autoencoder", SparseAutoencoder(784, 32, "csr", sparsity=0.9, dense_epochs=0), (torch.rand(16, 784),)),
+        ("bigbird", BigBirdClassifier(vocab_size=64, max_length=48, embed_dim=16, ffn_dim=32, num_heads=2,
+                                      block_size=4, num_random_blocks=1), (tokens, padding)),
+    ]
+
+
+def test_precompile_builds_every_kernel_of_each_reference_models_training_step(tmp_path, monkeypatch):
+    import torch
+
+    import sparsenn
+    from sparsenn.compiler.backend import jit
+
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(tmp_path))
+    for name, model, inputs in reference_models():
+        done = sparsenn.precompile(model, *inputs)
+        assert done.kernels_built > 0, name
+        before = jit.builds
+        model.train()
+        output = model(*inputs)
+        output.float().square().mean().backward()
+        with torch.no_grad():
+            model.eval()(*inputs)
+        assert jit.builds == before, f"{name}: the first real step built {jit.builds - before} kernel(s)"
