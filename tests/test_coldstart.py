@@ -3,19 +3,24 @@ kernel build, parallel builds, and precompiling the reference models."""
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "lightning", "torch_geometric", "matplotlib", "jsonargparse")
 
 
-def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``code`` in a fresh interpreter importing this checkout's sparsenn."""
+def run_python(code: str, env: dict[str, str] | None = None, *args: str) -> subprocess.CompletedProcess:
+    """``code`` (with ``args``) in a fresh interpreter importing this checkout's sparsenn."""
     environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code, *args], env=environment, capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
 
 
@@ -40,6 +45,91 @@ def test_import_sparsenn_is_lazy_and_any_public_name_loads_the_library():
                       "print((a + a).to_dense().sum().item(), sparsenn.compiler.einsum is sparsenn.einsum)")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["4.0", "True"]
+
+
+# ------------------------------------------------------------------------- build notice
+BUILD_TWO = textwrap.dedent("""
+    import logging, sys
+    from sparsenn.compiler.backend import jit
+    if "--logger-error" in sys.argv:
+        logging.getLogger("sparsenn").setLevel(logging.ERROR)
+    sources = ['extern "C" int one() { return 1; }', 'extern "C" int two() { return 2; }']
+    libraries = jit.load_libraries([jit.KernelRequest(s, "notice") for s in sources], "the notice test")
+    print(libraries[0].one() + libraries[1].two(), jit.builds)
+""")
+
+
+@pytest.fixture
+def slow_compiler(tmp_path: Path) -> str:
+    """A C++ compiler that takes over a second per kernel: the system's, after a pause."""
+    wrapper = tmp_path / "slow-c++"
+    real = next(p for p in (Path(d) / c for c in ("c++", "g++", "clang++") for d in os.environ["PATH"].split(":"))
+                if p.is_file())
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) sleep 1.5 ;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    return str(wrapper)
+
+
+def notices(cache: Path, compiler: str, *args: str, **env: str) -> list[str]:
+    """The build notices on stderr of a fresh process loading two kernels; checks the kernels."""
+    done = subprocess.run([sys.executable, "-c", BUILD_TWO, *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "SPARSENN_CACHE_DIR": str(cache),
+                                         "CXX": compiler, **env})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[0] == "3"
+    return [line for line in done.stderr.splitlines() if "sparsenn: building" in line]
+
+
+def test_a_slow_build_says_so_once_and_a_cache_hit_says_nothing(tmp_path, slow_compiler):
+    cache = tmp_path / "cache"
+    assert notices(cache, slow_compiler) == [f"sparsenn: building 2 kernels for the notice test (cached in {cache})..."]
+    assert notices(cache, slow_compiler) == []
+
+
+@pytest.mark.parametrize("switch", [("--logger-error",), ()], ids=["logger level", "environment"])
+def test_the_build_notice_can_be_silenced(tmp_path, slow_compiler, switch):
+    assert notices(tmp_path / "cache", slow_compiler, *switch, **({} if switch else {"SPARSENN_QUIET_BUILDS": "1"})) == []
+
+
+# ------------------------------------------------------------------------- parallel builds
+def numbered_sources(count: int) -> list[str]:
+    return [f'extern "C" int number() {{ return {n}; }}\n' for n in range(count)]
+
+
+def test_parallel_builds_make_the_same_kernels_as_serial_ones(tmp_path, monkeypatch):
+    from sparsenn.compiler.backend import jit
+
+    sources = [f"// {tmp_path}\n" + s for s in numbered_sources(4)]  # new to this process's loaded libraries
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(tmp_path / "parallel"))
+    before = jit.builds
+    parallel = jit.load_libraries([jit.KernelRequest(source, f"k{n}") for n, source in enumerate(sources)])
+    assert jit.builds - before == 4
+    assert [lib.number() for lib in parallel] == [0, 1, 2, 3]
+    serially = run_python("import json, sys\nfrom sparsenn.compiler.backend import jit\n"
+                          "print([jit.load_library(s, f'k{n}').number() for n, s in enumerate(json.loads(sys.argv[1]))])",
+                          {"SPARSENN_CACHE_DIR": str(tmp_path / "serial")}, json.dumps(sources))
+    assert serially.returncode == 0, serially.stderr
+    assert serially.stdout.split() == ["[0,", "1,", "2,", "3]"]
+    for n in range(4):
+        (made_serially,) = (tmp_path / "serial").glob(f"k{n}_*.so")
+        assert (tmp_path / "parallel" / made_serially.name).read_bytes() == made_serially.read_bytes()
+
+
+def test_failed_parallel_builds_raise_one_error_naming_each_and_keep_the_others(tmp_path, monkeypatch):
+    from sparsenn.compiler.backend import jit
+
+    monkeypatch.setenv("SPARSENN_CACHE_DIR", str(tmp_path))
+    good = [f"// {tmp_path}\n" + s for s in numbered_sources(2)]
+    requests = [jit.KernelRequest(good[0], "good0"), jit.KernelRequest("int broken(", "broken_a"),
+                jit.KernelRequest(good[1], "good1"), jit.KernelRequest("not C++", "broken_b")]
+    with pytest.raises(jit.KernelBuildError, match=r"(?s)2 of 4 kernels failed to compile.*broken_a.*broken_b"):
+        jit.load_libraries(requests)
+    with pytest.raises(jit.KernelBuildError, match="failed to compile kernel broken_a") as one:
+        jit.load_libraries(requests[:2])
+    assert "kernels failed" not in str(one.value)
+    before = jit.builds
+    assert [lib.number() for lib in jit.load_libraries([requests[0], requests[2]])] == [0, 1]
+    assert jit.builds == before  # built by the failed request
 
 
 # ------------------------------------------------------------------------- precompile

@@ -144,12 +144,14 @@ def _run(mine: dict[str, Future], requests: list[KernelRequest], what: str | Non
     """Load or build the sources of ``mine``, each completing its future (and
     publishing the library for every thread)."""
     names = {r.source: _sanitise(r.name) for r in requests}
-    notice = _BuildNotice(what or ", ".join(sorted(set(names[s] for s in mine))))
+    targets = {source: _Target.of(source, names[source]) for source in mine}
+    missing = sum(not target.so_path.exists() for target in targets.values())
+    notice = _BuildNotice(missing, what or ", ".join(sorted(set(names[s] for s in mine))))
 
     def load(source: str) -> None:
         future = mine[source]
         try:
-            lib = _load_or_build(source, names[source], notice)
+            lib = _load_or_build(source, targets[source], notice)
         except BaseException as exc:
             future.set_exception(exc)
         else:
@@ -184,29 +186,29 @@ def _results(futures: list[tuple[KernelRequest, Future]]) -> list[ctypes.CDLL]:
 
 
 class _BuildNotice:
-    """The one notice of a request whose builds take longer than :data:`NOTICE_AFTER_S`."""
+    """The one notice of a request whose builds take longer than :data:`NOTICE_AFTER_S`:
+    ``count`` kernels (those not in the disk cache when it started) for ``what``."""
 
-    def __init__(self, what: str) -> None:
-        self.what, self.compiling, self.lock = what, 0, threading.Lock()
+    def __init__(self, count: int, what: str) -> None:
+        self.count, self.what, self.lock = count, what, threading.Lock()
         self.timer: threading.Timer | None = None
 
     def compile_started(self) -> None:
         with self.lock:
-            self.compiling += 1
             if self.timer is None and os.environ.get(QUIET_ENV, "") in ("", "0"):
                 self.timer = threading.Timer(NOTICE_AFTER_S, self._say)
                 self.timer.daemon = True
                 self.timer.start()
 
     def _say(self) -> None:
-        with self.lock:
-            count = self.compiling
+        count = max(self.count, 1)
         _log.warning("sparsenn: building %d kernel%s for %s (cached in %s)...", count, "" if count == 1 else "s",
                      self.what, cache_dir())
 
     def finish(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
 
 
 def cache_dir() -> pathlib.Path:
@@ -369,23 +371,37 @@ def _sanitise(name: str) -> str:
 # ------------------------------------------------------------------------- load / build
 
 
-def _load_or_build(source: str, name: str, notice: _BuildNotice) -> ctypes.CDLL:
+@dataclass(frozen=True)
+class _Target:
+    """Where a source's library goes in the cache: ``so_path``, named by ``key``, which
+    covers the source and the runtime ``headers`` it is compiled against."""
+
+    so_path: pathlib.Path
+    key: str
+    headers: dict[str, bytes]
+
+    @staticmethod
+    def of(source: str, name: str) -> _Target:
+        headers = _runtime_headers()
+        key = _cache_key(source, headers)
+        return _Target(cache_dir() / f"{name}_{key[:24]}.so", key, headers)
+
+
+def _load_or_build(source: str, target: _Target, notice: _BuildNotice) -> ctypes.CDLL:
     """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
     global builds
-    headers = _runtime_headers()
-    key = _cache_key(source, headers)
-    root = cache_dir()
-    so_path = root / f"{name}_{key[:24]}.so"
-    with _file_lock(root / f"{key}.lock"):
+    so_path = target.so_path
+    with _file_lock(so_path.parent / f"{target.key}.lock"):
         lib = _load_cached(so_path)
         if lib is None:
             notice.compile_started()
             started = time.perf_counter()
-            _build(source, headers, so_path, _compiler(), key)
+            _build(source, target.headers, so_path, _compiler(), target.key)
             lib = ctypes.CDLL(str(so_path))
             with _state_lock:
                 builds += 1
-            _log.info("built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
+            _log.info("built kernel %s in %.2f s (%s)", so_path.stem.rsplit("_", 1)[0], time.perf_counter() - started,
+                      so_path)
     return lib
 
 
