@@ -391,6 +391,7 @@ SOURCES: dict[str, tuple[Callable[[dict, Path], Run], tuple[str, ...]]] = {
     "tracing": (rows_reader("tracing", subject="compiled"), ("tracing/*.json",)),
     "moe": (rows_reader("moe", extra=(("GFLOP/s (routed pairs)", "gflops"),)), ("moe/*.json", "moe/*/*.json")),
     "models": (read_models, ("models/run.json",)),
+    "coldstart": (read_common, ("coldstart/*.json",)),
 }
 
 

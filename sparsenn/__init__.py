@@ -14,37 +14,40 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "SparseTensor",
-    "Format",
-    "parse_format",
-    "from_dense",
-    "from_torch",
-    "from_scipy",
-    "from_edge_index",
-    "from_coo",
-    "stack",
-    "cat",
-    "einsum",
-    "compile",
-    "explain",
-    "CompiledExpression",
-    "NotationError",
-    "KernelBuildError",
-    "CompilerNotFoundError",
-    "SparseLinear",
-    "SparseGCNConv",
-    "BlockSparseAttention",
-    "SparseMoEGate",
-    "SparseMoE",
-    "GateOutput",
-    "convert",
-    "ConversionReport",
-    "softmax",
-    "log_softmax",
-    "precompile",
-    "Precompiled",
-]
+# Each public name: the module defining it (and its name there, where it differs).
+_ORIGINS: dict[str, tuple[str, str] | str] = {
+    "SparseTensor": "sparsenn.formats",
+    "Format": "sparsenn.formats",
+    "parse_format": "sparsenn.formats",
+    "from_dense": "sparsenn.formats",
+    "from_torch": "sparsenn.formats",
+    "from_scipy": "sparsenn.formats",
+    "from_edge_index": "sparsenn.formats",
+    "from_coo": "sparsenn.formats",
+    "stack": "sparsenn.formats",
+    "cat": "sparsenn.formats",
+    "einsum": "sparsenn.compiler",
+    "compile": ("sparsenn.compiler", "compile_expression"),
+    "explain": "sparsenn.compiler",
+    "CompiledExpression": "sparsenn.compiler",
+    "NotationError": "sparsenn.compiler",
+    "KernelBuildError": "sparsenn.compiler",
+    "CompilerNotFoundError": "sparsenn.compiler",
+    "SparseLinear": "sparsenn.layers",
+    "SparseGCNConv": "sparsenn.layers",
+    "BlockSparseAttention": "sparsenn.layers",
+    "SparseMoEGate": "sparsenn.layers",
+    "SparseMoE": "sparsenn.layers",
+    "GateOutput": "sparsenn.layers",
+    "convert": "sparsenn.convert",
+    "ConversionReport": "sparsenn.convert",
+    "softmax": "sparsenn.functional",
+    "log_softmax": "sparsenn.functional",
+    "precompile": "sparsenn.precompile",
+    "Precompiled": "sparsenn.precompile",
+}
+
+__all__ = list(_ORIGINS)
 
 _SUBPACKAGES = ("compiler", "formats", "layers", "functional", "cli")
 # Public functions named like the module defining them: importing the module must not
@@ -53,43 +56,13 @@ _SHADOWED_BY_MODULES = ("convert", "precompile")
 
 
 def _public_api() -> dict[str, Any]:
-    """Every name of ``__all__``, importing the library (and so the compiler, which
+    """Every name of ``__all__``, importing the library (the compiler among it, which
     installs SparseTensor's arithmetic)."""
-    from sparsenn.compiler import (
-        CompiledExpression,
-        CompilerNotFoundError,
-        KernelBuildError,
-        NotationError,
-        einsum,
-        explain,
-    )
-    from sparsenn.compiler import compile_expression as compile
-    from sparsenn.convert import ConversionReport, convert
-    from sparsenn.formats import (
-        Format,
-        SparseTensor,
-        cat,
-        from_coo,
-        from_dense,
-        from_edge_index,
-        from_scipy,
-        from_torch,
-        parse_format,
-        stack,
-    )
-    from sparsenn.functional import log_softmax, softmax
-    from sparsenn.layers import (
-        BlockSparseAttention,
-        GateOutput,
-        SparseGCNConv,
-        SparseLinear,
-        SparseMoE,
-        SparseMoEGate,
-    )
-    from sparsenn.precompile import Precompiled, precompile
-
-    names = locals()
-    return {name: names[name] for name in __all__}
+    api = {}
+    for name, origin in _ORIGINS.items():
+        module, attribute = origin if isinstance(origin, tuple) else (origin, name)
+        api[name] = getattr(importlib.import_module(module), attribute)
+    return api
 
 
 def __getattr__(name: str) -> Any:

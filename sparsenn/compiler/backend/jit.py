@@ -118,17 +118,16 @@ def load_libraries(requests: Sequence[KernelRequest], what: str | None = None) -
     futures, mine = [], {}
     with _state_lock:
         for request in requests:
-            future = _loading.get(request.source)
-            if request.source in _libraries:
+            source = request.source
+            future = _loading.get(source) or mine.get(source)
+            if source in _libraries:
                 future = Future()
-                future.set_result(_libraries[request.source])
+                future.set_result(_libraries[source])
             elif future is None:
-                future = mine.get(request.source)
-                if future is None:
-                    future = mine[request.source] = _loading[request.source] = Future()
+                future = mine[source] = _loading[source] = Future()
             futures.append((request, future))
     if mine:
-        _run(mine, [r for r, _ in futures], what)
+        _run(mine, {r.source: _sanitise(r.name) for r in requests}, what)
     return _results(futures)
 
 
@@ -140,27 +139,36 @@ def build_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _run(mine: dict[str, Future], requests: list[KernelRequest], what: str | None) -> None:
-    """Load or build the sources of ``mine``, each completing its future (and
-    publishing the library for every thread)."""
-    names = {r.source: _sanitise(r.name) for r in requests}
-    targets = {source: _Target.of(source, names[source]) for source in mine}
+def _run(mine: dict[str, Future], names: dict[str, str], what: str | None) -> None:
+    """Load or build each source of ``mine`` (its file-name hint in ``names``), completing
+    its future and publishing the library to every thread."""
+
+    def settle(source: str, lib: ctypes.CDLL | None, error: BaseException | None) -> None:
+        with _state_lock:
+            _loading.pop(source, None)
+            if lib is not None:
+                _libraries[source] = lib
+        if error is None:
+            mine[source].set_result(lib)
+        else:
+            mine[source].set_exception(error)
+
+    try:
+        targets = {source: _Target.of(source, names[source]) for source in mine}
+    except BaseException as exc:  # e.g. an unusable cache directory: every request fails with it
+        for source in mine:
+            settle(source, None, exc)
+        return
     missing = sum(not target.so_path.exists() for target in targets.values())
     notice = _BuildNotice(missing, what or ", ".join(sorted(set(names[s] for s in mine))))
 
     def load(source: str) -> None:
-        future = mine[source]
         try:
             lib = _load_or_build(source, targets[source], notice)
         except BaseException as exc:
-            future.set_exception(exc)
+            settle(source, None, exc)
         else:
-            future.set_result(lib)
-            with _state_lock:
-                _libraries[source] = lib
-        finally:
-            with _state_lock:
-                _loading.pop(source, None)
+            settle(source, lib, None)
 
     try:
         if len(mine) == 1:
