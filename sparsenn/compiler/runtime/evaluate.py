@@ -45,7 +45,8 @@ from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_key, check_call
 
-__all__ = ["evaluate", "build_together", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall", "DensifiedCall"]
+__all__ = ["evaluate", "build_together", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall",
+           "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
