@@ -212,6 +212,9 @@ def main() -> None:
     from structured import git_commit, machine_info
 
     info = machine_info()
+    if info["loadavg"][0] > info["cores"]:
+        notes.insert(0, f"Load average {info['loadavg'][0]:.1f} on {info['cores']} cores at the end: other processes "
+                        "shared the cores, so absolute times are inflated; the interleaved ratios are the comparison.")
     if args.before:
         notes.insert(0, f"'before' is the checkout at `{git_commit(args.before.resolve())}`, measured in the same "
                         "run, interleaved.")
