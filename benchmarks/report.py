@@ -392,6 +392,7 @@ SOURCES: dict[str, tuple[Callable[[dict, Path], Run], tuple[str, ...]]] = {
     "torchfunc": (rows_reader("torchfunc", subject="vmap"), ("torchfunc/*.json",)),
     "moe": (rows_reader("moe", extra=(("GFLOP/s (routed pairs)", "gflops"),)), ("moe/*.json", "moe/*/*.json")),
     "models": (read_models, ("models/run.json",)),
+    "coldstart": (read_common, ("coldstart/*.json",)),
 }
 
 

@@ -24,8 +24,10 @@ class Precompiled:
 
 
 def precompile(module: nn.Module, *example_inputs, backward: bool = True, **example_kwargs) -> Precompiled:
-    """Run ``module(*example_inputs, **example_kwargs)`` once, and its backward pass when
-    ``backward`` and a parameter requires grad, so every kernel they need is built into
+    """Run ``module(*example_inputs, **example_kwargs)`` without gradients (inference
+    kernels), then, when ``backward`` and a parameter requires grad, with them and its
+    backward pass (training kernels: a differentiable call may run other kernels, and
+    the gradients' kernels build concurrently), so every kernel they need is built into
     the kernel cache (``$SPARSENN_CACHE_DIR``).
 
     Kernels depend on the operands' formats, dtypes and shapes up to the schedule's
@@ -39,11 +41,16 @@ def precompile(module: nn.Module, *example_inputs, backward: bool = True, **exam
     params = [p for p in module.parameters() if p.requires_grad]
     try:
         module.eval()
-        with torch.random.fork_rng(), torch.set_grad_enabled(backward and bool(params)):
-            outputs = module(*example_inputs, **example_kwargs)
-            tensors = [t for t in _tensors(outputs) if t.requires_grad]
-            if tensors:
-                torch.autograd.grad(tensors, params, [torch.ones_like(t) for t in tensors], allow_unused=True)
+        with torch.random.fork_rng():
+            with torch.no_grad():
+                module(*example_inputs, **example_kwargs)
+            if backward and params:
+                with torch.enable_grad():
+                    outputs = module(*example_inputs, **example_kwargs)
+                    tensors = [t for t in _tensors(outputs) if t.requires_grad]
+                    if tensors:
+                        torch.autograd.grad(tensors, params, [torch.ones_like(t) for t in tensors],
+                                            allow_unused=True)
     finally:
         module.train(training)
     return Precompiled(jit.builds - built, time.perf_counter() - started)

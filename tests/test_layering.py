@@ -128,7 +128,7 @@ def test_operators_without_the_compiler_raise_a_clear_error(tmp_path: Path) -> N
     errors = done.stdout.splitlines()
     assert len(errors) == 2
     assert all("arithmetic (+, -, *, @) is computed by the sparse einsum compiler" in e for e in errors)
-    assert all("import sparsenn first" in e for e in errors)
+    assert all("import sparsenn.compiler first" in e for e in errors)
 
 
 def test_install_rejects_other_objects() -> None:

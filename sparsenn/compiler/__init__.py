@@ -60,12 +60,19 @@ contraction paths and their pair schedules, re-stored patterns) are bounded LRU 
 :func:`clear_caches` empties them (compiled kernels stay loaded and on disk).
 """
 
+from dataclasses import replace
+
+from sparsenn.formats.arithmetic import install_arithmetic
+
 from .backend.jit import CompilerNotFoundError, KernelBuildError
 from .notation import NotationError
+from .operators import ARITHMETIC
 from .plan.target import Target
 from .runtime.api import CompiledExpression, compile_expression, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
 from .runtime.memory import poison_outputs, set_output_pool_limit
+
+install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @ and sum run through the compiler
 
 __all__ = [
     "einsum",

@@ -41,6 +41,7 @@ from torch._functorch.utils import unwrap_dead_wrappers
 
 from sparsenn.formats import SparseTensor
 
+from .backend import jit
 from .batching import batched_call
 from .functions import apply, derivative
 from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
@@ -64,6 +65,7 @@ class _Spec:
         self.out_format = out_format
         self.evaluate = evaluate
         self.result: SparseTensor | None = None
+        self.built_kernels = False  # the forward compiled a kernel: the backward's are likely new too
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
         """The operands: dense tensors, or values on their templates' patterns."""
@@ -228,7 +230,9 @@ class _SparseEinsum(torch.autograd.Function):
     @staticmethod
     def forward(spec: _Spec, *tensors):
         tensors = [t if tpl is None else t.contiguous() for tpl, t in zip(spec.templates, tensors)]  # kernels' layout
+        built = jit.builds
         result = spec.evaluate(spec.assignment, spec.rebuild(tensors), spec.out_format)
+        spec.built_kernels = jit.builds != built
         if isinstance(result, SparseTensor):
             spec.result = result  # the pattern is fixed; its values carry the gradient
             return result.values
@@ -319,15 +323,20 @@ def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled
 
 def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
-    values (sparse) or like it (dense); None for an operand no factor reads."""
+    values (sparse) or like it (dense); None for an operand no factor reads. After a
+    forward that compiled its kernel, the gradients' kernels are built together first."""
     read = {a.operand for a in spec.assignment.accesses}
+    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in read}
+    if spec.built_kernels and len(calls) > 1:
+        from .runtime.evaluate import build_together
+
+        build_together(list(calls.values()))
     grads = []
     for n in wanted:
-        if n not in read:
+        if n not in calls:
             grads.append(None)
             continue
-        assignment, inputs, out_format = _gradient_expression(spec, n, operands, grad_out, result)
-        g = spec.run(assignment, inputs, out_format)
+        g = spec.run(*calls[n])
         template = spec.templates[n]
         if isinstance(g, SparseTensor):
             g = g.values

@@ -3,8 +3,8 @@
 Each operator is an index-notation expression (``C[a,b] = A[a,b] + B[a,b]``,
 ``einsum("ij,jk->ik")``), so its kernel, output format and schedule come from the
 same pipeline as every other expression. ``SparseTensor``'s operators call them through
-:data:`ARITHMETIC`, which ``sparsenn`` installs into ``formats`` on import (storage
-never imports the compiler).
+:data:`ARITHMETIC`, which the compiler installs into ``formats`` when it is imported
+(storage never imports the compiler).
 """
 
 from __future__ import annotations

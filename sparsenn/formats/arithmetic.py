@@ -2,7 +2,8 @@
 reductions (``sum``).
 
 Storage does not compute: the sparse einsum compiler (a layer above ``formats``)
-supplies the operations when ``sparsenn`` is imported, through
+supplies the operations when it is imported (``import sparsenn`` and any use of its
+API, or ``import sparsenn.compiler``), through
 :func:`install_arithmetic`. ``formats`` never imports the compiler.
 """
 
@@ -47,6 +48,6 @@ def arithmetic(need_einsum: bool = False) -> Arithmetic:
     if not _installed or (need_einsum and _installed[0].einsum is None):
         raise RuntimeError(
             "SparseTensor arithmetic (+, -, *, @) is computed by the sparse einsum compiler (sum too), which "
-            "installs it when sparsenn is imported; none is installed (import sparsenn first)"
+            "installs it when it is imported; none is installed (import sparsenn.compiler first)"
         )
     return _installed[0]

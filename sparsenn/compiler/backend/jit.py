@@ -7,8 +7,14 @@ it, and loaded with :class:`ctypes.CDLL` (which releases the GIL during calls). 
 a cached kernel never runs the compiler, so a cache warmed on a build machine (e.g. by
 :func:`sparsenn.precompile`) serves one without a compiler; after changing compilers,
 clear the cache to rebuild with the new one. When the cache directory cannot be created or
-written, kernels go to a temporary directory of the process, removed when it exits. Each build
-is logged (logger ``sparsenn``, INFO).
+written, kernels go to a temporary directory of the process, removed when it exits.
+
+:func:`load_libraries` builds the kernels a caller needs together: one compiler process
+per kernel, as many at once as the process may use cores. A request whose builds run past
+:data:`NOTICE_AFTER_S` says so once, on the ``sparsenn`` logger at WARNING (shown by
+Python's last-resort handler when logging is not configured): "sparsenn: building N
+kernel(s) for <what> (cached in DIR)". ``SPARSENN_QUIET_BUILDS=1`` or a logger level above
+WARNING silences it; each build is also logged at INFO.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 # Imported for its side effect: torch loads its bundled libgomp.so.1 first, so kernels
 # (which link against the same soname) share torch's OpenMP runtime instead of a second one.
@@ -52,6 +60,9 @@ GCC_FLAGS = ("-fvect-cost-model=very-cheap",)
 # Bump when the cache layout or build procedure changes, to invalidate old entries.
 FORMAT_VERSION = "3"
 BUILD_TIMEOUT_S = 600
+NOTICE_AFTER_S = 1.0
+"""A request still building after this long says so (see the module doc)."""
+QUIET_ENV = "SPARSENN_QUIET_BUILDS"
 # The runtime headers (``*.h``) kernels may include, e.g. ``#include "sparsenn_kernel.h"``.
 RUNTIME_HEADERS = importlib.resources.files(__package__) / "runtime"
 _MAX_NAME_LEN = 40
@@ -70,27 +81,142 @@ class CompilerNotFoundError(RuntimeError):
 
 
 _libraries: dict[str, ctypes.CDLL] = {}  # source text -> loaded library
+_loading: dict[str, Future] = {}  # source text -> its load or build in progress, in some thread
 builds = 0  # kernels this process compiled (not loaded from the cache)
-_build_lock = threading.Lock()
+_state_lock = threading.Lock()  # guards the three above
 _dir_lock = threading.Lock()
 _resolved_dir: tuple[str | None, pathlib.Path] | None = None  # ($SPARSENN_CACHE_DIR, dir)
 _fallback_dir: pathlib.Path | None = None
 
 
-def load_library(source: str, name: str = "kernel") -> ctypes.CDLL:
+@dataclass(frozen=True)
+class KernelRequest:
+    """A kernel to load: its C++ ``source`` and a readable ``name`` hint for file names."""
+
+    source: str
+    name: str = "kernel"
+
+
+def load_library(source: str, name: str = "kernel", what: str | None = None) -> ctypes.CDLL:
     """Return the compiled, loaded library for ``source``, building it if needed.
 
-    ``name`` is only a readable hint used in file names.
-    """
-    lib = _libraries.get(source)
-    if lib is not None:
-        return lib
-    with _build_lock:
-        lib = _libraries.get(source)
-        if lib is None:
-            lib = _load_or_build(source, _sanitise(name))
-            _libraries[source] = lib
-        return lib
+    ``name`` is only a readable hint used in file names; ``what`` says what the kernel
+    computes, for the build notice."""
+    return load_libraries([KernelRequest(source, name)], what)[0]
+
+
+def load_libraries(requests: Sequence[KernelRequest], what: str | None = None) -> list[ctypes.CDLL]:
+    """The loaded library of each request, in order: those neither loaded nor in the disk
+    cache are compiled concurrently, at most :func:`build_workers` at a time.
+
+    Every request is attempted; if any build fails, :class:`KernelBuildError` names each
+    failed kernel after the others finished. ``what`` describes the kernels for the build
+    notice (default: their names)."""
+    found = [_libraries.get(r.source) for r in requests]
+    if all(lib is not None for lib in found):
+        return found  # type: ignore[return-value]
+    futures, mine = [], {}
+    with _state_lock:
+        for request in requests:
+            source = request.source
+            future = _loading.get(source) or mine.get(source)
+            if source in _libraries:
+                future = Future()
+                future.set_result(_libraries[source])
+            elif future is None:
+                future = mine[source] = _loading[source] = Future()
+            futures.append((request, future))
+    if mine:
+        _run(mine, {r.source: _sanitise(r.name) for r in requests}, what)
+    return _results(futures)
+
+
+def build_workers() -> int:
+    """How many kernels build at once: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _run(mine: dict[str, Future], names: dict[str, str], what: str | None) -> None:
+    """Load or build each source of ``mine`` (its file-name hint in ``names``), completing
+    its future and publishing the library to every thread."""
+
+    def settle(source: str, lib: ctypes.CDLL | None, error: BaseException | None) -> None:
+        with _state_lock:
+            _loading.pop(source, None)
+            if lib is not None:
+                _libraries[source] = lib
+        if error is None:
+            mine[source].set_result(lib)
+        else:
+            mine[source].set_exception(error)
+
+    try:
+        targets = {source: _Target.of(source, names[source]) for source in mine}
+    except BaseException as exc:  # e.g. an unusable cache directory: every request fails with it
+        for source in mine:
+            settle(source, None, exc)
+        return
+    missing = sum(not target.so_path.exists() for target in targets.values())
+    notice = _BuildNotice(missing, what or ", ".join(sorted(set(names[s] for s in mine))))
+
+    def load(source: str) -> None:
+        try:
+            lib = _load_or_build(source, targets[source], notice)
+        except BaseException as exc:
+            settle(source, None, exc)
+        else:
+            settle(source, lib, None)
+
+    try:
+        if len(mine) == 1:
+            load(next(iter(mine)))
+        else:
+            with ThreadPoolExecutor(min(len(mine), build_workers()), thread_name_prefix="sparsenn-build") as pool:
+                list(pool.map(load, mine))
+    finally:
+        notice.finish()
+
+
+def _results(futures: list[tuple[KernelRequest, Future]]) -> list[ctypes.CDLL]:
+    """Each future's library. A failure raises its error; several failed builds raise one
+    :class:`KernelBuildError` with each one's message."""
+    failures = [f.exception() for _, f in futures if f.exception() is not None]
+    if not failures:
+        return [f.result() for _, f in futures]
+    other = [e for e in failures if not isinstance(e, KernelBuildError)]
+    if other or len(failures) == 1:
+        raise (other or failures)[0]
+    raise KernelBuildError(f"{len(failures)} of {len(futures)} kernels failed to compile:\n\n"
+                           + "\n\n".join(str(e) for e in failures))
+
+
+class _BuildNotice:
+    """The one notice of a request whose builds take longer than :data:`NOTICE_AFTER_S`:
+    ``count`` kernels (those not in the disk cache when it started) for ``what``."""
+
+    def __init__(self, count: int, what: str) -> None:
+        self.count, self.what, self.lock = count, what, threading.Lock()
+        self.timer: threading.Timer | None = None
+
+    def compile_started(self) -> None:
+        with self.lock:
+            if self.timer is None and os.environ.get(QUIET_ENV, "") in ("", "0"):
+                self.timer = threading.Timer(NOTICE_AFTER_S, self._say)
+                self.timer.daemon = True
+                self.timer.start()
+
+    def _say(self) -> None:
+        count = max(self.count, 1)
+        _log.warning("sparsenn: building %d kernel%s for %s (cached in %s)...", count, "" if count == 1 else "s",
+                     self.what, cache_dir())
+
+    def finish(self) -> None:
+        with self.lock:
+            if self.timer is not None:
+                self.timer.cancel()
 
 
 def cache_dir() -> pathlib.Path:
@@ -253,21 +379,37 @@ def _sanitise(name: str) -> str:
 # ------------------------------------------------------------------------- load / build
 
 
-def _load_or_build(source: str, name: str) -> ctypes.CDLL:
+@dataclass(frozen=True)
+class _Target:
+    """Where a source's library goes in the cache: ``so_path``, named by ``key``, which
+    covers the source and the runtime ``headers`` it is compiled against."""
+
+    so_path: pathlib.Path
+    key: str
+    headers: dict[str, bytes]
+
+    @staticmethod
+    def of(source: str, name: str) -> _Target:
+        headers = _runtime_headers()
+        key = _cache_key(source, headers)
+        return _Target(cache_dir() / f"{name}_{key[:24]}.so", key, headers)
+
+
+def _load_or_build(source: str, target: _Target, notice: _BuildNotice) -> ctypes.CDLL:
     """Load the cached library for ``source`` from disk, (re)building it under a file lock."""
     global builds
-    headers = _runtime_headers()
-    key = _cache_key(source, headers)
-    root = cache_dir()
-    so_path = root / f"{name}_{key[:24]}.so"
-    with _file_lock(root / f"{key}.lock"):
+    so_path = target.so_path
+    with _file_lock(so_path.parent / f"{target.key}.lock"):
         lib = _load_cached(so_path)
         if lib is None:
+            notice.compile_started()
             started = time.perf_counter()
-            _build(source, headers, so_path, _compiler(), key)
+            _build(source, target.headers, so_path, _compiler(), target.key)
             lib = ctypes.CDLL(str(so_path))
-            builds += 1
-            _log.info("built kernel %s in %.2f s (%s)", name, time.perf_counter() - started, so_path)
+            with _state_lock:
+                builds += 1
+            _log.info("built kernel %s in %.2f s (%s)", so_path.stem.rsplit("_", 1)[0], time.perf_counter() - started,
+                      so_path)
     return lib
 
 
@@ -344,35 +486,15 @@ def _compile(
     compiler: tuple[str, ...], build_dir: pathlib.Path, src: str, out: str
 ) -> tuple[bool, str]:
     """Compile ``build_dir/src`` to ``build_dir/out``; returns (success, compiler output)."""
-    ninja = _ninja()
     flags = (*compiler_flags(_compiler_version(compiler)), "-I", str(build_dir / "include"))
-    if ninja is None:
-        command = [*compiler, *flags, src, "-o", out]
-    else:
-        compile_command = shlex.join([*compiler, *flags]).replace("$", "$$")
-        (build_dir / "build.ninja").write_text(
-            f"rule cxx\n  command = {compile_command} $in -o $out\n  description = CXX $out\n"
-            f"build {out}: cxx {src}\n"
-        )
-        command = [ninja, "-C", str(build_dir)]
     try:
         result = subprocess.run(
-            command, cwd=build_dir, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+            [*compiler, *flags, src, "-o", out], cwd=build_dir, capture_output=True, text=True,
+            timeout=BUILD_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
         return False, f"compilation timed out after {BUILD_TIMEOUT_S} s"
     return result.returncode == 0, (result.stdout + result.stderr).strip()
-
-
-@functools.lru_cache(maxsize=None)
-def _ninja() -> str | None:
-    """Path of the ninja executable (from the ``ninja`` package or PATH), or None."""
-    try:
-        import ninja
-    except ImportError:
-        return shutil.which("ninja")
-    path = pathlib.Path(ninja.BIN_DIR) / "ninja"
-    return str(path) if path.is_file() else shutil.which("ninja")
 
 
 def _trim(log: str) -> str:

@@ -43,13 +43,14 @@ from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
 __all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO",
-           "operand_info", "plan_call", "build_kernel", "runs_parallel", "decisions",
+           "operand_info", "plan_call", "build_kernel", "build_plans", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 
 DENSE = "dense"  # out_format: a dense torch.Tensor
 AUTO = "auto"  # out_format: the inferred format, dense when its estimated fill is high
 
 Request = Format | str | None  # None (inferred), DENSE, AUTO or a requested format
+KERNEL_NAME = "sparse_einsum"  # the kernels' file-name hint in the kernel cache
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,18 @@ def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Form
         finish_order = tuple(abi.finish_arrays(fmt.rank, fmt.dense_prefix))
 
     def load() -> abi.EntryPoints:
-        return abi.bind(jit.load_library(source, "sparse_einsum"), assembles_sparse_output=not kernel.dense_output)
+        library = jit.load_library(source, KERNEL_NAME, str(assignment))
+        return abi.bind(library, assembles_sparse_output=not kernel.dense_output)
 
     return Generated(kernel, source, arguments, finish_order, load)
+
+
+def build_plans(plans: Sequence[Plan]) -> None:
+    """Build the kernels of ``plans`` concurrently (into the kernel cache and loaded), so
+    that each ``plan.load()`` then finds its library."""
+    assignments = list(dict.fromkeys(str(p.assignment) for p in plans))
+    what = assignments[0] + (f" and {len(assignments) - 1} more" if len(assignments) > 1 else "") if plans else ""
+    jit.load_libraries([jit.KernelRequest(p.source, KERNEL_NAME) for p in plans], what)
 
 
 # ----------------------------------------------------------------------------- contraction paths

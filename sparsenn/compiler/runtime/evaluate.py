@@ -38,14 +38,16 @@ from ..notation import Access, Assignment, Term, parse_einsum
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
-from ..plan.planner import DENSE, Request, ShapePlan, contraction_path, operand_infos, path_request, plan_call
+from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_path, operand_infos, path_request,
+                             plan_call)
 from . import memory
 from .cache import GuardedCache
 from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
-__all__ = ["evaluate", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall", "DensifiedCall"]
+__all__ = ["evaluate", "build_together", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall",
+           "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -68,6 +70,23 @@ def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Te
     if key is not None:
         _calls.store(assignment, key, call_guard(assignment, operands, out_format), run)
     return run(checked.operands)
+
+
+def build_together(calls: Sequence[tuple[Assignment, Sequence, Request]]) -> None:
+    """Plan each ``(assignment, operands, out_format)`` call and build the kernels they
+    run together (concurrently), so that evaluating them one by one only loads them.
+    Calls computed otherwise (torch, a contraction path, the dense path) build nothing here."""
+    plans = []
+    for assignment, operands, out_format in calls:
+        checked = check_call(assignment, operands, out_format)
+        routed = route(assignment, checked)
+        if isinstance(routed, SplitCall):
+            split = routed.split
+            routed = route(split.assignment, check_call(split.assignment, split.operands(checked.operands),
+                                                        split.request))
+        if isinstance(routed, ShapePlan):
+            plans.append(routed.plan)
+    build_plans(plans)
 
 
 def split_of(assignment: Assignment, checked: Checked) -> Split | None:

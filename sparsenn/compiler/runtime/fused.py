@@ -29,11 +29,11 @@ from ..backend.codegen import generate_fused_source
 from ..blocks import Split
 from ..lower.fuse import FusedStage, lower_fused, team_of
 from ..notation import Assignment
-from ..plan.planner import Plan, runs_parallel
+from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .cache import LRUCache
-from .evaluate import SplitCall, evaluate, resolve
-from .launcher import Launch, output_allocator, run_stages
-from .validate import call_key, check_call
+from .evaluate import SplitCall, evaluate, route
+from .launcher import Launch, bind, output_allocator, run_stages
+from .validate import Checked, call_key, check_call
 
 __all__ = ["Result", "Step", "run_steps", "evaluate_steps"]
 
@@ -176,11 +176,11 @@ def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
         checked = check_call(step.assignment, ops, step.out_format(ops))
         if checked.dtype not in (torch.float32, torch.float64):
             return None
-        runnable, split = resolve(step.assignment, checked), None
+        runnable, split = _stage(step.assignment, checked), None
         if isinstance(runnable, SplitCall):
             split = runnable.split
-            runnable = resolve(split.assignment, check_call(split.assignment, split.operands(checked.operands),
-                                                            split.request))
+            runnable = _stage(split.assignment, check_call(split.assignment, split.operands(checked.operands),
+                                                           split.request))
         if not _plain(runnable):
             return None
         plan = runnable.plan
@@ -197,10 +197,20 @@ def _build(steps: tuple[Step, ...], operands: Sequence) -> _Fused | None:
     vector_bytes = max(stage.plan.kernel.vector_bytes for stage in stages)
     source = generate_fused_source(lowered, str(parts[0].launch.dtype).removeprefix("torch."),
                                    str(parts[0].launch.index_dtype).removeprefix("torch."), vector_bytes)
-    entry = abi.bind(jit.load_library(source, "fused_einsum"), assembles_sparse_output=False)
+    what = f"{steps[0].assignment} and {len(steps) - 1} more fused step{'s' if len(steps) > 2 else ''}"
+    entry = abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
     dims = [d for part in parts for d in part.launch.dims]
     own = tuple(k for k, step in enumerate(steps) if step.into is None)
     return _Fused(parts, entry, dims, any(runs_parallel(p.launch.plan.schedule) for p in parts), own)
+
+
+def _stage(assignment: Assignment, checked: Checked) -> object:
+    """What a checked call runs, as :func:`evaluate.resolve` finds it, except that a
+    kernel's launch is bound without building the kernel: the fused kernel runs instead."""
+    routed = route(assignment, checked)
+    if isinstance(routed, ShapePlan):
+        return bind(routed, checked.operands, checked.sizes, checked.dtype, checked.index_dtype, load=False)
+    return routed
 
 
 def _aligned(stages: Sequence[FusedStage], parts: Sequence[_Part]) -> bool:

@@ -69,10 +69,11 @@ class Assembly:
 @dataclass(frozen=True)
 class Launch:
     """A :class:`Plan` bound to a call signature (see the module doc); ``run(operands)``
-    launches it."""
+    launches it. A launch bound without its kernel (``entry`` None: a fused kernel's
+    stage, which only needs the layouts) has no ``run``."""
 
     plan: Plan
-    entry: EntryPoints
+    entry: EntryPoints | None
     dims: ctypes.Array
     parallel: bool
     stages: tuple[Stage, ...]
@@ -88,7 +89,8 @@ class Launch:
     run: Callable[[Sequence], torch.Tensor | SparseTensor] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "run", _runner(self))
+        if self.entry is not None:
+            object.__setattr__(self, "run", _runner(self))
 
 
 def run_stages(stages: Sequence[Stage], operands: Sequence) -> list | None:
@@ -168,10 +170,11 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
 
 
 def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: torch.dtype,
-         index_dtype: torch.dtype) -> Launch:
+         index_dtype: torch.dtype, load: bool = True) -> Launch:
     """``shaped``'s plan bound to ``operands``' shapes and layouts. Valid for every call
     whose :func:`validate.call_key` is theirs (the key fixes shapes, strides, formats,
-    stored positions and index widths), or for this call only."""
+    stored positions and index widths), or for this call only. Without ``load``, the
+    kernel is neither built nor loaded (the launch has no ``run``)."""
     plan = shaped.plan
     stages: list[Stage] = []
     sources: list[tuple[bool, int]] = []  # per slot: (read from a stage, operand or stage number)
@@ -211,7 +214,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
             terms.append(f"{source}.values.data_ptr()")
         else:
             terms.append(f"{source}.{kind}[{argument.level}].data_ptr()")
-    entry = plan.load()
+    entry = plan.load() if load else None
     kernel = plan.kernel
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
     assembly = None
