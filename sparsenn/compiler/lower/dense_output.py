@@ -414,13 +414,7 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
 
         lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.lt(ab, left), ir.Assign(ab, ir.Const(tile.rows), "+="),
                        lo.block(run_tile)))
-        given = plain.bounds.get(a)
-        plain.bounds[a] = (left, a_hi)
-        inner()
-        if given is None:  # the wrapper may be emitted again (in another branch): as it found the bounds
-            del plain.bounds[a]
-        else:
-            plain.bounds[a] = given
+        _rows_left(plain, a, (left, a_hi), inner)
 
     return wrapper
 
@@ -698,15 +692,22 @@ def _register_tile(lo, nest, plain: NestWalk, term, coef, once, k_range, with_k,
         fiber[0] = None  # the wrapper may be emitted again (in another branch)
         if tile.packed:
             return
-        given = plain.bounds.get(a)
-        plain.bounds[a] = (left, a_hi)
-        inner()
-        if given is None:  # the wrapper may be emitted again (in another branch): as it found the bounds
-            del plain.bounds[a]
-        else:
-            plain.bounds[a] = given
+        _rows_left(plain, a, (left, a_hi), inner)
 
     return wrapper
+
+
+def _rows_left(plain: NestWalk, a: str, rows: tuple, inner) -> None:
+    """``inner()`` (``plain``, the register block) over ``rows`` of loop ``a``, the rows a
+    tile's wrapper left; ``plain``'s bounds of ``a`` are restored after, since the wrapper
+    may be emitted again (in another branch)."""
+    given = plain.bounds.get(a)
+    plain.bounds[a] = rows
+    inner()
+    if given is None:
+        del plain.bounds[a]
+    else:
+        plain.bounds[a] = given
 
 
 def _held(st) -> tuple[str, ...]:

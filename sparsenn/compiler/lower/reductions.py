@@ -142,7 +142,6 @@ def sparse_reduction(
     def fill():
         cursor = open_cursor(lo, driver, states[driver], bounds)
         q = cursor.q
-        vsum = _gathered_sums(lo, index, states, driver, cursor, factors) if gathered else None
 
         def step(position: ir.Expr, target: ir.Expr) -> ir.Block:
             def body():
@@ -151,12 +150,12 @@ def sparse_reduction(
             return lo.block(body)
 
         lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
+        if gathered:
+            _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)))
         lo.emit(ir.For(None, ir.le(ir.add(q, n), cursor.h), ir.Assign(q, ir.Const(n), "+="), ir.Block((
             counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
         lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
         lo.emit(counted(U, n, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="), pragma=None, start=1))
-        if vsum is not None:
-            lo.emit(ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Call("hsum", (vsum,)), "+="))
         lo.emit(ir.Assign(accumulator, ir.mul(coef, ir.Elem(acc, (ir.Const(0),))), "+="))
 
     lo.emit(lo.block(fill))
@@ -165,11 +164,13 @@ def sparse_reduction(
 GATHERED_VECTORS = 2  # SIMD sums of a gathered sparse reduction (a gather's latency is long)
 
 
-def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int]) -> ir.Var:
-    """Whole groups of ``GATHERED_VECTORS`` vectors of positions from ``q``: the driving
-    factor's values loaded, each dense factor gathered at the positions' coordinates
-    (its offset is affine in the coordinate), summed into SIMD sums; returns their sum."""
-    q, sums, total = cursor.q, lo.fresh("gsum"), lo.fresh("gtot")
+def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int],
+                   into: ir.Expr) -> None:
+    """When the fiber holds a whole group of ``GATHERED_VECTORS`` vectors of positions
+    from ``q``: every such group, the driving factor's values loaded, each dense factor
+    gathered at the positions' coordinates (its offset is affine in the coordinate),
+    summed into SIMD sums, whose lanes are then added into ``into``."""
+    q, sums = cursor.q, lo.fresh("gsum")
     lanes = ir.mul(U, ir.Lanes())
 
     def lane_values(st, k: int) -> ir.Expr:
@@ -188,13 +189,17 @@ def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor
         return ir.Gather(ir.Array("dense", st.slot), base, cursor.crd, ir.add(q, lanes), stride)
 
     step = ir.mul(ir.Const(GATHERED_VECTORS), ir.Lanes())
-    lo.emit(ir.Decl(sums, "VV", "zero", shape=(GATHERED_VECTORS,)))
-    lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
-        counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (U,)), product_of(
-            [lane_values(states[k], k) for k in factors]), "+=")),))))
-    lo.emit(ir.Decl(total, "VV", ir.Elem(sums, (ir.Const(0),))))
-    lo.emit(counted(U, GATHERED_VECTORS, ir.Assign(total, ir.Elem(sums, (U,)), "+="), pragma=None, start=1))
-    return total
+
+    def groups():
+        lo.emit(ir.Decl(sums, "VV", "zero", shape=(GATHERED_VECTORS,)))
+        lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
+            counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (U,)), product_of(
+                [lane_values(states[k], k) for k in factors]), "+=")),))))
+        lo.emit(counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (ir.Const(0),)), ir.Elem(sums, (U,)), "+="),
+                        pragma=None, start=1))
+        lo.emit(ir.Assign(into, ir.Call("hsum", (ir.Elem(sums, (ir.Const(0),)),)), "+="))
+
+    lo.emit(ir.If(ir.le(ir.add(q, step), cursor.h), lo.block(groups)))
 
 
 def row_blocker(
