@@ -21,7 +21,8 @@ depends on where the suite runs).
   ``register_block_vectors``. ``vector_registers`` (16 with AVX2, 32 with AVX-512's
   VL registers and on aarch64) bounds a 2-D register tile: ``rows x vectors``
   accumulators plus ``vectors`` loads and one broadcast.
-* **Reductions over stored entries.** ``sparse_accumulators`` interleaved sums; a
+* **Reductions over stored entries.** ``sparse_accumulators`` interleaved sums (also
+  the independent chains of adds a register block of few vectors over a fiber makes); a
   row block of ``row_block`` stored entries shares the loads of the factors they have
   in common, with ``row_block_vectors`` SIMD accumulators per entry.
 * **Prefetch.** A loop over a fiber whose gathered dense operands exceed the L2
