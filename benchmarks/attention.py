@@ -46,7 +46,7 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import sparsenn
-from structured import (compare, error_text, machine_info, pin_heap_allocator, run_case, section_table, target,
+from structured import (compare, error_text, machine_info, pin_heap_allocator, run_case, sections_markdown, target,
                         write_report)
 
 HEADS, HEAD_DIM = 4, 64
@@ -264,8 +264,7 @@ def markdown(info: dict, rows: list[dict], memory_lines: list[str], builds: dict
            "boolean mask and against the gather version, max |diff| <= 1e-3 x max |ref|."]
     if alts_missing:
         out += ["", "Unavailable: " + "; ".join(f"{k}: {v}" for k, v in alts_missing.items())]
-    for section, title in SECTIONS.items():
-        out += ["", f"## {title}", "", *section_table([r for r in rows if r["section"] == section])]
+    out += sections_markdown(rows, SECTIONS)
     out += ["", "## Peak memory", *memory_lines]
     out += ["", "## First build (fwd+bwd, L = 4096, batch 1, fresh process, empty SPARSENN_CACHE_DIR)", "",
             "| block | threads | first call ms | second call ms |", "|---|---:|---:|---:|"]

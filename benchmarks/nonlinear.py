@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 import sparsenn  # noqa: E402
 from models.download import suitesparse_matrix  # noqa: E402
 from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case,  # noqa: E402
-                        run_first_build, section_table, target, write_report)
+                        run_first_build, sections_markdown, target, write_report)
 
 warnings.filterwarnings("ignore", message=".*Sparse CSR tensor support is in beta.*")
 warnings.filterwarnings("ignore", message=".*Sparse invariant checks are implicitly disabled.*")
@@ -224,8 +224,7 @@ def markdown(info: dict, rows: list[dict], builds: dict, csr_note: str, quick: b
            "same pattern as a coalesced COO tensor. fwd+bwd = forward, then backward of a fixed output "
            f"gradient (torch: a COO gradient). torch.sparse.softmax given a CSR tensor: {csr_note}. "
            "check: sparsenn's result against torch, max |diff| <= 1e-3 x max |ref|."]
-    for section, title in SECTIONS.items():
-        out += ["", f"## {title}", "", *section_table([r for r in rows if r["section"] == section])]
+    out += sections_markdown(rows, SECTIONS)
     return "\n".join(out + first_build_table(builds)) + "\n"
 
 

@@ -328,6 +328,16 @@ def machine_info() -> dict:
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
 
+def sections_markdown(rows: list[dict], sections: dict[str, str]) -> list[str]:
+    """A heading and :func:`section_table` per section (key: title) that has rows."""
+    out = []
+    for section, title in sections.items():
+        rows_of = [r for r in rows if r["section"] == section]
+        if rows_of:
+            out += ["", f"## {title}", "", *section_table(rows_of)]
+    return out
+
+
 def section_table(rows: list[dict]) -> list[str]:
     """Markdown table of one section: times, ratios, FLOP rates (kernels) and targets."""
     alts = list(dict.fromkeys(a for r in rows for a in r.get("ms", {}) if a != "sparsenn"))
@@ -365,8 +375,7 @@ def markdown(info: dict, rows: list[dict], builds: dict, quick: bool) -> str:
            "dense GEMM the full product, both from the same rounds. Layers: fwd under no_grad; fwd+bwd = "
            "zero_grad, forward, out.sum().backward() (gradients of input, weight and bias). "
            f"check: sparsenn's result against torch, max |diff| <= {RTOL:g} x max |ref|."]
-    for section, title in SECTIONS.items():
-        out += ["", f"## {title}", "", *section_table([r for r in rows if r["section"] == section])]
+    out += sections_markdown(rows, SECTIONS)
     return "\n".join(out + first_build_table(builds)) + "\n"
 
 

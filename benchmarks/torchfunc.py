@@ -28,7 +28,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import sparsenn
-from structured import compare, machine_info, run_case, section_table, target, write_report
+from structured import compare, machine_info, run_case, sections_markdown, target, write_report
 
 SECTIONS = {"sparse": "1. Sparse MLP 784 -> 256 -> 10 (csr, 90 %), per-sample gradients",
             "dense": "2. Dense nn.Linear MLP, same sizes (torch only)"}
@@ -89,10 +89,7 @@ def markdown(info: dict, rows: list[dict], quick: bool) -> str:
            f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
            "fp32. 'sparsenn' is vmap(grad(loss)) with functional_call (per-sample gradients of every parameter); "
            "'loop' one forward and backward per sample; ratio = loop / vmap."]
-    for section, title in SECTIONS.items():
-        rows_of = [r for r in rows if r["section"] == section]
-        if rows_of:
-            out += ["", f"## {title}", "", *section_table(rows_of)]
+    out += sections_markdown(rows, SECTIONS)
     return "\n".join(out) + "\n"
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import sparsenn
-from structured import compare, machine_info, run_case, section_table, target, write_report
+from structured import compare, machine_info, run_case, sections_markdown, target, write_report
 
 SECTIONS = {"mlp": "1. Sparse MLP 784 -> 256 -> 784 (csr, 90 %)", "gcn": "2. Two-layer SparseGCNConv",
             "attention": "3. BlockSparseAttention, L = 2048", "moe": "4. SparseMoE, 8 experts, top-2"}
@@ -115,10 +115,7 @@ def markdown(info: dict, rows: list[dict], compile_times: dict, quick: bool) -> 
            f"Command: `{' '.join([Path(sys.executable).name, *sys.argv])}`", "",
            "fp32 inference under no_grad. 'sparsenn' is the model compiled with torch.compile(fullgraph=True) "
            "(inductor); 'eager' the same model uncompiled; ratio = eager / compiled (target >= 0.95)."]
-    for section, title in SECTIONS.items():
-        rows_of = [r for r in rows if r["section"] == section]
-        if rows_of:
-            out += ["", f"## {title}", "", *section_table(rows_of)]
+    out += sections_markdown(rows, SECTIONS)
     out += ["", "## First compiled call (ms; kernels already built)", "", "| model | ms |", "|---|---:|"]
     out += [f"| {name} | {ms:.0f} |" for name, ms in compile_times.items()]
     return "\n".join(out) + "\n"
