@@ -1,4 +1,4 @@
-"""Grouped tiles (``plan/schedule.py``, ``lower/dense_output.py``): a tile of output rows
+"""Grouped tiles (``plan/microkernel.py``, ``lower/microkernel.py``): a tile of output rows
 over a weight whose last level holds a fixed number of entries per group (n:m), each
 row stepping through its own group's entries while the group's input rows stay in L1.
 

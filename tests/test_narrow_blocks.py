@@ -1,6 +1,6 @@
 """Register blocks over outputs narrower than a block: the vectors that cover a row, the
-last masked, and sums interleaved over a row's stored entries (``plan/schedule.py``,
-``lower/dense_output.py``).
+last masked, and sums interleaved over a row's stored entries (``plan/microkernel.py``,
+``lower/microkernel.py``).
 
 Each case runs on two pinned machine models (8 and 16 float lanes per register block
 vector), so the masked loads and stores of both widths run whatever the host is, and is

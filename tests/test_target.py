@@ -1,7 +1,13 @@
 """The machine model: explicit construction, validation and the host reading."""
 
-import pytest
+import dataclasses
+import re
 
+import pytest
+import torch
+
+import sparsenn
+from _machines import AVX2
 from sparsenn.compiler.plan.target import Target
 
 
@@ -38,3 +44,40 @@ def test_invalid_fields_are_rejected_by_name(field, value):
 def test_cycle_model_fields_are_checked(field, value):
     with pytest.raises(ValueError, match=f"Target.{field}"):
         Target(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [("cache_line_bytes", 0), ("gathered_vectors", 0), ("pack_prefetch_rows", -1),
+                                          ("chunks_per_thread", 0), ("team_coordinates", 1.5),
+                                          ("python_call_cycles", 0)])
+def test_machine_facts_are_checked(field, value):
+    with pytest.raises(ValueError, match=f"Target.{field}"):
+        Target(**{field: value})
+
+
+@pytest.mark.parametrize("registers, vectors, dot", [(16, 2, (4, 2)), (32, 4, (4, 4))])
+def test_tile_shapes_follow_the_vector_registers(registers, vectors, dot):
+    target = Target(vector_registers=registers)
+    assert (target.register_tile_vectors, target.dot_tile) == (vectors, dot)
+    assert dataclasses.replace(Target(), vector_registers=registers).register_tile_vectors == vectors
+
+
+def test_use_target_wants_a_target():
+    with pytest.raises(TypeError, match="Target"):
+        with sparsenn.compiler.use_target("avx2"):
+            pass
+
+
+def source(target: Target, *operands) -> str:
+    with sparsenn.compiler.use_target(target):
+        return sparsenn.compiler.runtime.api.plan("ij,jk->ik", *operands, out_format="dense").source
+
+
+def test_the_kernels_take_their_machine_facts_from_the_target():
+    # SpMM with one column: a reduction gathering the dense column at the stored
+    # coordinates, in a loop cut into chunks per thread.
+    w = sparsenn.from_dense(torch.randn(300, 200) * (torch.rand(300, 200) < 0.2), format="csr")
+    operands = (w, torch.randn(200, 1))
+    plain = source(AVX2, *operands)
+    assert re.search(r"VV gsum\d+\[2\]", plain) and "nthreads * 8)" in plain
+    changed = source(dataclasses.replace(AVX2, gathered_vectors=3, chunks_per_thread=5), *operands)
+    assert re.search(r"VV gsum\d+\[3\]", changed) and "nthreads * 5)" in changed

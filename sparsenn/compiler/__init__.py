@@ -21,15 +21,18 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    (``plan/bias.py``).
 4. ``plan/planner.py``: the result's format from the operands' formats and
    ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
-   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles,
-   panels, register blocks and register tiles, and records every code decision of
+   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles and
+   panels, designs each nest's micro-kernel in ``plan/microkernel.py``: register blocks,
+   register, grouped and dot tiles, packing, and records every code decision of
    ``plan/decisions.py``: vector and sparse reductions, row blocks, prefetching loops,
-   store-once, ``omp simd``, the output's assembly, threads), all for an explicit
-   machine model (``plan/target.py``, read once from the host). The plan is looked up by those decisions, so every batch
+   store-once, ``omp simd``, the output's assembly, threads; the result's types in
+   ``plan/nest.py``), all for an explicit machine model (``plan/target.py``: the host's,
+   or one given with ``use_target``). The plan is looked up by those decisions, so every batch
    size with the same decisions shares one kernel. A new plan is built by
    ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
-   (``lower/dense_output.py`` with ``lower/epilogue.py``, or ``lower/sparse_output.py``
+   (``lower/dense_output.py`` with ``lower/epilogue.py`` and its micro-kernels in
+   ``lower/microkernel.py`` and ``lower/register_tile.py``, or ``lower/sparse_output.py``
    with ``lower/assembly.py`` for a sparse result), iterating each storage level through its capabilities
    (``formats/level.py`` via ``lower/iterators.py``) and co-iterating levels in one
    routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;

@@ -1,30 +1,33 @@
 """Chunks of an outermost loop, the unit of OpenMP work sharing.
 
-The outermost loop's coordinates ``[0, extent)`` are cut into ``min(extent, 8 *
+The outermost loop's coordinates ``[0, extent)`` are cut into ``min(extent, c *
 threads)`` chunks that threads take dynamically: when a factor has a ``pos`` array
 counting each outer coordinate's stored children (a locatable first level with a
 ``pos``-indexed level below), ranges of equal stored children plus coordinates, so
-power-law rows spread over the threads; otherwise equal coordinate ranges, 32 per
-thread, so that uneven work per coordinate (BigBird's global block rows, 10x the others)
-still evens out.
+power-law rows spread over the threads (``c`` the target's ``chunks_per_thread``);
+otherwise equal coordinate ranges, ``c`` its ``even_range_chunks_per_thread``, so that
+uneven work per coordinate (BigBird's global block rows, 10x the others) still evens
+out.
 """
 
 from __future__ import annotations
 
 from ..loops import ir
+from ..plan.target import Target
 from .context import Lowering
 
-__all__ = ["EXTENT", "NCHUNKS", "LO", "HI", "CHUNKS_PER_THREAD", "EVEN_RANGE_CHUNKS_PER_THREAD", "chunk_prologue",
-           "balancing_pos", "chunk_bounds"]
+__all__ = ["EXTENT", "NCHUNKS", "LO", "HI", "EVEN_RANGE_CHUNKS_PER_THREAD", "chunk_prologue", "balancing_pos",
+           "chunk_bounds"]
 
-CHUNKS_PER_THREAD = 8
-EVEN_RANGE_CHUNKS_PER_THREAD = 32  # chunks of equal coordinate ranges (see the module doc)
+# The default target's, for the fused lowering (``fuse.py``), which is given no Target.
+EVEN_RANGE_CHUNKS_PER_THREAD = Target().even_range_chunks_per_thread
 
 EXTENT, NCHUNKS = ir.Var("sn_extent"), ir.Var("sn_nchunks")
 LO, HI = ir.Var("sn_lo"), ir.Var("sn_hi")
 
 
-def chunk_prologue(lo: Lowering, extent: ir.Expr, per_thread: int = CHUNKS_PER_THREAD) -> None:
+def chunk_prologue(lo: Lowering, extent: ir.Expr, per_thread: int) -> None:
+    """Declare ``sn_extent`` and ``sn_nchunks``: ``min(extent, per_thread * threads)``."""
     chunks = ir.mul(ir.Cast("index", ir.Var("nthreads")), per_thread)
     lo.emit(ir.Decl(EXTENT, "index", extent, const=True), ir.Decl(NCHUNKS, "index", ir.min_(EXTENT, chunks), const=True))
 

@@ -161,15 +161,13 @@ def sparse_reduction(
     lo.emit(lo.block(fill))
 
 
-GATHERED_VECTORS = 2  # SIMD sums of a gathered sparse reduction (a gather's latency is long)
-
-
 def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int],
                    into: ir.Expr) -> None:
-    """When the fiber holds a whole group of ``GATHERED_VECTORS`` vectors of positions
-    from ``q``: every such group, the driving factor's values loaded, each dense factor
-    gathered at the positions' coordinates (its offset is affine in the coordinate),
-    summed into SIMD sums, whose lanes are then added into ``into``."""
+    """When the fiber holds a whole group of ``n`` vectors of positions from ``q`` (``n``
+    the target's ``gathered_vectors``): every such group, the driving factor's values
+    loaded, each dense factor gathered at the positions' coordinates (its offset is
+    affine in the coordinate), summed into SIMD sums, whose lanes are then added into
+    ``into``."""
     q, sums = cursor.q, lo.fresh("gsum")
     lanes = ir.mul(U, ir.Lanes())
 
@@ -188,14 +186,15 @@ def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor
             stride = ir.sub(lo.dense_offset(st, {index: ir.Const(1)}), base)
         return ir.Gather(ir.Array("dense", st.slot), base, cursor.crd, ir.add(q, lanes), stride)
 
-    step = ir.mul(ir.Const(GATHERED_VECTORS), ir.Lanes())
+    n = lo.s.target.gathered_vectors
+    step = ir.mul(ir.Const(n), ir.Lanes())
 
     def groups():
-        lo.emit(ir.Decl(sums, "VV", "zero", shape=(GATHERED_VECTORS,)))
+        lo.emit(ir.Decl(sums, "VV", "zero", shape=(n,)))
         lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
-            counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (U,)), product_of(
+            counted(U, n, ir.Assign(ir.Elem(sums, (U,)), product_of(
                 [lane_values(states[k], k) for k in factors]), "+=")),))))
-        lo.emit(counted(U, GATHERED_VECTORS, ir.Assign(ir.Elem(sums, (ir.Const(0),)), ir.Elem(sums, (U,)), "+="),
+        lo.emit(counted(U, n, ir.Assign(ir.Elem(sums, (ir.Const(0),)), ir.Elem(sums, (U,)), "+="),
                         pragma=None, start=1))
         lo.emit(ir.Assign(into, ir.Call("hsum", (ir.Elem(sums, (ir.Const(0),)),)), "+="))
 

@@ -33,7 +33,7 @@ def lower_sparse_output(lo: Lowering, second_phase: bool = False) -> None:
     out = assembler(lo, second_phase)
     shared = lo.s.shared
     out.start(lo)
-    chunk_prologue(lo, lo.dim(shared[0]) if shared else ir.Const(1))
+    chunk_prologue(lo, lo.dim(shared[0]) if shared else ir.Const(1), lo.s.target.chunks_per_thread)
     lo.emit(ir.Decl(CHUNKS, "index", ir.max_(NCHUNKS, 1), const=True))
     out.chunks(lo, CHUNKS)
     lo.emit(ir.Decl(ERROR, "int", ir.Const(0)))

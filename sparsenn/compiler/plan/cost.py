@@ -3,8 +3,8 @@
 The cost of an order is the work of the nest: at each loop, co-iterating the sparse
 levels indexed there (``SPARSE_ITERATION_COST * sum`` of fiber lengths, with an expected
 intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``ceil(N /
-VECTOR_WIDTH)`` vectors innermost: a loop of one trip is one step, not an eighth of
-one), times the iterations of the enclosing loops; plus the leaf's products (per vector
+W)`` vectors innermost, ``W`` the target's ``cost_vector_lanes``: a loop of one trip is
+one step, not an eighth of one), times the iterations of the enclosing loops; plus the leaf's products (per vector
 when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
 innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop
 when no register block can hold its outputs (:func:`register_blockable`; each entry
@@ -31,13 +31,13 @@ from sparsenn.formats.level import Dense, Level
 
 from ..notation import Term
 from .decisions import NestFactor, reductions_from
+from .target import Target
 
 __all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "outside_vector", "register_blockable",
            "nest_cost"]
 
 TRANSPOSE_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
-VECTOR_WIDTH = 8.0  # an innermost unit-stride dense loop vectorises
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
 SHORT_OUTPUT_LOOP_COST = 32.0  # per entry of a loop over fewer outputs than a vector, in memory
@@ -151,13 +151,17 @@ def nest_cost(
     order: Sequence[str],
     infos: Sequence[OperandInfo],
     dims: dict[str, int],
+    target: Target,
     output: tuple[str, ...] = (),
-    lanes: int = int(VECTOR_WIDTH),
+    lanes: int | None = None,
 ) -> tuple[float, float, list[Factor]]:
     """(cost, leaf iterations, factors) of running ``term`` in loop ``order``.
 
     ``output`` (dense outputs) counts toward the innermost loop's unit stride;
-    ``lanes``: the values per vector, below which an innermost output loop is short."""
+    ``lanes``: the values per vector, below which an innermost output loop is short
+    (None: the target's ``cost_vector_lanes``)."""
+    width = target.cost_vector_lanes
+    lanes = width if lanes is None else lanes
     rank = {i: n for n, i in enumerate(order)}
     factors = [read_in_order(a, infos[a.operand], rank, term) for a in term.factors]
     depth = [0] * len(factors)
@@ -187,7 +191,7 @@ def nest_cost(
         else:
             trip = work = n
             if position == len(order) - 1:
-                work = math.ceil(n / VECTOR_WIDTH)
+                work = math.ceil(n / width)
         cost += iters * max(work, 1.0)
         iters *= trip
     innermost_dense = bool(order) and not any(
@@ -195,7 +199,7 @@ def nest_cost(
     )
     if innermost_dense:  # whole vectors per trip of the loops outside the innermost
         inner = max(dims[order[-1]], 1)
-        cost += iters / inner * math.ceil(inner / VECTOR_WIDTH) * len(term.factors)
+        cost += iters / inner * math.ceil(inner / width) * len(term.factors)
     else:
         cost += iters * len(term.factors)
     cost += sum(f.transpose_cost for f in factors)

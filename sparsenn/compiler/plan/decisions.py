@@ -33,11 +33,11 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   but a sampled output's anchor has a non-locatable level over an output index) and no
   tile splits a reduction; it then stores with ``=`` and the output needs no zeroing.
 * **Team loops.** A parallel nest's threads share the coordinates of its outermost
-  loop, cut into chunks. When that loop has fewer than :data:`TEAM_COORDINATES`
-  coordinates (one batch, a few heads), the next loops join it while they are output
-  loops over locatable levels only (every coordinate visited, none filtered) that no
-  tile, register or dot tile, prefetch or fused epilogue holds: the team then shares
-  their flattened coordinates, each iteration decomposing its own.
+  loop, cut into chunks. When that loop has fewer than the target's
+  ``team_coordinates`` coordinates (one batch, a few heads), the next loops join it
+  while they are output loops over locatable levels only (every coordinate visited,
+  none filtered) that no tile, register or dot tile, prefetch or fused epilogue holds:
+  the team then shares their flattened coordinates, each iteration decomposing its own.
 * **Independent iterations.** A dense output's innermost loop over an output index
   that no stored level filters writes a different output element per iteration: its
   dense loop carries ``omp simd`` (the compiler vectorises only what the code asks for).
@@ -71,7 +71,7 @@ __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "extremum_reduction", "sparse_reduction",
     "row_block",
-    "prefetch_loops", "stores_once", "team_loops", "contiguous_factors", "TEAM_COORDINATES", "simd_loop",
+    "prefetch_loops", "stores_once", "team_loops", "contiguous_factors", "simd_loop",
     "union_by_points",
     "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
 ]
@@ -268,11 +268,8 @@ def prefetch_loops(
     return tuple(loops)
 
 
-TEAM_COORDINATES = 256  # 8 chunks per thread for 32 threads
-
-
 def team_loops(order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor], dims: dict[str, int],
-               held: set[str]) -> int:
+               held: set[str], target: Target) -> int:
     """How many leading loops of a parallel nest the team shares (see the module doc);
     ``held``: the indices a tile, register or dot tile, prefetch or epilogue holds."""
     def joins(index: str) -> bool:
@@ -281,7 +278,7 @@ def team_loops(order: Sequence[str], output: Sequence[str], factors: Sequence[Ne
     if not order or not joins(order[0]):
         return 1
     count, extent = 1, dims[order[0]]
-    while count < len(order) and extent < TEAM_COORDINATES and joins(order[count]):
+    while count < len(order) and extent < target.team_coordinates and joins(order[count]):
         extent *= dims[order[count]]
         count += 1
     return count

@@ -11,7 +11,7 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   level they fit in (the L2, a core's share of the last-level cache, else memory):
   compute-bound with many rows, bound by reading the dense weight with few (a
   matrix-vector product);
-* the dense path's own calls: ``PYTHON_CALLS_CYCLES`` (the check of the copy,
+* the dense path's own calls: the target's ``python_call_cycles`` (the check of the copy,
   ``torch.einsum``'s dispatch, a bias added apart: about 10 µs, more than a small
   kernel takes);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
@@ -41,9 +41,7 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path", "PYTHON_CALLS_CYCLES"]
-
-PYTHON_CALLS_CYCLES = 30_000.0
+__all__ = ["DensePath", "dense_path"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Sche
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
     checked = 2 * infos[k].nnz * itemsize
     dense_cycles = (max(compute, touched / _bandwidth(touched, target)) + checked / _bandwidth(checked, target)
-                    + PYTHON_CALLS_CYCLES)
+                    + target.python_call_cycles)
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
     sparse_cycles = sched.cost * target.cycles_per_cost_unit

@@ -33,81 +33,8 @@ level. It returns a :class:`Schedule`:
   remainder. A tile then reads one contiguous block instead of a strip of every row,
   which rows whose length is a multiple of a cache way's size (a batch of 256 floats)
   map onto a fraction of the cache's sets.
-* **Register blocking** (dense outputs): when the innermost loop ``k`` is a unit-stride
-  output index, dense in every factor, below reduction loops ``R`` (SpMM's ``i,j,k``),
-  ``k`` is strip-mined into blocks of the target's ``wide_register_block_vectors`` SIMD
-  vectors when they divide ``k`` (each block is one pass over ``R``), else of
-  ``register_block_vectors`` (or of the whole vectors that fit, when ``k`` is
-  narrower), and the block loop is hoisted above ``R``:
-  ``out[i, kb:kb+B]`` then stays in registers while ``R`` (the sparse row) streams
-  past, and is stored once per block instead of once per nonzero. Blocks that do not
-  fill a whole register block run the plain loop.
-* **Register tiles** (a micro-kernel): when the loop ``a`` directly above ``R`` is a
-  dense output index that the vector factors do not read, and every factor reading it
-  does so through dense levels down to its values (the position is affine in ``a``: a
-  stored block, a dense panel), ``a`` is unrolled by ``rows`` into the register block,
-  a ``rows x vectors`` tile of accumulators: each step of ``R`` loads ``vectors`` SIMD
-  vectors once and broadcasts one scalar per row into them (``rows x vectors`` FMAs
-  for ``rows + vectors`` loads instead of one row's ``vectors`` FMAs for ``1 + vectors``).
-  The loop ``a`` may also be driven by one factor's last, compressed level whose other
-  readers are dense (rows gathered by a sparse level: a gate's tokens times an expert's
-  weights): the tile then takes ``rows`` consecutive stored positions, their
-  coordinates as the rows. The tile fills the target's vector registers (see
-  :class:`~.target.Target`); ``rows`` prefers a divisor of ``a``'s extent, rows past the
-  last whole tile run the plain register block. Bound by multiply-adds, a schedule with a tile is made for the
-  target's widest vectors (AVX-512 rather than AVX2). A factor holding ``k`` (as its
-  dense last level) and no index of ``R`` is outside the sums: it scales each block of
-  sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
-* **Packed panels.** When ``R`` is one dense reduction ``d`` and a dense vector factor
-  holds only ``d``, ``k`` and indices fixed above ``a`` (an expert's weights
-  ``W[e, d, h]``), the tiles of rows run one *panel* of ``k`` at a time: the factor's
-  strip ``[d, panel]`` is copied once per iteration above ``a`` into a per-thread
-  buffer laid out ``[block][d][block offset]``, and every row tile reads it from there
-  (GotoBLAS's packed ``B``), the rows past the last whole tile one at a time. In place,
-  the strip's rows are a row length apart, which for lengths of a multiple of 4 KiB
-  all map onto the same few L1 sets. The copy reads the factor in its own layout (a
-  weight read across it, ``W[e, h, d]`` in a backward pass, is transposed by blocks
-  in registers, instead of re-laid out whole before the kernel). A
-  panel holds whole register blocks and fills at most a quarter of the L2; it replaces
-  a tile of ``k`` (the tile loop would sit above ``a``'s parents, re-reading every row
-  once per tile). When a tile's rows over all of ``d`` would overflow half the L1
-  (rows of 2048 values broadcast from L2 or beyond at every step), ``d`` is split into
-  equal *layers* (BLIS's ``k_c``): each layer packs its own panels, the tiles add their
-  partial sums into the output (so it is zeroed first, never stored once), and the
-  epilogue runs after the last. ``d`` may instead step through one sparse factor's
-  last level (a weight gradient ``sum_c R[e,c] X[e,c,d] dH[e,c,h]`` over an expert's
-  stored slots ``c``): the pack's rows are then the strips at the fiber's stored
-  coordinates, and the rows' scalars are read in place (``X[e, c, d : d + 6]``, one
-  cache line a step), so the fiber is not layered and must fit half the L1 a line a
-  step. Dense factors a packed tile reads only as scalars are not re-laid out either.
-  Packing needs ``d`` to span at least :data:`MIN_PACKED_REDUCTION` steps and a pack to
-  serve :data:`MIN_PACKED_ROWS` rows on average. A nest with a packed tile runs at the
-  speed of a dense GEMM and is costed as BLAS is (``cost / GEMM_SPEEDUP``), which
-  decides between it and a contraction path.
-* **Grouped tiles.** When no register tile applies because the one sparse factor ``W``
-  reads ``a`` and ``R`` through dense levels down to an innermost reduction ``e`` over
-  its last level, whose fibers are affine in their parent (``count`` entries per
-  group: an n:m weight), and the other factors are the block's vectors, not reading
-  ``a``: ``a`` is unrolled by ``rows`` as in a register tile, but each row steps through
-  its own group of ``e``, reading the vectors at its own coordinates. The rows of a
-  group then read the same few vectors (``dims[e]`` of them per block, at most a
-  quarter of the L1): loaded once from the L2 for the tile instead of once per row.
-* **Register tiles for sampled products.** A nest whose innermost loop is a reduction
-  ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
-  blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
-  gets a register tile: ``K`` is re-laid out with ``j`` last, the sums stay in
-  registers across ``d`` and no sum crosses SIMD lanes (a dot tile would add them up).
-  A cheapest order that gets no register tile gives way to the cheapest one that does,
-  if it costs at most :data:`REGISTER_TILE_MARGIN` times as much (the cost model counts
-  loop iterations, not the registers a tile saves).
-* **Dot tiles** (a micro-kernel for sampled products, block SDDMM): when the innermost
-  loop ``d`` is a vector reduction and the two loops above it, ``a`` and ``b``, are
-  output indices, each vector factor reads at most one of them, some read ``a`` and some
-  ``b``, and every other factor reading them does so through dense levels down to its
-  values, ``a`` and ``b`` are unrolled into a ``rows x cols`` tile of vector sums over
-  ``d``: each step loads ``rows + cols`` vectors for ``rows x cols`` FMAs (the plain
-  reduction loads two per FMA), and one transpose-and-add ends all the sums. Rows and
-  columns past the last whole tile run the plain nest.
+* **Micro-kernels** (dense outputs): register blocks, register tiles (gathered,
+  packed, grouped), dot tiles and interleaved block sums: see :mod:`.microkernel`.
 * **Code decisions** inside each nest (vector and sparse reductions, row blocks,
   prefetching loops, store-once) and the thread policy: see :mod:`.decisions`. Every
   machine parameter comes from the :class:`~.target.Target` passed in; the constants
@@ -119,15 +46,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from sparsenn.formats import Format
 
 from .. import notation
 from ..notation import Assignment, Term
 from . import decisions
-from .cost import Factor, OperandInfo, estimate_positions, nest_cost, outside_vector, register_blockable
-from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from . import microkernel
+from .cost import Factor, OperandInfo, estimate_positions, nest_cost
+from .decisions import PrefetchPolicy
+from .microkernel import DotTile, RegisterTile, Tile
+from .nest import Nest, Schedule, Workspace
 from .target import Target
 
 __all__ = ["OperandInfo", "Tile", "RegisterTile", "DotTile", "Nest", "Workspace", "Schedule", "schedule",
@@ -137,194 +67,9 @@ EXHAUSTIVE_LIMIT = 6
 SERIAL_PENALTY = 2.0
 DENSE_WORKSPACE_LIMIT = 1 << 22
 SPARSE_ACCUMULATOR_COST = 4.0
-CACHE_LINE_BYTES = 64
-MIN_TILE_BYTES = 2 * CACHE_LINE_BYTES  # one register block of float32
-REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see below)
-MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
-# Fewer rows per pack: copying the strip costs more than the aliasing it avoids (measured
-# on an expert's weights, in layers: from 64 rows the packed tiles beat BLAS on the
-# padded panels by about 10 %).
-MIN_PACKED_ROWS = 64
 # How much faster BLAS (or a packed register tile) runs a dense product than the cost
 # model's accounting (in which vectorised loops already count 1/8) predicts.
 GEMM_SPEEDUP = 8.0
-
-
-@dataclass(frozen=True)
-class Tile:
-    index: str
-    size: int
-
-
-@dataclass(frozen=True)
-class RegisterTile:
-    """Loop ``index`` unrolled by ``rows`` into the nest's register block (``vectors``
-    SIMD vectors per row); ``gathered_by``: the factor whose stored coordinates the rows
-    are (rows gathered by a sparse level), None for a dense range of rows;
-    ``stepped_by``: the factor whose stored coordinates a packed tile's reduction steps
-    through, None for a dense reduction; ``grouped_by``: the factor whose innermost
-    reduction each row steps through on its own (a *grouped tile*, see the module doc)."""
-
-    index: str
-    rows: int
-    vectors: int
-    gathered_by: int | None = None
-    packed: tuple[int, ...] = ()  # vector factors copied into per-thread panels (see the module doc)
-    panel: int = 0  # ... each panel spanning this much of the register block's index
-    depth: int = 0  # ... and this much of the reduction (0: all of it)
-    stepped_by: int | None = None
-    grouped_by: int | None = None
-
-
-@dataclass(frozen=True)
-class DotTile:
-    """Loops ``rows`` and ``cols`` (above the innermost vector reduction) unrolled by
-    ``row_count`` and ``col_count`` into a tile of vector sums."""
-
-    rows: str
-    cols: str
-    row_count: int
-    col_count: int
-
-
-@dataclass(frozen=True)
-class Nest:
-    """One term's loop nest, below the shared loops, with every code decision the
-    lowerer carries out (see :mod:`.decisions`)."""
-
-    term: int
-    order: tuple[str, ...]
-    tiles: tuple[Tile, ...] = ()
-    parallel: bool = False
-    cost: float = 0.0
-    team_loops: int = 1  # a parallel nest's threads share the coordinates of order[:team_loops]
-    register_block: Tile | None = None  # innermost output loop blocked into registers
-    # ... its sums interleaved over this many consecutive positions of the sparse loop
-    # above it (independent chains of adds: a block of one vector would wait on each).
-    block_sums: int = 1
-    register_tile: RegisterTile | None = None  # ... and a second output loop with it
-    dot_tile: DotTile | None = None  # two output loops around a vector reduction
-    vector_reduction: VectorReduction | None = None
-    sparse_reduction: SparseReduction | None = None
-    row_block: RowBlock | None = None
-    prefetch: tuple[PrefetchLoop, ...] = ()
-    simd: str | None = None  # the innermost loop, when its iterations write different output elements
-    stores_once: bool = False  # the first nest of a dense output stores with "="
-    stores_once_anchors: tuple[int, ...] = ()  # ... or of an output sampled by one of these operands
-    panels: tuple[tuple[int, int], ...] = ()  # (factor, tile size): read in panels of its last index's tile
-    # The assignment's epilogue runs over each output slice once loops order[:epilogue_at]
-    # are fixed (None: over the whole output after every nest).
-    epilogue_at: int | None = None
-
-    def describe(self, shared: tuple[str, ...] = ()) -> str:
-        parallel = "parallel" if self.team_loops == 1 else f"parallel over {','.join(self.order[:self.team_loops])}"
-        parts = [f"term {self.term}: loop order {','.join(shared + self.order)}",
-                 parallel if self.parallel else "serial",
-                 "tiles: " + (", ".join(f"{t.index} by {t.size}" for t in self.tiles) or "none")]
-        if self.register_block:
-            sums = f" ({self.block_sums} interleaved sums)" if self.block_sums > 1 else ""
-            parts.append(f"register block: {self.register_block.index} by {self.register_block.size}{sums}")
-        if self.register_tile:
-            t = self.register_tile
-            rows = f"{t.rows} rows" if t.gathered_by is None else f"{t.rows} stored rows of factor {t.gathered_by}"
-            grouped = "" if t.grouped_by is None else f", each row through its own groups of factor {t.grouped_by}"
-            parts.append(f"register tile: {t.rows} x {t.vectors} vectors ({t.index} by {rows}{grouped})")
-            if t.packed:
-                depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
-                stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
-                parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
-                             f"{self.register_block.index}{depth}{stepped}")
-        if self.vector_reduction:
-            v = self.vector_reduction
-            parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")
-        if self.dot_tile:
-            t = self.dot_tile
-            parts.append(f"dot tile: {t.row_count} x {t.col_count} sums ({t.rows} by {t.row_count}, {t.cols} by "
-                         f"{t.col_count})")
-        if self.sparse_reduction:
-            r = self.sparse_reduction
-            gathered = ", whole vectors of entries first, gathered" if r.gathered else ""
-            parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators{gathered})")
-        if self.row_block:
-            b = self.row_block
-            parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")
-        for loop in self.prefetch:
-            parts.append(f"loop {loop.index} may prefetch factor(s) {list(loop.factors)}")
-        if self.simd:
-            parts.append(f"loop {self.simd}: omp simd (independent iterations)")
-        if self.stores_once:
-            parts.append("stores each output element once (=)")
-        for k, size in self.panels:
-            parts.append(f"factor {k} laid out in panels of {size}")
-        if self.epilogue_at is not None:
-            parts.append(f"epilogue fused after loop {self.order[self.epilogue_at]} (per slice)")
-        if self.stores_once_anchors:
-            parts.append(f"stores each sampled value once if operand(s) {list(self.stores_once_anchors)} anchor the output")
-        return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class Workspace:
-    """A per-thread accumulator over the output levels below the shared loops."""
-
-    kind: str  # "dense" or "sparse"
-    indices: tuple[str, ...]
-    size: int
-
-
-@dataclass(frozen=True)
-class Schedule:
-    output_format: Format | None
-    output_order: tuple[str, ...]  # output indices in storage (or dense layout) order
-    shared: tuple[str, ...]  # shared output loops (sparse output only)
-    nests: tuple[Nest, ...]
-    workspace: Workspace | None
-    # storage mode order each factor must be read in: ((term, factor), mode_order)
-    transposes: tuple[tuple[tuple[int, int], tuple[int, ...]], ...]
-    cost: float
-    reasons: tuple[str, ...] = field(default=(), compare=False)
-    leaves: float = 0.0  # expected innermost iterations: an upper bound on output nonzeros
-    serial: bool = False  # too little work to wake a team of threads (target.parallel_min_work)
-    prefetch_policy: PrefetchPolicy | None = None
-    target: Target = field(default_factory=Target)
-    assembly: OutputAssembly | None = None  # how a sparse output is written
-    union_by_points: bool = True  # a sum's shared loops: one per lattice point, or one loop
-
-
-    def describe(self) -> str:
-        """Every decision of the schedule, one per line."""
-        lines = [f"output: {'dense' if self.output_format is None else self.output_format}, "
-                 f"laid out as {','.join(self.output_order)}"]
-        if self.shared:
-            lines.append(f"shared output loops: {','.join(self.shared)}")
-        lines += [nest.describe(self.shared) for nest in self.nests]
-        if self.workspace is not None:
-            ws = self.workspace
-            lines.append(f"workspace: {ws.kind} over {','.join(ws.indices)} ({ws.size} entries)")
-        else:
-            lines.append("workspace: none")
-        if self.assembly is not None:
-            lines.append(self.assembly.describe())
-            if len(self.nests) > 1:
-                k = len(self.nests)
-                how = f"one loop per lattice point ({2 ** k - 1})" if self.union_by_points else "one merge loop"
-                lines.append(f"union of {k} terms at each shared loop: {how}")
-        lines += [f"transpose: term {t} factor {k} re-stored in mode order {order}" for (t, k), order in self.transposes]
-        threads = "one thread" if self.serial else "a team of threads"
-        lines.append(f"threads: {threads} (expected {self.leaves:.3g} innermost iterations, "
-                     f"team from {self.target.parallel_min_work})")
-        if self.prefetch_policy is not None and any(n.prefetch for n in self.nests):
-            p = self.prefetch_policy
-            lines.append(f"prefetch: {p.ahead_bytes} bytes ahead (at most {p.max_distance} positions, {p.max_bytes} "
-                         f"bytes per span) when gathered operands exceed {p.min_bytes} bytes; from {p.large_bytes} "
-                         f"bytes if the coordinate ahead is {p.min_jump}+ away, else for fibers over half the range")
-        return "\n".join(lines)
-
-    def factor_mode_order(self, term: int, factor: int) -> tuple[int, ...] | None:
-        for key, order in self.transposes:
-            if key == (term, factor):
-                return order
-        return None
 
 
 def _orders(indices: Sequence[str], cost_of, leads: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
@@ -391,7 +136,7 @@ def _tiles(
         fits = (l2 // 2) // (footprint * itemsize)
         size = 1 << max(fits, 1).bit_length() - 1
         # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
-        if MIN_TILE_BYTES // itemsize <= size and fits < dims[index]:
+        if 2 * target.cache_line_bytes // itemsize <= size and fits < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
@@ -403,280 +148,6 @@ def _panels(order: Sequence[str], tiles: Sequence[Tile], factors: list[Factor]) 
     return tuple((k, sizes[f.levels[-1][0]]) for k, f in enumerate(factors)
                  if not f.sparse and not f.natural and f.levels and f.levels[-1][0] in sizes)
 
-
-def _register_tiled_order(
-    order: tuple[str, ...], candidates: dict[tuple[str, ...], float], output: tuple[str, ...], term: Term, infos,
-    dims: dict[str, int], layout: tuple[str, ...], anchor: int | None, itemsize: int, target: Target,
-) -> tuple[str, ...] | None:
-    """An order to run instead of the cheapest, ``order``, because it gets a register
-    tile (see the module doc), or None: ``order`` with its innermost reduction ``d``
-    and the output loop ``k`` above it swapped (the sums over ``d`` then stay in
-    registers for a block of ``k`` instead of being summed across SIMD lanes, one dot
-    product at a time: SDDMM's ``Q Kᵀ`` on a blocked pattern); else, when ``order``
-    itself gets none, the cheapest of the ``candidates`` (order: cost) that does and
-    costs at most :data:`REGISTER_TILE_MARGIN` times as much (a weight gradient
-    ``Xᵀ dH`` over an expert's stored rows: ``e, d, c, h`` instead of ``e, c, d, h``)."""
-    def tiled(o: tuple[str, ...]) -> bool:
-        factors = nest_cost(term, o, infos, dims, layout)[2]
-        if anchor is not None and not all(f.natural for f in factors if f.operand == anchor):
-            return False
-        output_order = tuple(sorted(output, key=o.index))
-        block = _register_block(output_order, o, factors, (), dims, itemsize, target)
-        return _register_tile(o, output, factors, block, (), o[0] in output, dims, itemsize, target) is not None
-
-    if len(order) >= 3 and order[-1] not in output and order[-2] in output:
-        swapped = (*order[:-2], order[-1], order[-2])
-        if tiled(swapped):
-            return swapped
-    if tiled(order):
-        return None
-    bound = candidates[order] * REGISTER_TILE_MARGIN
-    return next((o for o in sorted(candidates, key=candidates.get) if candidates[o] <= bound and tiled(o)), None)
-
-
-def _registers(
-    nest: Nest, tiles: Sequence[Tile], output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor],
-    dims: dict[str, int], itemsize: int, target: Target,
-) -> tuple[Tile | None, RegisterTile | None]:
-    """The register block and register tile of ``nest``'s order under cache ``tiles``."""
-    block = _register_block(output_order, nest.order, factors, tiles, dims, itemsize, target)
-    tile = _register_tile(nest.order, output, factors, block, tiles, nest.parallel, dims, itemsize, target)
-    return block, tile or _grouped_tile(nest.order, output, factors, block, tiles, dims, itemsize, target)
-
-
-def _tile_shape(k: str, block: Tile, dims: dict[str, int], itemsize: int, target: Target) -> tuple[int, int] | None:
-    """(vectors, most rows) of a register tile over ``block``: whole vectors of ``k``
-    (at most 4, or 2 with 16 registers), and the rows their accumulators leave room for."""
-    lanes = target.lanes(itemsize)
-    whole = min(block.size, dims[k] // lanes * lanes)  # a tile's blocks are whole vectors
-    vectors = min(4 if target.vector_registers >= 32 else 2, whole // lanes)
-    if vectors < 1:
-        return None
-    most = min(8, (target.vector_registers - 1 - vectors) // vectors)
-    return (vectors, most) if most >= 2 else None
-
-
-def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
-                  tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target) -> RegisterTile | None:
-    """A grouped tile over the output loop ``a`` above the register block's reductions
-    (see the module doc), or None: one sparse factor reads ``a`` and the reductions
-    through dense levels down to an innermost reduction ``e`` over its last level,
-    whose fibers are affine in their parent (an n:m weight's groups); the others are
-    the vectors of the block, dense, not reading ``a``; a group's vectors over all of
-    ``e`` fit a quarter of the L1."""
-    if block is None or len(order) < 3:
-        return None
-    r = decisions.reductions_from(order, output, len(order) - 1)
-    a, e, k = order[r - 1], order[-2], order[-1]
-    if r < 1 or r == len(order) - 1 or a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
-        return None
-    sparse = [n for n, f in enumerate(factors) if f.sparse]
-    if len(sparse) != 1:
-        return None
-    (w,) = sparse
-    held = [i for i, _ in factors[w].levels]
-    if a not in held or held[-1] != e or k in held:
-        return None
-    above, (_, last) = factors[w].levels[held.index(a):-1], factors[w].levels[-1]
-    if not last.affine_fibers or not all(level.full and level.locatable for _, level in above):
-        return None
-    if any(a in (i for i, _ in f.levels) or k not in (i for i, _ in f.levels)
-           for n, f in enumerate(factors) if n != w):
-        return None
-    shape = _tile_shape(k, block, dims, itemsize, target)
-    if shape is None or dims[e] * shape[0] * target.lanes(itemsize) * itemsize > target.l1_bytes // 4:
-        return None
-    vectors, most = shape
-    return RegisterTile(a, _rows(most, dims[a]), vectors, grouped_by=w)
-
-
-def _rows(most: int, extent: int) -> int:
-    """A tile's rows: a divisor of the rows' ``extent`` down to half of ``most``, else ``most``."""
-    return min(next((n for n in range(most, max(most // 2, 2) - 1, -1) if extent % n == 0), most), extent)
-
-
-def _register_tile_over_cache_tiles(
-    nest: Nest, output_order: tuple[str, ...], output: tuple[str, ...], factors: list[Factor], dims: dict[str, int],
-    itemsize: int, target: Target, found: tuple[Tile | None, RegisterTile | None],
-) -> tuple[Nest, Tile | None, RegisterTile | None]:
-    """``nest`` without its cache tiles on a register tile's loops, with that register
-    block and tile, when those cache tiles were what prevented it (a tile narrower than a
-    register block splits it: e.g. 32 of the 64 rows and columns of a block SDDMM's
-    blocks); else ``nest`` and ``found``. Values kept in registers across a reduction
-    are worth more than an L2 tile of the same loops."""
-    context = (output_order, output, factors, dims, itemsize, target)
-    block, tile = _registers(nest, (), *context)
-    if tile is None:
-        return (nest, *found)
-    kept = tuple(t for t in nest.tiles if t.index not in (block.index, tile.index))
-    block, tile = _registers(nest, kept, *context)
-    if tile is None:
-        return (nest, *found)
-    return replace(nest, tiles=kept, panels=_panels(nest.order, kept, factors)), block, tile
-
-
-def _register_block(
-    output_order: tuple[str, ...], order: Sequence[str], factors: list[Factor],
-    tiles: Sequence[Tile], dims: dict[str, int], itemsize: int, target: Target,
-) -> Tile | None:
-    """A register block for the innermost loop (see the module doc), or None.
-
-    Requires the nest's structure to allow one (:func:`.cost.register_blockable`) and
-    the innermost index to be the output's unit-stride (last) index."""
-    if not output_order or order[-1] != output_order[-1] or not register_blockable(order, output_order, factors):
-        return None
-    k = order[-1]
-    spans = [dims[k], *(t.size for t in tiles if t.index == k)]  # the extent and its tile
-    span = min(spans)
-    lanes = target.lanes(itemsize)
-    wide = target.wide_register_block_vectors * lanes
-    if span >= wide and all(s % wide == 0 for s in spans):
-        return Tile(k, wide)
-    # Other extents take the vectors that cover them, up to a register block; the last,
-    # partial block is masked. Left to a plain loop, a k loop narrower than a block would
-    # run scalar (the vectoriser's cost model skips loops that need a remainder).
-    return Tile(k, min(target.register_block_vectors * lanes, max(math.ceil(span / lanes), 1) * lanes))
-
-
-def _block_sums(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
-                tile: RegisterTile | None, itemsize: int, target: Target) -> int:
-    """Interleaved sums of a register block without a tile whose reductions are one
-    loop driven by a single sparse level: enough that its vectors make the target's
-    ``sparse_accumulators`` independent chains of adds (1: none)."""
-    if block is None or tile is not None:
-        return 1
-    r = decisions.reductions_from(order, output, len(order) - 1)
-    if len(order) - 1 - r != 1 or decisions.driver(order[r], [f.nest_factor() for f in factors]) is None:
-        return 1
-    vectors = block.size // target.lanes(itemsize)
-    return max(1, math.ceil(target.sparse_accumulators / vectors))
-
-
-def _register_tile(
-    order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
-    tiles: Sequence[Tile], parallel: bool, dims: dict[str, int], itemsize: int, target: Target,
-) -> RegisterTile | None:
-    """A register tile over the loop above the register block's reductions (see the
-    module doc), or None."""
-    if block is None:
-        return None
-    r = decisions.reductions_from(order, output, len(order) - 1)
-    if r < 1 or r == len(order) - 1 or (r == 1 and parallel):
-        return None  # no reduction to keep the tile across, or ``a`` runs in chunks
-    a, k = order[r - 1], order[-1]
-    if a not in output or any(t.index == a for t in tiles) or dims[a] < 2:
-        return None
-    readers, gathered_by, outside = 0, None, False
-    reductions = set(order[r:-1])
-    for n, f in enumerate(factors):
-        held = [i for i, _ in f.levels]
-        if a not in held:
-            continue
-        if k in held:
-            if not outside_vector(f, k, reductions, a):
-                return None  # a vector factor
-            outside = True
-            continue
-        level = f.levels[held.index(a)][1]
-        if f.sparse and held[-1] == a and not level.locatable and level.unique and gathered_by is None:
-            gathered_by = n  # its last level's stored coordinates are the rows
-        elif not all(lv.full and lv.locatable for _, lv in f.levels[held.index(a):]):
-            return None  # a position not affine in ``a``
-        readers += 1
-    if not readers or (gathered_by is not None and (outside or any(
-            f.sparse for n, f in enumerate(factors) if n != gathered_by and a in (i for i, _ in f.levels)))):
-        return None
-    shape = _tile_shape(k, block, dims, itemsize, target)
-    if shape is None:
-        return None
-    vectors, most = shape
-    width = vectors * target.lanes(itemsize)
-    if gathered_by is None:
-        expected_rows = dims[a]
-    else:
-        gathering = factors[gathered_by]
-        expected_rows = gathering.fibers[[i for i, _ in gathering.levels].index(a)]
-    packed, panel, depth, stepped_by = _packed(order, r, factors, width, most, expected_rows, dims, itemsize, target)
-    rows = most
-    if gathered_by is None and not packed:  # packed, the rows past the last whole tile run from the panels
-        rows = _rows(most, dims[a])
-    return RegisterTile(a, rows, vectors, gathered_by, packed, panel, depth, stepped_by)
-
-
-def _packed(order: Sequence[str], r: int, factors: list[Factor], width: int, rows: int, expected_rows: float,
-            dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int, int | None]:
-    """(the vector factors of a register tile over ``order[r - 1]`` whose strips are
-    packed, the panel's extent along ``k``, its depth along ``d`` (0: all of ``d``), the
-    sparse factor ``d`` steps through; see the module doc): ``R = order[r:-1]`` is one
-    reduction ``d``, dense in every factor but at most one, whose last level over ``d``
-    (compressed, unique) it steps through (no layers, at most half the L1 of cache
-    lines; the packed factors then laid out with ``k`` last); a packed factor, dense in
-    any layout, holds ``d``, ``k`` and loops above the tile only. A tile's ``rows`` over
-    one pack's depth fill at most half of the L1 (the depth splits ``d`` evenly); a
-    panel holds whole register blocks (``width``) and fills at most a quarter of the L2
-    per packed factor. ``expected_rows``: the rows of the tile per iteration above it
-    (per pack), at least :data:`MIN_PACKED_ROWS`."""
-    none = (), 0, 0, None
-    if len(order) - r != 2 or expected_rows < MIN_PACKED_ROWS:
-        return none
-    d, k = order[r], order[-1]
-    holders = [n for n, f in enumerate(factors) if f.sparse and d in (i for i, _ in f.levels)]
-    stepping = holders[0] if holders else None
-    if len(holders) > 1 or (stepping is not None and not _last_level_steps(factors[stepping], d)):
-        return none
-    steps = dims[d] if stepping is None else factors[stepping].fibers[-1]
-    if steps < MIN_PACKED_REDUCTION or (stepping is not None and steps * CACHE_LINE_BYTES > target.l1_bytes // 2):
-        return none  # a stepped reduction is not layered: the rows' line per step must stay in L1
-    above = set(order[:r - 1])
-    packed = tuple(n for n, f in enumerate(factors) if not f.sparse
-                   and {i for i, _ in f.levels} >= {d, k} and {i for i, _ in f.levels} - {d, k} <= above
-                   and (stepping is None or f.levels[-1][0] == k))
-    if not packed:
-        return none
-    deepest = max(target.l1_bytes // 2 // (rows * itemsize), MIN_PACKED_REDUCTION)
-    layers = 1 if stepping is not None else -(-dims[d] // deepest)
-    depth = -(-steps // layers)
-    blocks = target.l2_bytes // 4 // len(packed) // (depth * width * itemsize)
-    if blocks < 1:
-        return none
-    return packed, width * min(blocks, -(-dims[k] // width)), depth if layers > 1 else 0, stepping
-
-
-def _last_level_steps(f: Factor, d: str) -> bool:
-    """Whether ``f``'s last level is over ``d``, compressed and unique: a reduction can
-    step through its stored coordinates."""
-    index, level = f.levels[-1]
-    return index == d and not level.locatable and level.unique
-
-
-def _dot_tile(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], reduction: VectorReduction | None,
-              tiles: Sequence[Tile], target: Target) -> DotTile | None:
-    """A dot tile around the innermost vector reduction (see the module doc), or None."""
-    if reduction is None or len(order) < 4 or reduction.index != order[-1]:
-        return None  # ``a`` is not the outermost loop: that one runs in chunks
-    if decisions.reductions_from(order, output, len(order)) != len(order) - 1:
-        return None
-    a, b, d = order[-3], order[-2], order[-1]
-    if a not in output or b not in output or {a, b} & {t.index for t in tiles}:
-        return None
-    readers = {a: 0, b: 0}
-    for k, f in enumerate(factors):
-        held = [i for i, _ in f.levels]
-        shifted = [i for i in (a, b) if i in held]
-        if f.sparse and d in held:
-            return None
-        if k in reduction.vectors:
-            if len(shifted) > 1:
-                return None
-            for i in shifted:
-                readers[i] += 1
-        elif f.sparse and shifted:
-            first = min(held.index(i) for i in shifted)
-            if not all(level.full and level.locatable for _, level in f.levels[first:]):
-                return None  # a position not affine in ``a`` and ``b``
-    if not (readers[a] and readers[b]):
-        return None
-    return DotTile(a, b, 4, 4 if target.vector_registers >= 32 else 2)
 
 
 # ----------------------------------------------------------------------------- search
@@ -740,7 +211,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
             "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
             "row_block": decisions.row_block(order, output, f, target),
         }
-        fields["dot_tile"] = _dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
+        fields["dot_tile"] = microkernel.dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
     elif assignment.reduction != "sum" and assignment.terms[nest.term].value == notation.Factor(0):
         fields["vector_reduction"] = decisions.extremum_reduction(order, output, f, target)
     layered = nest.register_tile is not None and nest.register_tile.depth > 0  # its layers add partial sums
@@ -757,7 +228,8 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     return replace(nest, **fields)
 
 
-def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims: dict[str, int]) -> int:
+def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims: dict[str, int],
+                target: Target) -> int:
     """:func:`decisions.team_loops` of a parallel dense-output nest, every code decision made."""
     held = {t.index for t in nest.tiles} | {loop.index for loop in nest.prefetch}
     held |= {i for i in (nest.register_block and nest.register_block.index,
@@ -765,7 +237,7 @@ def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims
                          *((nest.dot_tile.rows, nest.dot_tile.cols) if nest.dot_tile else ())) if i is not None}
     if nest.epilogue_at is not None:
         held |= set(nest.order[nest.epilogue_at:])
-    return decisions.team_loops(nest.order, output, [x.nest_factor() for x in factors], dims, held)
+    return decisions.team_loops(nest.order, output, [x.nest_factor() for x in factors], dims, held, target)
 
 
 def _scalar(assignment: Assignment, t: int) -> bool:
@@ -790,12 +262,12 @@ def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> 
     return p if p > 0 else None
 
 
-def _anchored_orders(term: Term, candidates: list[tuple[str, ...]], anchor: int, infos, dims,
+def _anchored_orders(term: Term, candidates: list[tuple[str, ...]], anchor: int, infos, dims, target: Target,
                      layout: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The candidates reading the anchor in its storage order; if none does (a greedy
     search), the best one with the anchor's indices moved to its front in that order."""
     def natural(order) -> bool:
-        return all(f.natural for f in nest_cost(term, order, infos, dims, layout)[2] if f.operand == anchor)
+        return all(f.natural for f in nest_cost(term, order, infos, dims, target, layout)[2] if f.operand == anchor)
 
     kept = [o for o in candidates if natural(o)]
     if kept:
@@ -815,22 +287,22 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         indices = _nest_indices(term, assignment.output)
 
         def cost_of(order, term=term):
-            cost = nest_cost(term, order, infos, dims, layout, target.lanes(itemsize))[0]
+            cost = nest_cost(term, order, infos, dims, target, layout, target.lanes(itemsize))[0]
             parallel = bool(order) and order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of, _storage_orders(term, infos))
         if anchor is not None:
-            candidates = _anchored_orders(term, candidates, anchor, infos, dims, layout)
+            candidates = _anchored_orders(term, candidates, anchor, infos, dims, target, layout)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         if assignment.epilogue is None and not _scalar(assignment, t):
-            tiled = _register_tiled_order(best, costs, assignment.output, term, infos, dims, layout, anchor, itemsize,
-                                          target)
+            tiled = microkernel.register_tiled_order(best, costs, assignment.output, term, infos, dims, layout, anchor,
+                                                     itemsize, target)
             if tiled is not None:
                 costs[tiled] = cost_of(tiled)
                 best = tiled
-        _, leaves, factors = nest_cost(term, best, infos, dims, layout)
+        _, leaves, factors = nest_cost(term, best, infos, dims, target, layout)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = bool(best) and best[0] in assignment.output
@@ -847,18 +319,12 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         if _scalar(assignment, nest.term):
             blocked.append(nest)
             continue
-        context = (output_order, assignment.output, factors, dims, itemsize, target)
-        block, tile = _registers(nest, nest.tiles, *context)
-        if tile is None and nest.tiles:
-            nest, block, tile = _register_tile_over_cache_tiles(nest, *context, (block, tile))
-        if tile is not None and tile.packed and any(t.index == block.index for t in nest.tiles):
-            # The panels replace the cache tile of k: the register block need not fit in it.
-            wider = _registers(nest, tuple(t for t in nest.tiles if t.index != block.index), *context)
-            if wider[1] is not None and wider[1].packed:
-                block, tile = wider
+        block, tile, tiles = microkernel.registers(nest.order, nest.parallel, nest.tiles, output_order,
+                                                   assignment.output, factors, dims, itemsize, target)
+        if tiles != nest.tiles:
+            nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
         cost = nest.cost
         if tile is not None:
-            block = Tile(block.index, tile.vectors * target.lanes(itemsize))
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
             if tile.packed:  # the panels replace a tile of k; the pack, and scalar loads, read any layout
@@ -872,14 +338,14 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
                 total -= nest.cost - cost
                 reasons.append(f"term {nest.term}: factor(s) {list(tile.packed)} packed per thread: costed as a "
                                f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
-        sums = _block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
+        sums = microkernel.block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
         blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost))
     nests = [_dense_decisions(nest, n, factors, assignment, target)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:
         nests[0] = replace(nests[0], epilogue_at=_epilogue_at(nests[0], assignment.output, nest_factors[0]))
-    nests = [replace(nest, team_loops=_team_loops(nest, factors, assignment.output, dims)) if nest.parallel else nest
-             for nest, factors in zip(nests, nest_factors)]
+    nests = [replace(nest, team_loops=_team_loops(nest, factors, assignment.output, dims, target))
+             if nest.parallel else nest for nest, factors in zip(nests, nest_factors)]
     wide = target.wide_register_block_vectors
     for nest in nests:
         if nest.register_block is not None and nest.register_tile is None:
@@ -907,11 +373,11 @@ def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Tar
         leaf_total = 0.0
         for t, term in enumerate(assignment.terms):
             local = [i for i in _nest_indices(term, assignment.output) if i not in shared]
-            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims)[0],
+            candidates = _orders(local, lambda o, term=term: nest_cost(term, shared + o, infos, dims, target)[0],
                                  _storage_orders(term, infos))
-            costs = {o: nest_cost(term, shared + o, infos, dims)[0] for o in candidates}
+            costs = {o: nest_cost(term, shared + o, infos, dims, target)[0] for o in candidates}
             order = min(candidates, key=lambda o: costs[o])
-            _, leaves, factors = nest_cost(term, shared + order, infos, dims)
+            _, leaves, factors = nest_cost(term, shared + order, infos, dims, target)
             prefetch = decisions.prefetch_loops(order, [f.nest_factor() for f in factors], set(), None, 0)
             nests.append(Nest(t, order, (), p > 0, costs[order], prefetch=prefetch))
             transposes += _transposes(t, factors, term)

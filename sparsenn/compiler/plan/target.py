@@ -20,18 +20,29 @@ depends on where the suite runs).
   ``register_block_vectors``; independent accumulators of a vector reduction:
   ``register_block_vectors``. ``vector_registers`` (16 with AVX2, 32 with AVX-512's
   VL registers and on aarch64) bounds a 2-D register tile: ``rows x vectors``
-  accumulators plus ``vectors`` loads and one broadcast.
+  accumulators plus ``vectors`` loads and one broadcast, with at most
+  :attr:`~Target.register_tile_vectors` vectors and ``register_tile_rows`` rows; a dot
+  tile of sums is :attr:`~Target.dot_tile` rows x columns.
 * **Reductions over stored entries.** ``sparse_accumulators`` interleaved sums (also
   the independent chains of adds a register block of few vectors over a fiber makes); a
   row block of ``row_block`` stored entries shares the loads of the factors they have
-  in common, with ``row_block_vectors`` SIMD accumulators per entry.
+  in common, with ``row_block_vectors`` SIMD accumulators per entry; a reduction that
+  gathers its dense factors at the stored coordinates keeps ``gathered_vectors`` SIMD
+  sums (a gather's latency is long).
+* **Cache lines.** ``cache_line_bytes``: a cache tile spans at least two lines; a
+  reduction stepped through a fiber reads one line of each row per step. A packed
+  panel's copy prefetches the strip's row ``pack_prefetch_rows`` ahead (a row length
+  apart: too far for the hardware's stride prefetcher).
 * **Prefetch.** A loop over a fiber whose gathered dense operands exceed the L2
   prefetches ``prefetch_ahead_bytes`` ahead (at most ``prefetch_max_distance``
   positions, ``prefetch_max_bytes`` of each span): always when the operands take
   ``prefetch_min_footprint`` of the last-level cache and the coordinate ahead is at
   least ``prefetch_min_jump`` away, else only for fibers spread over half the range.
 * **Threads.** Nests with fewer than ``parallel_min_work`` expected innermost
-  iterations run on one thread: waking an OpenMP team costs more than the work.
+  iterations run on one thread: waking an OpenMP team costs more than the work. A
+  parallel loop is cut into ``chunks_per_thread`` chunks of equal work per thread, or
+  ``even_range_chunks_per_thread`` of equal coordinate ranges; a team shares leading
+  output loops until they span ``team_coordinates`` coordinates.
 * **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
   against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
   product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
@@ -39,7 +50,11 @@ depends on where the suite runs).
   which it can count on ``llc_share``: the rest belongs to other cores, and on a VM to
   other tenants) and memory; ``cycles_per_cost_unit``
   the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
-  about 6 units per stored entry, 1.5 cycles).
+  about 6 units per stored entry, 1.5 cycles), in which a vectorised loop does
+  ``cost_vector_lanes`` values a step (the calibration's fp32 on 32-byte vectors, kept
+  for every dtype and width: the costs it weighs against, BLAS and contraction paths,
+  do not see the width either); ``python_call_cycles`` the cycles of the
+  dense path's own calls in Python and torch (its dispatch and checks).
 """
 
 from __future__ import annotations
@@ -83,13 +98,24 @@ class Target:
     llc_share: float = 0.25
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
+    python_call_cycles: float = 30_000.0
+    cost_vector_lanes: int = 8
+    cache_line_bytes: int = 64
+    register_tile_rows: int = 8
+    gathered_vectors: int = 2
+    pack_prefetch_rows: int = 8
+    chunks_per_thread: int = 8
+    even_range_chunks_per_thread: int = 32
+    team_coordinates: int = 256
 
     def __post_init__(self) -> None:
         if self.widest_vector_bytes is None:
             object.__setattr__(self, "widest_vector_bytes", self.vector_bytes)
         for name in ("vector_bytes", "widest_vector_bytes", "l1_bytes", "l2_bytes", "llc_bytes",
                      "register_block_vectors", "wide_register_block_vectors", "vector_registers",
-                     "sparse_accumulators", "row_block", "row_block_vectors"):
+                     "sparse_accumulators", "row_block", "row_block_vectors", "cache_line_bytes",
+                     "register_tile_rows", "gathered_vectors", "cost_vector_lanes", "pack_prefetch_rows", "chunks_per_thread",
+                     "even_range_chunks_per_thread", "team_coordinates"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Target.{name} must be a positive int, got {value!r}")
@@ -98,7 +124,7 @@ class Target:
             if value & (value - 1):
                 raise ValueError(f"Target.{name} must be a power of two, got {value}")
         for name in ("fma_per_cycle", "gemm_efficiency", "l2_bytes_per_cycle", "llc_bytes_per_cycle", "llc_share",
-                     "dram_bytes_per_cycle", "cycles_per_cost_unit"):
+                     "dram_bytes_per_cycle", "cycles_per_cost_unit", "python_call_cycles"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Target.{name} must be a positive number, got {value!r}")
@@ -110,6 +136,16 @@ class Target:
                              f"({self.vector_bytes})")
         if self.row_block & (self.row_block - 1):
             raise ValueError(f"Target.row_block must be a power of two, got {self.row_block}")
+
+    @property
+    def register_tile_vectors(self) -> int:
+        """Most SIMD vectors of a register tile's row: 4 with 32 vector registers, else 2."""
+        return 4 if self.vector_registers >= 32 else 2
+
+    @property
+    def dot_tile(self) -> tuple[int, int]:
+        """(rows, columns) of a dot tile's sums: 4 x 4 with 32 vector registers, else 4 x 2."""
+        return 4, self.register_tile_vectors
 
     def lanes(self, itemsize: int) -> int:
         """Elements of ``itemsize`` bytes per SIMD vector."""

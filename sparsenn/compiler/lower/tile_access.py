@@ -1,0 +1,77 @@
+"""How a tile's rows read the factors: a factor's position and value with its indices
+moved on by a row's shift (its levels from the shifted index down are dense, so its
+position is affine in the index), SIMD vectors of factors, and the walk over the rows a
+tile left."""
+
+from __future__ import annotations
+
+from ..loops import ir
+from .context import ONES, Lowering, product_of
+from .iterators import locate
+from .order import NestWalk
+
+__all__ = ["OUT", "rows_left", "held", "located", "vector_at", "shifted_pos", "shifted_value"]
+
+OUT = ir.Array("out")
+
+
+def rows_left(plain: NestWalk, a: str, rows: tuple, inner) -> None:
+    """``inner()`` (``plain``, the register block) over ``rows`` of loop ``a``, the rows a
+    tile's wrapper left; ``plain``'s bounds of ``a`` are restored after, since the wrapper
+    may be emitted again (in another branch)."""
+    given = plain.bounds.get(a)
+    plain.bounds[a] = rows
+    inner()
+    if given is None:
+        del plain.bounds[a]
+    else:
+        plain.bounds[a] = given
+
+
+def held(st) -> tuple[str, ...]:
+    """The indices a factor's state reads: its levels' (sparse) or its layout's (dense)."""
+    return tuple(i for i, _ in st.levels) if st.sparse else st.dense_indices
+
+
+def located(lo: Lowering, index: str, states) -> list:
+    """``states`` with the levels over ``index`` located at its current coordinate."""
+    at = list(states)
+    locate(lo, index, states, at)
+    return at
+
+
+def vector_at(lo: Lowering, st, lane: ir.Expr, shifts: dict[str, ir.Expr] | None = None,
+               count: ir.Expr | None = None) -> ir.Expr:
+    """SIMD vector of a factor ``lane`` elements past its position (moved on by
+    ``shifts``, see :func:`shifted_pos`): a dense operand laid out with the vector's
+    index last, or a sparse one whose last level is over it, dense; with ``count``, its
+    first ``count`` lanes."""
+    if not st.valued:
+        return ONES
+    if not st.sparse:
+        at = {i: ir.add(lo.var(i), shift) for i, shift in (shifts or {}).items() if i in st.dense_indices}
+        return lo.vector_load(st, at, lane, count)
+    return ir.VectorLoad(ir.Array("val", st.slot), ir.add(shifted_pos(lo, st, shifts or {}), lane), count)
+
+
+def shifted_pos(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
+    """A sparse factor's position with index ``i`` moved on by ``shifts[i]``: its levels
+    from the first shifted one down are dense, so it moves by ``shift`` times the
+    extent of the levels below ``i``."""
+    held = [i for i, _ in st.levels]
+    pos = st.pos
+    for index, shift in shifts.items():
+        if index in held:
+            below = [lo.dim(i) for i in held[held.index(index) + 1:]]
+            pos = ir.add(pos, ir.mul(shift, product_of(below)) if below else shift)
+    return pos
+
+
+def shifted_value(lo: Lowering, st, shifts: dict[str, ir.Expr]) -> ir.Expr:
+    """A factor's value with its indices moved on by ``shifts`` (see :func:`shifted_pos`)."""
+    if not st.valued:
+        return ir.Const(1.0)
+    if not st.sparse:
+        at = {i: ir.add(lo.var(i), shift) for i, shift in shifts.items() if i in st.dense_indices}
+        return ir.Load(ir.Array("dense", st.slot), lo.dense_offset(st, at))
+    return ir.Load(ir.Array("val", st.slot), shifted_pos(lo, st, shifts))
