@@ -2,10 +2,10 @@
 
 The cost of an order is the work of the nest: at each loop, co-iterating the sparse
 levels indexed there (``SPARSE_ITERATION_COST * sum`` of fiber lengths, with an expected
-intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``ceil(N /
-W)`` vectors innermost, ``W`` the target's ``cost_vector_lanes``: a loop of one trip is
-one step, not an eighth of one), times the iterations of the enclosing loops; plus the leaf's products (per vector
-when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
+intersection of ``N * prod(f_k / N)``) or ``N`` for a dense loop (``ceil(N / W)``
+vectors innermost, ``W`` the target's ``cost_vector_lanes``: a loop of one trip is one
+step, not an eighth of one), times the iterations of the enclosing loops; plus the
+leaf's products (per vector when the innermost loop is dense); plus ``SHORT_OUTPUT_LOOP_COST`` per entry of an
 innermost output loop shorter than a vector (``lanes`` values) inside a reduction loop
 when no register block can hold its outputs (:func:`register_blockable`; each entry
 then starts a loop too short for a vector and reloads what the previous entry stored,
@@ -16,8 +16,14 @@ of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every
 pass over a sparse operand that an enclosing loop it does not index makes it traverse
 in full (its first level entered under that loop without another factor filtering it:
 ``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
-operand, entered at another's stored coordinates, is not traversed in full). Only
-level capabilities are used, never format names.
+operand, entered at another's stored coordinates, is not traversed in full). An
+innermost sparse reduction that gathers its dense factors
+(:func:`~.decisions.gathered_reduction`, an SpMV's ``x[crd[q]]``) runs the whole groups
+of ``G = gathered_vectors x lanes`` positions of each fiber ``lanes`` at a time: each
+position costs ``(SPARSE_ITERATION_COST + factors) / lanes`` plus ``GATHER_COST`` per
+gathered factor, the rest of the fiber (all of it when shorter than ``G``, else about
+``G / 2``) ``SPARSE_ITERATION_COST + factors`` as any scalar step. Only level
+capabilities are used, never format names.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from sparsenn.formats import Format
 from sparsenn.formats.level import Dense, Level
 
 from ..notation import Term
-from .decisions import NestFactor, reductions_from
+from .decisions import NestFactor, gathered_reduction, reductions_from
 from .target import Target
 
 __all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "outside_vector", "register_blockable",
@@ -41,6 +47,7 @@ SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
 SHORT_OUTPUT_LOOP_COST = 32.0  # per entry of a loop over fewer outputs than a vector, in memory
+GATHER_COST = 1.0  # per lane of a gathered load: one indexed element
 
 
 @dataclass(frozen=True)
@@ -169,6 +176,8 @@ def nest_cost(
     if output and list(output) != sorted(output, key=rank.__getitem__):  # output re-laid out too
         cost += DENSE_COPY_COST * math.prod(dims[i] for i in output)
     last_reduction = max((p for p, i in enumerate(order) if i not in output), default=None) if output else None
+    nest_factors = [f.nest_factor() for f in factors]
+    gathered = bool(output) and bool(order) and gathered_reduction(order, output, nest_factors)
     for position, index in enumerate(order):
         n = float(max(dims[index], 1))
         if position == len(order) - 1 and last_reduction is not None and last_reduction < position \
@@ -185,7 +194,10 @@ def nest_cost(
         for k, located in entered:
             if iters > 1 and len(fibers) == (0 if located else 1):  # traversed in full, ``iters`` times
                 cost += RESTREAM_COST * (iters - 1) * (factors[k].nnz + factors[k].storage)
-        if fibers:
+        if fibers and gathered and position == len(order) - 1:
+            trip = fibers[0]
+            work = _gathered_work(trip, nest_factors, index, len(term.factors), lanes, target)
+        elif fibers:
             trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
             work = SPARSE_ITERATION_COST * sum(fibers)
         else:
@@ -200,7 +212,18 @@ def nest_cost(
     if innermost_dense:  # whole vectors per trip of the loops outside the innermost
         inner = max(dims[order[-1]], 1)
         cost += iters / inner * math.ceil(inner / width) * len(term.factors)
-    else:
+    elif not gathered:  # a gathered reduction's products are in its loop's work
         cost += iters * len(term.factors)
     cost += sum(f.transpose_cost for f in factors)
     return cost, iters, factors
+
+
+def _gathered_work(fiber: float, factors: Sequence[NestFactor], index: str, products: int, lanes: int,
+                   target: Target) -> float:
+    """The work of a gathered reduction over a fiber of ``fiber`` positions (see the
+    module doc): its whole groups a vector of positions at a time, the rest one by one."""
+    group = target.gathered_vectors * lanes
+    scalar = fiber if fiber < group else group / 2
+    gathers = sum(1 for f in factors if not f.sparse and index in f.indices)
+    step = SPARSE_ITERATION_COST + products
+    return step * scalar + (fiber - scalar) * (step / lanes + GATHER_COST * gathers)

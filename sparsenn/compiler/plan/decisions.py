@@ -70,7 +70,7 @@ from .target import Target
 __all__ = [
     "NestFactor", "VectorReduction", "SparseReduction", "RowBlock", "PrefetchLoop", "PrefetchPolicy",
     "reductions_from", "driver", "unit_stride_factors", "vector_reduction", "extremum_reduction", "sparse_reduction",
-    "row_block",
+    "gathered_reduction", "row_block",
     "prefetch_loops", "stores_once", "team_loops", "contiguous_factors", "simd_loop",
     "union_by_points",
     "MAX_LATTICE_TERMS", "OutputAssembly", "inserted_levels", "output_assembly",
@@ -222,8 +222,17 @@ def sparse_reduction(order, output, factors, target: Target) -> SparseReduction 
     k = driver(order[-1], factors) if summed else None
     if k is None:
         return None
-    gathered = factors[k].indices[-1] == order[-1] and all(not factors[n].sparse for n in summed if n != k)
-    return SparseReduction(order[-1], target.sparse_accumulators, gathered)
+    return SparseReduction(order[-1], target.sparse_accumulators, gathered_reduction(order, output, factors))
+
+
+def gathered_reduction(order, output, factors) -> bool:
+    """Whether the innermost loop is a sparse reduction run SIMD lanes of positions at a
+    time (see the module doc): one sparse factor drives it by its last level, every
+    other factor summed is dense (gathered at the coordinates)."""
+    summed = summed_factors(order, output, factors)
+    k = driver(order[-1], factors) if summed else None
+    return k is not None and factors[k].indices[-1] == order[-1] and all(
+        not factors[n].sparse for n in summed if n != k)
 
 
 def row_block(order, output, factors, target: Target) -> RowBlock | None:

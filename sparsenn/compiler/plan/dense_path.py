@@ -5,15 +5,17 @@ At moderate sparsity, or on small problems, a sparse kernel does fewer multiply-
 than a dense product but at a far lower rate: an indirect load per stored entry against
 a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Target`:
 
-* the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``;
+* the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``,
+  scaled from the fill it was planned for (stored positions rounded to a power of two,
+  so that plans are shared) to the operand's;
 * the dense product: ``max(F / (2 · lanes · fma_per_cycle · gemm_efficiency), B / bw)``
   for ``F`` flops over ``B`` bytes of operands and result, ``bw`` the bandwidth of the
   level they fit in (the L2, a core's share of the last-level cache, else memory):
   compute-bound with many rows, bound by reading the dense weight with few (a
   matrix-vector product);
-* the dense path's own calls: the target's ``python_call_cycles`` (the check of the copy,
-  ``torch.einsum``'s dispatch, a bias added apart: about 10 µs, more than a small
-  kernel takes);
+* the dense path's own calls beyond a kernel's launch: the target's
+  ``python_call_cycles`` (finding the copy, one BLAS call with the bias as its ``C``
+  input, the result's sum checked finite: about 7 µs, more than a small kernel takes);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
@@ -41,7 +43,7 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path"]
+__all__ = ["DensePath", "dense_path", "dense_product_cycles", "schedule_cycles"]
 
 
 @dataclass(frozen=True)
@@ -59,35 +61,48 @@ class DensePath:
                 f"({self.sparse_cycles:.3g} cycles)")
 
 
-def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sched: Schedule, itemsize: int,
-               target: Target, copy_budget: int) -> DensePath | None:
+def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Sequence[int], sched: Schedule,
+               itemsize: int, target: Target, copy_budget: int) -> DensePath | None:
     """The dense path of a dense-result call if it is cheaper (see the module doc), else
-    None; ``copy_budget``: the bytes the runtime may keep for the copy and its snapshot."""
+    None; ``stored``: each operand's stored entries (the infos' are rounded to a power
+    of two, and so is the schedule's cost: it is scaled to them); ``copy_budget``: the
+    bytes the runtime may keep for the copy and its snapshot."""
     if not assignment.is_product_sum or sched.output_format is not None or len(infos) < 2:
         return None
     sparse = [n for n, info in enumerate(infos) if info.format is not None]
     if len(sparse) != 1 or infos[sparse[0]].format.block is not None:
         return None
     (k,) = sparse
+    nnz = stored[k]
     dense_bytes = math.prod(infos[k].shape) * itemsize
-    if dense_bytes + infos[k].nnz * itemsize > copy_budget:
+    if dense_bytes + nnz * itemsize > copy_budget:
         return None
-    sizes = {i: infos[a.operand].shape[m] for t in assignment.terms for a in t.factors
-             for m, i in enumerate(a.indices)}
-    flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
-    touched = sum(math.prod(info.shape) for info in infos) * itemsize
-    touched += math.prod(sizes[i] for i in assignment.output) * itemsize
-    lanes = target.widest_vector_bytes // itemsize
-    compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
-    checked = 2 * infos[k].nnz * itemsize
-    dense_cycles = (max(compute, touched / _bandwidth(touched, target)) + checked / _bandwidth(checked, target)
-                    + target.python_call_cycles)
+    checked = 2 * nnz * itemsize
+    dense_cycles = (dense_product_cycles(assignment, [info.shape for info in infos], itemsize, target)
+                    + checked / _bandwidth(checked, target) + target.python_call_cycles)
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
-                      + infos[k].nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
-    sparse_cycles = sched.cost * target.cycles_per_cost_unit
+                      + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
+    sparse_cycles = schedule_cycles(sched, target) * nnz / max(infos[k].nnz, 1)
     if dense_cycles + densify_cycles / 2 >= sparse_cycles:
         return None
     return DensePath(k, sparse_cycles, dense_cycles, densify_cycles)
+
+
+def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...]], itemsize: int,
+                         target: Target) -> float:
+    """Cycles of BLAS computing the sum of products ``assignment`` over dense operands of
+    ``shapes`` (see the module doc: compute- or bandwidth-bound)."""
+    sizes = {i: shapes[a.operand][m] for t in assignment.terms for a in t.factors for m, i in enumerate(a.indices)}
+    flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
+    touched = (sum(math.prod(shape) for shape in shapes) + math.prod(sizes[i] for i in assignment.output)) * itemsize
+    lanes = target.widest_vector_bytes // itemsize
+    compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
+    return max(compute, touched / _bandwidth(touched, target))
+
+
+def schedule_cycles(sched: Schedule, target: Target) -> float:
+    """Cycles of a sparse schedule's kernel: its cost in the cost model's units."""
+    return sched.cost * target.cycles_per_cost_unit
 
 
 def _bandwidth(nbytes: float, target: Target) -> float:

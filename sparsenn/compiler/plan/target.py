@@ -54,7 +54,8 @@ depends on where the suite runs).
   ``cost_vector_lanes`` values a step (the calibration's fp32 on 32-byte vectors, kept
   for every dtype and width: the costs it weighs against, BLAS and contraction paths,
   do not see the width either); ``python_call_cycles`` the cycles of the
-  dense path's own calls in Python and torch (its dispatch and checks).
+  dense path's own calls in Python and torch (its dispatch and checks) beyond a
+  kernel's launch.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Target:
     llc_share: float = 0.25
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
-    python_call_cycles: float = 30_000.0
+    python_call_cycles: float = 20_000.0
     cost_vector_lanes: int = 8
     cache_line_bytes: int = 64
     register_tile_rows: int = 8

@@ -42,6 +42,7 @@ from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_
                              plan_call)
 from . import memory
 from .cache import GuardedCache
+from .dense_product import blas_form
 from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
@@ -121,7 +122,8 @@ def route(assignment: Assignment, checked: Checked
         return path
     shaped = plan_call(folded, infos, checked.request, checked.dtype, checked.index_dtype)
     if shaped.output_format is None and shaped.anchor is None and shaped.final_format is None:
-        dense = dense_path(assignment, infos, shaped.schedule, compute_dtype(checked.dtype).itemsize,
+        stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
+        dense = dense_path(assignment, infos, stored, shaped.schedule, compute_dtype(checked.dtype).itemsize,
                            shaped.schedule.target, COPIES.max_bytes)
         if dense is not None:
             return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
@@ -232,10 +234,14 @@ class DenseCall:
 
 class DensifiedCall:
     """A product run densely on a dense copy of its sparse operand, kept while the
-    operand is unchanged (:mod:`.densified`); ``shaped`` is the sparse kernel the planner
-    weighed it against (built only if it runs). A call whose dense operands hold an
-    infinity or a NaN runs that kernel instead: the copy's zeros would multiply them (``0 · inf = nan``), where an
-    entry that is not stored forms no product."""
+    operand is unchanged (:mod:`.densified`), as one BLAS call when it has that form
+    (:mod:`.dense_product`); ``shaped`` is the sparse kernel the planner weighed it
+    against (built only if it runs). A call whose result holds an infinity or a NaN runs
+    that kernel instead: an operand holding one would have been multiplied by the copy's
+    zeros (``0 · inf = nan``), where an entry that is not stored forms no product. Every
+    value of every operand enters some product, so such an operand leaves a value that
+    is not finite in the result: checking the result's sum (one pass over the smallest
+    tensor, 1.5 µs) replaces checking every dense operand (6 µs each)."""
 
     def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
                  binding: tuple[dict[str, int], torch.dtype, torch.dtype]) -> None:
@@ -245,13 +251,14 @@ class DensifiedCall:
 
     def run(self, operands: Sequence) -> torch.Tensor:
         k = self.dense.operand
-        if not all(bool(torch.isfinite(op).all()) for n, op in enumerate(operands) if n != k):
+        copy = COPIES.copy_for(operands[k], _made_dense)
+        dense = [copy if n == k else op for n, op in enumerate(operands)]
+        form = blas_form(self.assignment)
+        out = _summed_products(self.assignment, dense, self.out_shape) if form is None else form.run(dense)
+        if not math.isfinite(float(out.sum())):
             if self._launch is None:
                 self._launch = bind(self.shaped, operands, *self._binding)
             return self._launch.run(operands)
-        copy = COPIES.copy_for(operands[k], _made_dense)
-        out = _summed_products(self.assignment, [copy if n == k else op for n, op in enumerate(operands)],
-                               self.out_shape)
         return out.clone() if out.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr() else out
 
 
