@@ -9,7 +9,8 @@ GCN: Cora, CiteSeer (shipped in models/data/planetoid) and a synthetic power-law
 round-robin in each repeat (so background load hits all alike); medians after warm-up;
 ratio = other method's time / sparsenn time, from the same run. First-call time (kernel
 builds included) is measured in a subprocess with an empty SPARSENN_CACHE_DIR. The
-calibration sweep fits the break-even model used by ``convert(skip_slower=True)``.
+calibration sweep fits a break-even line to the measured steps, to compare with the
+planner's costs that ``convert(skip_slower=True)`` uses (``sparsenn.convert.predicted_speedup``).
 ``--quick`` is a smoke run (small sizes, Cora only, few repeats).
 """
 

@@ -9,43 +9,71 @@ dense model computes, and trains through compiled sparse einsums.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import numbers
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, overload
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from sparsenn.formats import Format
+from sparsenn.compiler import Target, use_target
+from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.plan.dense_path import dense_product_cycles, schedule_cycles
+from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.runtime.api import kernel_schedule
+from sparsenn.formats import Format, SparseTensor
 from sparsenn.layers.linear import SparseLinear, check_weight_format, layer_nnz, resolve_sparsity, shape_problem
 
 __all__ = ["convert", "ConversionReport", "LayerDecision", "Converted", "predicted_speedup"]
 
 Exclude = Iterable[str] | Callable[[str, nn.Module], bool] | None
 
-# Break-even model for skip_slower: time = overhead + ns_per_mac * work, where work is the
-# multiply-adds of one forward+backward step at batch B (dense: 3 * B * out * in; sparse:
-# 3 * B * nnz). The constants are fitted by ``python benchmarks/layers.py`` (non-negative
-# least squares on relative error over 25 layers at batch 64, one thread; the fit and its
-# machine are in BENCHMARKS.md, "Layers"). A large layer is then faster sparse below about
-# 25 % density, and the sparse layer's fixed cost (three einsum calls per step) keeps small
-# layers dense.
-DENSE_OVERHEAD_US = 113.4
-DENSE_NS_PER_MAC = 0.0262
-SPARSE_OVERHEAD_US = 370.4
-SPARSE_NS_PER_MAC = 0.1032
-CALIBRATION_BATCH = 64
+STEP_BATCH = 64  # the batch skip_slower weighs a training step at
 
 
-def predicted_speedup(in_features: int, out_features: int, nnz: int, batch: int = CALIBRATION_BATCH) -> float:
-    """Modelled ``dense time / sparse time`` of one forward+backward step of a linear layer."""
-    work = 3 * batch
-    dense = DENSE_OVERHEAD_US * 1e3 + DENSE_NS_PER_MAC * work * in_features * out_features
-    sparse = SPARSE_OVERHEAD_US * 1e3 + SPARSE_NS_PER_MAC * work * nnz
+def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Target | None = None) -> float:
+    """``dense time / sparse time`` of one forward+backward step of a linear layer whose
+    sparse weight is ``weight`` (``out x in``), at ``batch``, as the planner costs them on
+    ``target`` (the current one by default: :meth:`Target.current`), in cycles:
+
+    * dense: three BLAS products, ``Y = X Wᵀ``, ``dX = dY W`` and ``dW = dYᵀ X``
+      (:func:`~sparsenn.compiler.plan.dense_path.dense_product_cycles`);
+    * sparse: the kernels the planner schedules for ``Y``, ``dX`` and ``dW`` sampled on
+      the weight's pattern (the cost of their schedules, scaled from the fill they were
+      planned for to the weight's; one the planner runs as a contraction path, as its
+      dense product), each call paying the target's ``launch_cycles`` over a torch op.
+
+    The comparison the planner's dense path makes per call (``plan/dense_path.py``),
+    made here per layer."""
+    if not isinstance(weight, SparseTensor) or weight.ndim != 2:
+        raise TypeError("predicted_speedup needs the layer's 2-D SparseTensor weight")
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
+        raise ValueError(f"batch must be a positive int, got {batch!r}")
+    with contextlib.ExitStack() as stack:
+        if target is not None:
+            stack.enter_context(use_target(target))
+        current = Target.current()
+        out_features, in_features = weight.shape
+        itemsize = weight.values.element_size()
+        x, dy = torch.empty(batch, in_features, dtype=weight.dtype), torch.empty(batch, out_features, dtype=weight.dtype)
+        scale = weight.nnz / max(operand_info(weight).nnz, 1)
+        w = tuple(weight.shape)
+        steps = (("bi,oi->bo", (x, weight), "dense", "bi,oi->bo", (x.shape, w)),
+                 ("bo,oi->bi", (dy, weight), "dense", "bo,oi->bi", (dy.shape, w)),
+                 ("oi,bo,bi->oi", (weight, dy, x), weight.format, "bo,bi->oi", (dy.shape, x.shape)))
+        dense = sparse = 0.0
+        for equation, operands, out_format, blas, shapes in steps:
+            product = dense_product_cycles(parse_einsum(blas, 2), [tuple(s) for s in shapes], itemsize, current)
+            sched = kernel_schedule(equation, *operands, out_format=out_format)
+            # a call without a kernel runs pairwise products, the largest as BLAS would
+            sparse += product if sched is None else schedule_cycles(sched, current) * scale
+            sparse += current.launch_cycles
+            dense += product
     return dense / sparse
 
 
@@ -188,9 +216,10 @@ def convert(model: nn.Module, *, sparsity: float | None = None, method: str = "m
             container excludes everything in it), or a predicate ``(name, module) -> bool``.
         min_features: keep dense any layer with ``min(in, out) < min_features``.
         inplace: modify ``model``; otherwise convert a deep copy.
-        skip_slower: keep dense a layer that the break-even model
-            (:func:`predicted_speedup`, fitted to ``benchmarks/layers.py``) predicts to be
-            slower sparse than dense for a forward+backward step at batch 64.
+        skip_slower: keep dense a layer whose forward+backward step at batch 64 the
+            planner's cost model (:func:`predicted_speedup`, on the current
+            :class:`~sparsenn.compiler.Target`: pass another with
+            ``sparsenn.compiler.use_target``) finds slower sparse than dense.
         return_report: return ``Converted(model, report)`` instead of the model alone.
 
     Returns the converted model (``model`` itself when ``inplace``), or with
@@ -232,10 +261,14 @@ def convert(model: nn.Module, *, sparsity: float | None = None, method: str = "m
             continue  # a shared layer: decided under its first name
         decided.add(id(module))
         decision = _decide(name, module, parents[parent_name], owners, sparsity, method, fmt, excluded,
-                           min_features, skip_slower)
-        decisions.append(decision)
+                           min_features)
         if decision.converted:
-            sparse_versions[id(module)] = SparseLinear.from_dense(module, sparsity, method, fmt)
+            layer = SparseLinear.from_dense(module, sparsity, method, fmt)
+            if skip_slower:
+                decision = _weighed(decision, layer)
+            if decision.converted:
+                sparse_versions[id(module)] = layer
+        decisions.append(decision)
 
     for parent, attr, module in references:
         if id(module) in sparse_versions:
@@ -276,8 +309,8 @@ def _tie(module: nn.Linear, owners: dict[int, list[tuple[nn.Module, str]]]) -> s
 
 def _decide(name: str, module: nn.Linear, parent: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]],
             sparsity: float, method: str, fmt: Format, excluded: Callable[[str, nn.Module], str | None],
-            min_features: int, skip_slower: bool) -> LayerDecision:
-    """Whether (and why) one Linear layer is converted."""
+            min_features: int) -> LayerDecision:
+    """Whether (and why) one Linear layer is converted, before weighing its speed."""
     out_features, in_features = module.weight.shape
     reason = excluded(name, module)
     if reason is None and isinstance(parent, nn.MultiheadAttention):
@@ -295,15 +328,20 @@ def _decide(name: str, module: nn.Linear, parent: nn.Module, owners: dict[int, l
     if reason is None:
         reason = shape_problem(fmt, out_features, in_features)
     keep = layer_nnz(fmt, out_features, in_features, sparsity) if reason is None else in_features * out_features
-    note = method
-    if reason is None and skip_slower:
-        speedup = predicted_speedup(in_features, out_features, keep)
-        if speedup < 1.0:
-            reason = f"modelled sparse speedup {speedup:.2f}x < 1 (skip_slower)"
-        note = f"{method}; modelled sparse speedup {speedup:.2f}x"
     if reason is not None:
         return LayerDecision(name, in_features, out_features, in_features * out_features, "dense", False, reason)
-    return LayerDecision(name, in_features, out_features, keep, str(fmt), True, note)
+    return LayerDecision(name, in_features, out_features, keep, str(fmt), True, method)
+
+
+def _weighed(decision: LayerDecision, layer: SparseLinear) -> LayerDecision:
+    """``decision`` (to convert) kept or turned down by the planner's costs of the layer's
+    training step (:func:`predicted_speedup`)."""
+    speedup = predicted_speedup(layer.weight)
+    if speedup < 1.0:
+        reason = f"planned sparse speedup {speedup:.2f}x < 1 (skip_slower)"
+        n = decision.in_features * decision.out_features
+        return replace(decision, nnz=n, format="dense", converted=False, reason=reason)
+    return replace(decision, reason=f"{decision.reason}; planned sparse speedup {speedup:.2f}x")
 
 
 def _has_sparse(module: nn.Module) -> bool:

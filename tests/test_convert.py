@@ -10,6 +10,7 @@ from torch import nn
 
 import sparsenn
 from sparsenn import SparseLinear
+from _machines import AVX2, AVX512
 from sparsenn.convert import ConversionReport, Converted, predicted_speedup
 
 
@@ -145,17 +146,35 @@ def test_exclude_glob_covers_a_subtree_and_shared_layers_convert_once():
     assert isinstance(model[3][0], nn.Linear)
 
 
-def test_skip_slower_keeps_small_low_sparsity_layers_dense():
-    assert predicted_speedup(16, 16, 128) < 1.0
-    assert predicted_speedup(4096, 4096, 4096 * 41) > 1.0
-    assert predicted_speedup(1024, 1024, 1024 * 100) > predicted_speedup(1024, 1024, 1024 * 500)
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_skip_slower_weighs_the_planners_costs(target):
+    def speedup(in_features, out_features, sparsity):
+        weight = SparseLinear.from_dense(nn.Linear(in_features, out_features), sparsity).weight
+        return predicted_speedup(weight, target=target)
+
+    # a tiny layer is all launch cost; a large, very sparse one a fraction of the work
+    assert speedup(16, 16, 0.5) < 1.0 < speedup(2048, 2048, 0.99)
+    assert speedup(1024, 1024, 0.9) > speedup(1024, 1024, 0.7) > speedup(1024, 1024, 0.5)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 2048))
-    big = nn.Linear(2048, 2048)
-    model.append(big)
-    _, report = sparsenn.convert(model, sparsity=0.99, skip_slower=True, return_report=True)
+    model.append(nn.Linear(2048, 2048))
+    with sparsenn.compiler.use_target(target):
+        _, report = sparsenn.convert(model, sparsity=0.99, skip_slower=True, return_report=True)
     assert not report["0"].converted and "skip_slower" in report["0"].reason
-    assert report["2"].converted and "modelled sparse speedup" in report["2"].reason
+    assert report["2"].converted and "planned sparse speedup" in report["2"].reason
     assert isinstance(model[2], SparseLinear) and isinstance(model[0], nn.Linear)
+
+
+def test_blas_runs_wider_vectors_on_avx512_so_sparse_gains_less_there():
+    weight = SparseLinear.from_dense(nn.Linear(1024, 1024), 0.9).weight
+    assert predicted_speedup(weight, target=AVX512) < predicted_speedup(weight, target=AVX2)
+
+
+def test_predicted_speedup_rejects_what_is_not_a_sparse_weight():
+    with pytest.raises(TypeError, match="SparseTensor weight"):
+        predicted_speedup(torch.randn(4, 4))
+    weight = SparseLinear.from_dense(nn.Linear(8, 8), 0.5).weight
+    with pytest.raises(ValueError, match="batch must be a positive int"):
+        predicted_speedup(weight, batch=0)
 
 
 def test_unsupported_dtype_is_kept_dense_with_a_reason():

@@ -55,7 +55,8 @@ depends on where the suite runs).
   for every dtype and width: the costs it weighs against, BLAS and contraction paths,
   do not see the width either); ``python_call_cycles`` the cycles of the
   dense path's own calls in Python and torch (its dispatch and checks) beyond a
-  kernel's launch.
+  kernel's launch, ``launch_cycles`` those of a kernel's launch beyond a torch op's
+  (the call's guard, the launcher: what a sparse layer pays over ``F.linear``).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Target:
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
     python_call_cycles: float = 20_000.0
+    launch_cycles: float = 16_000.0
     cost_vector_lanes: int = 8
     cache_line_bytes: int = 64
     register_tile_rows: int = 8
@@ -125,7 +127,8 @@ class Target:
             if value & (value - 1):
                 raise ValueError(f"Target.{name} must be a power of two, got {value}")
         for name in ("fma_per_cycle", "gemm_efficiency", "l2_bytes_per_cycle", "llc_bytes_per_cycle", "llc_share",
-                     "dram_bytes_per_cycle", "cycles_per_cost_unit", "python_call_cycles"):
+                     "dram_bytes_per_cycle", "cycles_per_cost_unit", "python_call_cycles",
+                     "launch_cycles"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Target.{name} must be a positive number, got {value!r}")

@@ -30,8 +30,8 @@ from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, Spli
 from .ops import traced_evaluate, tracing
 from .validate import Checked, check_call, describe_operand
 
-__all__ = ["einsum", "compile_expression", "explain", "plan", "use_target", "parse", "describe_schedule",
-           "CompiledExpression"]
+__all__ = ["einsum", "compile_expression", "explain", "plan", "kernel_schedule", "use_target", "parse",
+           "describe_schedule", "CompiledExpression"]
 
 _equations: LRUCache[Assignment] = LRUCache("equations", 1024)
 
@@ -229,6 +229,22 @@ def _plan(assignment: Assignment, checked: Checked) -> Plan:
         raise ValueError("all operands are dense: the expression runs in torch.einsum, not a plan")
     raise ValueError("the call runs as a contraction path of pairwise products, not one kernel "
                      "(explain() shows the path)")
+
+
+def kernel_schedule(equation: str, *operands, out_format=None) -> Schedule | None:
+    """The schedule of the sparse kernel ``einsum`` would run, or weigh its dense path
+    against, for these operands (over split indices for blocked ones); None when the call
+    runs no kernel (all operands dense, or a contraction path). Plans, builds nothing."""
+    assignment = parse(equation, len(operands))
+    checked = check_call(assignment, operands, out_format)
+    routed = route(assignment, checked)
+    while isinstance(routed, SplitCall):
+        split = routed.split
+        assignment = split.assignment
+        routed = route(assignment, check_call(assignment, split.operands(checked.operands), split.request))
+    if isinstance(routed, DensifiedCall):
+        routed = routed.shaped
+    return routed.schedule if isinstance(routed, ShapePlan) else None
 
 
 def explain(equation: str, *operands, out_format=None) -> str:
