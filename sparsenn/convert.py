@@ -60,7 +60,8 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
         current = Target.current()
         out_features, in_features = weight.shape
         itemsize = weight.values.element_size()
-        x, dy = torch.empty(batch, in_features, dtype=weight.dtype), torch.empty(batch, out_features, dtype=weight.dtype)
+        x = torch.empty(batch, in_features, dtype=weight.dtype)
+        dy = torch.empty(batch, out_features, dtype=weight.dtype)
         scale = weight.nnz / max(operand_info(weight).nnz, 1)
         w = tuple(weight.shape)
         steps = (("bi,oi->bo", (x, weight), "dense", "bi,oi->bo", (x.shape, w)),

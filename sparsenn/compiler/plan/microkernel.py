@@ -100,7 +100,7 @@ from .target import Target
 __all__ = ["Tile", "RegisterTile", "DotTile", "register_tiled_order", "registers", "block_sums", "dot_tile",
            "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS"]
 
-REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (see the module doc)
+REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (module doc)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
 # Fewer rows per pack: copying the strip costs more than the aliasing it avoids (measured
 # on an expert's weights, in layers: from 64 rows the packed tiles beat BLAS on the
@@ -110,6 +110,8 @@ MIN_PACKED_ROWS = 64
 
 @dataclass(frozen=True)
 class Tile:
+    """Loop ``index`` taken ``size`` coordinates at a time: a cache tile, or a register block."""
+
     index: str
     size: int
 
@@ -143,7 +145,6 @@ class DotTile:
     cols: str
     row_count: int
     col_count: int
-
 
 
 def register_tiled_order(
