@@ -698,6 +698,10 @@ class _RecordedEvaluate(torch.autograd.Function):
 
 _BELOW_AUTOGRAD = torch._C._after_ADInplaceOrView_keyset  # the keys a call meets after autograd's
 
+# Raw dispatch key set -> whether the kernel after autograd's is the CPU one (a
+# DispatchKeySet is not hashable, and testing one costs most of a small call's overhead).
+_reaches_cpu: dict[int, bool] = {}
+
 
 def _evaluate_autograd(keyset, call: str, tensors: list[Tensor], shapes: list, order: list[int]) -> Tensor:
     """The op's autograd kernel: recorded when a gradient is needed, else the kernel the
@@ -705,7 +709,11 @@ def _evaluate_autograd(keyset, call: str, tensors: list[Tensor], shapes: list, o
     tensors, no mode or tensor subclass in between), saving a second dispatch."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _RecordedEvaluate.apply(keyset, call, shapes, order, *tensors)
-    if (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() == torch._C.DispatchKey.CPU:
+    raw = keyset.raw_repr()
+    direct = _reaches_cpu.get(raw)
+    if direct is None:
+        direct = _reaches_cpu[raw] = (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() == torch._C.DispatchKey.CPU
+    if direct:
         return evaluate_op(call, tensors, shapes, order)
     with torch._C._AutoDispatchBelowAutograd():
         return _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, tensors, shapes, order)
