@@ -113,3 +113,15 @@ def test_repeated_traced_calls_are_replayed_and_follow_edits():
         crd[pos[row]] = 10**6
         with pytest.raises(ValueError, match="crd"):
             compiled(x)
+
+
+def test_compiled_call_with_a_dense_format_sparse_operand():
+    """Only dense operands are re-laid out for their kernel: a SparseTensor stored in a
+    dense format (its values a flat array, converted by the op) is passed as it is."""
+    torch.manual_seed(0)
+    a = sparsenn.SparseTensor.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) > 0.5), "csr")
+    b = sparsenn.SparseTensor.from_dense(torch.randn(5, 7), "dense")
+    torch._dynamo.reset()
+    product = torch.compile(lambda a, b: sparsenn.einsum("ij,jk->ik", a, b, out_format="dense"), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(product(a, b), a.to_dense() @ b.to_dense())

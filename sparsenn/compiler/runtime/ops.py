@@ -446,8 +446,11 @@ def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tupl
                                         spec.out_format)
     except (TypeError, ValueError, NotImplementedError):
         return (), unknown  # the call itself reports what is wrong
-    slots = _differentiable_slots(spec)
-    inputs = tuple(reads.get(slots.index(k), ()) if k in slots else () for k in range(len(dims)))
+    orders = dict.fromkeys(range(len(dims)), ())
+    for n, (layout, slot) in enumerate(zip(spec.layouts, _differentiable_slots(spec))):
+        if layout is None:  # a dense operand (a dense-format SparseTensor's values are converted by the op)
+            orders[slot] = reads.get(n, ())
+    inputs = tuple(orders.values())
     if result is None or spec.anchor is not None:
         return (), inputs
     order = sorted(range(result.dim()), key=lambda d: (-result.stride(d), d))
