@@ -16,7 +16,6 @@
 #error "define SN_VALUE, SN_INDEX and SN_VECTOR_BYTES before including sparsenn_kernel.h"
 #endif
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -25,7 +24,6 @@
 #include <new>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 typedef SN_VALUE V;
 typedef SN_INDEX I;
@@ -38,13 +36,50 @@ static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
-/* The calling thread's buffer number Id of at least n values, kept across calls (a
-   register tile's packed panels: no allocation per panel). */
+/* The calling thread's buffer number Id of at least n values (zeros when it grows), kept
+   across calls (a register tile's packed panels: no allocation per panel); freed when the
+   thread ends. */
+struct sn_buffer {
+  V* data = nullptr;
+  int64_t size = 0;
+  ~sn_buffer() { std::free(data); }
+};
 template <int Id> static inline V* sn_scratch(int64_t n) {
-  static thread_local std::vector<V> buffer;
-  if ((int64_t)buffer.size() < n) buffer.resize(n);
-  return buffer.data();
+  static thread_local sn_buffer buffer;
+  if (buffer.size < n) {
+    std::free(buffer.data);
+    buffer.data = (V*)std::calloc((size_t)n, sizeof(V));
+    buffer.size = buffer.data == nullptr ? 0 : n;
+    if (buffer.data == nullptr) throw std::bad_alloc();
+  }
+  return buffer.data;
 }
+
+/* The smallest and largest of integer bounds (index arithmetic: sn_min and sn_max are
+   the value functions), and the first of the sorted coordinates [first, last) not below
+   value: std::min, std::max and std::lower_bound without <algorithm>, whose parsing cost
+   most of a small kernel's build. */
+static inline int64_t sn_imin(int64_t a) { return a; }
+template <class... T> static inline int64_t sn_imin(int64_t a, int64_t b, T... rest) {
+  return sn_imin(b < a ? b : a, (int64_t)rest...);
+}
+static inline int64_t sn_imax(int64_t a) { return a; }
+template <class... T> static inline int64_t sn_imax(int64_t a, int64_t b, T... rest) {
+  return sn_imax(a < b ? b : a, (int64_t)rest...);
+}
+template <class J> static inline const J* sn_lower_bound(const J* first, const J* last, J value) {
+  for (int64_t count = last - first; count > 0;) {
+    const int64_t half = count / 2;
+    if (first[half] < value) {
+      first += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  return first;
+}
+static inline int64_t sn_clamp(int64_t n, int64_t lo, int64_t hi) { return n < lo ? lo : n > hi ? hi : n; }
 
 #ifdef SN_STORAGE
 /* 16-bit storage, float arithmetic. A stored value is widened to float exactly when it
@@ -150,7 +185,9 @@ typedef std::make_integer_sequence<int, SN_W> sn_lanes;
    SN_W]), and loads and stores of only those lanes, the others loaded as zero: nothing
    past them is read or written (a row narrower than a vector, or a row's last, partial
    vector). A mask register and one masked instruction where the CPU has them (AVX-512;
-   AVX2 for 32-byte vectors), else a loop over the lanes. */
+   AVX2 for 32-byte vectors), else a loop over the lanes. Defined for kernels that use
+   them (SN_LANE_MASKS: <immintrin.h> is most of what a kernel's build parses). */
+#ifdef SN_LANE_MASKS
 #if (defined(__AVX512F__) && SN_VECTOR_BYTES == 64) || (defined(__AVX512VL__) && SN_VECTOR_BYTES == 32)
 #define SN_MASK_REGISTERS 1
 #include <immintrin.h>
@@ -166,12 +203,12 @@ typedef VI sn_lane_mask;
 static inline sn_lane_mask sn_first_lanes(int64_t n) {
   VI lane;
   for (int l = 0; l < SN_W; ++l) lane[l] = l;
-  return lane < (sn_lane_index)std::clamp<int64_t>(n, 0, SN_W);
+  return lane < (sn_lane_index)sn_clamp(n, 0, SN_W);
 }
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return m[l] != 0; }
 #else
 typedef int sn_lane_mask;
-static inline sn_lane_mask sn_first_lanes(int64_t n) { return (int)std::clamp<int64_t>(n, 0, SN_W); }
+static inline sn_lane_mask sn_first_lanes(int64_t n) { return (int)sn_clamp(n, 0, SN_W); }
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return l < m; }
 #endif
 static inline VV sn_load_first(const V* p, sn_lane_mask m) {
@@ -216,6 +253,7 @@ static inline void sn_store_first(S* p, VV v, sn_lane_mask m) {
   for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) p[l].bits = (uint16_t)bits[l];
 }
 #endif
+#endif  // SN_LANE_MASKS
 
 /* The vector of p[crd[l] * stride] over lanes l: values at a vector of stored
    coordinates (a loop the compiler turns into a gather instruction where there is one). */
