@@ -20,7 +20,7 @@ while tracing, :func:`traced_evaluate` replaces each evaluation of an assignment
 
 Its kernel rebuilds the :class:`SparseTensor` s (index arrays validated once per version,
 so a module whose pattern buffers were edited raises instead of crashing) and evaluates
-as in eager mode, returning a dense result in ``order`` (copied only if the kernel wrote
+as in eager mode (a repeated call is replayed: :mod:`.replay`), returning a dense result in ``order`` (copied only if the kernel wrote
 another layout); its fake kernel derives the result's shape from the spec and its strides
 from ``order``; its autograd formula is ``sparsenn::evaluate_backward``, which runs the
 compiler's own gradient expressions (:mod:`..autograd`). A sparse result is returned as
