@@ -11,7 +11,8 @@ Every measurement runs in a fresh process with a fresh ``SPARSENN_CACHE_DIR``:
   tokens), eval mode, no grad; the model and its input are built first (not timed); the
   second forward is timed too (what the first costs beyond building kernels and planning);
 * single kernel: every kernel those forwards built, each loaded into its own empty cache
-  (``jit.load_library``, the compiler run included, Python imports not);
+  (``jit.load_library``, the compiler run included, Python imports not) by the checkout
+  whose forwards generated it;
 * ``import sparsenn``, its full API (``sparsenn.einsum``: torch and the compiler) and
   ``python -m sparsenn --help`` wall times (``import torch`` alone for scale).
 
@@ -141,12 +142,15 @@ def measure(trees: dict[str, Path], repeats: int) -> dict:
         for name, args in STARTUP.items():
             for label, tree in trees.items():
                 runs.setdefault(name, {}).setdefault(label, []).append(wall_time(tree, [sys.executable, *args]))
-    sources = sorted({s for case in CASES for run in runs[case]["this"] for s in run["sources"]})
-    for source in sources:
+    # Each tree builds the kernels its own forwards generated (another tree's runtime
+    # headers need not compile them), interleaved.
+    own = {label: sorted({s for case in CASES for run in runs[case][label] for s in run["sources"]}) for label in trees}
+    for n in range(max(map(len, own.values()))):
         for label, tree in trees.items():
-            result = in_fresh_process(tree, ["--kernel"], source)
-            runs.setdefault("kernel", {}).setdefault(label, []).append(result["build_s"])
-    print(f"{len(sources)} kernels built singly", flush=True)
+            if n < len(own[label]):
+                result = in_fresh_process(tree, ["--kernel"], own[label][n])
+                runs.setdefault("kernel", {}).setdefault(label, []).append(result["build_s"])
+    print(f"{len(own['this'])} kernels built singly", flush=True)
     for case in CASES:
         for results in runs[case].values():
             for result in results:

@@ -172,3 +172,42 @@ def test_precompile_builds_every_kernel_of_each_reference_models_training_step_a
     built = {name: (int(precompiled), int(after)) for name, precompiled, after in lines}
     assert set(built) == {"gcn", "autoencoder", "bigbird"}
     assert all(precompiled > 0 and after == 0 for precompiled, after in built.values()), built
+
+
+def _included_headers(source: str) -> set[str]:
+    """File names of every header ``source`` includes, as the JIT's compiler preprocesses
+    it with the kernels' flags and the runtime headers."""
+    from sparsenn.compiler.backend import jit
+
+    compiler = jit._compiler()
+    flags = [f for f in jit.compiler_flags(jit._compiler_version(compiler)) if f != "-shared"]
+    done = subprocess.run([*compiler, *flags, "-E", "-I", str(jit.RUNTIME_HEADERS), "-x", "c++", "-"], input=source,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return {Path(line.split('"')[1]).name for line in done.stdout.splitlines() if line.startswith("# ") and '"' in line}
+
+
+def test_float_kernels_parse_no_intrinsics_header_under_gcc():
+    """Parsing standard headers was most of a small kernel's build: the runtime header
+    includes neither <algorithm> nor <vector>; lane masks (SN_LANE_MASKS) are defined only
+    for a kernel that reads or writes a vector's first lanes, through GCC's builtins
+    (other compilers include <immintrin.h> for them)."""
+    import torch
+
+    import sparsenn
+    from sparsenn.compiler.backend import jit
+    from sparsenn.compiler.runtime.api import plan
+
+    gcc = "clang" not in jit.compiler_info().lower()
+    torch.manual_seed(0)
+    weight = sparsenn.from_dense(torch.randn(32, 64) * (torch.rand(32, 64) < 0.2), "csr")
+    for batch in (1, 5, 64):
+        source = plan("bi,oi->bo", torch.randn(batch, 64), weight, out_format="dense").source
+        headers = _included_headers(source)
+        assert not headers & {"algorithm", "vector"}
+        body = source.split('#include "sparsenn_kernel.h"')[1]
+        masks = "SN_LANE_MASKS" in source
+        assert masks == any(name in body for name in ("sn_first_lanes", "sn_load_first", "sn_store_first",
+                                                     "sn_lane_mask"))
+        if gcc or not masks:
+            assert "immintrin.h" not in headers

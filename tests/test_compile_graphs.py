@@ -31,25 +31,48 @@ def _targets(gm: torch.fx.GraphModule) -> list[str]:
     return [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
 
 
-def test_compiled_mlp_passes_the_kernels_layout_between_layers():
+def _compiled_mlp_graph(batch: int) -> tuple[torch.fx.GraphModule, torch.Tensor, torch.Tensor]:
+    """The forward graph of a compiled two-layer sparse MLP, its result and eager's."""
     torch.manual_seed(0)
     model = nn.Sequential(sparsenn.SparseLinear(48, 32, sparsity=0.8), nn.ReLU(),
                           sparsenn.SparseLinear(32, 40, sparsity=0.8)).eval()
-    x = torch.randn(64, 48)
+    x = torch.randn(batch, 48)
     graphs: list = []
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(x)
         actual = torch.compile(model, fullgraph=True, backend=_recording_backend(graphs))(x)
+    (graph,) = graphs
+    return graph, actual, expected
+
+
+def _evaluations(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [node for node in gm.graph.nodes if "sparsenn.evaluate" in str(node.target)]
+
+
+def test_compiled_mlp_passes_the_kernels_layout_between_layers():
+    graph, actual, expected = _compiled_mlp_graph(64)
     torch.testing.assert_close(actual, expected)
     assert actual.stride() == expected.stride()
-    (graph,) = graphs
-    targets = _targets(graph)
-    evaluations = [node for node in graph.graph.nodes if "sparsenn.evaluate" in str(node.target)]
+    evaluations = _evaluations(graph)
     assert len(evaluations) == 2
     assert all(node.args[3] for node in evaluations)  # each op is told the layout its kernel writes
-    moved = [t for t in targets if t.split(".")[1] in _COPIES]
-    assert not moved, f"re-layouts between the layers: {moved}"
+    nodes = list(graph.graph.nodes)
+    moved = [node for node in nodes if node.op == "call_function" and str(node.target).split(".")[1] in _COPIES]
+    between = [str(node.target) for node in moved if nodes.index(node) > nodes.index(evaluations[0])]
+    assert not between, f"re-layouts between the layers: {between}"
+
+
+def test_compiled_layer_reads_its_input_as_the_kernel_does():
+    """The first kernel reads the batch-major input feature-major (it vectorises over the
+    batch): the graph re-lays it out (a copy inductor writes as a tiled transpose) and the
+    op receives it so, instead of copying it as it runs."""
+    graph, actual, expected = _compiled_mlp_graph(64)
+    torch.testing.assert_close(actual, expected)
+    first = _evaluations(graph)[0]
+    x = first.args[1][0].meta["val"]
+    assert x.shape == (64, 48) and x.stride() == (1, 64)
+    assert "aten.clone.default" in _targets(graph)
 
 
 def test_traced_attention_in_eval_returns_the_same_output_every_call():
@@ -63,3 +86,42 @@ def test_traced_attention_in_eval_returns_the_same_output_every_call():
         expected = layer(x, need_weights=False)[0]
     assert torch.equal(first, second)
     torch.testing.assert_close(first, expected)
+
+
+def test_repeated_traced_calls_are_replayed_and_follow_edits():
+    """A compiled graph's repeated op calls skip rebuilding the call (runtime/replay.py),
+    yet read the current values and notice an edited pattern."""
+    from sparsenn.compiler.runtime.cache import cache_stats
+
+    torch.manual_seed(3)
+    layer = sparsenn.SparseLinear(16, 8, sparsity=0.5).eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch.no_grad():
+        compiled(torch.randn(3, 16))
+        hits = cache_stats()["traced calls"].hits
+        x = torch.randn(3, 16)
+        torch.testing.assert_close(compiled(x), layer(x))
+        assert cache_stats()["traced calls"].hits == hits + 1
+        layer.weight_values.mul_(2)
+        torch.testing.assert_close(compiled(x), layer(x))
+        pos, crd = layer.weight_pos1, layer.weight_crd1
+        row = next(r for r in range(8) if pos[r + 1] > pos[r] and crd[pos[r]] > 0)
+        crd[pos[row]] = 0  # still a valid pattern (sorted, unique): adopted
+        torch.testing.assert_close(compiled(x), layer(x))
+        assert layer.weight.to_dense()[row, 0] != 0
+        crd[pos[row]] = 10**6
+        with pytest.raises(ValueError, match="crd"):
+            compiled(x)
+
+
+def test_compiled_call_with_a_dense_format_sparse_operand():
+    """Only dense operands are re-laid out for their kernel: a SparseTensor stored in a
+    dense format (its values a flat array, converted by the op) is passed as it is."""
+    torch.manual_seed(0)
+    a = sparsenn.SparseTensor.from_dense(torch.randn(6, 5) * (torch.rand(6, 5) > 0.5), "csr")
+    b = sparsenn.SparseTensor.from_dense(torch.randn(5, 7), "dense")
+    torch._dynamo.reset()
+    product = torch.compile(lambda a, b: sparsenn.einsum("ij,jk->ik", a, b, out_format="dense"), fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(product(a, b), a.to_dense() @ b.to_dense())

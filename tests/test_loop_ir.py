@@ -28,8 +28,8 @@ def test_precedence_keeps_the_evaluation_order():
     assert print_expr(ir.sub(a, ir.sub(b, d))) == "a - (b - d)"
     assert print_expr(ir.Cast("index", ir.Load(CRD, Q))) == "(int64_t)s0_crd1[q1]"
     assert print_expr(ir.Cast("index", ir.add(a, 1))) == "(int64_t)(a + 1)"
-    assert print_expr(ir.min_(a, b)) == "std::min<int64_t>(a, b)"
-    assert print_expr(ir.Call("lower_bound", (CRD, a, b, d))) == "std::lower_bound(s0_crd1 + a, s0_crd1 + b, (I)(d)) - s0_crd1"
+    assert print_expr(ir.min_(a, b)) == "sn_imin(a, b)"
+    assert print_expr(ir.Call("lower_bound", (CRD, a, b, d))) == "sn_lower_bound(s0_crd1 + a, s0_crd1 + b, (I)(d)) - s0_crd1"
     assert print_expr(ir.Const(2.0)) == "V(2.0)"
 
 

@@ -296,3 +296,39 @@ def test_forward_mode_of_a_max_reduction_is_refused():
     torch.testing.assert_close(jacrev(f)(A.values), jacrev(lambda v: full(v).amax(1))(A.values))
     with pytest.raises(NotImplementedError, match="reverse mode"):
         jacfwd(f)(A.values)
+
+
+def test_second_derivatives_of_gradients_computed_together():
+    """Under a transform a backward's gradient einsums run as one function
+    (compiler/gradients.py), differentiated by its own rules: its jvp (jvp of grad) and
+    its backward (grad of grad), here of a product whose two operands both move."""
+    A = _sparse((5, 4), "csr", seed=31, density=0.6)
+    x, t, u = _x(4, seed=32), _x(A.nnz, seed=33), _x(4, seed=34)
+    ours = lambda v, x: sparsenn.einsum("ij,j->i", A.with_values(v), x).sin().sum()  # noqa: E731
+    ref = lambda v, x: (_dense(A, v) @ x).sin().sum()  # noqa: E731
+
+    def forward_over_reverse(f):
+        return jvp(grad(f, argnums=(0, 1)), (A.values, x), (t, u))[1]
+
+    def reverse_over_reverse(f):
+        def directional(v, x):
+            return sum((g * d).sum() for g, d in zip(grad(f, argnums=(0, 1))(v, x), (t, u)))
+        return grad(directional, argnums=(0, 1))(A.values, x)
+
+    torch.testing.assert_close(forward_over_reverse(ours), forward_over_reverse(ref))
+    torch.testing.assert_close(reverse_over_reverse(ours), reverse_over_reverse(ref))
+
+
+def test_per_sample_hessian_vector_products_of_a_sparse_layer():
+    """vmap over jvp of grad: the gradients computed together are batched by their vmap
+    rule and differentiated forward by their jvp."""
+    A = _sparse((6, 5), "csr", seed=33, density=0.5)
+    X, T = _x(3, 5, seed=34), _x(3, A.nnz, seed=35)
+
+    def hvp(f):
+        gradient = grad(f, argnums=0)
+        return vmap(lambda x, t: jvp(lambda v: gradient(v, x), (A.values,), (t,))[1])(X, T)
+
+    ours = lambda v, x: sparsenn.einsum("ij,j->i", A.with_values(v), x).tanh().sum()  # noqa: E731
+    ref = lambda v, x: (_dense(A, v) @ x).tanh().sum()  # noqa: E731
+    torch.testing.assert_close(hvp(ours), hvp(ref))

@@ -386,8 +386,8 @@ def _layer_call(layer: sparsenn.SparseLinear, x: torch.Tensor) -> tuple[str, lis
 def test_planned_order_is_the_eager_results_layout():
     layer, x = _layer_calls().first, torch.randn(16, 64)
     call, tensors, shapes = _layer_call(layer, x)
-    order = ops.planned_order(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),
-                              tuple(shapes))
+    order, _ = ops.planned_layouts(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),
+                                   tuple(shapes))
     with torch.no_grad():
         expected = layer(x)
         result = torch.ops.sparsenn.evaluate(call, tensors, shapes, list(order))

@@ -267,15 +267,7 @@ class _SparseEinsum(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _, *tangents):
-        spec: _Spec = ctx.spec
-        moving = tuple(n for n, t in enumerate(tangents) if t is not None)
-        assignment = _tangent_assignment(spec.assignment, moving, spec.result is not None)
-        inputs = spec.rebuild(ctx.saved_tensors) + [_operand(spec.templates[n], tangents[n]) for n in moving]
-        if spec.result is None:
-            return spec.run(assignment, inputs, "dense")
-        pattern = spec.result
-        inputs.append(_operand(pattern, torch.ones_like(pattern.values)))
-        return spec.run(assignment, inputs, pattern.format).values
+        return tangent(ctx.spec, ctx.saved_tensors, tangents)
 
     @staticmethod
     def vmap(info, in_dims, spec: _Spec, *tensors):
@@ -284,6 +276,19 @@ class _SparseEinsum(torch.autograd.Function):
         if batched.pattern is not None:
             spec.result = batched.pattern
         return batched.tensor, batched.out_dim
+
+
+def tangent(spec: _Spec, tensors: Sequence[torch.Tensor], tangents: Sequence[torch.Tensor | None]):
+    """The tangent of the call ``spec`` at ``tensors`` (its dense operands and sparse
+    operands' values) given ``tangents`` of them (None: not moving), a compiled einsum."""
+    moving = tuple(n for n, t in enumerate(tangents) if t is not None)
+    assignment = _tangent_assignment(spec.assignment, moving, spec.result is not None)
+    inputs = spec.rebuild(tensors) + [_operand(spec.templates[n], tangents[n]) for n in moving]
+    if spec.result is None:
+        return spec.run(assignment, inputs, "dense")
+    pattern = spec.result
+    inputs.append(_operand(pattern, torch.ones_like(pattern.values)))
+    return spec.run(assignment, inputs, pattern.format).values
 
 
 @functools.lru_cache(maxsize=1024)
@@ -331,6 +336,11 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
         from .runtime.evaluate import build_together
 
         build_together(list(calls.values()))
+    if transforming() and len(calls) > 1 and _together(spec, calls):
+        from .gradients import gradients_together  # gradients -> this module
+
+        computed = dict(zip(calls, gradients_together(spec.evaluate, list(calls.values()))))
+        return [computed.get(n) for n in wanted]
     grads = []
     for n in wanted:
         if n not in calls:
@@ -345,6 +355,14 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
             g = g.permute(template.format.mode_order).reshape(-1)
         grads.append(g)
     return grads
+
+
+def _together(spec: _Spec, calls: dict[int, tuple]) -> bool:
+    """Whether the gradient calls of ``spec``'s operands can run as one function under a
+    torch.func transform (:mod:`.gradients`): sums whose results are dense tensors, or
+    values on the operand's pattern (not a dense-format operand's values in storage order)."""
+    return all(calls[n][0].reduction == "sum" and (spec.templates[n] is None or not spec.templates[n].format.is_dense)
+               for n in calls)
 
 
 def operand_gradients(assignment: Assignment, operands: Sequence, out_format, grad_out, result,

@@ -42,6 +42,7 @@ from sparsenn.formats.level import Dense
 
 from .notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
+from .runtime import memory
 from .runtime.ops import transforming
 
 __all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
@@ -127,10 +128,21 @@ def _batched_operand(template: SparseTensor | None, tensor: torch.Tensor, dim: i
     if template is None:
         return tensor.movedim(dim, 0)
     template.check_unmodified()  # the batched view takes the arrays' versions as they are now
-    values = tensor.movedim(dim, -1).contiguous()
+    values = _interleaved(tensor.movedim(dim, -1))
     return SparseTensor((values.shape[-1], *template.shape), batched_format(template.format),
                         template.pos + (None,), template.crd + (None,), values.reshape(-1), check=False,
                         index_dtype=template.index_dtype)
+
+
+def _interleaved(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (``(nnz, B)``) contiguous. A copy of plain tensors goes to memory reused
+    from call to call (:mod:`.runtime.memory`): the batch's values of a large pattern
+    (an expanded mask: ``B · nnz`` repeated ones) are megabytes, each fresh page a fault."""
+    if values.is_contiguous():
+        return values
+    if values.requires_grad or torch._C._functorch.is_functorch_wrapped_tensor(values):
+        return values.contiguous()  # recorded by autograd or an outer transform
+    return memory.empty(tuple(values.shape), values.dtype).copy_(values)
 
 
 @functools.lru_cache(maxsize=1024)

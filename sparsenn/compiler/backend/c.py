@@ -140,12 +140,10 @@ def _expr(e: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
 def _call(e: ir.Call, stored: frozenset[str]) -> str:
     args = [_arg(a, stored) for a in e.args]
     if e.name in ("min", "max"):
-        if len(args) == 2:
-            return f"std::{e.name}<int64_t>({args[0]}, {args[1]})"
-        return f"std::{e.name}<int64_t>({{{', '.join(args)}}})"
+        return f"sn_i{e.name}({', '.join(args)})"
     if e.name == "lower_bound":
         crd, lo, hi, value = args
-        return f"std::lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
+        return f"sn_lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
     if e.name == "value_size":
         return "(int64_t)sizeof(S)" if stored else "(int64_t)sizeof(V)"
     return f"{_CALLS[e.name]}({', '.join(args)})"

@@ -53,11 +53,8 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
         out = "S" if "out" in stored else "V"
         unpack.append(f"    {out}* __restrict__ out = ({out}*)arrays[{n}];")
         unpack.append("    (void)handle;")
-    return (
-        _prelude(compute, storage, index_dtype, kernel.vector_bytes, headers)
-        + _run(unpack, body)
-        + ("" if kernel.dense_output else _finish(fill, inputs))
-    )
+    code = _run(unpack, body) + ("" if kernel.dense_output else _finish(fill, inputs))
+    return _prelude(compute, storage, index_dtype, kernel.vector_bytes, headers, code) + code
 
 
 def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: str, vector_bytes: int) -> str:
@@ -74,17 +71,26 @@ def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: s
             ctype = "I" if array.kind in ("pos", "crd") else "V"
             unpack.append(f"    const {ctype}* __restrict__ {array_name(array)} = (const {ctype}*)arrays[{n}];")
     unpack.append("    (void)handle;")
-    return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER]) + _run(unpack, print_block(fused.loops))
+    code = _run(unpack, print_block(fused.loops))
+    return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], code) + code
 
 
-def _prelude(compute: str, storage: str | None, index_dtype: str, vector_bytes: int, headers: list[str]) -> str:
+def _prelude(compute: str, storage: str | None, index_dtype: str, vector_bytes: int, headers: list[str],
+             code: str) -> str:
+    """The unit's definitions and includes; ``SN_LANE_MASKS`` when ``code`` uses the
+    header's lane masks (which need the intrinsics headers, costly to parse)."""
+    masks = any(name in code for name in _LANE_MASK_NAMES)
     return (
         f"#define SN_VALUE {compute}\n"
         + ("" if storage is None else f"#define SN_STORAGE {storage}\n")
         + f"#define SN_INDEX {_INDEX_CTYPES[index_dtype]}\n"
         f"#define SN_VECTOR_BYTES {vector_bytes}\n"
+        + ("#define SN_LANE_MASKS 1\n" if masks else "")
         + "".join(f'#include "{header}"\n' for header in headers)
     )
+
+
+_LANE_MASK_NAMES = ("sn_lane_mask", "sn_first_lanes", "sn_lane_on", "sn_load_first", "sn_store_first")
 
 
 def _run(unpack: list[str], body: str) -> str:

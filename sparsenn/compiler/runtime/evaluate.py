@@ -47,8 +47,8 @@ from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
-__all__ = ["evaluate", "build_together", "resolve", "route", "split_of", "SplitCall", "PathCall", "DenseCall",
-           "DensifiedCall"]
+__all__ = ["evaluate", "build_together", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
+           "DenseCall", "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -71,6 +71,12 @@ def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Te
     if key is not None:
         _calls.store(assignment, key, call_guard(assignment, operands, out_format), run)
     return run(checked.operands)
+
+
+def resolved(assignment: Assignment, operands: Sequence, out_format) -> Run | None:
+    """The run function of a call evaluated last with operands of this call's key (its
+    cached resolution), None when such calls are checked in full every time."""
+    return _calls.find(assignment, operands, out_format)
 
 
 def build_together(calls: Sequence[tuple[Assignment, Sequence, Request]]) -> None:

@@ -12,12 +12,15 @@ while tracing, :func:`traced_evaluate` replaces each evaluation of an assignment
   ``shapes`` the sparse operands' shapes (symbolic under dynamic shapes);
 * ``order`` is the dense result's memory layout, its dimensions from outermost to
   innermost (empty: contiguous): the layout the planned kernel writes, found at trace time
-  when the shapes are static (:func:`planned_order`), so the result is handed on as the
-  kernel wrote it (a ``SparseLinear`` writes feature-major) instead of being copied.
+  when the shapes are static (:func:`planned_layouts`), so the result is handed on as the
+  kernel wrote it (a ``SparseLinear`` writes feature-major) instead of being copied. A
+  dense operand stored otherwise than the kernel reads it is re-laid out by torch ops in
+  the traced graph (where inductor transposes it with a tiled kernel, or writes it so
+  where it is produced) rather than copied by the op.
 
 Its kernel rebuilds the :class:`SparseTensor` s (index arrays validated once per version,
 so a module whose pattern buffers were edited raises instead of crashing) and evaluates
-as in eager mode, returning a dense result in ``order`` (copied only if the kernel wrote
+as in eager mode (a repeated call is replayed: :mod:`.replay`), returning a dense result in ``order`` (copied only if the kernel wrote
 another layout); its fake kernel derives the result's shape from the spec and its strides
 from ``order``; its autograd formula is ``sparsenn::evaluate_backward``, which runs the
 compiler's own gradient expressions (:mod:`..autograd`). A sparse result is returned as
@@ -27,6 +30,7 @@ its values on the pattern of operand ``CallSpec.anchor``.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
@@ -45,15 +49,16 @@ from ..expression import Statement
 from ..notation import Assignment
 from ..plan.bias import split_epilogue
 from .cache import LRUCache
-from .evaluate import SplitCall, evaluate, resolve
+from .evaluate import SplitCall, evaluate, resolve, resolved
 from .fused import Result, Step, evaluate_steps
 from .launcher import Launch
+from .replay import remember, replay
 from .validate import check_call
 
 if TYPE_CHECKING:
     from ..program import Program
 
-__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing",
+__all__ = ["CallSpec", "Layout", "derived", "planned_layouts", "register_kernels", "traced_evaluate", "tracing",
            "transforming"]
 
 
@@ -389,64 +394,96 @@ def _levels(fmt: Format, arrays: Sequence[Tensor]) -> tuple[tuple[Tensor | None,
 # ----------------------------------------------------------------------------- result layout
 
 
-def _static_order(call: str, anchor: int | None, tensors: Sequence[Tensor], shapes: Sequence) -> list[int]:
-    """The ``order`` argument of a traced call: :func:`planned_order` when every size is
-    static, else empty (contiguous). Traced code: sizes are tested with
-    ``has_static_value``, as Dynamo reports a symbolic size's type as ``int``
-    (``torch.jit.trace`` records sizes as tensors: contiguous)."""
-    if anchor is not None:
-        return []
+def _static_layouts(call: str, tensors: Sequence[Tensor], shapes: Sequence
+                    ) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+    """The ``order`` argument of a traced call and the order the kernel reads each
+    tensor in (:func:`planned_layouts`) when every size is static, else contiguous and
+    as given. Traced code: sizes are tested with ``has_static_value``, as Dynamo reports
+    a symbolic size's type as ``int`` (``torch.jit.trace`` records sizes as tensors)."""
     dims = [tuple(t.shape) for t in tensors]
     sizes = [*shapes, *(n for d in dims for n in d)]
     if any(isinstance(n, Tensor) for n in sizes) or not all(has_static_value(n) for n in sizes):
-        return []
-    return list(planned_order(call, tuple(t.dtype for t in tensors), tuple(tuple(int(n) for n in d) for d in dims),
-                              tuple(int(n) for n in shapes)))
+        return [], ((),) * len(tensors)
+    order, reads = planned_layouts(call, tuple(t.dtype for t in tensors),
+                                   tuple(tuple(int(n) for n in d) for d in dims), tuple(int(n) for n in shapes))
+    return list(order), reads
+
+
+def _read_in(tensor: Tensor, order: tuple[int, ...]) -> Tensor:
+    """``tensor`` stored with its dimensions in ``order`` (outermost first), as a kernel
+    reads it: itself when it is, else a copy recorded in the traced graph (where the
+    compiler transposes it, or writes it so in the kernel that produces it, instead of
+    the op copying it as it runs)."""
+    if not order or tensor.permute(order).is_contiguous():
+        return tensor
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return tensor.permute(order).contiguous().permute(inverse)
 
 
 @torch.compiler.assume_constant_result
-def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[int, ...], ...],
-                  shapes: tuple[int, ...]) -> tuple[int, ...]:
-    """The layout of the dense result of ``call`` over tensors of ``dtypes`` and sizes
-    ``dims`` (sparse shapes ``shapes``): its dimensions from outermost to innermost in
-    memory as the planned kernel writes them, () for contiguous (steps: a fused kernel
-    writes in expression order) or when that is decided only by running (a sparse
-    result, pairwise contractions, torch.einsum, a staged program). Planned on stand-in
-    tensors of those sizes, as evaluation plans the call: deterministic (the planner
-    decides from formats, shapes, stored positions and dtypes)."""
+def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[int, ...], ...],
+                    shapes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The memory layouts of the kernel of ``call`` over tensors of ``dtypes`` and sizes
+    ``dims`` (sparse shapes ``shapes``), as the planner decides them (from formats,
+    shapes, stored positions and dtypes: deterministic):
+
+    * the dense result's dimensions from outermost to innermost in memory as the kernel
+      writes them, () for contiguous (steps: a fused kernel writes in expression order)
+      or when that is decided only by running (a sparse result, pairwise contractions,
+      torch.einsum, a staged program);
+    * per tensor, the order in which the kernel reads it when it is a dense operand
+      (the kernel's launch copies an operand stored otherwise), () when it is not, or
+      not known before running.
+
+    Planned on stand-in tensors of those sizes, as evaluation plans the call."""
     spec = decode(call)
-    if spec.anchor is not None or isinstance(spec.assignment, (Statement, tuple)):
-        return ()
+    unknown: tuple[tuple[int, ...], ...] = ((),) * len(dims)
+    if isinstance(spec.assignment, (Statement, tuple)):
+        return (), unknown
     stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
     try:
-        result = _planned_result(spec.assignment, _rebuild(spec, stand_ins, shapes, _unchecked_pattern),
-                                 spec.out_format)
+        result, reads = _planned_result(spec.assignment, _rebuild(spec, stand_ins, shapes, _unchecked_pattern),
+                                        spec.out_format)
     except (TypeError, ValueError, NotImplementedError):
-        return ()  # the call itself reports what is wrong
-    if result is None:
-        return ()
+        return (), unknown  # the call itself reports what is wrong
+    orders = dict.fromkeys(range(len(dims)), ())
+    for n, (layout, slot) in enumerate(zip(spec.layouts, _differentiable_slots(spec))):
+        if layout is None:  # a dense operand (a dense-format SparseTensor's values are converted by the op)
+            orders[slot] = reads.get(n, ())
+    inputs = tuple(orders.values())
+    if result is None or spec.anchor is not None:
+        return (), inputs
     order = sorted(range(result.dim()), key=lambda d: (-result.stride(d), d))
-    return () if order == list(range(result.dim())) else tuple(order)
+    return (() if order == list(range(result.dim())) else tuple(order)), inputs
 
 
-def _planned_result(assignment: Assignment, operands: Sequence, out_format) -> Tensor | None:
+def _planned_result(assignment: Assignment, operands: Sequence, out_format
+                    ) -> tuple[Tensor | None, dict[int, tuple[int, ...]]]:
     """A meta tensor laid out as the dense result of evaluating ``assignment`` over
     ``operands`` (resolved as :func:`.evaluate.evaluate` resolves it; nothing runs), or
-    None when its layout is not the plan's (see :func:`planned_order`)."""
+    None when its layout is not the plan's (see :func:`planned_layouts`); and the order
+    in which one kernel reads each dense operand it reads in one order only."""
     checked = check_call(assignment, operands, out_format)
     runnable = resolve(assignment, checked)
     if isinstance(runnable, SplitCall):
         split = runnable.split
         if split.stored is not None or any(fmt is not None for fmt in split.converted):
-            return None
-        inner = _planned_result(split.assignment, split.operands(checked.operands), split.request)
-        return None if inner is None else split.result(inner)
-    if not isinstance(runnable, Launch) or runnable.plan.output_format is not None \
-            or runnable.final_format is not None:
-        return None
+            return None, {}
+        inner, _ = _planned_result(split.assignment, split.operands(checked.operands), split.request)
+        return (None if inner is None else split.result(inner)), {}
+    if not isinstance(runnable, Launch):
+        return None, {}
+    reads: dict[int, set[tuple[int, ...]]] = {}
+    for slot in runnable.plan.kernel.slots:
+        if slot.fmt is None and slot.panel is None:
+            rank = checked.operands[slot.operand].dim()
+            reads.setdefault(slot.operand, set()).add(slot.layout or tuple(range(rank)))
+    orders = {n: next(iter(found)) for n, found in reads.items() if len(found) == 1}
+    if runnable.plan.output_format is not None or runnable.final_format is not None:
+        return None, orders
     out = torch.empty(runnable.allocation, device="meta")
     permutation = runnable.plan.output_permutation
-    return out if permutation is None else out.permute(permutation)
+    return (out if permutation is None else out.permute(permutation)), orders
 
 
 def _strides(shape: Sequence, order: Sequence[int]) -> list:
@@ -512,10 +549,19 @@ _library.define("evaluate_backward(str call, Tensor[] tensors, SymInt[] shapes, 
 
 def evaluate_op(call: str, tensors: list[Tensor], shapes: list[int], order: list[int]) -> Tensor:
     """``evaluate(assignment, operands, out_format)`` of the encoded call, a dense result
-    stored in ``order``."""
+    stored in ``order``; a repeated call is replayed (:mod:`.replay`)."""
+    result = replay(call, tensors, shapes, order)
+    if result is not None:
+        return result
     spec = decode(call)
     operands = _rebuild(spec, tensors, shapes)
-    return _check_result(spec, operands, spec.run(operands), order)
+    result = _check_result(spec, operands, spec.run(operands), order)
+    if isinstance(spec.assignment, Assignment):
+        run = resolved(spec.assignment, operands, spec.out_format)
+        strides = None if spec.anchor is not None else result.stride()
+        remember(call, tensors, shapes, order, operands, _differentiable_slots(spec), run,
+                 functools.partial(_check_result, spec, order=order), strides)
+    return result
 
 
 def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: list[int]) -> Tensor:
@@ -655,6 +701,10 @@ class _RecordedEvaluate(torch.autograd.Function):
 
 _BELOW_AUTOGRAD = torch._C._after_ADInplaceOrView_keyset  # the keys a call meets after autograd's
 
+# Raw dispatch key set -> whether the kernel after autograd's is the CPU one (a
+# DispatchKeySet is not hashable, and testing one costs most of a small call's overhead).
+_reaches_cpu: dict[int, bool] = {}
+
 
 def _evaluate_autograd(keyset, call: str, tensors: list[Tensor], shapes: list, order: list[int]) -> Tensor:
     """The op's autograd kernel: recorded when a gradient is needed, else the kernel the
@@ -662,7 +712,11 @@ def _evaluate_autograd(keyset, call: str, tensors: list[Tensor], shapes: list, o
     tensors, no mode or tensor subclass in between), saving a second dispatch."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _RecordedEvaluate.apply(keyset, call, shapes, order, *tensors)
-    if (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() == torch._C.DispatchKey.CPU:
+    raw = keyset.raw_repr()
+    direct = _reaches_cpu.get(raw)
+    if direct is None:
+        direct = _reaches_cpu[raw] = (keyset & _BELOW_AUTOGRAD).highestPriorityTypeId() == torch._C.DispatchKey.CPU
+    if direct:
         return evaluate_op(call, tensors, shapes, order)
     with torch._C._AutoDispatchBelowAutograd():
         return _EVALUATE.redispatch(keyset & torch._C._after_autograd_keyset, call, tensors, shapes, order)
@@ -687,7 +741,9 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     fields = _describe(operands)
     call, anchor = _encoded(assignment, derive, out_format, *fields)
     tensors, shapes = _flatten(operands, fields[2::3]), _shapes(operands)
-    result = torch.ops.sparsenn.evaluate(call, tensors, shapes, _static_order(call, anchor, tensors, shapes))
+    order, reads = _static_layouts(call, tensors, shapes)
+    tensors = [_read_in(t, read) for t, read in zip(tensors, reads)]
+    result = torch.ops.sparsenn.evaluate(call, tensors, shapes, order)
     if anchor is None:
         return result
     pattern = operands[anchor]

@@ -11,6 +11,7 @@
 
 #include "sparsenn_kernel.h"
 
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <utility>

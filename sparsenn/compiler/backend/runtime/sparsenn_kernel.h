@@ -16,7 +16,6 @@
 #error "define SN_VALUE, SN_INDEX and SN_VECTOR_BYTES before including sparsenn_kernel.h"
 #endif
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -25,7 +24,6 @@
 #include <new>
 #include <type_traits>
 #include <utility>
-#include <vector>
 
 typedef SN_VALUE V;
 typedef SN_INDEX I;
@@ -38,13 +36,50 @@ static_assert(SN_W * sizeof(V) == SN_VECTOR_BYTES && (SN_W & (SN_W - 1)) == 0,
 static inline VV sn_load(const V* p) { VV v; std::memcpy(&v, p, sizeof v); return v; }
 static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
-/* The calling thread's buffer number Id of at least n values, kept across calls (a
-   register tile's packed panels: no allocation per panel). */
+/* The calling thread's buffer number Id of at least n values (zeros when it grows), kept
+   across calls (a register tile's packed panels: no allocation per panel); freed when the
+   thread ends. */
+struct sn_buffer {
+  V* data = nullptr;
+  int64_t size = 0;
+  ~sn_buffer() { std::free(data); }
+};
 template <int Id> static inline V* sn_scratch(int64_t n) {
-  static thread_local std::vector<V> buffer;
-  if ((int64_t)buffer.size() < n) buffer.resize(n);
-  return buffer.data();
+  static thread_local sn_buffer buffer;
+  if (buffer.size < n) {
+    std::free(buffer.data);
+    buffer.data = (V*)std::calloc((size_t)n, sizeof(V));
+    buffer.size = buffer.data == nullptr ? 0 : n;
+    if (buffer.data == nullptr) throw std::bad_alloc();
+  }
+  return buffer.data;
 }
+
+/* The smallest and largest of integer bounds (index arithmetic: sn_min and sn_max are
+   the value functions), and the first of the sorted coordinates [first, last) not below
+   value: std::min, std::max and std::lower_bound without <algorithm>, whose parsing cost
+   most of a small kernel's build. */
+static inline int64_t sn_imin(int64_t a) { return a; }
+template <class... T> static inline int64_t sn_imin(int64_t a, int64_t b, T... rest) {
+  return sn_imin(b < a ? b : a, (int64_t)rest...);
+}
+static inline int64_t sn_imax(int64_t a) { return a; }
+template <class... T> static inline int64_t sn_imax(int64_t a, int64_t b, T... rest) {
+  return sn_imax(a < b ? b : a, (int64_t)rest...);
+}
+template <class J> static inline const J* sn_lower_bound(const J* first, const J* last, J value) {
+  for (int64_t count = last - first; count > 0;) {
+    const int64_t half = count / 2;
+    if (first[half] < value) {
+      first += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  return first;
+}
+static inline int64_t sn_clamp(int64_t n, int64_t lo, int64_t hi) { return n < lo ? lo : n > hi ? hi : n; }
 
 #ifdef SN_STORAGE
 /* 16-bit storage, float arithmetic. A stored value is widened to float exactly when it
@@ -150,10 +185,11 @@ typedef std::make_integer_sequence<int, SN_W> sn_lanes;
    SN_W]), and loads and stores of only those lanes, the others loaded as zero: nothing
    past them is read or written (a row narrower than a vector, or a row's last, partial
    vector). A mask register and one masked instruction where the CPU has them (AVX-512;
-   AVX2 for 32-byte vectors), else a loop over the lanes. */
+   AVX2 for 32-byte vectors), else a loop over the lanes. Defined for kernels that use
+   them (SN_LANE_MASKS). */
+#ifdef SN_LANE_MASKS
 #if (defined(__AVX512F__) && SN_VECTOR_BYTES == 64) || (defined(__AVX512VL__) && SN_VECTOR_BYTES == 32)
 #define SN_MASK_REGISTERS 1
-#include <immintrin.h>
 typedef unsigned sn_lane_mask;
 static inline sn_lane_mask sn_first_lanes(int64_t n) {
   return n <= 0 ? 0u : n >= SN_W ? (1u << SN_W) - 1 : (1u << n) - 1;
@@ -161,29 +197,66 @@ static inline sn_lane_mask sn_first_lanes(int64_t n) {
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return (m >> l) & 1u; }
 #elif defined(__AVX2__) && SN_VECTOR_BYTES == 32
 #define SN_MASK_VECTORS 1
-#include <immintrin.h>
 typedef VI sn_lane_mask;
 static inline sn_lane_mask sn_first_lanes(int64_t n) {
   VI lane;
   for (int l = 0; l < SN_W; ++l) lane[l] = l;
-  return lane < (sn_lane_index)std::clamp<int64_t>(n, 0, SN_W);
+  return lane < (sn_lane_index)sn_clamp(n, 0, SN_W);
 }
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return m[l] != 0; }
 #else
 typedef int sn_lane_mask;
-static inline sn_lane_mask sn_first_lanes(int64_t n) { return (int)std::clamp<int64_t>(n, 0, SN_W); }
+static inline sn_lane_mask sn_first_lanes(int64_t n) { return (int)sn_clamp(n, 0, SN_W); }
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return l < m; }
+#endif
+#if SN_MASK_REGISTERS || SN_MASK_VECTORS
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC's builtins behind the masked load and store intrinsics, on vector types of their
+   own: <immintrin.h> takes longer to parse than a small kernel takes to compile. */
+typedef float sn_f32x16 __attribute__((vector_size(64)));
+typedef double sn_f64x8 __attribute__((vector_size(64)));
+typedef float sn_f32x8 __attribute__((vector_size(32)));
+typedef double sn_f64x4 __attribute__((vector_size(32)));
+typedef int sn_i32x8 __attribute__((vector_size(32)));
+typedef long long sn_i64x4 __attribute__((vector_size(32)));
+#define SN_MASKZ_LOADU_PS512(m, p) __builtin_ia32_loadups512_mask((const float*)(p), sn_f32x16{}, (unsigned short)(m))
+#define SN_MASKZ_LOADU_PD512(m, p) __builtin_ia32_loadupd512_mask((const double*)(p), sn_f64x8{}, (unsigned char)(m))
+#define SN_MASKZ_LOADU_PS256(m, p) __builtin_ia32_loadups256_mask((const float*)(p), sn_f32x8{}, (unsigned char)(m))
+#define SN_MASKZ_LOADU_PD256(m, p) __builtin_ia32_loadupd256_mask((const double*)(p), sn_f64x4{}, (unsigned char)(m))
+#define SN_MASK_STOREU_PS512(p, m, v) __builtin_ia32_storeups512_mask((float*)(p), (sn_f32x16)(v), (unsigned short)(m))
+#define SN_MASK_STOREU_PD512(p, m, v) __builtin_ia32_storeupd512_mask((double*)(p), (sn_f64x8)(v), (unsigned char)(m))
+#define SN_MASK_STOREU_PS256(p, m, v) __builtin_ia32_storeups256_mask((float*)(p), (sn_f32x8)(v), (unsigned char)(m))
+#define SN_MASK_STOREU_PD256(p, m, v) __builtin_ia32_storeupd256_mask((double*)(p), (sn_f64x4)(v), (unsigned char)(m))
+#define SN_MASKLOAD_PS256(p, m) __builtin_ia32_maskloadps256((const sn_f32x8*)(p), (sn_i32x8)(m))
+#define SN_MASKLOAD_PD256(p, m) __builtin_ia32_maskloadpd256((const sn_f64x4*)(p), (sn_i64x4)(m))
+#define SN_MASKSTORE_PS256(p, m, v) __builtin_ia32_maskstoreps256((sn_f32x8*)(p), (sn_i32x8)(m), (sn_f32x8)(v))
+#define SN_MASKSTORE_PD256(p, m, v) __builtin_ia32_maskstorepd256((sn_f64x4*)(p), (sn_i64x4)(m), (sn_f64x4)(v))
+#else
+#include <immintrin.h>
+#define SN_MASKZ_LOADU_PS512(m, p) _mm512_maskz_loadu_ps((__mmask16)(m), (p))
+#define SN_MASKZ_LOADU_PD512(m, p) _mm512_maskz_loadu_pd((__mmask8)(m), (p))
+#define SN_MASKZ_LOADU_PS256(m, p) _mm256_maskz_loadu_ps((__mmask8)(m), (p))
+#define SN_MASKZ_LOADU_PD256(m, p) _mm256_maskz_loadu_pd((__mmask8)(m), (p))
+#define SN_MASK_STOREU_PS512(p, m, v) _mm512_mask_storeu_ps((p), (__mmask16)(m), (__m512)(v))
+#define SN_MASK_STOREU_PD512(p, m, v) _mm512_mask_storeu_pd((p), (__mmask8)(m), (__m512d)(v))
+#define SN_MASK_STOREU_PS256(p, m, v) _mm256_mask_storeu_ps((p), (__mmask8)(m), (__m256)(v))
+#define SN_MASK_STOREU_PD256(p, m, v) _mm256_mask_storeu_pd((p), (__mmask8)(m), (__m256d)(v))
+#define SN_MASKLOAD_PS256(p, m) _mm256_maskload_ps((const float*)(p), (__m256i)(m))
+#define SN_MASKLOAD_PD256(p, m) _mm256_maskload_pd((const double*)(p), (__m256i)(m))
+#define SN_MASKSTORE_PS256(p, m, v) _mm256_maskstore_ps((float*)(p), (__m256i)(m), (__m256)(v))
+#define SN_MASKSTORE_PD256(p, m, v) _mm256_maskstore_pd((double*)(p), (__m256i)(m), (__m256d)(v))
+#endif
 #endif
 static inline VV sn_load_first(const V* p, sn_lane_mask m) {
 #if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
-  if constexpr (sizeof(V) == 4) return (VV)_mm512_maskz_loadu_ps((__mmask16)m, p);
-  else return (VV)_mm512_maskz_loadu_pd((__mmask8)m, p);
+  if constexpr (sizeof(V) == 4) return (VV)SN_MASKZ_LOADU_PS512(m, p);
+  else return (VV)SN_MASKZ_LOADU_PD512(m, p);
 #elif SN_MASK_REGISTERS
-  if constexpr (sizeof(V) == 4) return (VV)_mm256_maskz_loadu_ps((__mmask8)m, p);
-  else return (VV)_mm256_maskz_loadu_pd((__mmask8)m, p);
+  if constexpr (sizeof(V) == 4) return (VV)SN_MASKZ_LOADU_PS256(m, p);
+  else return (VV)SN_MASKZ_LOADU_PD256(m, p);
 #elif SN_MASK_VECTORS
-  if constexpr (sizeof(V) == 4) return (VV)_mm256_maskload_ps((const float*)p, (__m256i)m);
-  else return (VV)_mm256_maskload_pd((const double*)p, (__m256i)m);
+  if constexpr (sizeof(V) == 4) return (VV)SN_MASKLOAD_PS256(p, m);
+  else return (VV)SN_MASKLOAD_PD256(p, m);
 #else
   VV v{};
   for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) v[l] = p[l];
@@ -192,14 +265,14 @@ static inline VV sn_load_first(const V* p, sn_lane_mask m) {
 }
 static inline void sn_store_first(V* p, VV v, sn_lane_mask m) {
 #if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
-  if constexpr (sizeof(V) == 4) _mm512_mask_storeu_ps(p, (__mmask16)m, (__m512)v);
-  else _mm512_mask_storeu_pd(p, (__mmask8)m, (__m512d)v);
+  if constexpr (sizeof(V) == 4) SN_MASK_STOREU_PS512(p, m, v);
+  else SN_MASK_STOREU_PD512(p, m, v);
 #elif SN_MASK_REGISTERS
-  if constexpr (sizeof(V) == 4) _mm256_mask_storeu_ps(p, (__mmask8)m, (__m256)v);
-  else _mm256_mask_storeu_pd(p, (__mmask8)m, (__m256d)v);
+  if constexpr (sizeof(V) == 4) SN_MASK_STOREU_PS256(p, m, v);
+  else SN_MASK_STOREU_PD256(p, m, v);
 #elif SN_MASK_VECTORS
-  if constexpr (sizeof(V) == 4) _mm256_maskstore_ps((float*)p, (__m256i)m, (__m256)v);
-  else _mm256_maskstore_pd((double*)p, (__m256i)m, (__m256d)v);
+  if constexpr (sizeof(V) == 4) SN_MASKSTORE_PS256(p, m, v);
+  else SN_MASKSTORE_PD256(p, m, v);
 #else
   for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) p[l] = v[l];
 #endif
@@ -216,6 +289,7 @@ static inline void sn_store_first(S* p, VV v, sn_lane_mask m) {
   for (int l = 0; l < SN_W; ++l) if (sn_lane_on(m, l)) p[l].bits = (uint16_t)bits[l];
 }
 #endif
+#endif  // SN_LANE_MASKS
 
 /* The vector of p[crd[l] * stride] over lanes l: values at a vector of stored
    coordinates (a loop the compiler turns into a gather instruction where there is one). */
