@@ -29,12 +29,13 @@ from dataclasses import dataclass
 
 from ..loops import ir
 from ..loops.simplify import simplify
+from ..plan.fusion import team_of
 from ..plan.planner import Plan
 from .chunks import EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCHUNKS, chunk_bounds
 from .context import Lowering
 from .dense_output import lower_dense_output
 
-__all__ = ["FusedStage", "Parameter", "FusedLowering", "lower_fused", "team_of"]
+__all__ = ["FusedStage", "Parameter", "FusedLowering", "lower_fused"]
 
 AT = ir.Var("sn_at")  # the team coordinate every stage runs at
 _SHARED = frozenset({"nthreads", AT.name})
@@ -69,13 +70,6 @@ class FusedLowering:
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
-
-
-def team_of(plan: Plan) -> tuple[str, ...] | None:
-    """The team loops every nest of ``plan`` shares, or None if they differ or a nest is
-    not parallel."""
-    teams = {nest.order[:nest.team_loops] if nest.parallel else None for nest in plan.schedule.nests}
-    return teams.pop() if len(teams) == 1 else None
 
 
 def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:

@@ -17,9 +17,9 @@ from sparsenn.formats import SparseTensor
 
 from ..autograd import differentiable_evaluate
 from ..equation import broadcast_size_one, normalise
-from ..expression import parse_statement
+from ..expression import Script, parse_script
 from ..notation import Assignment, parse_einsum
-from ..program import Program, plain, run, signature, stage, stage_inputs
+from ..program import Program, plain, signature, stage, stage_inputs
 from ..plan.contract import describe_path
 from ..plan.planner import Plan, ShapePlan
 from ..plan.schedule import Schedule
@@ -28,6 +28,7 @@ from .autocast import autocast_operands
 from .cache import LRUCache, clear_caches
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .ops import traced_evaluate, tracing
+from .programs import describe_program, run
 from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "use_target", "parse", "describe_schedule",
@@ -80,12 +81,13 @@ class CompiledExpression:
     (positional in order of first appearance in the text, or by name)."""
 
     def __init__(self, text: str, out_format=None):
-        self.statement = parse_statement(text)
-        if self.statement.mask is not None and out_format is not None:
+        script = parse_script(text)
+        self.statement = script.statements[0] if len(script.statements) == 1 else script
+        if script.statements[-1].mask is not None and out_format is not None:
             raise ValueError(f"{text!r} has an output mask, which decides the result's format: out_format must be None")
         self.out_format = out_format
         self.text = text
-        self._plain = plain(self.statement, out_format)
+        self._plain = None if isinstance(self.statement, Script) else plain(self.statement, out_format)
 
     @property
     def assignment(self) -> Assignment | None:
@@ -131,19 +133,23 @@ class CompiledExpression:
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:
-        """Each stage's explanation; a stage's inputs from the earlier ones are computed."""
+        """Each stage's explanation (a stage's inputs from the earlier ones are
+        computed), then which stages the planner fuses into one kernel and why the others
+        are not."""
         operands = self._bind(args, kwargs)
-        stages = self.program(operands).stages
+        program = self.program(operands)
+        stages = program.stages
         if len(stages) == 1:
             return _explain(stages[0].assignment, stage_inputs(stages[0], operands, []), stages[0].out_format)
         lines, results = [f"{self.text}: {len(stages)} stages"], []
         with torch.no_grad():
             for n, step in enumerate(stages):
                 inputs = stage_inputs(step, operands, results)
-                lines.append(f"stage %{n}:")
+                name = "" if not program.names or program.names[n] is None else f" ({program.names[n]})"
+                lines.append(f"stage %{n}{name}:")
                 lines.append(_explain(step.assignment, inputs, step.out_format))
                 results.append(evaluate(step.assignment, inputs, step.out_format))
-        return "\n".join(lines)
+        return "\n".join(lines + describe_program(program, operands))
 
     def __repr__(self) -> str:
         return f"CompiledExpression({self.text!r})"

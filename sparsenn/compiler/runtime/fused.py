@@ -27,7 +27,8 @@ from sparsenn.formats import Format
 from ..backend import abi, jit
 from ..backend.codegen import generate_fused_source
 from ..blocks import Split
-from ..lower.fuse import FusedStage, lower_fused, team_of
+from ..lower.fuse import FusedStage, lower_fused
+from ..plan.fusion import team_of
 from ..notation import Assignment
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from .cache import LRUCache

@@ -41,7 +41,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
 
-from ..expression import Statement
+from ..expression import Script, Statement
 from ..notation import Assignment
 from ..plan.bias import split_epilogue
 from .cache import LRUCache
@@ -90,13 +90,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement``,
+    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement`` or ``Script``,
     run as its staged program, or :class:`~.fused.Step` s, whose last result is the
     call's, fused when they fuse) over operands of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment | Statement | tuple[Step, ...]
+    assignment: Assignment | Statement | Script | tuple[Step, ...]
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
@@ -109,8 +109,8 @@ class CallSpec:
                      self.out_format)
 
     def run(self, operands: Sequence):
-        if isinstance(self.assignment, Statement):
-            from ..program import run
+        if isinstance(self.assignment, (Statement, Script)):
+            from .programs import run
 
             return run(self.program(), operands)
         if isinstance(self.assignment, tuple):
@@ -204,7 +204,7 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     from module attributes, hence the flat fields and ``derive``)."""
     layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
     target = derived(assignment, derive)
-    if isinstance(target, Statement):
+    if isinstance(target, (Statement, Script)):
         anchor = _statement_anchor(target, layouts, out_format)
     elif isinstance(target, tuple):
         anchor = _steps_anchor(target, layouts)
@@ -216,16 +216,30 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     return call, spec.anchor
 
 
-def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
-    """A masked statement's result has its mask's pattern; others must be dense."""
-    if statement.mask is not None:
-        return statement.operands.index(statement.mask)
+def _statement_anchor(statement: Statement | Script, layouts: tuple[Layout | None, ...], out_format) -> int | None:
+    """A masked statement's result has its mask's pattern (a script's: its last
+    statement's mask, or that mask's own mask when an earlier statement wrote it); others
+    must be dense."""
+    mask = _mask_operand(statement)
+    if mask is not None:
+        return statement.operands.index(mask)
     spec = CallSpec(statement, layouts, out_format, None)
     if _result_format(spec.program(), [None if lay is None else lay.format for lay in layouts]) is not None:
         raise NotImplementedError(
             "sparsenn: a traced compiled expression must have a dense result or an output mask (P<S>[...] = ...); "
             f"{statement.output}[...] would be sparse with a pattern computed from the data")
     return None
+
+
+def _mask_operand(statement: Statement | Script) -> str | None:
+    """The caller's operand whose pattern a masked result has, or None."""
+    if isinstance(statement, Statement):
+        return statement.mask
+    masks = {s.output: s.mask for s in statement.statements}
+    mask = masks[statement.output]
+    while mask in masks and masks[mask] is not None:
+        mask = masks[mask]
+    return None if mask in masks else mask
 
 
 def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int | None:
@@ -415,7 +429,7 @@ def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[
     tensors of those sizes, as evaluation plans the call: deterministic (the planner
     decides from formats, shapes, stored positions and dtypes)."""
     spec = decode(call)
-    if spec.anchor is not None or isinstance(spec.assignment, (Statement, tuple)):
+    if spec.anchor is not None or isinstance(spec.assignment, (Statement, Script, tuple)):
         return ()
     stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
     try:
@@ -530,12 +544,13 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: l
                       for slot, shape in zip(slots, sparse_shapes)]
     if isinstance(spec.assignment, tuple):
         shape = _steps_shape(spec.assignment, operand_shapes)
+    elif isinstance(spec.assignment, (Statement, Script)):
+        shape = _program_shape(spec.program(), operand_shapes)
     else:
         sizes = {}
-        for operand, indices in _user_accesses(spec):
-            sizes.update(zip(indices, operand_shapes[operand]))
-        output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
-        shape = [sizes[i] for i in output]
+        for access in spec.assignment.accesses:
+            sizes.update(zip(access.indices, operand_shapes[access.operand]))
+        shape = [sizes[i] for i in spec.assignment.output]
     _check_order(order, len(shape))
     if not order:
         return tensors[slots[0]].new_empty(shape, dtype=dtype)
@@ -557,19 +572,18 @@ def _steps_shape(steps: tuple[Step, ...], operand_shapes: Sequence[tuple]) -> li
     return list(results[-1])
 
 
-def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """``(operand, indices)`` of every read of a call's operands."""
-    if not isinstance(spec.assignment, Statement):
-        return [(a.operand, a.indices) for a in spec.assignment.accesses]
+def _program_shape(program: Program, operand_shapes: Sequence[tuple]) -> list:
+    """The shape of a program's result, from the shapes of the caller's operands."""
     from ..program import UserOperand
 
-    reads = []
-    for step in spec.program().stages:
+    results: list = []
+    for step in program.stages:
+        shapes = [operand_shapes[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in step.inputs]
+        sizes = {}
         for access in step.assignment.accesses:
-            source = step.inputs[access.operand]
-            if isinstance(source, UserOperand):
-                reads.append((source.n, access.indices))
-    return reads
+            sizes.update(zip(access.indices, shapes[access.operand]))
+        results.append(tuple(sizes[i] for i in step.assignment.output))
+    return list(results[-1])
 
 
 def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
@@ -587,7 +601,7 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if isinstance(spec.assignment, tuple):
         raise NotImplementedError("sparsenn: traced steps are not differentiated by the op; differentiate the "
                                   "function that runs them (e.g. sparsenn.softmax)")
-    if isinstance(spec.assignment, Statement):
+    if isinstance(spec.assignment, (Statement, Script)):
         grads = _program_gradients(spec, operands, grad_out, wanted)
     else:
         grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)

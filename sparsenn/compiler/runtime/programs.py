@@ -1,0 +1,235 @@
+"""Run a program (:mod:`..program`): its stages grouped into kernels as the planner
+decides (:mod:`..plan.fusion`).
+
+The first call of a signature (:func:`validate.call_key` of the program and its
+operands) runs the stages one by one, planning each as :func:`evaluate` does (through a
+blocked operand's split call) and binding its layouts without building its kernel;
+:func:`~..plan.fusion.fuse` then groups the stages from those plans, and each group of
+several is lowered into one kernel (``lower/fuse.py``) that runs its stages per team
+coordinate. Later calls run the groups: a group of one through :func:`evaluate`, a
+fused group by allocating its stages' results, collecting every stage's array pointers
+(an earlier result of the group is read in place, the fused kernel's own array) and
+running its kernel once. :func:`run` runs a program so when nothing records its stages
+for autograd, else stage by stage, each differentiable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..autograd import differentiable_evaluate, recorded
+from ..backend import abi, jit
+from ..backend.codegen import generate_fused_source
+from ..blocks import Split
+from ..lower.fuse import FusedStage, lower_fused
+from ..plan.fusion import Candidate, Fusion, fuse
+from ..plan.planner import ShapePlan
+from ..program import Program, Stage, StageResult, stage_inputs
+from .cache import LRUCache
+from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
+from .launcher import Launch, bind, output_allocator, run_stages
+from .ops import transforming
+from .validate import call_key, check_call
+
+__all__ = ["run", "run_program", "describe_program"]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A stage as its fused kernel runs it: its launch (bound without a kernel), the
+    split it goes through (if any) and the launch's arguments the kernel takes (the
+    others are earlier outputs of the group, passed once)."""
+
+    stage: Stage
+    launch: Launch
+    split: Split | None
+    kept: tuple[int, ...]
+
+
+class _Single:
+    """A stage run as its own call."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def run(self, operands: Sequence, results: list) -> None:
+        step = self.stage
+        results.append(evaluate(step.assignment, stage_inputs(step, operands, results), step.out_format))
+
+
+class _Fused:
+    """Stages run by one kernel (see the module doc)."""
+
+    def __init__(self, parts: list[_Part], entry: abi.EntryPoints, parallel: bool, source: str):
+        self.parts, self.entry, self.parallel, self.source = parts, entry, parallel, source
+        dims = [d for part in parts for d in part.launch.dims]
+        self.dims = (ctypes.c_int64 * len(dims))(*dims)
+        self.array_type = ctypes.c_void_p * (sum(len(p.kept) for p in parts) + len(parts))
+
+    def run(self, operands: Sequence, results: list) -> None:
+        pointers, outputs, staged = [], [], []
+        for part in self.parts:
+            ops = stage_inputs(part.stage, operands, results)
+            inner = part.split.operands(ops) if part.split is not None else ops
+            launch = part.launch
+            plan = launch.plan
+            out = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
+                launch.allocation, dtype=launch.dtype)
+            result = out
+            if plan.anchor is not None:  # values of the anchor's length, allocated above: no checks
+                pattern = inner[plan.anchor]
+                result = pattern._share(pattern.shape, pattern.format, out)
+            results.append(part.split.result(result) if part.split is not None else result)
+            made = run_stages(launch.stages, inner)
+            staged.append(made)  # the staged copies live until the kernel has read them
+            every = launch.pointers(inner, made)
+            pointers += [every[n] for n in part.kept]
+            outputs.append(out)
+        pointers += [out.data_ptr() for out in outputs]
+        threads = torch.get_num_threads() if self.parallel else 1
+        if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
+            raise MemoryError("sparsenn kernel ran out of memory")
+
+
+class _Runner:
+    """A program's groups for one call signature."""
+
+    def __init__(self, units: list, fusion: Fusion):
+        self.units, self.fusion = units, fusion
+
+    def run(self, operands: Sequence) -> list:
+        results: list = []
+        for unit in self.units:
+            unit.run(operands, results)
+        return results
+
+
+_runners: LRUCache[_Runner] = LRUCache("program runners", 256)
+
+
+def run(program: Program, operands: Sequence):
+    """The last stage's result: each stage recorded for autograd when a gradient (or a
+    torch.func transform) needs it, else the stages in the planner's groups."""
+    if len(program.stages) > 1 and not transforming() and not recorded(operands):
+        return run_program(program, operands)[-1]
+    results: list = []
+    for step in program.stages:
+        inputs = stage_inputs(step, operands, results)
+        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
+    return results[-1]
+
+
+def run_program(program: Program, operands: Sequence) -> list:
+    """Every stage's result, the stages run in the planner's groups."""
+    key = call_key(program, operands, None)
+    if key is None:  # operands checked and converted per call: stage by stage
+        return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)
+    runner = _runners.get(key)
+    if runner is not None:
+        return runner.run(operands)
+    runner, results = _planned(program, operands)
+    _runners.put(key, runner)
+    return results
+
+
+def describe_program(program: Program, operands: Sequence) -> list[str]:
+    """The planner's fusion decisions for these operands, and each fused kernel's C++."""
+    with torch.no_grad():
+        key = call_key(program, operands, None)
+        runner = None if key is None else _runners.get(key)
+        if runner is None:
+            runner = _planned(program, operands)[0]
+            if key is not None:
+                _runners.put(key, runner)
+    lines = ["fusion:"] + [f"  {reason}" for reason in runner.fusion.reasons]
+    for group, unit in zip(runner.fusion.groups, runner.units):
+        if isinstance(unit, _Fused):
+            lines.append(f"fused kernel of stages {', '.join(str(k) for k in group)}:")
+            lines.append(unit.source)
+    return lines
+
+
+def _planned(program: Program, operands: Sequence) -> tuple[_Runner, list]:
+    """The runner of ``program`` for these operands' signature, and this call's results
+    (computed stage by stage while planning)."""
+    results: list = []
+    candidates: list[Candidate] = []
+    parts: list[tuple[Launch, Split | None] | None] = []
+    for k, step in enumerate(program.stages):
+        inputs = stage_inputs(step, operands, results)
+        candidate, part = _candidate(program, k, inputs)
+        candidates.append(candidate)
+        parts.append(part)
+        results.append(evaluate(step.assignment, inputs, step.out_format))
+    fusion = fuse(candidates)
+    units = [_Single(program.stages[group[0]]) if len(group) == 1 else _fused(program, group, candidates, parts)
+             for group in fusion.groups]
+    return _Runner(units, fusion), results
+
+
+def _candidate(program: Program, k: int, inputs: Sequence) -> tuple[Candidate, tuple | None]:
+    """Stage ``k`` over ``inputs`` as fusion sees it, and its launch and split."""
+    step = program.stages[k]
+    name = f"stage {k}" if not program.names or program.names[k] is None else f"{program.names[k]} (stage {k})"
+    checked = check_call(step.assignment, inputs, step.out_format)
+    if checked.dtype not in (torch.float32, torch.float64):
+        return Candidate(name, None, f"computes in {checked.dtype} (fused kernels: float32, float64)"), None
+    runnable, split = route(step.assignment, checked), None
+    if isinstance(runnable, SplitCall):
+        split = runnable.split
+        inner = check_call(split.assignment, split.operands(checked.operands), split.request)
+        runnable = route(split.assignment, inner)
+        checked = inner
+    if not isinstance(runnable, ShapePlan):
+        return Candidate(name, None, _runs(runnable)), None
+    launch = bind(runnable, checked.operands, checked.sizes, checked.dtype, checked.index_dtype, load=False)
+    converts = None
+    if launch.final_format is not None:
+        converts = f"converts its result to {launch.final_format}"
+    elif launch.out_dtype != launch.dtype:
+        converts = "rounds its result after the kernel"
+    reads = tuple(_source(step, slot.operand) for slot in launch.plan.kernel.slots)
+    return Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts), (launch, split)
+
+
+def _runs(runnable: object) -> str:
+    """What a stage that is not one kernel runs, for fusion's reasons."""
+    if isinstance(runnable, (PathCall, EpiloguePathCall)):
+        return "runs as pairwise contractions"
+    if isinstance(runnable, DenseCall):
+        return "runs in torch (every operand dense)"
+    if isinstance(runnable, DensifiedCall):
+        return "runs densely (BLAS on a dense copy)"
+    return "runs no single kernel"
+
+
+def _source(step: Stage, operand: int) -> int | None:
+    """The stage whose result is ``step``'s operand ``operand``, if one is."""
+    source = step.inputs[operand]
+    return source.stage if isinstance(source, StageResult) else None
+
+
+def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candidate], parts: Sequence) -> _Fused:
+    """The kernel running the stages of ``group`` at each team coordinate."""
+    stages: list[FusedStage] = []
+    fused_parts: list[_Part] = []
+    for k in group:
+        launch, split = parts[k]
+        plan = launch.plan
+        reads = tuple(None if source is None or source not in group else group.index(source)
+                      for source in candidates[k].reads)
+        kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
+        stages.append(FusedStage(plan, reads))
+        fused_parts.append(_Part(program.stages[k], launch, split, kept))
+    lowered = lower_fused(stages)
+    first = fused_parts[0].launch
+    source = generate_fused_source(lowered, str(first.dtype).removeprefix("torch."),
+                                   str(first.index_dtype).removeprefix("torch."),
+                                   max(stage.plan.kernel.vector_bytes for stage in stages))
+    what = f"{program.stages[group[0]].assignment} and {len(group) - 1} more fused stage(s)"
+    entry = abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
+    return _Fused(fused_parts, entry, any(p.launch.parallel for p in fused_parts), source)
