@@ -142,10 +142,10 @@ def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
 
 
 def _lookups() -> tuple[int, int]:
-    """Lookups so far of the fused steps (one per ``run_steps``) and of the calls (one
+    """Lookups so far of the program runners (one per program call) and of the calls (one
     per evaluation outside a fused kernel), from ``cache_stats()``."""
     stats = cache_stats()
-    return tuple(stats[name].hits + stats[name].misses for name in ("fused steps", "calls"))
+    return tuple(stats[name].hits + stats[name].misses for name in ("program runners", "calls"))
 
 
 @pytest.mark.parametrize("padded, dynamic", [(False, False), (True, False), (False, True)])

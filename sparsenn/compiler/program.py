@@ -44,8 +44,9 @@ A :class:`~.expression.Script` (statements separated by ``;`` or newlines) is st
 statement by statement into one program: a statement reads the caller's operands and
 earlier statements' results, whose formats the earlier stages decide: a masked result
 has its mask's pattern; an earlier statement whose output indices one sparse operand
-stores in dense levels (a row max, a row sum) is dense; others have the format
-inferred from their operands. Which
+stores in dense levels (a row max, a row sum), or that a later statement reads densely
+(in a denominator, under ``exp``), is dense; others have the format inferred from their
+operands. Which
 consecutive stages run as one kernel is the planner's decision (``plan/fusion.py``).
 """
 
@@ -118,7 +119,8 @@ def plain(statement: Statement, out_format) -> Program | None:
     assignment = plain_assignment(statement)
     if assignment is None:
         return None
-    return Program((Stage(assignment, out_format, tuple(UserOperand(n) for n in range(assignment.num_operands))),))
+    return Program((Stage(assignment, out_format, tuple(UserOperand(n) for n in range(assignment.num_operands))),),
+                   (statement.output,))
 
 
 _programs: LRUCache[Program] = LRUCache("programs", 1024)
@@ -142,6 +144,25 @@ def stage(statement: Statement | Script, formats: tuple[Format | None, ...], out
 def _script(script: Script, formats: tuple[Format | None, ...], out_format) -> Program:
     """The statements' programs, one after another; a statement's operand named like an
     earlier result reads that statement's last stage."""
+    dense: set[str] = set()
+    while True:
+        try:
+            return _script_with(script, formats, out_format, frozenset(dense))
+        except _ReadDensely as read:
+            dense.add(read.name)
+
+
+class _ReadDensely(Exception):
+    """A statement reads an earlier statement's sparse result densely (in a denominator,
+    or in a function that does not vanish with it): that result is computed dense."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _script_with(script: Script, formats: tuple[Format | None, ...], out_format, dense: frozenset[str]) -> Program:
+    """:func:`_script` with the results named in ``dense`` computed dense."""
     sources: dict[str, Source] = {name: UserOperand(n) for n, name in enumerate(script.operands)}
     known: dict[str, Format | None] = dict(zip(script.operands, formats))
     stages: list[Stage] = []
@@ -150,8 +171,9 @@ def _script(script: Script, formats: tuple[Format | None, ...], out_format) -> P
     for k, statement in enumerate(script.statements):
         last = k == len(script.statements) - 1
         given = tuple(known[name] for name in statement.operands)
-        request = out_format if last else "dense" if _within_dense_levels(statement, given) else None
-        part = _Builder(statement, given).build(request)
+        request = out_format if last else "dense" if (
+            statement.output in dense or _within_dense_levels(statement, given)) else None
+        part = _Builder(statement, given, frozenset(statement.operands) - set(script.operands)).build(request)
         offset = len(stages)
         for step in part.stages:
             inputs = tuple(sources[statement.operands[s.n]] if isinstance(s, UserOperand)
@@ -226,8 +248,9 @@ class _Term:
 class _Builder:
     """Lowers one statement for one formats signature into stages."""
 
-    def __init__(self, statement: Statement, formats: tuple[Format | None, ...]):
+    def __init__(self, statement: Statement, formats: tuple[Format | None, ...], results: frozenset[str] = frozenset()):
         self.statement = statement
+        self.results = results  # operands that are earlier statements' results (of a script)
         self.given = formats
         self.names = list(statement.operands)
         self.number = {name: n for n, name in enumerate(self.names)}
@@ -336,6 +359,8 @@ class _Builder:
     def factor(self, access: Access, factors: list[Access], denominator: bool) -> Value:
         if denominator and self.sparse[access.operand] is not None:
             name = self.names[access.operand]
+            if name in self.results:
+                raise _ReadDensely(name)
             raise ValueError(f"operand {access.operand} ({name}) is sparse but is in a denominator of "
                              f"{self.statement_text()}: unstored entries would divide by zero; pass a dense tensor")
         factors.append(access)
@@ -449,6 +474,8 @@ class _Builder:
             self.stages[source.stage][1] = "dense"
             self.sparse[operand] = None
             return access
+        if self.names[operand] in self.results:
+            raise _ReadDensely(self.names[operand])
         if operand not in self.copies:
             copy = Assignment(access.indices, (Term(1.0, (access,)),), tuple(self.names))
             self.copies[operand] = self.emit(copy, "dense")

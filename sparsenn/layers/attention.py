@@ -11,12 +11,13 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 * ``S<M> = Q Kᵀ / sqrt(d)`` (block SDDMM on ``M``'s pattern, ``M``'s values never read;
   the scale multiplies each stored score once), plus ``-inf`` at padded keys inside stored
   blocks (in the same kernel);
-* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values (the scores and the
-  softmax run as one fused kernel when their steps fuse: each block row's scores are
-  computed, normalised and written once, ``compiler/runtime/fused.py``);
+* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values: the scores and the
+  softmax are one program (``sparsenn.functional.softmax_program``), which the planner
+  fuses into one kernel (``compiler/plan/fusion.py``): each block row's scores are
+  computed, normalised and written once;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``. Without dropout and
-  without gradients (inference), the SpMM is one more step of the fused kernel: each
-  block row's ``P`` is multiplied by ``V`` while still in cache.
+  without gradients (inference), the SpMM is one more statement of the program, fused
+  too: each block row's ``P`` is multiplied by ``V`` while still in cache.
 
 Backward: softmax's gradient ``dS``, then ``dQ = dS K`` and ``dK = dSᵀ Q`` as compiled
 products over the mask's pattern. A query row with no unpadded key in its blocks is
@@ -36,34 +37,46 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
-from sparsenn.compiler.program import stage
-from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
+from sparsenn.compiler.runtime.ops import tracing, transforming
 from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
-from sparsenn.functional import softmax, softmax_gradient, softmax_steps
+from sparsenn.functional import softmax_gradient, softmax_program
 from sparsenn.layers.arguments import checked_int
 from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
-@functools.lru_cache(maxsize=None)
-def _scores(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
+def _scores(scale: float, padded: bool, entries: bool = False) -> str:
     """The scores on ``M``'s pattern, plus a key bias (``-inf`` at padded keys) when
     ``padded``, or plus ``M``'s values (an additive bias on each stored entry: an
     attention mask) when ``entries``, in the same kernel; else ``M`` is read for its
     positions only. (Adding a bias in a second masked expression has a sampled gradient
     assembled element-wise and re-packed by a sort of every stored entry: 25 s at batch
     64, L 1024.)"""
-    bias = " + bias[b,j]" if padded else " + M[b,h,i,j]" if entries else ""
-    return compile_expression(f"S<M>[b,h,i,j] = {scale!r} * Q[b,h,i,d] * K[b,h,j,d]{bias}")
+    bias = " + bias[i0,i3]" if padded else " + Mask[i0,i1,i2,i3]" if entries else ""
+    return f"S<Mask>[i0,i1,i2,i3] = {scale!r} * Q[i0,i1,i2,d] * K[i0,i1,i3,d]{bias}"
+
+
+@functools.lru_cache(maxsize=None)
+def _probabilities(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
+    """``P = softmax(S)`` of the scores :func:`_scores`, over ``(M, Q, K[, bias])``: one
+    program, whose statements the planner fuses into one kernel (per block row: its
+    scores, their maxima, exponentials, sums and scaling, while the row is in cache)."""
+    return compile_expression(softmax_program(4, 3, _scores(scale, padded, entries)))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention(scale: float, padded: bool, entries: bool = False, weights: bool = False) -> CompiledExpression:
+    """``O = P V`` over ``(M, Q, K[, bias], V)``: :func:`_probabilities`, then the block
+    SpMM of each block row of ``P`` by ``V``, fused with them; ``(O, P)`` with ``weights``."""
+    text = softmax_program(4, 3, _scores(scale, padded, entries))
+    return compile_expression(f"{text}; O[i0,i1,i2,d] = P[i0,i1,i2,i3] * V[i0,i1,i3,d]", "dense",
+                              ("O", "P") if weights else None)
 
 
 # The scores' gradients without the scale (dense results); built at import, as traced
 # code calls existing compiled expressions.
 _QUERY_GRADIENT = compile_expression("dQ[b,h,i,d] = dS[b,h,i,j] * K[b,h,j,d]", "dense")
 _KEY_GRADIENT = compile_expression("dK[b,h,j,d] = dS[b,h,i,j] * Q[b,h,i,d]", "dense")
-# The output's block SpMM as a step of the fused inference kernel.
-_OUTPUT = compile_expression("O[b,h,i,d] = P[b,h,i,j] * V[b,h,j,d]", "dense")
 
 
 def _mask_format(block_size: int) -> Format:
@@ -71,67 +84,25 @@ def _mask_format(block_size: int) -> Format:
     return parse_format(f"dddc(1,1,{block_size},{block_size})", 4)
 
 
-def _step(expression: CompiledExpression, block_size: int, sources: tuple[int | Result, ...],
-          on: int | None = None) -> Step:
-    """``expression``'s one assignment when its operand 0 has the mask's format and the
-    others are dense, as a step reading its operand ``n`` from ``sources[n]`` (values on
-    the pattern of its operand ``on``, if given)."""
-    formats = (_mask_format(block_size),) + (None,) * (len(expression.operand_names) - 1)
-    (staged,) = stage(expression.statement, formats, None).stages
-    operands = tuple(sources[source.n] for source in staged.inputs)
-    return Step(staged.assignment, operands, on=None if on is None else operands.index(sources[on]))
-
-
-@functools.lru_cache(maxsize=None)
-def _probability_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
-    """``P = softmax(S)`` of the scores :func:`_scores` over ``(M, Q, K[, bias])`` as fused
-    steps: the scores' one assignment for these formats, then softmax's steps over its
-    result, in place (:func:`sparsenn.functional.softmax_steps`)."""
-    scores = _step(_scores(scale, padded, entries), block_size, (0, 1, 2, 3), on=0)
-    return softmax_steps(4, 3, scores)
-
-
-register_kernels("attention", _probability_steps)
-
-
-@functools.lru_cache(maxsize=None)
-def _output_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
-    """``O = P V`` over ``(M, Q, K[, bias], V)`` as fused steps: :func:`_probability_steps`,
-    then the block SpMM of each block row of ``P`` (read in place) by ``V``."""
-    probabilities = _probability_steps(scale, padded, block_size, entries)
-    return probabilities + (_step(_OUTPUT, block_size, (Result(len(probabilities) - 1), 4 if padded else 3)),)
-
-
-register_kernels("attention_output", _output_steps)
-
-
 class _Probabilities(torch.autograd.Function):
-    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``:
-    one fused kernel (per block row: its scores, their maxima, exponentials, sums and
-    scaling, while the row is in cache, written once) when the steps fuse, else the
-    scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
-    softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
-    bias is a constant). ``bias``: None, a ``(batch, L')`` key bias, or ``mask.values``
-    (an additive bias on the stored entries, which the scores then read). The mask's values
-    are a tensor input too, so torch.func hands them over unwrapped. Under
-    ``torch.func.vmap``, once per batch element; forward mode (``jvp``) is not defined."""
+    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``
+    (:func:`_probabilities`). Backward: softmax's gradient ``dS``, then
+    ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the bias is a constant). ``bias``:
+    None, a ``(batch, L')`` key bias, or ``mask.values`` (an additive bias on the stored
+    entries, which the scores then read). The mask's values are a tensor input too, so
+    torch.func hands them over unwrapped. Under ``torch.func.vmap``, once per batch
+    element; forward mode (``jvp``) is not defined."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor, scale: float,
-                block_size: int) -> Tensor:
+    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
+                scale: float) -> Tensor:
         padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
         mask = mask._share(mask.shape, mask.format, mask_values)
-        operands = [mask, q, k] + ([bias] if padded else [])
-        if tracing():
-            return traced_evaluate(None, operands, None,
-                                   ("kernel", "attention", scale, padded, block_size, entries)).values
-        results = run_steps(_probability_steps(scale, padded, block_size, entries), operands)
-        return (softmax(_scores(scale, padded, entries)(*operands), -1).values if results is None
-                else results[-1].values)
+        return _probabilities(scale, padded, entries)(mask, q, k, *([bias] if padded else [])).values
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, _, _, mask, scale, _ = inputs
+        q, k, _, _, mask, scale = inputs
         ctx.save_for_backward(q, k, output)
         ctx.mask, ctx.scale = mask, scale
 
@@ -142,18 +113,17 @@ class _Probabilities(torch.autograd.Function):
         d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
         dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
         dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None, None, None, None
+        return dq, dk, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
-             scale: float, block_size: int):
+             scale: float):
         """Once per batch element (the mask's block format takes no batch level)."""
         def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
             return t if dim is None else t.select(dim, n)
 
         out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
-                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale,
-                                    block_size)
+                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale)
                for n in range(info.batch_size)]
         return torch.stack(out), 0
 
@@ -694,10 +664,10 @@ class BlockSparseAttention(nn.Module):
         else:
             score_bias = None
         out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, score_bias, mask,
-                                                                              need_weights, traced)
+                                                                              need_weights)
         if out is None:
             probs = mask.with_values(
-                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale, self.block_size))
+                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale))
             if rows is not None:  # rows whose every key is masked: zero attention
                 probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
@@ -715,22 +685,17 @@ class BlockSparseAttention(nn.Module):
                              format="d" * (probs.ndim - 1) + "c")
 
     def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: SparseTensor,
-                      need_weights: bool, traced: bool) -> tuple[Tensor | None, SparseTensor | None]:
-        """``(O, P)`` by the fused kernel of :func:`_output_steps` when nothing needs ``P``
-        apart (no dropout, no gradient; while traced, no weights either), else ``(None, None)``;
-        ``bias`` as :class:`_Probabilities` takes it."""
-        if (self.training and self.dropout > 0.0) or (
+                      need_weights: bool) -> tuple[Tensor | None, SparseTensor | None]:
+        """``(O, P or None)`` by :func:`_attention` when nothing needs ``P`` apart (no dropout,
+        no gradient; while traced, no weights either), else ``(None, None)``; ``bias`` as
+        :class:`_Probabilities` takes it."""
+        if (need_weights and tracing()) or (self.training and self.dropout > 0.0) or (
                 torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
             return None, None
         padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
         operands = [mask, q, k] + ([bias] if padded else []) + [v]
-        key = (self._score_scale, padded, self.block_size, entries)
-        if traced:
-            if need_weights:
-                return None, None
-            return traced_evaluate(None, operands, None, ("kernel", "attention_output", *key)), None
-        results = run_steps(_output_steps(*key), operands)
-        return (None, None) if results is None else (results[-1], results[-2])
+        result = _attention(self._score_scale, padded, entries, need_weights)(*operands)
+        return result if need_weights else (result, None)
 
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:

@@ -27,6 +27,7 @@ its values on the pattern of operand ``CallSpec.anchor``.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import pickle
 from collections.abc import Callable, Sequence
@@ -41,19 +42,18 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
 
-from ..expression import Script, Statement
+from ..expression import Script, Statement, parse_script
 from ..notation import Assignment
 from ..plan.bias import split_epilogue
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve
-from .fused import Result, Step, evaluate_steps
 from .launcher import Launch
 from .validate import check_call
 
 if TYPE_CHECKING:
     from ..program import Program
 
-__all__ = ["CallSpec", "Layout", "derived", "planned_order", "register_kernels", "traced_evaluate", "tracing",
+__all__ = ["CallSpec", "Layout", "derived", "planned_order", "traced_evaluate", "tracing",
            "transforming"]
 
 
@@ -90,13 +90,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement`` or ``Script``,
-    run as its staged program, or :class:`~.fused.Step` s, whose last result is the
-    call's, fused when they fuse) over operands of ``layouts`` (None: dense),
+    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement`` or
+    ``Script``, run as its staged program, fused as the planner groups it) over operands
+    of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment | Statement | Script | tuple[Step, ...]
+    assignment: Assignment | Statement | Script
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
@@ -113,8 +113,6 @@ class CallSpec:
             from .programs import run
 
             return run(self.program(), operands)
-        if isinstance(self.assignment, tuple):
-            return evaluate_steps(self.assignment, operands)[-1]
         return evaluate(self.assignment, operands, self.out_format)
 
     def encode(self) -> str:
@@ -122,7 +120,7 @@ class CallSpec:
 
 
 _SPEC_MODULES = frozenset({"sparsenn.compiler.notation", "sparsenn.compiler.expression", "sparsenn.formats.format",
-                           "sparsenn.formats.level", "sparsenn.compiler.runtime.fused", __name__})
+                           "sparsenn.formats.level", __name__})
 _SPEC_BUILTINS = frozenset({("torch", "float32"), ("torch", "float64"), ("torch", "int32"), ("torch", "int64"),
                             ("builtins", "frozenset"), ("builtins", "set")})
 
@@ -162,36 +160,31 @@ def decode(call: str) -> CallSpec:
     return spec
 
 
-_TABLES: dict[str, Callable[..., Assignment]] = {}
-
-
-def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
-    """Make ``kernel(*args)`` (an assignment built from constants, e.g. one of a
-    function's kernels) nameable as ``("kernel", table, *args)`` by traced code, which
-    cannot pass assignments it did not read from a module attribute."""
-    _TABLES[table] = kernel
-
-
 def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignment | Statement:
     """What a traced call runs, named by constants:
 
     * ``()``: ``assignment``; ``("program",)``: the statement ``assignment``'s program;
     * ``("einsum", equation, num_operands)``: the parsed equation;
+    * ``("script", text)``: the parsed statements of a compiled program's text;
     * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
-      run apart when training (:func:`~..plan.bias.split_epilogue`);
-    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels` (an assignment,
-      or steps)."""
+      run apart when training (:func:`~..plan.bias.split_epilogue`);"""
     from .api import parse  # api -> this module
 
     if not derive or derive[0] == "program":
         return assignment
     if derive[0] == "einsum":
         return parse(*derive[1:])
+    if derive[0] == "script":
+        return _script(derive[1])
     if derive[0] == "reduced":
         return split_epilogue(assignment)[0]
-    if derive[0] == "epilogue":
-        return split_epilogue(assignment)[1]
-    return _TABLES[derive[1]](*derive[2:])
+    return split_epilogue(assignment)[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _script(text: str) -> Script:
+    """``parse_script(text)``, one object per text (the compiler's caches key on it)."""
+    return parse_script(text)
 
 
 @torch.compiler.assume_constant_result
@@ -206,8 +199,6 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     target = derived(assignment, derive)
     if isinstance(target, (Statement, Script)):
         anchor = _statement_anchor(target, layouts, out_format)
-    elif isinstance(target, tuple):
-        anchor = _steps_anchor(target, layouts)
     else:
         anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
@@ -240,20 +231,6 @@ def _mask_operand(statement: Statement | Script) -> str | None:
     while mask in masks and masks[mask] is not None:
         mask = masks[mask]
     return None if mask in masks else mask
-
-
-def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int | None:
-    """The operand whose pattern the last step's result has, None when it is dense."""
-    if steps[-1].on is None:
-        return None
-    source = steps[-1].operands[steps[-1].on]
-    while isinstance(source, Result):
-        step = steps[source.step]
-        if step.on is None:
-            raise ValueError(f"sparsenn: step {source.step}'s result is dense, so a later step's values cannot "
-                             "be on its pattern (Step.on must name a sparse operand or a result on one)")
-        source = step.operands[step.on]
-    return source if layouts[source].shares is None else layouts[source].shares
 
 
 def _result_format(program: Program, formats: list[Format | None]) -> Format | None:
@@ -423,13 +400,12 @@ def planned_order(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[
                   shapes: tuple[int, ...]) -> tuple[int, ...]:
     """The layout of the dense result of ``call`` over tensors of ``dtypes`` and sizes
     ``dims`` (sparse shapes ``shapes``): its dimensions from outermost to innermost in
-    memory as the planned kernel writes them, () for contiguous (steps: a fused kernel
-    writes in expression order) or when that is decided only by running (a sparse
+    memory as the planned kernel writes them, () for contiguous or when that is decided only by running (a sparse
     result, pairwise contractions, torch.einsum, a staged program). Planned on stand-in
     tensors of those sizes, as evaluation plans the call: deterministic (the planner
     decides from formats, shapes, stored positions and dtypes)."""
     spec = decode(call)
-    if spec.anchor is not None or isinstance(spec.assignment, (Statement, Script, tuple)):
+    if spec.anchor is not None or isinstance(spec.assignment, (Statement, Script)):
         return ()
     stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
     try:
@@ -542,9 +518,7 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: l
     sparse_shapes = _split_shapes(spec, shapes)
     operand_shapes = [tuple(tensors[slot].shape) if shape is None else shape
                       for slot, shape in zip(slots, sparse_shapes)]
-    if isinstance(spec.assignment, tuple):
-        shape = _steps_shape(spec.assignment, operand_shapes)
-    elif isinstance(spec.assignment, (Statement, Script)):
+    if isinstance(spec.assignment, (Statement, Script)):
         shape = _program_shape(spec.program(), operand_shapes)
     else:
         sizes = {}
@@ -555,21 +529,6 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: l
     if not order:
         return tensors[slots[0]].new_empty(shape, dtype=dtype)
     return tensors[slots[0]].new_empty_strided(shape, _strides(shape, order), dtype=dtype)
-
-
-def _steps_shape(steps: tuple[Step, ...], operand_shapes: Sequence[tuple]) -> list:
-    """The shape of the last step's result, from the shapes of the caller's operands."""
-    results: list = []
-    for step in steps:
-        shapes = [operand_shapes[s] if isinstance(s, int) else results[s.step] for s in step.operands]
-        if step.on is not None:
-            results.append(shapes[step.on])
-            continue
-        sizes = {}
-        for access in step.assignment.accesses:
-            sizes.update(zip(access.indices, shapes[access.operand]))
-        results.append(tuple(sizes[i] for i in step.assignment.output))
-    return list(results[-1])
 
 
 def _program_shape(program: Program, operand_shapes: Sequence[tuple]) -> list:
@@ -598,9 +557,6 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if spec.anchor is not None:
         result = operands[spec.anchor].with_values(result)
     wanted = [n for n, need in enumerate(needed) if need]
-    if isinstance(spec.assignment, tuple):
-        raise NotImplementedError("sparsenn: traced steps are not differentiated by the op; differentiate the "
-                                  "function that runs them (e.g. sparsenn.softmax)")
     if isinstance(spec.assignment, (Statement, Script)):
         grads = _program_gradients(spec, operands, grad_out, wanted)
     else:

@@ -2,11 +2,11 @@
 decides (:mod:`..plan.fusion`).
 
 The first call of a signature (:func:`validate.call_key` of the program and its
-operands) runs the stages one by one, planning each as :func:`evaluate` does (through a
-blocked operand's split call) and binding its layouts without building its kernel;
-:func:`~..plan.fusion.fuse` then groups the stages from those plans, and each group of
-several is lowered into one kernel (``lower/fuse.py``) that runs its stages per team
-coordinate. Later calls run the groups: a group of one through :func:`evaluate`, a
+operands) plans each stage as :func:`evaluate` does (through a blocked operand's split
+call) on stand-ins of the earlier results, binding its layouts without building its
+kernel; :func:`~..plan.fusion.fuse` then groups the stages from those plans, and each
+group of several is lowered into one kernel (``lower/fuse.py``) that runs its stages
+per team coordinate. Every call runs the groups: a group of one through :func:`evaluate`, a
 fused group by allocating its stages' results, collecting every stage's array pointers
 (an earlier result of the group is read in place, the fused kernel's own array) and
 running its kernel once. :func:`run` runs a program so when nothing records its stages
@@ -35,7 +35,7 @@ from .launcher import Launch, bind, output_allocator, run_stages
 from .ops import transforming
 from .validate import call_key, check_call
 
-__all__ = ["run", "run_program", "describe_program"]
+__all__ = ["run", "run_all", "run_program", "describe_program"]
 
 
 @dataclass(frozen=True)
@@ -112,15 +112,20 @@ _runners: LRUCache[_Runner] = LRUCache("program runners", 256)
 
 
 def run(program: Program, operands: Sequence):
-    """The last stage's result: each stage recorded for autograd when a gradient (or a
+    """The last stage's result (see :func:`run_all`)."""
+    return run_all(program, operands)[-1]
+
+
+def run_all(program: Program, operands: Sequence) -> list:
+    """Every stage's result: each stage recorded for autograd when a gradient (or a
     torch.func transform) needs it, else the stages in the planner's groups."""
     if len(program.stages) > 1 and not transforming() and not recorded(operands):
-        return run_program(program, operands)[-1]
+        return run_program(program, operands)
     results: list = []
     for step in program.stages:
         inputs = stage_inputs(step, operands, results)
         results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
-    return results[-1]
+    return results
 
 
 def run_program(program: Program, operands: Sequence) -> list:
@@ -129,22 +134,15 @@ def run_program(program: Program, operands: Sequence) -> list:
     if key is None:  # operands checked and converted per call: stage by stage
         return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)
     runner = _runners.get(key)
-    if runner is not None:
-        return runner.run(operands)
-    runner, results = _planned(program, operands)
-    _runners.put(key, runner)
-    return results
+    if runner is None:
+        runner = _planned(program, operands)
+        _runners.put(key, runner)
+    return runner.run(operands)
 
 
 def describe_program(program: Program, operands: Sequence) -> list[str]:
     """The planner's fusion decisions for these operands, and each fused kernel's C++."""
-    with torch.no_grad():
-        key = call_key(program, operands, None)
-        runner = None if key is None else _runners.get(key)
-        if runner is None:
-            runner = _planned(program, operands)[0]
-            if key is not None:
-                _runners.put(key, runner)
+    runner = _planned(program, operands)
     lines = ["fusion:"] + [f"  {reason}" for reason in runner.fusion.reasons]
     for group, unit in zip(runner.fusion.groups, runner.units):
         if isinstance(unit, _Fused):
@@ -153,39 +151,46 @@ def describe_program(program: Program, operands: Sequence) -> list[str]:
     return lines
 
 
-def _planned(program: Program, operands: Sequence) -> tuple[_Runner, list]:
-    """The runner of ``program`` for these operands' signature, and this call's results
-    (computed stage by stage while planning)."""
+_UNKNOWN = object()  # a result whose layout only running the stage tells
+
+
+def _planned(program: Program, operands: Sequence) -> _Runner:
+    """The runner of ``program`` for these operands' signature. Each stage is planned on
+    stand-ins of the earlier results, laid out as their kernels write them (nothing
+    runs); a result another kind of call computes (torch, a contraction path, an
+    assembled sparse result) is known only by running, so stages reading it run apart."""
     results: list = []
     candidates: list[Candidate] = []
     parts: list[tuple[Launch, Split | None] | None] = []
     for k, step in enumerate(program.stages):
         inputs = stage_inputs(step, operands, results)
-        candidate, part = _candidate(program, k, inputs)
+        name = f"stage {k}" if not program.names or program.names[k] is None else f"{program.names[k]} (stage {k})"
+        if any(x is _UNKNOWN for x in inputs):
+            candidate, part, result = Candidate(name, None, "reads a result computed apart"), None, _UNKNOWN
+        else:
+            candidate, part, result = _candidate(step, name, inputs)
         candidates.append(candidate)
         parts.append(part)
-        results.append(evaluate(step.assignment, inputs, step.out_format))
+        results.append(result)
     fusion = fuse(candidates)
     units = [_Single(program.stages[group[0]]) if len(group) == 1 else _fused(program, group, candidates, parts)
              for group in fusion.groups]
-    return _Runner(units, fusion), results
+    return _Runner(units, fusion)
 
 
-def _candidate(program: Program, k: int, inputs: Sequence) -> tuple[Candidate, tuple | None]:
-    """Stage ``k`` over ``inputs`` as fusion sees it, and its launch and split."""
-    step = program.stages[k]
-    name = f"stage {k}" if not program.names or program.names[k] is None else f"{program.names[k]} (stage {k})"
+def _candidate(step: Stage, name: str, inputs: Sequence) -> tuple[Candidate, tuple | None, object]:
+    """The stage over ``inputs`` as fusion sees it, its launch and split, and a stand-in
+    of its result (:data:`_UNKNOWN` when only running it tells its layout)."""
     checked = check_call(step.assignment, inputs, step.out_format)
     if checked.dtype not in (torch.float32, torch.float64):
-        return Candidate(name, None, f"computes in {checked.dtype} (fused kernels: float32, float64)"), None
+        return Candidate(name, None, f"computes in {checked.dtype} (fused kernels: float32, float64)"), None, _UNKNOWN
     runnable, split = route(step.assignment, checked), None
     if isinstance(runnable, SplitCall):
         split = runnable.split
-        inner = check_call(split.assignment, split.operands(checked.operands), split.request)
-        runnable = route(split.assignment, inner)
-        checked = inner
+        checked = check_call(split.assignment, split.operands(checked.operands), split.request)
+        runnable = route(split.assignment, checked)
     if not isinstance(runnable, ShapePlan):
-        return Candidate(name, None, _runs(runnable)), None
+        return Candidate(name, None, _runs(runnable)), None, _UNKNOWN
     launch = bind(runnable, checked.operands, checked.sizes, checked.dtype, checked.index_dtype, load=False)
     converts = None
     if launch.final_format is not None:
@@ -193,7 +198,22 @@ def _candidate(program: Program, k: int, inputs: Sequence) -> tuple[Candidate, t
     elif launch.out_dtype != launch.dtype:
         converts = "rounds its result after the kernel"
     reads = tuple(_source(step, slot.operand) for slot in launch.plan.kernel.slots)
-    return Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts), (launch, split)
+    candidate = Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts)
+    return candidate, (launch, split), _stand_in(launch, split, checked.operands)
+
+
+def _stand_in(launch: Launch, split: Split | None, operands: Sequence) -> object:
+    """An uncomputed result laid out as ``launch`` writes it (as :func:`evaluate` returns it)."""
+    plan = launch.plan
+    if plan.assembles or launch.final_format is not None:
+        return _UNKNOWN
+    out = torch.empty(launch.allocation, dtype=launch.dtype)
+    if plan.anchor is not None:
+        pattern = operands[plan.anchor]
+        result = pattern._share(pattern.shape, pattern.format, out)
+    else:
+        result = out if plan.output_permutation is None else out.permute(plan.output_permutation)
+    return split.result(result) if split is not None else result
 
 
 def _runs(runnable: object) -> str:
