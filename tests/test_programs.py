@@ -83,6 +83,7 @@ def test_softmax_written_as_statements_fuses_and_equals_sparsenn_softmax(fmt, sh
                                f"Z[{rows}] = sum[{j}](E[{full}]); P<E>[{full}] = E[{full}] * (1 / Z[{rows}])")
     explained = program.explain(S)
     assert "fused kernel of stages 0, 1, 2, 3:" in explained and "not fused" not in explained
+    assert "P (stage 3) writes into the array of E (stage 1), dead after it" in explained
     expected = sparsenn.softmax(S, -1).to_dense()
     for _ in range(2):  # the first call plans the fusion, the second runs the fused kernel
         got = program(S)
@@ -151,3 +152,18 @@ def test_a_program_is_differentiable_through_its_statements() -> None:
     (got,) = torch.autograd.grad(out, values, grad)
     (want,) = torch.autograd.grad(sparsenn.softmax(S.with_values(values)).values, values, grad)
     torch.testing.assert_close(got, want)
+
+
+def test_results_asked_for_are_kept_and_not_overwritten() -> None:
+    S = random_sparse((30, 40), "csr")
+    program = sparsenn.compile(SOFTMAX, returns=("E", "P"))
+    assert "writes into" not in program.explain(S), "E is returned: P has an array of its own"
+    dense = S.to_dense()
+    stored = S.with_values(torch.ones_like(S.values)).to_dense() != 0
+    for _ in range(2):
+        e, p = program(S)
+        shifted = torch.where(stored, dense - dense.masked_fill(~stored, float("-inf")).amax(1, keepdim=True), 0)
+        torch.testing.assert_close(e.to_dense(), torch.where(stored, shifted.exp(), 0).nan_to_num(0.0))
+        torch.testing.assert_close(p.to_dense(), sparsenn.softmax(S).to_dense())
+    with pytest.raises(ValueError, match="returns names results the statements write"):
+        sparsenn.compile(SOFTMAX, returns="Q")

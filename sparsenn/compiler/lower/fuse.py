@@ -10,12 +10,15 @@ for each coordinate runs the stages in order::
 
 so what stage ``k`` reads of an earlier stage's result at ``c`` was written at ``c``
 just before, while it is still in cache. The planner guarantees that: a stage reads an
-earlier result only at its own team coordinates (:mod:`..plan.fusion` decides it). A
-stage reading an earlier result reads that stage's output array itself (one C
-variable, so ``__restrict__`` holds).
+earlier result only at its own team coordinates, and writes into an earlier result only
+one that no later stage reads (:mod:`..plan.fusion` decides both).
+A stage reading an earlier result reads that stage's output array itself (one C
+variable, so ``__restrict__`` holds); a stage may write its values *into* an earlier
+sampled result of the same pattern (in place).
 
 Names: stage ``k``'s locals and extents get the prefix ``st<k>_``, its slots follow
-the earlier stages', its extents are ``dims[offset_k + n]``; its output is ``out<k>``.
+the earlier stages', its extents are ``dims[offset_k + n]``; its output is ``out<k>``, or, written in place,
+the array of the stage it writes into (which may itself be another's).
 """
 
 from __future__ import annotations
@@ -41,11 +44,13 @@ _SHARED = frozenset({"nthreads", AT.name})
 
 @dataclass(frozen=True)
 class FusedStage:
-    """A stage of a fused kernel: its plan, and per slot of ``plan.kernel.slots`` the
-    stage whose output that slot's values are (None: an operand's own)."""
+    """A stage of a fused kernel: its plan, per slot of ``plan.kernel.slots`` the stage
+    whose output that slot's values are (None: an operand's own), and the earlier stage
+    whose output array it writes in place (None: its own)."""
 
     plan: Plan
     reads: tuple[int | None, ...]
+    into: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +66,8 @@ class Parameter:
 @dataclass(frozen=True)
 class FusedLowering:
     """A fused kernel: its statements and its array parameters in order (every operand
-    array a stage reads that is not an earlier stage's output, stage by stage, then every
-    stage's output)."""
+    array a stage reads that is not an earlier stage's output, stage by stage, then the
+    outputs of the stages that write their own)."""
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
@@ -73,14 +78,16 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
     parameters: list[Parameter] = []
     bodies, dims_decls = [], []
     slot_base = dims_base = 0
+    homes: list[int] = []  # per stage, the stage whose output array holds its result
     for k, stage in enumerate(stages):
+        homes.append(k if stage.into is None else homes[stage.into])
         plan = stage.plan
         lo = Lowering(plan.assignment, plan.schedule, plan.operand_formats)
         lo.team_coordinate = AT
         lo.declare_dims()
         lower_dense_output(lo, plan.anchor)
         assert tuple(lo.slots) == plan.kernel.slots, "a stage lowers to the slots of its plan"
-        rename = _renamer(k, stage, slot_base, dims_base)
+        rename = _renamer(k, stage, homes, slot_base, dims_base)
         if k == 0:  # the team coordinates every stage shares, flattened
             extent = functools.reduce(ir.mul, [rename(lo.dim(i)) for i in team_of(plan)])
         block = _rewritten(lo.take(), rename)
@@ -91,7 +98,7 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
                        if stage.reads[a.slot] is None or a.kind not in ("val", "dense")]
         slot_base += len(plan.kernel.slots)
         dims_base += len(lo.indices)
-    parameters += [Parameter(ir.Array("out", k), k, None) for k in range(len(stages))]
+    parameters += [Parameter(ir.Array("out", k), k, None) for k, stage in enumerate(stages) if stage.into is None]
     chunk = ir.Var("sn_chunk")
     per_coordinate = ir.For(ir.Decl(AT, "index", LO), ir.lt(AT, HI), ir.Incr(AT), ir.Block(tuple(bodies)))
     bounds = _bounds(chunk)
@@ -121,9 +128,11 @@ class _Builder:
         self.statements.extend(stmts)
 
 
-def _renamer(k: int, stage: FusedStage, slot_base: int, dims_base: int) -> Callable[[object], object]:
-    """Stage ``k``'s names in the fused kernel (see the module doc)."""
-    own_out = ir.Array("out", k)
+def _renamer(k: int, stage: FusedStage, homes: Sequence[int], slot_base: int,
+             dims_base: int) -> Callable[[object], object]:
+    """Stage ``k``'s names in the fused kernel (see the module doc); ``homes``: per
+    stage so far, the stage whose output array holds its result."""
+    own_out = ir.Array("out", homes[k])
 
     def rename(node):
         if isinstance(node, ir.Var):
@@ -134,7 +143,7 @@ def _renamer(k: int, stage: FusedStage, slot_base: int, dims_base: int) -> Calla
             if node.kind == "out":
                 return own_out
             if node.kind in ("val", "dense") and stage.reads[node.slot] is not None:
-                return ir.Array("out", stage.reads[node.slot])
+                return ir.Array("out", homes[stage.reads[node.slot]])
             if node.slot >= 0:
                 return ir.Array(node.kind, node.slot + slot_base, node.level)
         return node

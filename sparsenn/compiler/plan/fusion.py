@@ -22,7 +22,12 @@ That is exact when, for every stage of the group,
   writer's layout, a result on a pattern in the format it is stored in.
 
 :func:`fuse` groups the stages greedily from the first, from their plans and extents
-alone (nothing is bound), and says for each boundary why it is one.
+alone (nothing is bound), and says for each boundary why it is one. Inside a group, a
+stage writing values on a pattern writes them *into* an earlier stage's array of the
+same pattern when that result is dead after it (no later stage reads it and the caller
+does not keep it), the stage reads it at most where it writes, and its kernel stores
+every value (softmax's ``E`` over the scores ``S``, ``P`` over ``E``): one array of
+values instead of three, written once.
 """
 
 from __future__ import annotations
@@ -49,15 +54,18 @@ class Candidate:
     dims: tuple[int, ...] = ()
     reads: tuple[int | None, ...] = ()
     converts: str | None = None
+    pattern: object = None  # what identifies the pattern its values are on (None: dense)
 
 
 @dataclass(frozen=True)
 class Fusion:
-    """Consecutive stage numbers per kernel (a group of one runs as its own call), and
-    per boundary between groups, or inside one, a line saying why."""
+    """Consecutive stage numbers per kernel (a group of one runs as its own call), per
+    boundary between groups, or inside one, a line saying why, and per stage the earlier
+    stage of its group whose array it writes into (None: its own)."""
 
     groups: tuple[tuple[int, ...], ...]
     reasons: tuple[str, ...]
+    into: tuple[int | None, ...] = ()
 
 
 def team_of(plan: Plan) -> tuple[str, ...] | None:
@@ -67,8 +75,9 @@ def team_of(plan: Plan) -> tuple[str, ...] | None:
     return teams.pop() if len(teams) == 1 else None
 
 
-def fuse(stages: Sequence[Candidate]) -> Fusion:
-    """The stages grouped into kernels (see the module doc)."""
+def fuse(stages: Sequence[Candidate], kept: frozenset[int] = frozenset()) -> Fusion:
+    """The stages grouped into kernels (see the module doc); ``kept``: the stages whose
+    results the caller keeps (the last one's always)."""
     groups: list[list[int]] = []
     reasons: list[str] = []
     alone = [_alone(stage) for stage in stages]
@@ -85,7 +94,38 @@ def fuse(stages: Sequence[Candidate]) -> Fusion:
         else:
             reasons.append(f"{stage.name} not fused with {stages[k - 1].name}: {why}")
             groups.append([k])
-    return Fusion(tuple(tuple(g) for g in groups), tuple(reasons))
+    kept = kept | {len(stages) - 1}
+    into: list[int | None] = [None] * len(stages)
+    for group in groups:
+        for k in group[1:]:
+            into[k] = _written_into(stages, group, k, kept, into)
+            if into[k] is not None:
+                reasons.append(f"{stages[k].name} writes into the array of {stages[into[k]].name}, dead after it")
+    return Fusion(tuple(tuple(g) for g in groups), tuple(reasons), tuple(into))
+
+
+def _written_into(stages: Sequence[Candidate], group: Sequence[int], k: int, kept: frozenset[int],
+                  into: Sequence[int | None]) -> int | None:
+    """The latest earlier stage of ``group`` whose array stage ``k`` can overwrite (see
+    the module doc), or None."""
+    plan = stages[k].plan
+    if plan.anchor is None or not plan.kernel.overwrites_output or stages[k].pattern is None:
+        return None
+    homes: dict[int, int] = {}  # stage -> the stage whose array holds its values
+    for m in group:
+        if m < k:
+            homes[m] = m if into[m] is None else homes[into[m]]
+    latest = {home: m for m, home in homes.items()}  # array -> the stage whose values it holds now
+    for j in reversed([m for m in group if m < k]):
+        if j in kept or latest[homes[j]] != j or stages[j].pattern != stages[k].pattern:
+            continue
+        if any(j in stages[m].reads for m in range(k + 1, len(stages))):
+            continue
+        reads_j = [slot.operand for slot, source in zip(plan.kernel.slots, stages[k].reads) if source == j]
+        if all(access.indices == plan.assignment.output for term in plan.assignment.terms
+               for access in term.factors if access.operand in reads_j):
+            return j
+    return None
 
 
 def _alone(stage: Candidate) -> str | None:

@@ -132,8 +132,9 @@ class CompiledExpression:
                 raise NotImplementedError(f"sparsenn: a traced compiled expression returns one result; "
                                           f"{self.text!r} was compiled with returns={self.returns}")
             program = self.program(operands)
-            results = run_all(program, operands)
-            return tuple(results[program.names.index(name)] for name in self.returns)
+            stages = [program.names.index(name) for name in self.returns]
+            results = run_all(program, operands, frozenset(stages))
+            return tuple(results[k] for k in stages)
         if self._plain is not None:  # one stage over the operands as given
             return differentiable_evaluate(evaluate, self._plain.stages[0].assignment, operands, self.out_format)
         if tracing():  # the whole program as one op (a script named by its text: traced code passes constants)
@@ -159,7 +160,8 @@ class CompiledExpression:
                 lines.append(f"stage %{n}{name}:")
                 lines.append(_explain(step.assignment, inputs, step.out_format))
                 results.append(evaluate(step.assignment, inputs, step.out_format))
-        return "\n".join(lines + describe_program(program, operands))
+        kept = frozenset(program.names.index(name) for name in self.returns or ())
+        return "\n".join(lines + describe_program(program, operands, kept))
 
     def __repr__(self) -> str:
         return f"CompiledExpression({self.text!r})"

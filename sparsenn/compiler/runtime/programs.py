@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,7 @@ class _Part:
     launch: Launch
     split: Split | None
     kept: tuple[int, ...]
+    into: int | None  # the part of the group whose array it writes into
 
 
 class _Single:
@@ -68,17 +69,22 @@ class _Fused:
         self.parts, self.entry, self.parallel, self.source = parts, entry, parallel, source
         dims = [d for part in parts for d in part.launch.dims]
         self.dims = (ctypes.c_int64 * len(dims))(*dims)
-        self.array_type = ctypes.c_void_p * (sum(len(p.kept) for p in parts) + len(parts))
+        self.array_type = ctypes.c_void_p * (sum(len(p.kept) + (p.into is None) for p in parts))
 
     def run(self, operands: Sequence, results: list) -> None:
-        pointers, outputs, staged = [], [], []
+        pointers, arrays, outputs, staged = [], [], [], []
         for part in self.parts:
             ops = stage_inputs(part.stage, operands, results)
             inner = part.split.operands(ops) if part.split is not None else ops
             launch = part.launch
             plan = launch.plan
-            out = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
-                launch.allocation, dtype=launch.dtype)
+            if part.into is None:
+                out = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
+                    launch.allocation, dtype=launch.dtype)
+                outputs.append(out)
+            else:
+                out = arrays[part.into]
+            arrays.append(out)
             result = out
             if plan.anchor is not None:  # values of the anchor's length, allocated above: no checks
                 pattern = inner[plan.anchor]
@@ -88,7 +94,6 @@ class _Fused:
             staged.append(made)  # the staged copies live until the kernel has read them
             every = launch.pointers(inner, made)
             pointers += [every[n] for n in part.kept]
-            outputs.append(out)
         pointers += [out.data_ptr() for out in outputs]
         threads = torch.get_num_threads() if self.parallel else 1
         if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
@@ -116,11 +121,12 @@ def run(program: Program, operands: Sequence):
     return run_all(program, operands)[-1]
 
 
-def run_all(program: Program, operands: Sequence) -> list:
-    """Every stage's result: each stage recorded for autograd when a gradient (or a
-    torch.func transform) needs it, else the stages in the planner's groups."""
+def run_all(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result (those of the last stage and of ``kept`` stages; the others
+    may have been overwritten in place): each stage recorded for autograd when a
+    gradient (or a torch.func transform) needs it, else the stages in the planner's groups."""
     if len(program.stages) > 1 and not transforming() and not recorded(operands):
-        return run_program(program, operands)
+        return run_program(program, operands, kept)
     results: list = []
     for step in program.stages:
         inputs = stage_inputs(step, operands, results)
@@ -128,21 +134,21 @@ def run_all(program: Program, operands: Sequence) -> list:
     return results
 
 
-def run_program(program: Program, operands: Sequence) -> list:
-    """Every stage's result, the stages run in the planner's groups."""
-    key = call_key(program, operands, None)
+def run_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result, the stages run in the planner's groups (see :func:`run_all`)."""
+    key = call_key((program, kept), operands, None)
     if key is None:  # operands checked and converted per call: stage by stage
         return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)
     runner = _runners.get(key)
     if runner is None:
-        runner = _planned(program, operands)
+        runner = _planned(program, operands, kept)
         _runners.put(key, runner)
     return runner.run(operands)
 
 
-def describe_program(program: Program, operands: Sequence) -> list[str]:
+def describe_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list[str]:
     """The planner's fusion decisions for these operands, and each fused kernel's C++."""
-    runner = _planned(program, operands)
+    runner = _planned(program, operands, kept)
     lines = ["fusion:"] + [f"  {reason}" for reason in runner.fusion.reasons]
     for group, unit in zip(runner.fusion.groups, runner.units):
         if isinstance(unit, _Fused):
@@ -154,7 +160,7 @@ def describe_program(program: Program, operands: Sequence) -> list[str]:
 _UNKNOWN = object()  # a result whose layout only running the stage tells
 
 
-def _planned(program: Program, operands: Sequence) -> _Runner:
+def _planned(program: Program, operands: Sequence, kept: frozenset[int]) -> _Runner:
     """The runner of ``program`` for these operands' signature. Each stage is planned on
     stand-ins of the earlier results, laid out as their kernels write them (nothing
     runs); a result another kind of call computes (torch, a contraction path, an
@@ -169,12 +175,16 @@ def _planned(program: Program, operands: Sequence) -> _Runner:
             candidate, part, result = Candidate(name, None, "reads a result computed apart"), None, _UNKNOWN
         else:
             candidate, part, result = _candidate(step, name, inputs)
+            if part is not None and part[0].plan.anchor is not None:
+                source = step.inputs[part[0].plan.anchor]
+                pattern = candidates[source.stage].pattern if isinstance(source, StageResult) else source
+                candidate = replace(candidate, pattern=pattern)
         candidates.append(candidate)
         parts.append(part)
         results.append(result)
-    fusion = fuse(candidates)
-    units = [_Single(program.stages[group[0]]) if len(group) == 1 else _fused(program, group, candidates, parts)
-             for group in fusion.groups]
+    fusion = fuse(candidates, kept)
+    units = [_Single(program.stages[group[0]]) if len(group) == 1
+             else _fused(program, group, candidates, parts, fusion.into) for group in fusion.groups]
     return _Runner(units, fusion)
 
 
@@ -233,7 +243,8 @@ def _source(step: Stage, operand: int) -> int | None:
     return source.stage if isinstance(source, StageResult) else None
 
 
-def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candidate], parts: Sequence) -> _Fused:
+def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candidate], parts: Sequence,
+           into: Sequence[int | None]) -> _Fused:
     """The kernel running the stages of ``group`` at each team coordinate."""
     stages: list[FusedStage] = []
     fused_parts: list[_Part] = []
@@ -243,8 +254,9 @@ def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candid
         reads = tuple(None if source is None or source not in group else group.index(source)
                       for source in candidates[k].reads)
         kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
-        stages.append(FusedStage(plan, reads))
-        fused_parts.append(_Part(program.stages[k], launch, split, kept))
+        local = None if into[k] is None else group.index(into[k])
+        stages.append(FusedStage(plan, reads, local))
+        fused_parts.append(_Part(program.stages[k], launch, split, kept, local))
     lowered = lower_fused(stages)
     first = fused_parts[0].launch
     source = generate_fused_source(lowered, str(first.dtype).removeprefix("torch."),
