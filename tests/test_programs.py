@@ -18,7 +18,8 @@ from sparsenn.compiler.program import StageResult, UserOperand, stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 
-SOFTMAX = "M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - M[i]); Z[i] = sum[j](E[i,j]); P<E>[i,j] = E[i,j] * (1 / Z[i])"
+SOFTMAX = ("M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - M[i]); Z[i] = sum[j](E[i,j]); "
+           "P<E>[i,j] = E[i,j] * (1 / Z[i])")
 
 
 def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
@@ -33,7 +34,8 @@ def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
 
 
 def test_statements_separate_by_semicolons_and_newlines_outside_brackets() -> None:
-    script = parse_script("M[i] = max[j](S[i,j]);\n E<S>[i,j] = exp(S[i,j]\n   - M[i])\n\nY[i] = sum[j](E[i,j] * x[j]);")
+    script = parse_script("M[i] = max[j](S[i,j]);\n E<S>[i,j] = exp(S[i,j]\n   - M[i])\n\n"
+                          "Y[i] = sum[j](E[i,j] * x[j]);")
     assert [s.output for s in script.statements] == ["M", "E", "Y"]
     assert script.operands == ("S", "x"), "names written by a statement are not the caller's operands"
     assert script.statements[1].operands == ("S", "M")
@@ -55,7 +57,8 @@ def test_an_error_on_a_later_line_quotes_that_line() -> None:
     with pytest.raises(NotationError) as info:
         sparsenn.compile("Y[i] = A[i]\nZ[i] = foo(Y[i])")
     first, quoted, caret = str(info.value).split("\n")
-    assert first.endswith("at column 7 of line 2:") and quoted == "    Z[i] = foo(Y[i])" and caret == "    " + " " * 7 + "^"
+    assert first.endswith("at column 7 of line 2:")
+    assert quoted == "    Z[i] = foo(Y[i])" and caret == "    " + " " * 7 + "^"
 
 
 def test_a_script_stages_each_statement_reading_earlier_results() -> None:

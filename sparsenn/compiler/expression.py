@@ -173,7 +173,8 @@ class _Parser:
         start = self.text.rfind("\n", 0, column) + 1
         end = self.text.find("\n", column)
         line = self.text[start:] if end < 0 else self.text[start:end]
-        where = f"column {column}" if start == 0 else f"column {column - start} of line {self.text.count(chr(10), 0, column) + 1}"
+        line_number = self.text.count("\n", 0, column) + 1
+        where = f"column {column}" if start == 0 else f"column {column - start} of line {line_number}"
         return NotationError(f"{problem} at {where}:\n    {line}\n    {' ' * (column - start)}^")
 
     def _tokenize(self) -> list[_Token]:

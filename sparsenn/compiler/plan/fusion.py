@@ -146,7 +146,8 @@ def _alone(stage: Candidate) -> str | None:
         return f"{name}'s loop nests do not share parallel outer loops"
     for slot in plan.kernel.slots:
         if slot.fmt is not None and _touches(plan, slot.operand, team) and not _leads(plan, slot.operand, team):
-            return f"{name} reads a sparse operand whose stored order does not start with its outer loops ({', '.join(team)})"
+            return (f"{name} reads a sparse operand whose stored order does not start with its outer loops "
+                    f"({', '.join(team)})")
     return None
 
 

@@ -41,7 +41,8 @@ def merge_terms(assignment: Assignment, infos: Sequence[OperandInfo]) -> Assignm
 def _visits(term: Term, infos: Sequence[OperandInfo]) -> tuple | None:
     """What decides where ``term`` is visited: its sparse factors' patterns and
     indices, and its indices; None for a term of dense factors only (never merged)."""
-    sparse = frozenset((_root(a.operand, infos), a.indices) for a in term.factors if infos[a.operand].format is not None)
+    sparse = frozenset((_root(a.operand, infos), a.indices) for a in term.factors
+                       if infos[a.operand].format is not None)
     if not sparse:
         return None
     return sparse, frozenset(i for a in term.factors for i in a.indices)
