@@ -49,9 +49,9 @@ it for autograd, ``plan/fusion.py`` groups its consecutive stages that share the
 loops and read earlier results only at their own team coordinates (sparse softmax: the
 row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
 before them and its SpMM after), decided from the stages' plans before anything runs,
-with a reason for every boundary, and ``lower/fuse.py`` lowers each group into one kernel
-that runs every stage per coordinate while its rows are in cache; a stage alone runs as
-in steps 2-5.
+with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
+(``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
+are in cache; a stage alone runs as in steps 2-5.
 
 ``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included; a compiled
 program's ``explain`` adds the fusion decisions and the fused kernels' C++.

@@ -27,14 +27,17 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..loops import ir
 from ..loops.simplify import simplify
 from ..plan.fusion import team_of
-from ..plan.planner import Plan
 from .chunks import EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCHUNKS, chunk_bounds
 from .context import Lowering
 from .dense_output import lower_dense_output
+
+if TYPE_CHECKING:
+    from ..plan.planner import Plan
 
 __all__ = ["FusedStage", "Parameter", "FusedLowering", "lower_fused"]
 

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from .planner import Plan
+if TYPE_CHECKING:
+    from .planner import Plan
 
 __all__ = ["Candidate", "Fusion", "fuse", "team_of"]
 

@@ -22,12 +22,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..autograd import differentiable_evaluate, recorded
-from ..backend import abi, jit
-from ..backend.codegen import generate_fused_source
+from ..backend import abi
 from ..blocks import Split
-from ..lower.fuse import FusedStage, lower_fused
+from ..lower.fuse import FusedStage
 from ..plan.fusion import Candidate, Fusion, fuse
-from ..plan.planner import ShapePlan
+from ..plan.planner import ShapePlan, build_fused_kernel
 from ..program import Program, Stage, StageResult, stage_inputs
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
@@ -257,11 +256,7 @@ def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candid
         local = None if into[k] is None else group.index(into[k])
         stages.append(FusedStage(plan, reads, local))
         fused_parts.append(_Part(program.stages[k], launch, split, kept, local))
-    lowered = lower_fused(stages)
     first = fused_parts[0].launch
-    source = generate_fused_source(lowered, str(first.dtype).removeprefix("torch."),
-                                   str(first.index_dtype).removeprefix("torch."),
-                                   max(stage.plan.kernel.vector_bytes for stage in stages))
     what = f"{program.stages[group[0]].assignment} and {len(group) - 1} more fused stage(s)"
-    entry = abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
-    return _Fused(fused_parts, entry, any(p.launch.parallel for p in fused_parts), source)
+    kernel = build_fused_kernel(stages, first.dtype, first.index_dtype, what)
+    return _Fused(fused_parts, kernel.load(), any(p.launch.parallel for p in fused_parts), kernel.source)
