@@ -23,7 +23,7 @@ from .functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from .notation import REDUCTIONS, Access, Assignment, NotationError, Term
 
 __all__ = ["Tensor", "Call", "Reduction", "Product", "Sum", "Statement", "Script", "parse_statement",
-           "parse_script", "plain_assignment", "mentioned", "product_indices"]
+           "parse_script", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,16 @@ def mentioned(node: Part | Product | Sum) -> frozenset[str]:
         return mentioned(node.body) - set(node.indices)
     children = node.args if isinstance(node, Call) else node.factors if isinstance(node, Product) else node.products
     return frozenset().union(*(mentioned(c) for c in children))
+
+
+def tensors_in(node: Part | Product | Sum) -> list[Tensor]:
+    """Every tensor read in ``node``."""
+    if isinstance(node, Tensor):
+        return [node]
+    if isinstance(node, Reduction):
+        return tensors_in(node.body)
+    children = node.args if isinstance(node, Call) else node.factors if isinstance(node, Product) else node.products
+    return [t for child in children for t in tensors_in(child)]
 
 
 def context_of(product: Product, n: int, context: frozenset[str]) -> frozenset[str]:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 from .expression import Call, Product, Reduction, Script, Statement, Sum, Tensor, context_of, plain_assignment, \
-    product_indices
+    product_indices, tensors_in
 from .functions import FUNCTIONS, apply, factors_of, vanishes_with
 from .notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .plan.infer import result_format
@@ -196,25 +196,12 @@ def _within_dense_levels(statement: Statement, formats: tuple[Format | None, ...
     if statement.mask is not None:
         return False
     number = {name: n for n, name in enumerate(statement.operands)}
-    for access in _accesses(statement.body):
+    for access in tensors_in(statement.body):
         fmt = _sparse(formats[number[access.name]])
         if fmt is not None and all(i in access.indices and fmt.mode_level(access.indices.index(i)).full
                                    for i in statement.indices):
             return True
     return False
-
-
-def _accesses(node) -> list[Tensor]:
-    """Every tensor read in ``node`` (a sum, product, call or reduction)."""
-    if isinstance(node, Tensor):
-        return [node]
-    if isinstance(node, Sum):
-        return [a for p in node.products for a in _accesses(p)]
-    if isinstance(node, Product):
-        return [a for f in node.factors for a in _accesses(f)]
-    if isinstance(node, Call):
-        return [a for arg in node.args for a in _accesses(arg)]
-    return _accesses(node.body)
 
 
 def stage_format(step: Stage, formats: Sequence[Format | None]) -> Format | None:
