@@ -8,10 +8,10 @@ entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
     softmax:      M[r] = max[j](S[r,j]); E<S>[r,j] = exp(S[r,j] - M[r])
                   Z[r] = sum[j](E[r,j]); P<E>[r,j] = E[r,j] * (1 / Z[r])
     log-softmax:  M[r] = max[j](S[r,j]); Z[r] = sum[j](exp(S[r,j] - M[r]))
-                  L<S>[r,j] = S[r,j] - M[r] - log(Z[r])
+                  W[r] = log(Z[r]); L<S>[r,j] = S[r,j] - M[r] - W[r]
 
 (``M`` has no gradient: the result does not depend on the shift; ``S - M`` first keeps
-log-softmax exact near the max however large ``|S|`` is; one division per row). The
+log-softmax exact near the max however large ``|S|`` is; one division, one log per row). The
 planner fuses the statements when ``S``'s rows (or block rows) lead its storage over
 dense levels (``compiler/plan/fusion.py``): one kernel computes per row ``M``, ``E``,
 ``Z`` and ``P`` while the row is in cache.
@@ -73,7 +73,7 @@ def _programs(rank: int, dim: int) -> _Programs:
         softmax=compile_expression(softmax_program(rank, dim)),
         log_softmax=compile_expression(
             f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - M[{rows}])); "
-            f"L<S>[{full}] = S[{full}] - M[{rows}] - log(Z[{rows}])"),
+            f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - M[{rows}] - W[{rows}]"),
         softmax_grad=compile_expression(
             f"G[{rows}] = sum[{j}](dP[{full}] * P[{full}]); dS<P>[{full}] = P[{full}] * (dP[{full}] - G[{rows}])"),
         log_softmax_grad=compile_expression(
