@@ -13,6 +13,9 @@ epilogue, sparsenn against torch.sparse and the unfused paths, fp32.
    attends to 2 global blocks, a window of 3 and 2 random blocks, and the 2 global block
    rows attend to every block. As ``bsr(64,64)`` (one head) and as a rank-4
    ``(1, 4, 4096, 4096)`` tensor in ``dddc(1,1,64,64)`` (4 heads, own random blocks).
+   Rows marked "written": ``sparsenn.softmax`` against the same softmax a user writes in
+   index notation (``M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - M[i]); Z[i] =
+   sum[j](E[i,j]); P<E>[i,j] = E[i,j] * (1 / Z[i])``, fused by the planner): parity is 1.
 3. ``relu(A @ X + b)`` with A a graph adjacency, X 128 columns, b a bias:
    ``sparsenn.compile("Y[i,k] = relu(A[i,j] * X[j,k] + b[k])")``, one kernel whose
    epilogue adds ``b[k]`` and applies relu per output slice, against the
@@ -131,6 +134,24 @@ def softmax_case(S: sparsenn.SparseTensor, log: bool, backward: bool, minimum: f
             "targets": [] if minimum is None else [target(name, minimum)]}
 
 
+def written_softmax(rank: int) -> sparsenn.CompiledExpression:
+    """Softmax along the last mode as a user writes it in index notation."""
+    full, rows = ",".join(f"i{m}" for m in range(rank)), ",".join(f"i{m}" for m in range(rank - 1))
+    j = f"i{rank - 1}"
+    return sparsenn.compile(f"M[{rows}] = max[{j}](S[{full}]); E<S>[{full}] = exp(S[{full}] - M[{rows}]); "
+                            f"Z[{rows}] = sum[{j}](E[{full}]); P<E>[{full}] = E[{full}] * (1 / Z[{rows}])")
+
+
+def written_softmax_case(S: sparsenn.SparseTensor) -> dict:
+    """sparsenn.softmax against the same softmax written in index notation by a user
+    (four statements the planner fuses into one kernel): a ratio near 1 is parity."""
+    written = written_softmax(S.ndim)
+    dim = S.ndim - 1
+    check = lambda: compare(written(S).values, sparsenn.softmax(S, dim).values)  # noqa: E731
+    return {"ours": lambda: sparsenn.softmax(S, dim), "alts": {"index notation": lambda: written(S)},
+            "check": check, "nnz": S.nnz, "numel": S.numel(), "targets": [target("index notation", 0.9)]}
+
+
 def epilogue_case(A: sparsenn.SparseTensor) -> dict:
     """relu(A @ X + b) compiled (one kernel: an epilogue adds b and applies relu), against
     the unfused sparsenn path and torch.sparse.mm (CSR) with torch ops."""
@@ -169,12 +190,15 @@ def specs(quick: bool) -> list[tuple[str, str, Callable[[], dict]]]:
         if not quick:
             out.append(("softmax-graph", f"{graph} softmax fwd+bwd",
                         lambda b=build: softmax_case(b(), False, True, None)))
+        out.append(("softmax-graph", f"{graph} softmax fwd, written", lambda b=build: written_softmax_case(b())))
     out.append(("softmax-bigbird", "bsr(64,64) 4096² softmax fwd", lambda: softmax_case(bigbird(None), False, False, 3)))
     if not quick:
         out.append(("softmax-bigbird", "bsr(64,64) 4096² softmax fwd+bwd",
                     lambda: softmax_case(bigbird(None), False, True, None)))
     out.append(("softmax-bigbird", f"dddc(1,1,64,64) 1x{HEADS}x4096² softmax fwd",
                 lambda: softmax_case(bigbird(HEADS), False, False, 3)))
+    out.append(("softmax-bigbird", f"dddc(1,1,64,64) 1x{HEADS}x4096² softmax fwd, written",
+                lambda: written_softmax_case(bigbird(HEADS))))
     for graph, build in GRAPHS.items():
         out.append(("epilogue", f"{graph} relu(A@X+b)", lambda b=build: epilogue_case(b())))
     return out

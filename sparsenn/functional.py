@@ -1,29 +1,26 @@
 """Softmax and log-softmax over the stored entries of a SparseTensor, forward and
-backward as compiled kernels.
+backward as compiled programs (index notation, ``sparsenn.compile``).
 
 Along mode ``d``, with ``r`` the other indices and ``j`` the index of ``d``, over the
 entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
-``torch.sparse.softmax``):
+``torch.sparse.softmax``)::
 
-* ``M[r] = max_j S[r,j]``  (no gradient: the result does not depend on the shift);
-* ``Z[r] = sum_j exp(S[r,j] - M[r])``;
-* softmax: ``P[r,j] = exp(S[r,j] - M[r]) * (1 / Z[r])`` on ``S``'s pattern (a division per
-  row, not per entry). When the steps fuse (``compiler/runtime/fused.py``: ``S``'s rows,
-  or block rows, lead its storage over dense levels), one kernel computes per row
-  ``M``, then ``E = exp(S - M)`` into ``P``'s values, ``Z = sum_j E`` and ``P = E * (1 / Z)``
-  in place: ``exp`` once, ``S`` read once from memory. Otherwise three kernels compute
-  ``M``, ``Z`` and ``P``, evaluating ``exp`` twice (cheaper than writing ``E`` to memory
-  and reading it back);
-* log-softmax: ``L[r,j] = (S[r,j] - M[r]) - log Z[r]`` (``S - M`` first: exact near the
-  max however large ``|S|`` is).
+    softmax:      M[r] = max[j](S[r,j]); E<S>[r,j] = exp(S[r,j] - M[r])
+                  Z[r] = sum[j](E[r,j]); P<E>[r,j] = E[r,j] * (1 / Z[r])
+    log-softmax:  M[r] = max[j](S[r,j]); Z[r] = sum[j](exp(S[r,j] - M[r]))
+                  W[r] = log(Z[r]); L<S>[r,j] = S[r,j] - M[r] - W[r]
 
-Backward, on ``S``'s pattern: ``dS = P * (dP - sum_j dP * P)`` for softmax (the two
-steps fused per row when they fuse) and ``dS = dL - exp(L) * sum_j dL`` for
-log-softmax; the sums are compiled sum-reductions, the element-wise products sampled
-assignments. While traced, the fused steps are one ``sparsenn::evaluate`` op each way
-(run one by one inside it when they do not fuse), as eager mode runs them. A slice with
-no stored entry stays empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads
-them there).
+(``M`` has no gradient: the result does not depend on the shift; ``S - M`` first keeps
+log-softmax exact near the max however large ``|S|`` is; one division, one log per row). The
+planner fuses the statements when ``S``'s rows (or block rows) lead its storage over
+dense levels (``compiler/plan/fusion.py``): one kernel computes per row ``M``, ``E``,
+``Z`` and ``P`` while the row is in cache.
+
+Backward, on ``S``'s pattern, programs too: ``G[r] = sum[j](dP[r,j] * P[r,j]);
+dS<P>[r,j] = P[r,j] * (dP[r,j] - G[r])`` for softmax (fused per row) and
+``G[r] = sum[j](dL[r,j]); dS<L>[r,j] = dL[r,j] - exp(L[r,j]) * G[r]`` for log-softmax.
+While traced, each program is one ``sparsenn::evaluate`` op. A slice with no stored
+entry stays empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
 """
 
 from __future__ import annotations
@@ -34,124 +31,56 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsenn.compiler.autograd import differentiable_evaluate, recorded
+from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.batching import batched_format
-from sparsenn.compiler.functions import apply
-from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
-from sparsenn.compiler.runtime.evaluate import evaluate
-from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
+from sparsenn.compiler.runtime.ops import tracing
 from sparsenn.formats import SparseTensor
 
-__all__ = ["softmax", "log_softmax", "softmax_steps", "softmax_gradient"]
+__all__ = ["softmax", "log_softmax", "softmax_program", "softmax_gradient"]
 
 
 @dataclass(frozen=True)
-class _Kernels:
-    """The assignments of one (rank, dim); pattern operands are read at every index,
-    row vectors (``M``, ``Z``, ``R = 1 / Z``, ``log Z``, ``G``) at every index but ``dim``'s."""
+class _Programs:
+    """Softmax's programs along one mode of tensors of one rank (operands in the order
+    written)."""
 
-    max: Assignment               # M = max_j S
-    sum_exp: Assignment           # Z = sum_j exp(S - M)
-    softmax: Assignment           # P = exp(S - M) * R with R = 1 / Z, on S's pattern
-    exp_shifted: Assignment       # E = exp(S - M), on S's pattern
-    normalised: Assignment        # P = E * (1 / Z), on E's pattern
-    row_sum: Assignment           # sum_j X
-    shift: Assignment             # L = (S - M) - log Z, on the pattern
-    dot: Assignment               # G = sum_j dP * P
-    softmax_grad: Assignment      # dS = P * (dP - G), on the pattern
-    log_softmax_grad: Assignment  # dS = dL - exp(L) * G, on the pattern
+    softmax: CompiledExpression            # (S) -> P
+    log_softmax: CompiledExpression        # (S) -> L
+    softmax_grad: CompiledExpression       # (dP, P) -> dS
+    log_softmax_grad: CompiledExpression   # (dL, L) -> dS
+    log_softmax_tangent: CompiledExpression  # (dS, L) -> dL = dS - sum_j exp(L) dS
+
+
+def softmax_program(rank: int, dim: int, scores: str = "") -> str:
+    """Softmax along ``dim`` of rank-``rank`` ``S`` as statements, its result ``P``;
+    ``scores``: a statement computing ``S`` first (statements use ``M``, ``E``, ``Z``)."""
+    full, rows, j = _indices(rank, dim)
+    scores = f"{scores}; " if scores else ""
+    return (f"{scores}M[{rows}] = max[{j}](S[{full}]); E<S>[{full}] = exp(S[{full}] - M[{rows}]); "
+            f"Z[{rows}] = sum[{j}](E[{full}]); P<E>[{full}] = E[{full}] * (1 / Z[{rows}])")
+
+
+def _indices(rank: int, dim: int) -> tuple[str, str, str]:
+    """(every index, every index but ``dim``'s, ``dim``'s index), comma-separated."""
+    full = [f"i{m}" for m in range(rank)]
+    return ",".join(full), ",".join(full[:dim] + full[dim + 1:]), full[dim]
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(rank: int, dim: int) -> _Kernels:
-    full = tuple(f"i{m}" for m in range(rank))
-    rows = full[:dim] + full[dim + 1:]
-    x, y, row1, row2 = Access(0, full), Access(1, full), Access(1, rows), Access(2, rows)
-
-    def assignment(output, factors, value, names, reduction="sum"):
-        return Assignment(output, (Term(1.0, factors, value),), names, reduction)
-
-    f0, f1, f2 = Factor(0), Factor(1), Factor(2)
-    exp_shifted = apply("exp", apply("sub", f0, f1))
-    return _Kernels(
-        max=assignment(rows, (x,), f0, ("S",), "max"),
-        sum_exp=assignment(rows, (x, row1), exp_shifted, ("S", "M")),
-        softmax=assignment(full, (x, row1, row2), apply("mul", exp_shifted, f2), ("S", "M", "R")),
-        exp_shifted=assignment(full, (x, row1), exp_shifted, ("S", "M")),
-        normalised=assignment(full, (x, row1), apply("mul", f0, apply("div", Constant(1.0), f1)), ("E", "Z")),
-        row_sum=assignment(rows, (x,), None, ("X",)),
-        shift=assignment(full, (x, row1, row2), apply("sub", apply("sub", f0, f1), f2), ("S", "M", "logZ")),
-        dot=assignment(rows, (x, y), None, ("dP", "P")),
-        softmax_grad=assignment(full, (x, y, row2), apply("mul", f1, apply("sub", f0, f2)), ("dP", "P", "G")),
-        log_softmax_grad=assignment(full, (x, y, row2), apply("sub", f0, apply("mul", apply("exp", f1), f2)),
-                                    ("dL", "L", "G")),
+def _programs(rank: int, dim: int) -> _Programs:
+    full, rows, j = _indices(rank, dim)
+    return _Programs(
+        softmax=compile_expression(softmax_program(rank, dim)),
+        log_softmax=compile_expression(
+            f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - M[{rows}])); "
+            f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - M[{rows}] - W[{rows}]"),
+        softmax_grad=compile_expression(
+            f"G[{rows}] = sum[{j}](dP[{full}] * P[{full}]); dS<P>[{full}] = P[{full}] * (dP[{full}] - G[{rows}])"),
+        log_softmax_grad=compile_expression(
+            f"G[{rows}] = sum[{j}](dL[{full}]); dS<L>[{full}] = dL[{full}] - exp(L[{full}]) * G[{rows}]"),
+        log_softmax_tangent=compile_expression(
+            f"G[{rows}] = sum[{j}](T[{full}] * exp(L[{full}])); dL<L>[{full}] = T[{full}] - G[{rows}]"),
     )
-
-
-def _kernel(rank: int, dim: int, name: str) -> Assignment | tuple[Step, ...]:
-    """A kernel of softmax along ``dim`` of rank-``rank`` tensors, or the fused steps
-    ``"forward"`` and ``"backward"``."""
-    if name == "forward":
-        return softmax_steps(rank, dim)
-    if name == "backward":
-        return _fused_softmax_grad(rank, dim)
-    return getattr(_kernels(rank, dim), name)
-
-
-register_kernels("softmax", _kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def softmax_steps(rank: int, dim: int, scores: Step | None = None) -> tuple[Step, ...]:
-    """Softmax along ``dim`` of rank-``rank`` tensors as the steps of one fused kernel:
-    ``M``, ``E = exp(S - M)``, ``Z = sum_j E``, ``P = E * (1 / Z)`` written over ``E``.
-    ``S`` is the caller's operand 0, or the result of the step ``scores`` (values on an
-    operand's pattern), which then comes first and whose values ``E`` overwrites."""
-    k = _kernels(rank, dim)
-    head = () if scores is None else (scores,)
-    s = 0 if scores is None else Result(0)
-    m, e, z = (Result(len(head) + n) for n in range(3))
-    return head + (Step(k.max, (s,)), Step(k.exp_shifted, (s, m), on=0, into=None if scores is None else 0),
-                   Step(k.row_sum, (e,)), Step(k.normalised, (e, z), on=0, into=e.step))
-
-
-@functools.lru_cache(maxsize=None)
-def _fused_softmax_grad(rank: int, dim: int) -> tuple[Step, ...]:
-    """Softmax's backward as the steps of one fused kernel: ``G = sum_j dP * P``, then
-    ``dS = P * (dP - G)``, row by row."""
-    k = _kernels(rank, dim)
-    return Step(k.dot, (0, 1)), Step(k.softmax_grad, (0, 1, Result(0)), on=0)
-
-
-def _steps(name: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor | None:
-    """The values of the last of the fused steps ``name``, or None when they do not fuse
-    (always a traced ``sparsenn::evaluate`` op while traced: it runs them one by one then)
-    or autograd records them (a backward with ``create_graph=True``: the steps then run
-    one by one, each differentiable)."""
-    if tracing():
-        return traced_evaluate(None, operands, None, ("kernel", "softmax", pattern.ndim, dim, name)).values
-    if recorded(operands):
-        return None
-    results = run_steps(_kernel(pattern.ndim, dim, name), operands)
-    return None if results is None else results[-1].values
-
-
-def _run(kernel: str, pattern: SparseTensor, dim: int, operands: list, out_format) -> torch.Tensor | SparseTensor:
-    """Kernel ``kernel`` of softmax along ``dim`` of tensors shaped like ``pattern``; while
-    traced, a ``sparsenn::evaluate`` op naming it (``compiler/runtime/ops.py``); under a
-    torch.func transform, through the einsum's rules (a backward's operands are the
-    transform's tensors)."""
-    if tracing():
-        return traced_evaluate(None, operands, out_format, ("kernel", "softmax", pattern.ndim, dim, kernel))
-    if transforming() or recorded(operands):
-        return differentiable_evaluate(evaluate, _kernel(pattern.ndim, dim, kernel), operands, out_format)
-    return evaluate(_kernel(pattern.ndim, dim, kernel), operands, out_format)
-
-
-def _sampled(kernel: str, pattern: SparseTensor, dim: int, operands: list) -> torch.Tensor:
-    """Values of kernel ``kernel`` on ``pattern``'s stored positions, in storage order."""
-    return _run(kernel, pattern, dim, operands, pattern.format).values
 
 
 class _Softmax(torch.autograd.Function):
@@ -162,16 +91,8 @@ class _Softmax(torch.autograd.Function):
 
     @staticmethod
     def forward(values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
-        s = _on_pattern(pattern, values)
-        out = None if log else _steps("forward", s, dim, [s])
-        if out is None:
-            m = _run("max", s, dim, [s], "dense")
-            z = _run("sum_exp", s, dim, [s, m], "dense")
-            if log:
-                out = _sampled("shift", s, dim, [s, m, torch.log(z)])
-            else:
-                out = _sampled("softmax", s, dim, [s, m, torch.reciprocal(z)])
-        return out
+        programs = _programs(pattern.ndim, dim)
+        return (programs.log_softmax if log else programs.softmax)(_on_pattern(pattern, values)).values
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -185,10 +106,8 @@ class _Softmax(torch.autograd.Function):
         (out,) = ctx.saved_tensors
         if not ctx.log:
             return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
-        pattern, dim = ctx.pattern, ctx.dim
-        d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, out)
-        g = _run("row_sum", pattern, dim, [d_out], "dense")
-        return _sampled("log_softmax_grad", pattern, dim, [d_out, result, g]), None, None, None
+        d_out, result = _on_pattern(ctx.pattern, grad.contiguous()), _on_pattern(ctx.pattern, out)
+        return _programs(ctx.pattern.ndim, ctx.dim).log_softmax_grad(d_out, result).values, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool):
@@ -214,9 +133,8 @@ class _SoftmaxWithJvp(_Softmax):
         pattern, dim = ctx.pattern, ctx.dim
         if not ctx.log:
             return softmax_gradient(pattern, dim, out, tangent)
-        d_in, probabilities = _on_pattern(pattern, tangent.contiguous()), _on_pattern(pattern, torch.exp(out))
-        g = _run("dot", pattern, dim, [d_in, probabilities], "dense")
-        return _sampled("shift", pattern, dim, [d_in, g, torch.zeros_like(g)])
+        d_in, result = _on_pattern(pattern, tangent.contiguous()), _on_pattern(pattern, out)
+        return _programs(pattern.ndim, dim).log_softmax_tangent(d_in, result).values
 
 
 def _softmax_function() -> type[_Softmax]:
@@ -227,11 +145,7 @@ def softmax_gradient(pattern: SparseTensor, dim: int, probabilities: torch.Tenso
     """``dS = P * (dP - sum_j dP * P)`` along ``dim``: the values on ``pattern`` of the
     gradient of ``P = softmax(S)`` (values ``probabilities``) given ``dP`` (``grad``)."""
     d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, probabilities)
-    d_values = _steps("backward", pattern, dim, [d_out, result])
-    if d_values is None:
-        g = _run("dot", pattern, dim, [d_out, result], "dense")
-        d_values = _sampled("softmax_grad", pattern, dim, [d_out, result, g])
-    return d_values
+    return _programs(pattern.ndim, dim).softmax_grad(d_out, result).values
 
 
 def _on_pattern(pattern: SparseTensor, values: torch.Tensor) -> SparseTensor:

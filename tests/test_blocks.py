@@ -703,5 +703,5 @@ def test_cache_tiles_give_way_to_a_register_tile_on_the_same_loops():
     layer = sparsenn.BlockSparseAttention(64, 1, block_size=64, num_random_blocks=1, seed=0)
     mask = layer._mask_for(layer._forward_pattern(4096), 1, None, torch.float32)
     q = torch.randn(1, 1, 4096, 64)
-    text = _scores(layer._score_scale, False).explain(mask, q, q)
+    text = sparsenn.compile(_scores(layer._score_scale, False)).explain(mask, q, q)
     assert "tiles: none" in text and "register tile: " in text

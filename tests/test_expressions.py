@@ -98,7 +98,7 @@ ERRORS = [
     ("Y<S>[i] = S[i,j]", "tensor 'S' is used with 1 and 2 indices", 10),
     ("Y[i] = A[i] * Y[i]", "output tensor 'Y' also appears on the right-hand side", 14),
     ("Y<Y>[i] = A[i]", "output tensor 'Y' cannot mask itself", 2),
-    ("Y[i] = A[i] ; B[i]", "unexpected character ';'", 12),
+    ("Y[i] = A[i] ; B[i]", "unexpected end of expression", 18),
     ("Y[i] = A[i] $", r"unexpected character '\$'", 12),
     ("Y[i] = A[i] * * B[i]", "expected a tensor, number, function call or '\\(' but found '\\*'", 14),
     ("Y[i] = A[i] +", "unexpected end of expression", 13),
@@ -204,7 +204,10 @@ def test_masked_statements_sample_every_term() -> None:
     assert str(only.assignment) == "Out[i,j] = sum_{d} (Q[i,d] * K[j,d]) + 1"
     assert only.out_format == CSR and all(t.factors[-1].operand == 2 for t in only.assignment.terms)
     (only,) = stages_of("P<S>[i,j] = exp(S[i,j] - M[i])", CSR, None)
-    assert str(only.assignment) == "Out[i,j] = exp((S[i,j] - M[i])) + 0 * S[i,j]"
+    # the term reads S where the mask samples it, its other operand dense: it visits every stored position
+    assert str(only.assignment) == "Out[i,j] = exp((S[i,j] - M[i]))"
+    (only,) = stages_of("P<S>[i,j] = exp(T[i,j] - M[i])", CSR, CSR, None)
+    assert str(only.assignment) == "Out[i,j] = exp((T[i,j] - M[i])) + 0 * S[i,j]"
 
 
 def test_constants_make_an_epilogue_that_takes_the_bias() -> None:

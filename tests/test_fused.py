@@ -1,6 +1,8 @@
-"""Fused kernels (compiler/lower/fuse.py, compiler/runtime/fused.py): steps whose later
-assignments read earlier results at their own team coordinates run as one kernel, and
-equal the steps run one by one; steps that would read a result elsewhere do not fuse."""
+"""Fused kernels (compiler/plan/fusion.py decides, compiler/lower/fuse.py lowers,
+compiler/runtime/programs.py runs): the statements of sparsenn's softmax, its gradient
+and BlockSparseAttention, which read earlier results at their own team coordinates, run
+as one kernel and equal the statements run one by one; statements that would read a
+result elsewhere, or operands not stored row first, do not fuse."""
 
 from __future__ import annotations
 
@@ -10,11 +12,9 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler import cache_stats
-from sparsenn.compiler.functions import apply
-from sparsenn.compiler.notation import Access, Assignment, Constant, Factor, Term
+from sparsenn.compiler.program import stage_inputs
 from sparsenn.compiler.runtime.evaluate import evaluate
-from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.functional import _fused_softmax_grad, softmax_steps
+from sparsenn.functional import _programs
 
 
 def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
@@ -25,98 +25,60 @@ def random_sparse(shape, fmt, dtype=torch.float64, seed=0) -> SparseTensor:
     return sparsenn.from_dense(dense, format=fmt)
 
 
-def one_by_one(steps, operands) -> list:
-    """The steps' results evaluated separately (``into`` ignored: a fresh result)."""
+def one_by_one(expression, operands) -> list:
+    """The program's stages evaluated separately."""
     results = []
-    for step in steps:
-        ops = [operands[s] if isinstance(s, int) else results[s.step] for s in step.operands]
-        results.append(evaluate(step.assignment, ops, step.out_format(ops)))
+    for step in expression.program(operands).stages:
+        results.append(evaluate(step.assignment, stage_inputs(step, operands, results), step.out_format))
     return results
 
 
-def assignment(output, factors, value, reduction="sum") -> Assignment:
-    return Assignment(output, (Term(1.0, factors, value),), tuple(f"T{n}" for n in range(len(factors))), reduction)
-
-
-ROWS, FULL = ("i",), ("i", "j")
-ROW_SUM = assignment(ROWS, (Access(0, FULL),), None)
-# P = S * (1 / N[i]) on S's pattern, and the same reading N at j (another row's sum).
-SCALE = apply("mul", Factor(0), apply("div", Constant(1.0), Factor(1)))
-SCALED = assignment(FULL, (Access(0, FULL), Access(1, ROWS)), SCALE)
-SCALED_ACROSS = assignment(FULL, (Access(0, FULL), Access(1, ("j",))), SCALE)
+def fused_stages(explained: str) -> list[str]:
+    """The groups of stages ``explain()`` lists as fused kernels."""
+    return [line.removeprefix("fused kernel of stages ").removesuffix(":") for line in explained.splitlines()
+            if line.startswith("fused kernel of stages ")]
 
 
 @pytest.mark.parametrize("fmt, shape", [("csr", (40, 70)), ("bsr(4,8)", (40, 64)), ("dddc(1,1,4,4)", (2, 3, 16, 24))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-def test_softmax_steps_fuse_and_equal_the_steps_one_by_one(fmt, shape, dtype):
+def test_softmax_and_its_gradient_fuse_and_equal_the_statements_one_by_one(fmt, shape, dtype):
     S = random_sparse(shape, fmt, dtype)
-    steps = softmax_steps(S.ndim, S.ndim - 1)
-    fused = run_steps(steps, [S])
-    assert fused is not None, "rows over dense levels fuse"
-    separate = one_by_one(steps, [S])
-    torch.testing.assert_close(fused[0], separate[0], rtol=0, atol=0)  # the max is exact
-    for k in (2, 3):  # Z, then P written over E
-        torch.testing.assert_close(fused[k].to_dense() if k == 3 else fused[k],
-                                   separate[k].to_dense() if k == 3 else separate[k])
-    assert fused[1].values.data_ptr() == fused[3].values.data_ptr(), "P overwrites E in place"
-    torch.testing.assert_close(fused[3].to_dense(), sparsenn.softmax(S, -1).to_dense())
-    d_out, P = S.with_values(torch.randn_like(S.values)), fused[3]
-    grad_steps = _fused_softmax_grad(S.ndim, S.ndim - 1)
-    fused_grad = run_steps(grad_steps, [d_out, P])
-    assert fused_grad is not None
-    torch.testing.assert_close(fused_grad[1].values, one_by_one(grad_steps, [d_out, P])[1].values)
-
-
-def test_a_fused_kernel_computes_the_same_on_one_thread_and_on_two():
-    """Every row is computed by one thread, in the same order: bit for bit equal."""
-    S = random_sparse((300, 257), "csr", torch.float32, seed=3)
-    S = S.with_values(S.values.abs() + 0.5)  # row sums far from 0
-    steps = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=0))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run_steps(steps, [S])[1].values.clone()
-        torch.set_num_threads(2)
-        two = run_steps(steps, [S])[1].values
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    rows = S.to_dense().sum(1, keepdim=True)
-    expected = torch.where(S.to_dense() != 0, S.to_dense() / rows, 0.0)
-    torch.testing.assert_close(S.with_values(two).to_dense(), expected)
-
-
-def test_steps_reading_a_result_at_another_coordinate_do_not_fuse():
-    """``N[j]`` is the sum of row ``j``, which the row ``i`` being scaled need not have
-    computed yet: run_steps declines, and the steps one by one are right."""
-    S = random_sparse((30, 30), "csr")
-    steps = (Step(ROW_SUM, (0,)), Step(SCALED_ACROSS, (0, Result(0)), on=0))
-    assert run_steps(steps, [S]) is None
-    scaled = one_by_one(steps, [S])[1].to_dense()
-    dense = S.to_dense()
-    torch.testing.assert_close(scaled, torch.where(dense != 0, dense / dense.sum(1)[None, :], 0.0))
+    programs = _programs(S.ndim, S.ndim - 1)
+    assert fused_stages(programs.softmax.explain(S)) == ["0, 1, 2, 3"], "rows over dense levels fuse"
+    separate = one_by_one(programs.softmax, [S])
+    for _ in range(2):
+        torch.testing.assert_close(programs.softmax(S).to_dense(), separate[-1].to_dense())
+    torch.testing.assert_close(separate[-1].to_dense(), sparsenn.softmax(S, -1).to_dense())
+    d_out, P = S.with_values(torch.randn_like(S.values)), separate[-1]
+    assert fused_stages(programs.softmax_grad.explain(d_out, P)) == ["0, 1"]
+    for _ in range(2):
+        torch.testing.assert_close(programs.softmax_grad(d_out, P).values,
+                                   one_by_one(programs.softmax_grad, [d_out, P])[-1].values)
 
 
 @pytest.mark.parametrize("fmt", ["dcsr", "coo", "csc"])
 def test_rows_not_stored_first_over_dense_levels_do_not_fuse(fmt):
     S = random_sparse((20, 30), fmt)
-    assert run_steps(softmax_steps(2, 1), [S]) is None
+    softmax = _programs(2, 1).softmax
+    explained = softmax.explain(S)
+    assert not fused_stages(explained) and "not fused" in explained
+    for _ in range(2):
+        torch.testing.assert_close(softmax(S).to_dense(), torch.softmax(S.to_dense().masked_fill(
+            S.with_values(torch.ones_like(S.values)).to_dense() == 0, float("-inf")), 1).nan_to_num(0.0))
 
 
-def test_sixteen_bit_values_and_a_wrong_in_place_write_do_not_fuse():
+def test_sixteen_bit_values_do_not_fuse():
     S = random_sparse((20, 30), "csr", torch.float32)
-    assert run_steps(softmax_steps(2, 1), [S.with_values(S.values.bfloat16())]) is None
-    into_dense = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=0, into=0))
-    assert run_steps(into_dense, [S]) is None
+    explained = _programs(2, 1).softmax.explain(S.with_values(S.values.bfloat16()))
+    assert not fused_stages(explained) and "computes in torch.bfloat16" in explained
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("block, head_dim", [(4, 16), (16, 32)], ids=["dot-tile", "register-tile"])
 def test_attention_scores_and_softmax_fuse_and_equal_them_apart(block, head_dim, padded, avx2_host):
     """BlockSparseAttention's block SDDMM (a dot tile, or a register tile with ``K``
-    re-laid out first) and softmax's steps run as one kernel per block row, the softmax
-    written over the scores."""
-    from sparsenn.layers.attention import _probability_steps, _scores
+    re-laid out first) and softmax's statements run as one kernel per block row."""
+    from sparsenn.layers.attention import _probabilities, _scores
 
     layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, seed=0)
     mask = layer._mask_for(layer._forward_pattern(8 * block), 2, None, torch.float32)
@@ -126,14 +88,13 @@ def test_attention_scores_and_softmax_fuse_and_equal_them_apart(block, head_dim,
     if padded:
         operands.append(torch.zeros(2, 8 * block).masked_fill_(torch.arange(8 * block) >= 7 * block + 1, float("-inf")))
     tile = "dot tile" if block == 4 else "register tile"
-    assert tile in _scores(layer._score_scale, False).explain(*operands[:3])
-    steps = _probability_steps(layer._score_scale, padded, block)
-    fused = run_steps(steps, operands)
-    assert fused is not None
-    scores = fused[0]
-    assert all(r.values.data_ptr() == scores.values.data_ptr() for r in (fused[2], fused[4])), "in place"
-    expected = sparsenn.softmax(_scores(layer._score_scale, padded)(*operands), -1)
-    torch.testing.assert_close(fused[4].values, expected.values)
+    scores = sparsenn.compile(_scores(layer._score_scale, padded))
+    assert tile in sparsenn.compile(_scores(layer._score_scale, False)).explain(*operands[:3])
+    program = _probabilities(layer._score_scale, padded)
+    assert fused_stages(program.explain(*operands)) == ["0, 1, 2, 3, 4"]
+    expected = sparsenn.softmax(scores(*operands), -1)
+    for _ in range(2):
+        torch.testing.assert_close(program(*operands).values, expected.values)
 
 
 @pytest.mark.parametrize("fmt", ["csr", "coo"])
@@ -156,18 +117,17 @@ def test_traced_softmax_runs_the_steps_as_eager_does(fmt):
 
 
 def lookups() -> tuple[int, int]:
-    """Lookups so far of the fused steps (one per ``run_steps``) and of the calls (one
+    """Lookups so far of the program runners (one per program call) and of the calls (one
     per evaluation outside a fused kernel), from ``cache_stats()``."""
     stats = cache_stats()
-    return tuple(stats[name].hits + stats[name].misses for name in ("fused steps", "calls"))
+    return tuple(stats[name].hits + stats[name].misses for name in ("program runners", "calls"))
 
 
 @pytest.mark.parametrize("length", [32, 29], ids=["whole-blocks", "padded-tail"])
 @pytest.mark.parametrize("block, head_dim", [(4, 16), (16, 32)], ids=["dot-tile", "register-tile"])
 def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, length, avx2_host):
-    """Without gradients or dropout, ``O = P V`` is the last step of the attention's fused
-    kernel (one fused call, nothing evaluated apart: steps that did not fuse would be run
-    again without the SpMM, then the SpMM on its own); it gives what the separate SpMM
+    """Without gradients or dropout, ``O = P V`` is the last statement of the attention's fused
+    kernel (one program call, nothing evaluated apart); it gives what the separate SpMM
     gives when a gradient is needed, and the weights it returns are the probabilities
     the SpMM read."""
     layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, num_window_blocks=3,
@@ -187,13 +147,3 @@ def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, 
     assert after_fused == fused + 1 and after_calls > calls  # the scores and softmax fused, the SpMM apart
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(weights.to_dense(), expected_weights.to_dense())
-
-
-def test_traced_steps_name_values_put_on_a_dense_result():
-    """A step whose values would sit on the pattern of an earlier dense result has no
-    pattern to take: a ValueError while tracing, not a crash."""
-    from sparsenn.compiler.runtime.ops import Layout, _steps_anchor
-
-    steps = (Step(ROW_SUM, (0,)), Step(SCALED, (0, Result(0)), on=1))
-    with pytest.raises(ValueError, match="step 0's result is dense"):
-        _steps_anchor(steps, (Layout(sparsenn.parse_format("csr", 2), torch.int64),))

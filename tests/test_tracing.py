@@ -142,10 +142,10 @@ def test_compiled_attention_with_dynamic_shapes_draws_its_mask():
 
 
 def _lookups() -> tuple[int, int]:
-    """Lookups so far of the fused steps (one per ``run_steps``) and of the calls (one
+    """Lookups so far of the program runners (one per program call) and of the calls (one
     per evaluation outside a fused kernel), from ``cache_stats()``."""
     stats = cache_stats()
-    return tuple(stats[name].hits + stats[name].misses for name in ("fused steps", "calls"))
+    return tuple(stats[name].hits + stats[name].misses for name in ("program runners", "calls"))
 
 
 @pytest.mark.parametrize("padded, dynamic", [(False, False), (True, False), (False, True)])
@@ -383,7 +383,7 @@ def _layer_call(layer: sparsenn.SparseLinear, x: torch.Tensor) -> tuple[str, lis
     return call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)
 
 
-def test_planned_order_is_the_eager_results_layout():
+def test_planned_layout_is_the_eager_results_layout():
     layer, x = _layer_calls().first, torch.randn(16, 64)
     call, tensors, shapes = _layer_call(layer, x)
     order, _ = ops.planned_layouts(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),

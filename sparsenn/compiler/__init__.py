@@ -44,18 +44,20 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    the sparse one the kernel assembled.
 
 ``compile_expression(text)`` (``sparsenn.compile``) parses its text once
-(``expression.py``: functions, explicit reductions, masks) and, per formats signature of
-its operands, stages it into a program of assignments (``program.py``), each run as in
-steps 2-5; a plain sum of products is one assignment.
+(``expression.py``: functions, explicit reductions, masks; statements separated by ``;``
+or newlines, a later one reading earlier results by name) and, per formats signature of
+its operands, stages it into a program of assignments (``program.py``); a plain sum of
+products is one assignment. ``runtime/programs.py`` runs a program: when nothing records
+it for autograd, ``plan/fusion.py`` groups its consecutive stages that share their team
+loops and read earlier results only at their own team coordinates (sparse softmax: the
+row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
+before them and its SpMM after), decided from the stages' plans before anything runs,
+with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
+(``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
+are in cache; a stage alone runs as in steps 2-5.
 
-Steps whose later assignments read earlier results at the same rows (sparse softmax:
-the row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
-before them) can run as one kernel:
-``runtime/fused.py`` plans each step as above and, when every one shares its team loops
-and reads earlier results only at its own team coordinates, ``lower/fuse.py`` lowers
-them into one kernel that runs every step per coordinate while its rows are in cache.
-
-``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included.
+``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included; a compiled
+program's ``explain`` adds the fusion decisions and the fused kernels' C++.
 
 The compiler's caches (parsed equations, calls, plans per shape and per decisions,
 contraction paths and their pair schedules, re-stored patterns) are bounded LRU caches

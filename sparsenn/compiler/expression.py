@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from .functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from .notation import REDUCTIONS, Access, Assignment, NotationError, Term
 
-__all__ = ["Tensor", "Call", "Reduction", "Product", "Sum", "Statement", "parse_statement", "plain_assignment",
-           "mentioned", "product_indices"]
+__all__ = ["Tensor", "Call", "Reduction", "Product", "Sum", "Statement", "Script", "parse_statement",
+           "parse_script", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,37 @@ class Statement:
             return value
 
 
+@dataclass(frozen=True)
+class Script:
+    """Statements run in order, a later one reading an earlier one's result by its name
+    (``M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - M[i])``); the last one's result
+    is the script's. ``operands`` are the names read before any statement writes them,
+    in order of first appearance (the caller's operands)."""
+
+    statements: tuple[Statement, ...]
+    operands: tuple[str, ...]
+
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.statements, self.operands))
+            object.__setattr__(self, "_hash", value)
+            return value
+
+    @property
+    def output(self) -> str:
+        return self.statements[-1].output
+
+    @property
+    def indices(self) -> tuple[str, ...]:
+        return self.statements[-1].indices
+
+    def __str__(self) -> str:
+        return "; ".join(f"{s.output}{'' if s.mask is None else f'<{s.mask}>'}[{','.join(s.indices)}] = ..."
+                         for s in self.statements)
+
+
 def mentioned(node: Part | Product | Sum) -> frozenset[str]:
     """Indices written in ``node`` and not bound by a reduction inside it."""
     if isinstance(node, Tensor):
@@ -97,6 +128,16 @@ def mentioned(node: Part | Product | Sum) -> frozenset[str]:
         return mentioned(node.body) - set(node.indices)
     children = node.args if isinstance(node, Call) else node.factors if isinstance(node, Product) else node.products
     return frozenset().union(*(mentioned(c) for c in children))
+
+
+def tensors_in(node: Part | Product | Sum) -> list[Tensor]:
+    """Every tensor read in ``node``."""
+    if isinstance(node, Tensor):
+        return [node]
+    if isinstance(node, Reduction):
+        return tensors_in(node.body)
+    children = node.args if isinstance(node, Call) else node.factors if isinstance(node, Product) else node.products
+    return [t for child in children for t in tensors_in(child)]
 
 
 def context_of(product: Product, n: int, context: frozenset[str]) -> frozenset[str]:
@@ -124,7 +165,7 @@ class _Token:
 
 _TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)"
                     r"|(?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
-                    r"|(?P<sym>[\[\],=+\-*/()<>]))")
+                    r"|(?P<sym>[\[\],=+\-*/()<>;]))")
 
 
 class _Parser:
@@ -139,17 +180,27 @@ class _Parser:
         self.bound: list[str] = []  # indices of the enclosing reductions
 
     def error(self, problem: str, column: int) -> NotationError:
-        return NotationError(f"{problem} at column {column}:\n    {self.text}\n    {' ' * column}^")
+        start = self.text.rfind("\n", 0, column) + 1
+        end = self.text.find("\n", column)
+        line = self.text[start:] if end < 0 else self.text[start:end]
+        line_number = self.text.count("\n", 0, column) + 1
+        where = f"column {column}" if start == 0 else f"column {column - start} of line {line_number}"
+        return NotationError(f"{problem} at {where}:\n    {line}\n    {' ' * (column - start)}^")
 
     def _tokenize(self) -> list[_Token]:
-        tokens, pos, text = [], 0, self.text.rstrip()
+        """The tokens; a newline outside brackets separates statements as ``;`` does."""
+        tokens, pos, text, depth = [], 0, self.text.rstrip(), 0
         while pos < len(text):
             match = _TOKEN.match(text, pos)
             if match is None:
                 column = len(text) - len(text[pos:].lstrip())
                 raise self.error(f"unexpected character {text[column]!r}", column)
             kind = match.lastgroup
-            tokens.append(_Token(match.group(kind) if kind == "sym" else kind, match.group(kind), match.start(kind)))
+            if depth == 0 and "\n" in text[pos:match.start(kind)]:
+                tokens.append(_Token(";", "\n", text.index("\n", pos)))
+            token = _Token(match.group(kind) if kind == "sym" else kind, match.group(kind), match.start(kind))
+            depth += 1 if token.kind in ("(", "[") else -1 if token.kind in (")", "]") else 0
+            tokens.append(token)
             pos = match.end()
         tokens.append(_Token("end", "", len(text)))
         return tokens
@@ -319,7 +370,7 @@ class _Parser:
         start = self.peek().column
         body = self.sum()
         end = self.peek()
-        if end.kind != "end":
+        if end.kind not in ("end", ";"):
             raise self.error(f"unexpected {end.text!r} after the expression", end.column)
         if out.text in self.ranks:
             raise self.error(f"output tensor {out.text!r} also appears on the right-hand side",
@@ -334,6 +385,37 @@ class _Parser:
                                      token.column)
         return Statement(out.text, tuple(self.output), None if mask is None else mask.text, body,
                          tuple(self.ranks))
+
+
+    def script(self) -> Script:
+        """Statements separated by ``;`` or newlines; each reads the caller's operands and
+        the results of the statements before it."""
+        statements: list[Statement] = []
+        written: dict[str, int] = {}  # result name -> its rank
+        read: dict[str, tuple[int, int]] = {}  # caller's operand -> (rank, column of first use)
+        while True:
+            while self.peek().kind == ";":
+                self.take()
+            if self.peek().kind == "end":
+                break
+            self.ranks, self.output, self.bound = {}, [], []
+            out = self.peek()
+            statement = self.statement()
+            if statement.output in written or statement.output in read:
+                raise self.error(f"{statement.output!r} is already "
+                                 f"{'written' if statement.output in written else 'read'} by an earlier statement; "
+                                 "name each result once", out.column)
+            for name, (rank, column) in self.ranks.items():
+                known = written[name] if name in written else read[name][0] if name in read else None
+                if known is not None and known != rank:
+                    raise self.error(f"tensor {name!r} has {known} indices earlier but {rank} here", column)
+                if name not in written:
+                    read.setdefault(name, (rank, column))
+            written[statement.output] = len(statement.indices)
+            statements.append(statement)
+        if not statements:
+            raise self.error("no statement", 0)
+        return Script(tuple(statements), tuple(read))
 
 
 def _constant(node: Sum) -> float | None:
@@ -357,7 +439,18 @@ def parse_statement(text: str) -> Statement:
     """Parse ``"Y[i,k] = relu(A[i,j] * X[j,k] + b[k])"`` (grammar: module docstring)."""
     if not isinstance(text, str):
         raise TypeError(f"expression must be a str, got {type(text).__name__}")
-    return _Parser(text).statement()
+    parser = _Parser(text)
+    statement = parser.statement()
+    if parser.peek().kind != "end":
+        raise parser.error("several statements: compile them with sparsenn.compile", parser.peek().column)
+    return statement
+
+
+def parse_script(text: str) -> Script:
+    """Parse statements separated by ``;`` or newlines (one statement: a script of one)."""
+    if not isinstance(text, str):
+        raise TypeError(f"expression must be a str, got {type(text).__name__}")
+    return _Parser(text).script()
 
 
 def plain_assignment(statement: Statement) -> Assignment | None:

@@ -39,6 +39,15 @@ stored entries:
 
 A plain sum of products is one stage, independent of the formats (:func:`plain`).
 Other statements are staged per formats signature (:func:`stage`, cached).
+
+A :class:`~.expression.Script` (statements separated by ``;`` or newlines) is staged
+statement by statement into one program: a statement reads the caller's operands and
+earlier statements' results, whose formats the earlier stages decide: a masked result
+has its mask's pattern; an earlier statement whose output indices one sparse operand
+stores in dense levels (a row max, a row sum), or that a later statement reads densely
+(in a denominator, under ``exp``), is dense; others have the format inferred from their
+operands. Which
+consecutive stages run as one kernel is the planner's decision (``plan/fusion.py``).
 """
 
 from __future__ import annotations
@@ -48,16 +57,15 @@ from dataclasses import dataclass, replace
 
 from sparsenn.formats import Format, SparseTensor, parse_format
 
-from .autograd import differentiable_evaluate
-from .expression import Call, Product, Reduction, Statement, Sum, Tensor, context_of, plain_assignment, \
-    product_indices
+from .expression import Call, Product, Reduction, Script, Statement, Sum, Tensor, context_of, plain_assignment, \
+    product_indices, tensors_in
 from .functions import FUNCTIONS, apply, factors_of, vanishes_with
 from .notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .plan.infer import result_format
 from .runtime.cache import LRUCache
-from .runtime.evaluate import evaluate
 
-__all__ = ["UserOperand", "StageResult", "Stage", "Program", "plain", "stage", "signature", "stage_inputs", "run"]
+__all__ = ["UserOperand", "StageResult", "Stage", "Program", "plain", "stage", "stage_format", "signature",
+           "stage_inputs"]
 
 
 @dataclass(frozen=True)
@@ -89,9 +97,11 @@ class Stage:
 
 @dataclass(frozen=True)
 class Program:
-    """Stages in order; the last one's result is the program's."""
+    """Stages in order; the last one's result is the program's. ``names``: per stage,
+    the name of the statement whose result it computes (None for a stage inside one)."""
 
     stages: tuple[Stage, ...]
+    names: tuple[str | None, ...] = ()
 
 
 def signature(operands: Sequence) -> tuple[Format | None, ...]:
@@ -104,34 +114,108 @@ def stage_inputs(stage: Stage, operands: Sequence, results: Sequence) -> list:
     return [operands[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in stage.inputs]
 
 
-def run(program: Program, operands: Sequence):
-    """Run each stage (recorded for autograd when needed); the last stage's result."""
-    results: list = []
-    for step in program.stages:
-        inputs = stage_inputs(step, operands, results)
-        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
-    return results[-1]
-
-
 def plain(statement: Statement, out_format) -> Program | None:
     """The one-stage program of a plain sum of products, else None."""
     assignment = plain_assignment(statement)
     if assignment is None:
         return None
-    return Program((Stage(assignment, out_format, tuple(UserOperand(n) for n in range(assignment.num_operands))),))
+    return Program((Stage(assignment, out_format, tuple(UserOperand(n) for n in range(assignment.num_operands))),),
+                   (statement.output,))
 
 
 _programs: LRUCache[Program] = LRUCache("programs", 1024)
 
 
-def stage(statement: Statement, formats: tuple[Format | None, ...], out_format) -> Program:
-    """The program of ``statement`` for operands of ``formats`` (cached)."""
+def stage(statement: Statement | Script, formats: tuple[Format | None, ...], out_format) -> Program:
+    """The program of ``statement`` (or of a script's statements) for operands of
+    ``formats`` (cached)."""
     key = (statement, formats, out_format)
     program = _programs.get(key)
     if program is None:
-        program = _Builder(statement, formats).build(out_format)
+        if isinstance(statement, Script):
+            program = _script(statement, formats, out_format)
+        else:
+            program = _Builder(statement, formats).build(out_format)
+            program = replace(program, names=(None,) * (len(program.stages) - 1) + (statement.output,))
         _programs.put(key, program)
     return program
+
+
+def _script(script: Script, formats: tuple[Format | None, ...], out_format) -> Program:
+    """The statements' programs, one after another; a statement's operand named like an
+    earlier result reads that statement's last stage."""
+    dense: set[str] = set()
+    while True:
+        try:
+            return _script_with(script, formats, out_format, frozenset(dense))
+        except _ReadDensely as read:
+            dense.add(read.name)
+
+
+class _ReadDensely(Exception):
+    """A statement reads an earlier statement's sparse result densely (in a denominator,
+    or in a function that does not vanish with it): that result is computed dense."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _script_with(script: Script, formats: tuple[Format | None, ...], out_format, dense: frozenset[str]) -> Program:
+    """:func:`_script` with the results named in ``dense`` computed dense."""
+    sources: dict[str, Source] = {name: UserOperand(n) for n, name in enumerate(script.operands)}
+    known: dict[str, Format | None] = dict(zip(script.operands, formats))
+    stages: list[Stage] = []
+    names: list[str | None] = []
+    stored: list[Format | None] = []  # each stage's result format
+    for k, statement in enumerate(script.statements):
+        last = k == len(script.statements) - 1
+        given = tuple(known[name] for name in statement.operands)
+        request = out_format if last else "dense" if (
+            statement.output in dense or _within_dense_levels(statement, given)) else None
+        part = _Builder(statement, given, frozenset(statement.operands) - set(script.operands)).build(request)
+        offset = len(stages)
+        for step in part.stages:
+            inputs = tuple(sources[statement.operands[s.n]] if isinstance(s, UserOperand)
+                           else StageResult(s.stage + offset) for s in step.inputs)
+            stages.append(Stage(step.assignment, step.out_format, inputs))
+            names.append(None)
+            stored.append(stage_format(stages[-1], [_sparse(formats[s.n]) if isinstance(s, UserOperand)
+                                                    else stored[s.stage] for s in inputs]))
+        names[-1] = statement.output
+        sources[statement.output] = StageResult(len(stages) - 1)
+        known[statement.output] = stored[-1]
+    return Program(tuple(stages), tuple(names))
+
+
+def _within_dense_levels(statement: Statement, formats: tuple[Format | None, ...]) -> bool:
+    """Whether ``statement`` is unmasked and one sparse operand stores all its output
+    indices in dense levels: its result has a value at every position of that
+    operand's dense levels, so it is stored dense (a row max or sum of a blocked
+    pattern), never larger than the operand."""
+    if statement.mask is not None:
+        return False
+    number = {name: n for n, name in enumerate(statement.operands)}
+    for access in tensors_in(statement.body):
+        fmt = _sparse(formats[number[access.name]])
+        if fmt is not None and all(i in access.indices and fmt.mode_level(access.indices.index(i)).full
+                                   for i in statement.indices):
+            return True
+    return False
+
+
+def stage_format(step: Stage, formats: Sequence[Format | None]) -> Format | None:
+    """The format of ``step``'s result over inputs of ``formats`` (None: dense)."""
+    if step.out_format == "dense" or step.assignment.dense_result:
+        return None
+    if isinstance(step.out_format, Format):
+        return step.out_format
+    return result_format(step.assignment, list(formats))
+
+
+def _sparse(fmt: Format | None) -> Format | None:
+    """``fmt`` as staging reads it: None for a dense operand (or a dense format)."""
+    return None if fmt is None or fmt.is_dense else fmt
 
 
 @dataclass
@@ -151,8 +235,9 @@ class _Term:
 class _Builder:
     """Lowers one statement for one formats signature into stages."""
 
-    def __init__(self, statement: Statement, formats: tuple[Format | None, ...]):
+    def __init__(self, statement: Statement, formats: tuple[Format | None, ...], results: frozenset[str] = frozenset()):
         self.statement = statement
+        self.results = results  # operands that are earlier statements' results (of a script)
         self.given = formats
         self.names = list(statement.operands)
         self.number = {name: n for n, name in enumerate(self.names)}
@@ -177,15 +262,19 @@ class _Builder:
     # ------------------------------------------------------------------ the statement
 
     def masked(self, context: frozenset[str]) -> None:
-        """``Out<M>[o] = body``: every term sampled by ``M[o]`` (read for its pattern only),
-        plus ``0 * M[o]`` so the result has exactly ``M``'s stored positions, unless a term
-        of dense operands already visits them all."""
+        """``Out<M>[o] = body``: every term sampled by ``M[o]`` (read for its pattern only,
+        unless the term reads it there itself), plus ``0 * M[o]`` so the result has exactly
+        ``M``'s stored positions, unless a term of dense operands already visits them all
+        or every term visits them all (it reads ``M[o]``, its other operands dense)."""
         output = self.statement.indices
         m = self.number[self.statement.mask]
         mask = Access(m, output)
         body = self.terms(self.statement.body, context, dense_math=False)
-        terms = [Term(t.coefficient, (*t.factors, mask), t.value) for t in body]
-        if not any(all(self.sparse[a.operand] is None for a in t.factors) for t in body):
+        terms = [Term(t.coefficient, tuple(t.factors) if mask in t.factors else (*t.factors, mask), t.value)
+                 for t in body]
+        if not any(all(self.sparse[a.operand] is None for a in t.factors) for t in body) and not all(
+                mask in t.factors and all(self.sparse[a.operand] is None for a in t.factors if a != mask)
+                for t in body):
             terms.append(Term(0.0, (mask,)))
         fmt = self.given[m]
         self.emit(Assignment(output, tuple(terms), tuple(self.names)), "dense" if fmt is None else fmt)
@@ -257,6 +346,8 @@ class _Builder:
     def factor(self, access: Access, factors: list[Access], denominator: bool) -> Value:
         if denominator and self.sparse[access.operand] is not None:
             name = self.names[access.operand]
+            if name in self.results:
+                raise _ReadDensely(name)
             raise ValueError(f"operand {access.operand} ({name}) is sparse but is in a denominator of "
                              f"{self.statement_text()}: unstored entries would divide by zero; pass a dense tensor")
         factors.append(access)
@@ -370,6 +461,8 @@ class _Builder:
             self.stages[source.stage][1] = "dense"
             self.sparse[operand] = None
             return access
+        if self.names[operand] in self.results:
+            raise _ReadDensely(self.names[operand])
         if operand not in self.copies:
             copy = Assignment(access.indices, (Term(1.0, (access,)),), tuple(self.names))
             self.copies[operand] = self.emit(copy, "dense")

@@ -11,12 +11,13 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
 * ``S<M> = Q Kᵀ / sqrt(d)`` (block SDDMM on ``M``'s pattern, ``M``'s values never read;
   the scale multiplies each stored score once), plus ``-inf`` at padded keys inside stored
   blocks (in the same kernel);
-* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values (the scores and the
-  softmax run as one fused kernel when their steps fuse: each block row's scores are
-  computed, normalised and written once, ``compiler/runtime/fused.py``);
+* ``P = softmax(S)`` over stored entries, dropout on ``P``'s values: the scores and the
+  softmax are one program (``sparsenn.functional.softmax_program``), which the planner
+  fuses into one kernel (``compiler/plan/fusion.py``): each block row's scores are
+  computed, normalised and written once;
 * ``O = P V`` (block SpMM), heads merged, ``out = O W_o + b_o``. Without dropout and
-  without gradients (inference), the SpMM is one more step of the fused kernel: each
-  block row's ``P`` is multiplied by ``V`` while still in cache.
+  without gradients (inference), the SpMM is one more statement of the program, fused
+  too: each block row's ``P`` is multiplied by ``V`` while still in cache.
 
 Backward: softmax's gradient ``dS``, then ``dQ = dS K`` and ``dK = dSᵀ Q`` as compiled
 products over the mask's pattern. A query row with no unpadded key in its blocks is
@@ -28,7 +29,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 from einops import rearrange
@@ -36,102 +36,69 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
-from sparsenn.compiler.program import stage
-from sparsenn.compiler.runtime.fused import Result, Step, run_steps
-from sparsenn.compiler.runtime.ops import register_kernels, traced_evaluate, tracing, transforming
-from sparsenn.formats import Format, SparseTensor, from_coo, from_dense, parse_format
-from sparsenn.functional import softmax, softmax_gradient, softmax_steps
+from sparsenn.compiler.runtime.ops import tracing, transforming
+from sparsenn.formats import SparseTensor, from_coo, from_dense
+from sparsenn.functional import softmax_gradient, softmax_program
 from sparsenn.layers.arguments import checked_int
+from sparsenn.layers.bigbird import (BlockPattern, at_key_blocks, bigbird_mask_constant, bigbird_pattern, block_mask,
+                                     causal_pattern, entry_mask, head_mean, mask_format)
 from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
 
-@functools.lru_cache(maxsize=None)
-def _scores(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
+def _scores(scale: float, padded: bool, entries: bool = False) -> str:
     """The scores on ``M``'s pattern, plus a key bias (``-inf`` at padded keys) when
     ``padded``, or plus ``M``'s values (an additive bias on each stored entry: an
     attention mask) when ``entries``, in the same kernel; else ``M`` is read for its
     positions only. (Adding a bias in a second masked expression has a sampled gradient
     assembled element-wise and re-packed by a sort of every stored entry: 25 s at batch
     64, L 1024.)"""
-    bias = " + bias[b,j]" if padded else " + M[b,h,i,j]" if entries else ""
-    return compile_expression(f"S<M>[b,h,i,j] = {scale!r} * Q[b,h,i,d] * K[b,h,j,d]{bias}")
+    bias = " + bias[i0,i3]" if padded else " + Mask[i0,i1,i2,i3]" if entries else ""
+    return f"S<Mask>[i0,i1,i2,i3] = {scale!r} * Q[i0,i1,i2,d] * K[i0,i1,i3,d]{bias}"
+
+
+@functools.lru_cache(maxsize=None)
+def _probabilities(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
+    """``P = softmax(S)`` of the scores :func:`_scores`, over ``(M, Q, K[, bias])``: one
+    program, whose statements the planner fuses into one kernel (per block row: its
+    scores, their maxima, exponentials, sums and scaling, while the row is in cache)."""
+    return compile_expression(softmax_program(4, 3, _scores(scale, padded, entries)))
+
+
+@functools.lru_cache(maxsize=None)
+def _attention(scale: float, padded: bool, entries: bool = False, weights: bool = False) -> CompiledExpression:
+    """``O = P V`` over ``(M, Q, K[, bias], V)``: :func:`_probabilities`, then the block
+    SpMM of each block row of ``P`` by ``V``, fused with them; ``(O, P)`` with ``weights``."""
+    text = softmax_program(4, 3, _scores(scale, padded, entries))
+    return compile_expression(f"{text}; O[i0,i1,i2,d] = P[i0,i1,i2,i3] * V[i0,i1,i3,d]", "dense",
+                              ("O", "P") if weights else None)
 
 
 # The scores' gradients without the scale (dense results); built at import, as traced
 # code calls existing compiled expressions.
 _QUERY_GRADIENT = compile_expression("dQ[b,h,i,d] = dS[b,h,i,j] * K[b,h,j,d]", "dense")
 _KEY_GRADIENT = compile_expression("dK[b,h,j,d] = dS[b,h,i,j] * Q[b,h,i,d]", "dense")
-# The output's block SpMM as a step of the fused inference kernel.
-_OUTPUT = compile_expression("O[b,h,i,d] = P[b,h,i,j] * V[b,h,j,d]", "dense")
-
-
-def _mask_format(block_size: int) -> Format:
-    """The attention mask's format: batch, heads and block rows dense, blocks compressed."""
-    return parse_format(f"dddc(1,1,{block_size},{block_size})", 4)
-
-
-def _step(expression: CompiledExpression, block_size: int, sources: tuple[int | Result, ...],
-          on: int | None = None) -> Step:
-    """``expression``'s one assignment when its operand 0 has the mask's format and the
-    others are dense, as a step reading its operand ``n`` from ``sources[n]`` (values on
-    the pattern of its operand ``on``, if given)."""
-    formats = (_mask_format(block_size),) + (None,) * (len(expression.operand_names) - 1)
-    (staged,) = stage(expression.statement, formats, None).stages
-    operands = tuple(sources[source.n] for source in staged.inputs)
-    return Step(staged.assignment, operands, on=None if on is None else operands.index(sources[on]))
-
-
-@functools.lru_cache(maxsize=None)
-def _probability_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
-    """``P = softmax(S)`` of the scores :func:`_scores` over ``(M, Q, K[, bias])`` as fused
-    steps: the scores' one assignment for these formats, then softmax's steps over its
-    result, in place (:func:`sparsenn.functional.softmax_steps`)."""
-    scores = _step(_scores(scale, padded, entries), block_size, (0, 1, 2, 3), on=0)
-    return softmax_steps(4, 3, scores)
-
-
-register_kernels("attention", _probability_steps)
-
-
-@functools.lru_cache(maxsize=None)
-def _output_steps(scale: float, padded: bool, block_size: int, entries: bool = False) -> tuple[Step, ...]:
-    """``O = P V`` over ``(M, Q, K[, bias], V)`` as fused steps: :func:`_probability_steps`,
-    then the block SpMM of each block row of ``P`` (read in place) by ``V``."""
-    probabilities = _probability_steps(scale, padded, block_size, entries)
-    return probabilities + (_step(_OUTPUT, block_size, (Result(len(probabilities) - 1), 4 if padded else 3)),)
-
-
-register_kernels("attention_output", _output_steps)
 
 
 class _Probabilities(torch.autograd.Function):
-    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``:
-    one fused kernel (per block row: its scores, their maxima, exponentials, sums and
-    scaling, while the row is in cache, written once) when the steps fuse, else the
-    scores' and softmax's kernels; while traced, one ``sparsenn::evaluate`` op running the steps. Backward:
-    softmax's gradient ``dS``, then ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the
-    bias is a constant). ``bias``: None, a ``(batch, L')`` key bias, or ``mask.values``
-    (an additive bias on the stored entries, which the scores then read). The mask's values
-    are a tensor input too, so torch.func hands them over unwrapped. Under
-    ``torch.func.vmap``, once per batch element; forward mode (``jvp``) is not defined."""
+    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``
+    (:func:`_probabilities`). Backward: softmax's gradient ``dS``, then
+    ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the bias is a constant). ``bias``:
+    None, a ``(batch, L')`` key bias, or ``mask.values`` (an additive bias on the stored
+    entries, which the scores then read). The mask's values are a tensor input too, so
+    torch.func hands them over unwrapped. Under ``torch.func.vmap``, once per batch
+    element; forward mode (``jvp``) is not defined."""
 
     @staticmethod
-    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor, scale: float,
-                block_size: int) -> Tensor:
+    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
+                scale: float) -> Tensor:
         padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
         mask = mask._share(mask.shape, mask.format, mask_values)
-        operands = [mask, q, k] + ([bias] if padded else [])
-        if tracing():
-            return traced_evaluate(None, operands, None,
-                                   ("kernel", "attention", scale, padded, block_size, entries)).values
-        results = run_steps(_probability_steps(scale, padded, block_size, entries), operands)
-        return (softmax(_scores(scale, padded, entries)(*operands), -1).values if results is None
-                else results[-1].values)
+        return _probabilities(scale, padded, entries)(mask, q, k, *([bias] if padded else [])).values
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, _, _, mask, scale, _ = inputs
+        q, k, _, _, mask, scale = inputs
         ctx.save_for_backward(q, k, output)
         ctx.mask, ctx.scale = mask, scale
 
@@ -142,215 +109,19 @@ class _Probabilities(torch.autograd.Function):
         d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
         dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
         dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None, None, None, None
+        return dq, dk, None, None, None, None
 
     @staticmethod
     def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
-             scale: float, block_size: int):
+             scale: float):
         """Once per batch element (the mask's block format takes no batch level)."""
         def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
             return t if dim is None else t.select(dim, n)
 
         out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
-                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale,
-                                    block_size)
+                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale)
                for n in range(info.batch_size)]
         return torch.stack(out), 0
-
-
-@dataclass(frozen=True)
-class BlockPattern:
-    """Block-level sparsity of attention: query block ``r`` attends to the key blocks
-    ``cols[rows[r]:rows[r + 1]]`` (sorted, int64), for ``num_blocks`` blocks."""
-
-    num_blocks: int
-    rows: Tensor
-    cols: Tensor
-
-    @property
-    def nnz(self) -> int:
-        """Number of stored blocks."""
-        return self.cols.numel()
-
-    def to_dense(self) -> Tensor:
-        """``(num_blocks, num_blocks)`` bool block mask (quadratic: for inspection and tests)."""
-        mask = torch.zeros(self.num_blocks, self.num_blocks, dtype=torch.bool)
-        row_of = torch.repeat_interleave(torch.arange(self.num_blocks), self.rows.diff())
-        mask[row_of, self.cols] = True
-        return mask
-
-
-def _global_blocks(num_blocks: int, num_global: int) -> Tensor:
-    """The first ``ceil(g / 2)`` and the last ``floor(g / 2)`` blocks (ITC: first and last)."""
-    first = torch.arange((num_global + 1) // 2)
-    return torch.cat([first, torch.arange(num_blocks - num_global // 2, num_blocks)])
-
-
-def bigbird_pattern(num_blocks: int, num_global: int, num_window: int, num_random: int,
-                    generator: torch.Generator) -> BlockPattern:
-    """BigBird's block pattern in O(num_blocks · (g + w + r)) time and memory.
-
-    Block row ``r`` holds the global blocks, the window ``r - w//2 .. r - w//2 + w - 1``
-    (clipped) and ``num_random`` distinct blocks drawn uniformly from the rest (Floyd's
-    sampling, vectorised over rows); a global block row holds every block. Requires
-    ``num_blocks > g + w + r`` (else the pattern is dense)."""
-    if num_blocks <= num_global + num_window + num_random:
-        raise ValueError(f"{num_blocks} blocks are too few for a sparse pattern with {num_global} global, "
-                         f"{num_window} window and {num_random} random blocks")
-    n = num_blocks
-    glob = _global_blocks(n, num_global)
-    window = (torch.arange(n)[:, None] - num_window // 2 + torch.arange(num_window)).clamp(0, n - 1)
-    fixed = torch.cat([glob.expand(n, -1), window], 1).sort(1).values
-    duplicate = torch.cat([torch.zeros(n, 1, dtype=torch.bool), fixed[:, 1:] == fixed[:, :-1]], 1)
-    fixed = fixed.masked_fill(duplicate, n)  # n: past every block, never counted as taken
-    free = n - (fixed < n).sum(1)
-    # Floyd: ranks among the free blocks, distinct per row, then mapped past the taken ones.
-    ranks = torch.empty(n, num_random, dtype=torch.long)
-    for t in range(num_random):
-        top = free - num_random + t
-        draw = (torch.rand(n, generator=generator, dtype=torch.float64) * (top + 1)).long().clamp(max=top)
-        taken = (ranks[:, :t] == draw[:, None]).any(1)
-        ranks[:, t] = torch.where(taken, top, draw)
-    randoms = ranks
-    for c in range(fixed.shape[1]):  # fixed is sorted: skip the taken blocks in increasing order
-        randoms = randoms + (randoms >= fixed[:, c:c + 1]).long()
-    row_cols = torch.cat([fixed, randoms], 1)
-    is_global = torch.zeros(n, dtype=torch.bool)
-    is_global[glob] = True
-    keep = (row_cols < n) & ~is_global[:, None]
-    keys = torch.cat([(torch.arange(n)[:, None] * n + row_cols)[keep],
-                      (glob[:, None] * n + torch.arange(n)).flatten()]).sort().values
-    counts = torch.bincount(keys // n, minlength=n)
-    cols = keys % n
-    return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), cols)
-
-
-def _at_key_blocks(array: Tensor) -> tuple[Tensor | None, ...]:
-    """Per storage level of ``dddc(1,1,s,s)``: ``array`` at the key-block level (3)."""
-    return (None, None, None, array, None, None, None, None)
-
-
-def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
-               dtype: torch.dtype) -> SparseTensor:
-    """Ones on ``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded
-    length; key blocks that are wholly padding (per batch element) left out."""
-    n, s = pattern.num_blocks, block_size
-    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
-    if padding is None:
-        cols = pattern.cols.repeat(batch * heads)
-        counts = pattern.rows.diff().repeat(batch * heads)
-    else:
-        keep = ~padding.view(batch, n, s).all(2)[:, pattern.cols]  # (batch, stored blocks)
-        cols = torch.cat([pattern.cols[keep[b]].repeat(heads) for b in range(batch)])
-        per_row = torch.zeros(batch, n, dtype=torch.long).index_add_(1, row_of, keep.long())
-        counts = per_row.repeat_interleave(heads, 0).flatten()
-    index = _mask_index_dtype(batch, heads, n)
-    pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
-    length = n * s
-    return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
-                        _at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
-
-
-def causal_pattern(pattern: BlockPattern) -> BlockPattern:
-    """``pattern`` without its blocks above the diagonal (key block after the query block)."""
-    n = pattern.num_blocks
-    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
-    keep = pattern.cols <= row_of
-    counts = torch.bincount(row_of[keep], minlength=n)
-    return BlockPattern(n, torch.cat([counts.new_zeros(1), counts.cumsum(0)]), pattern.cols[keep])
-
-
-def entry_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, padding: Tensor | None,
-               bias: Tensor | None, causal: bool, dtype: torch.dtype) -> tuple[SparseTensor, Tensor | None]:
-    """``pattern`` for every (batch, head) as ``dddc(1,1,s,s)`` over the padded length
-    ``L'``, its values an additive bias on each stored entry: ``bias`` (``(batch or 1,
-    heads or 1, L', L')``, read at the stored entries only), ``-inf`` above the diagonal of
-    the diagonal blocks when ``causal``, ``-inf`` at padded keys. A block whose every
-    entry is ``-inf`` (for that batch element and head) is left out. O(stored entries).
-
-    With the mask, the rows to keep: None, or where a query row has stored entries that
-    are all ``-inf`` (its softmax would be NaN), 0 on its entries and 1 elsewhere (that
-    row's bias is then 0, and its probabilities are to be multiplied by 0)."""
-    n, s = pattern.num_blocks, block_size
-    row_of = torch.repeat_interleave(torch.arange(n), pattern.rows.diff())
-    cols = pattern.cols
-    stored = cols.numel()
-    values = torch.zeros(1, 1, stored, s, s, dtype=dtype)
-    if bias is not None:
-        values = values + bias.reshape(*bias.shape[:2], n, s, n, s).transpose(3, 4)[:, :, row_of, cols]
-    if causal:
-        above = (row_of == cols)[:, None, None] & torch.ones(s, s, dtype=torch.bool).triu(1)
-        values = torch.where(above, float("-inf"), values)
-    if padding is not None:
-        values = torch.where(padding.view(batch, n, s)[:, None, cols, None, :], float("-inf"), values)
-    allowed = ~torch.isneginf(values)  # (batch or 1, heads or 1, stored, s, s)
-    keep = allowed.flatten(3).any(3).expand(batch, heads, stored)
-    # A stored row with no allowed key (in any block of its block row): its softmax would be NaN.
-    open_rows = torch.zeros(*allowed.shape[:2], n, s, dtype=torch.long).index_add_(2, row_of, allowed.any(4).long())
-    closed = (open_rows == 0)[:, :, row_of, :, None]  # (batch or 1, heads or 1, stored, s, 1)
-    rows = None
-    if bool(closed.any()):
-        values = values.masked_fill(closed, 0.0)
-        rows = (~closed).to(dtype).expand(batch, heads, stored, s, s)[keep].flatten()
-    counts = torch.zeros(batch, heads, n, dtype=torch.long).index_add_(2, row_of, keep.long())
-    index = _mask_index_dtype(batch, heads, n)
-    pos = torch.cat([counts.new_zeros(1), counts.flatten().cumsum(0)]).to(index)
-    crd = cols.expand(batch, heads, stored)[keep].to(index)
-    length = n * s
-    mask = SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", _at_key_blocks(pos),
-                        _at_key_blocks(crd), values.expand(batch, heads, stored, s, s)[keep].flatten(), check=False)
-    return mask, rows
-
-
-def _mask_index_dtype(batch: int, heads: int, num_blocks: int) -> torch.dtype:
-    return torch.int32 if batch * heads * num_blocks * num_blocks < 2**31 else torch.int64
-
-
-def _pattern_blocks(num_blocks: int, num_global: int, num_window: int, num_random: int) -> int:
-    """Blocks :func:`bigbird_pattern` stores, whatever the random draw: every block in a
-    global row, else the distinct global and window blocks plus ``num_random``."""
-    glob = set(range((num_global + 1) // 2)) | set(range(num_blocks - num_global // 2, num_blocks))
-    total = len(glob) * num_blocks
-    for r in range(num_blocks):
-        if r not in glob:
-            window = {min(max(r - num_window // 2 + c, 0), num_blocks - 1) for c in range(num_window)}
-            total += len(glob | window) + num_random
-    return total
-
-
-@torch.library.custom_op("sparsenn::bigbird_mask", mutates_args=())
-def _bigbird_mask_op(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int,
-                     heads: int, block_size: int, padding: Tensor | None,
-                     dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """``(pos, crd, values)`` of :func:`block_mask` of the pattern drawn from ``seed``,
-    for a traced :class:`BlockSparseAttention`."""
-    generator = torch.Generator().manual_seed(int(seed))
-    pattern = bigbird_pattern(num_blocks, num_global, num_window, num_random, generator)
-    mask = block_mask(pattern, batch, heads, block_size, padding, dtype)
-    return mask.pos[3], mask.crd[3], mask.values
-
-
-@_bigbird_mask_op.register_fake
-def _(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: Tensor, batch: int, heads: int,
-      block_size: int, padding: Tensor | None, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    if padding is None:  # every (batch, head) stores the whole pattern
-        blocks = batch * heads * _pattern_blocks(num_blocks, num_global, num_window, num_random)
-    else:  # wholly padded key blocks are left out
-        blocks = torch.library.get_ctx().new_dynamic_size()
-    index = _mask_index_dtype(batch, heads, num_blocks)
-    return (seed.new_empty(batch * heads * num_blocks + 1, dtype=index), seed.new_empty(blocks, dtype=index),
-            seed.new_empty(blocks * block_size * block_size, dtype=dtype))
-
-
-@torch.compiler.assume_constant_result
-def _bigbird_mask_constant(num_blocks: int, num_global: int, num_window: int, num_random: int, seed: int, batch: int,
-                           heads: int, block_size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    """``sparsenn::bigbird_mask`` without padding, run once while tracing: the traced
-    program keeps the arrays as constants, so every call hands the same ones on and the
-    kernels find their plans, validations and re-stored copies cached (as eager mode
-    keeps its last mask)."""
-    return _bigbird_mask_op(num_blocks, num_global, num_window, num_random, torch.tensor(seed), batch, heads,
-                            block_size, None, dtype)
 
 
 class BlockSparseAttention(nn.Module):
@@ -422,7 +193,7 @@ class BlockSparseAttention(nn.Module):
         self._training_generator = torch.Generator().manual_seed(self.seed)
         self._patterns: dict[int, BlockPattern] = {}
         self._causal: tuple[BlockPattern, BlockPattern] | None = None  # (a pattern, its causal part)
-        self._mask_format = _mask_format(block_size)  # traced code reads it
+        self._mask_format = mask_format(block_size)  # traced code reads it
         self._last_mask: tuple | None = None  # (pattern, batch, dtype, causal, mask) of the last unpadded call
         self._warned_dense = False
 
@@ -525,22 +296,22 @@ class BlockSparseAttention(nn.Module):
         """The mask of :meth:`_mask_for` while traced: a ``sparsenn::bigbird_mask`` op
         drawing the pattern from ``seed`` per call (from a fresh seed when random blocks
         are redrawn in training), or, for a fixed pattern without padding at static sizes,
-        constants computed once while tracing (:func:`_bigbird_mask_constant`; an
+        constants computed once while tracing (:func:`bigbird_mask_constant`; an
         exported program keeps the op)."""
         n = -(-length // self.block_size)
         config = (n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks)
         redrawn = self.training and not self.fixed_pattern
         static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (n, batch))  # jit: sizes are tensors
         if not redrawn and padding is None and static and not torch.compiler.is_exporting():
-            pos, crd, values = _bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
+            pos, crd, values = bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
                                                       self.num_heads, self.block_size, dtype)
         else:
             seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
             pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.num_heads, self.block_size,
                                                                padding, dtype)
         length = n * self.block_size
-        return SparseTensor((batch, self.num_heads, length, length), self._mask_format, _at_key_blocks(pos),
-                            _at_key_blocks(crd), values, check=False)
+        return SparseTensor((batch, self.num_heads, length, length), self._mask_format, at_key_blocks(pos),
+                            at_key_blocks(crd), values, check=False)
 
     # ------------------------------------------------------------------ forward
     @property
@@ -694,10 +465,10 @@ class BlockSparseAttention(nn.Module):
         else:
             score_bias = None
         out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, score_bias, mask,
-                                                                              need_weights, traced)
+                                                                              need_weights)
         if out is None:
             probs = mask.with_values(
-                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale, self.block_size))
+                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale))
             if rows is not None:  # rows whose every key is masked: zero attention
                 probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
@@ -706,7 +477,7 @@ class BlockSparseAttention(nn.Module):
         if not need_weights:
             return out, None
         if average:
-            probs = _head_mean(probs, bias is None or bias.shape[1] == 1, uniform)
+            probs = head_mean(probs, bias is None or bias.shape[1] == 1, uniform)
         if not extra:
             return out, probs
         indices, values = probs.coords()
@@ -715,22 +486,17 @@ class BlockSparseAttention(nn.Module):
                              format="d" * (probs.ndim - 1) + "c")
 
     def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: SparseTensor,
-                      need_weights: bool, traced: bool) -> tuple[Tensor | None, SparseTensor | None]:
-        """``(O, P)`` by the fused kernel of :func:`_output_steps` when nothing needs ``P``
-        apart (no dropout, no gradient; while traced, no weights either), else ``(None, None)``;
-        ``bias`` as :class:`_Probabilities` takes it."""
-        if (self.training and self.dropout > 0.0) or (
+                      need_weights: bool) -> tuple[Tensor | None, SparseTensor | None]:
+        """``(O, P or None)`` by :func:`_attention` when nothing needs ``P`` apart (no dropout,
+        no gradient; while traced, no weights either), else ``(None, None)``; ``bias`` as
+        :class:`_Probabilities` takes it."""
+        if (need_weights and tracing()) or (self.training and self.dropout > 0.0) or (
                 torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
             return None, None
         padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
         operands = [mask, q, k] + ([bias] if padded else []) + [v]
-        key = (self._score_scale, padded, self.block_size, entries)
-        if traced:
-            if need_weights:
-                return None, None
-            return traced_evaluate(None, operands, None, ("kernel", "attention_output", *key)), None
-        results = run_steps(_output_steps(*key), operands)
-        return (None, None) if results is None else (results[-1], results[-2])
+        result = _attention(self._score_scale, padded, entries, need_weights)(*operands)
+        return result if need_weights else (result, None)
 
     def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
                need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
@@ -755,32 +521,3 @@ class BlockSparseAttention(nn.Module):
             probs = torch.softmax(scores, -1)
         probs = nn.functional.dropout(probs, self.dropout, self.training)
         return probs @ v, (probs if need_weights else None)
-
-
-def _head_mean(weights: SparseTensor, shared: bool, uniform: bool) -> SparseTensor:
-    """``(batch, L', L')`` mean over heads of ``(batch, heads, L', L')`` blocked attention
-    weights, when the heads ``shared`` one pattern: their values' mean, O(stored entries)
-    (by views when every batch element stores as many blocks, ``uniform``); else the
-    compiled sum over heads, divided."""
-    batch, heads = weights.shape[:2]
-    if not shared:
-        total = einsum("bhij->bij", weights)
-        return total.with_values(total.values / heads)
-    s = weights.format.block[-1]
-    pos, crd = weights.pos[3], weights.crd[3]
-    counts = pos.diff().view(batch, heads, -1)  # stored blocks per (batch, head, block row)
-    if uniform:
-        first_crd, mean = crd.view(batch, heads, -1)[:, 0].flatten(), weights.values.view(batch, heads, -1).mean(1)
-    else:
-        per_head = counts[:, 0].sum(1)  # stored blocks of each head of a batch element
-        starts = torch.cat([per_head.new_zeros(1), (per_head * heads).cumsum(0)[:-1]])
-        offsets = torch.cat([per_head.new_zeros(1), per_head.cumsum(0)[:-1]])
-        total = int(per_head.sum())
-        first = torch.repeat_interleave(starts - offsets, per_head, output_size=total) + torch.arange(total)
-        stride = torch.repeat_interleave(per_head, per_head, output_size=total)  # to the next head's block
-        blocks = weights.values.view(-1, s * s)
-        first_crd, mean = crd[first], sum(blocks[first + h * stride] for h in range(heads)) / heads
-    return SparseTensor((batch,) + weights.shape[2:], f"ddc(1,{s},{s})",
-                        (None, None, torch.cat([pos.new_zeros(1), counts[:, 0].flatten().cumsum(0).to(pos.dtype)]),
-                         None, None, None),
-                        (None, None, first_crd, None, None, None), mean.flatten(), check=False)

@@ -9,8 +9,9 @@ for each coordinate runs the stages in order::
     for chunk: for c in chunk: stage 0 at c; stage 1 at c; ...
 
 so what stage ``k`` reads of an earlier stage's result at ``c`` was written at ``c``
-just before, while it is still in cache. The caller guarantees that: a stage reads an
-earlier result only at its own team coordinates (:mod:`..runtime.fused` checks it).
+just before, while it is still in cache. The planner guarantees that: a stage reads an
+earlier result only at its own team coordinates, and writes into an earlier result only
+one that no later stage reads (:mod:`..plan.fusion` decides both).
 A stage reading an earlier result reads that stage's output array itself (one C
 variable, so ``__restrict__`` holds); a stage may write its values *into* an earlier
 sampled result of the same pattern (in place).
@@ -26,15 +27,19 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..loops import ir
 from ..loops.simplify import simplify
-from ..plan.planner import Plan
+from ..plan.fusion import team_of
 from .chunks import EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCHUNKS, chunk_bounds
 from .context import Lowering
 from .dense_output import lower_dense_output
 
-__all__ = ["FusedStage", "Parameter", "FusedLowering", "lower_fused", "team_of"]
+if TYPE_CHECKING:
+    from ..plan.planner import Plan
+
+__all__ = ["FusedStage", "Parameter", "FusedLowering", "lower_fused"]
 
 AT = ir.Var("sn_at")  # the team coordinate every stage runs at
 _SHARED = frozenset({"nthreads", AT.name})
@@ -69,13 +74,6 @@ class FusedLowering:
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
-
-
-def team_of(plan: Plan) -> tuple[str, ...] | None:
-    """The team loops every nest of ``plan`` shares, or None if they differ or a nest is
-    not parallel."""
-    teams = {nest.order[:nest.team_loops] if nest.parallel else None for nest in plan.schedule.nests}
-    return teams.pop() if len(teams) == 1 else None
 
 
 def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:

@@ -33,11 +33,15 @@ def find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested:
     formats = [i.format for i in infos]
     patterns = [i.pattern for i in infos]
 
+    def root(operand: int) -> int:
+        """The first operand with ``operand``'s index arrays."""
+        return operand if patterns[operand] is None else patterns[operand]
+
     def narrows(factor, anchor: int) -> bool:
         fmt = formats[factor.operand]
         if factor.operand == anchor or fmt is None:
             return False
-        if patterns[factor.operand] == anchor and factor.indices == out:
+        if root(factor.operand) == root(anchor) and factor.indices == out:
             return False  # the anchor's own pattern, read at the same positions
         return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
 

@@ -11,8 +11,9 @@ For a call it
 3. looks the plan up by the schedule's *decisions* (:func:`decisions`: orders, tiles,
    register blocks, workspace, transposes, output format and order; not the cost
    estimates), so every shape with the same decisions shares one plan and one kernel
-   (kernels read extents at run time), else builds it through :func:`build_kernel`,
-   the one function that calls the back end.
+   (kernels read extents at run time), else builds it through :func:`build_kernel`;
+   :func:`build_fused_kernel` builds the kernel of a program's fused stages. They are
+   the functions that call the back end.
 
 :func:`plan_call` returns a :class:`ShapePlan`: the shared plan and this shape's
 schedule (which also decides the thread count, :func:`runs_parallel`). Expressions
@@ -32,8 +33,9 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 from ..backend import abi, jit
-from ..backend.codegen import generate_source
+from ..backend.codegen import generate_fused_source, generate_source
 from ..backend.precision import compute_dtype
+from ..lower.fuse import FusedStage, lower_fused
 from ..lower.kernel import LoweredKernel, lower
 from ..notation import Assignment
 from ..runtime.cache import LRUCache
@@ -43,7 +45,7 @@ from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
 __all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO",
-           "operand_info", "plan_call", "build_kernel", "build_plans", "runs_parallel", "decisions",
+           "operand_info", "plan_call", "build_kernel", "build_fused_kernel", "build_plans", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 
 DENSE = "dense"  # out_format: a dense torch.Tensor
@@ -281,6 +283,31 @@ def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Form
         return abi.bind(library, assembles_sparse_output=not kernel.dense_output)
 
     return Generated(kernel, source, arguments, finish_order, load)
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """What :func:`build_fused_kernel` returns: the C++ and a loader of its entry points."""
+
+    source: str
+    load: Callable[[], abi.EntryPoints]
+
+
+def build_fused_kernel(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype,
+                       what: str) -> FusedKernel:
+    """The kernel of stages the planner fused (``plan/fusion.py``): lowered
+    (``lower/fuse.py``), printed at the widest of their vector widths, and a loader that
+    builds (or finds in the kernel cache) the library; ``sn_run`` takes every stage's
+    arguments that are not an earlier stage's output, stage by stage, then the outputs of
+    the stages that write their own (``FusedLowering.parameters``)."""
+    lowered = lower_fused(stages)
+    source = generate_fused_source(lowered, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."),
+                                   max(stage.plan.kernel.vector_bytes for stage in stages))
+
+    def load() -> abi.EntryPoints:
+        return abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
+
+    return FusedKernel(source, load)
 
 
 def build_plans(plans: Sequence[Plan]) -> None:

@@ -17,9 +17,9 @@ from sparsenn.formats import SparseTensor
 
 from ..autograd import differentiable_evaluate
 from ..equation import broadcast_size_one, normalise
-from ..expression import parse_statement
+from ..expression import Script, parse_script
 from ..notation import Assignment, parse_einsum
-from ..program import Program, plain, run, signature, stage, stage_inputs
+from ..program import Program, plain, signature, stage, stage_inputs
 from ..plan.contract import describe_path
 from ..plan.planner import Plan, ShapePlan
 from ..plan.schedule import Schedule
@@ -28,6 +28,7 @@ from .autocast import autocast_operands
 from .cache import LRUCache, clear_caches
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .ops import traced_evaluate, tracing
+from .programs import describe_program, run, run_all
 from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "kernel_schedule", "use_target", "parse",
@@ -79,13 +80,15 @@ class CompiledExpression:
     """A parsed expression (:func:`compile_expression`), callable on operands
     (positional in order of first appearance in the text, or by name)."""
 
-    def __init__(self, text: str, out_format=None):
-        self.statement = parse_statement(text)
-        if self.statement.mask is not None and out_format is not None:
+    def __init__(self, text: str, out_format=None, returns: str | Sequence[str] | None = None):
+        script = parse_script(text)
+        self.statement = script.statements[0] if len(script.statements) == 1 else script
+        if script.statements[-1].mask is not None and out_format is not None:
             raise ValueError(f"{text!r} has an output mask, which decides the result's format: out_format must be None")
         self.out_format = out_format
         self.text = text
-        self._plain = plain(self.statement, out_format)
+        self._plain = None if isinstance(self.statement, Script) else plain(self.statement, out_format)
+        self.returns = _returned(script, returns)
 
     @property
     def assignment(self) -> Assignment | None:
@@ -124,40 +127,76 @@ class CompiledExpression:
         else:
             operands = list(args)
         operands = autocast_operands(operands)
+        if self.returns is not None:
+            if tracing():
+                raise NotImplementedError(f"sparsenn: a traced compiled expression returns one result; "
+                                          f"{self.text!r} was compiled with returns={self.returns}")
+            program = self.program(operands)
+            stages = [program.names.index(name) for name in self.returns]
+            results = run_all(program, operands, frozenset(stages))
+            return tuple(results[k] for k in stages)
         if self._plain is not None:  # one stage over the operands as given
             return differentiable_evaluate(evaluate, self._plain.stages[0].assignment, operands, self.out_format)
-        if tracing():  # the whole program as one op
+        if tracing():  # the whole program as one op (a script named by its text: traced code passes constants)
+            if isinstance(self.statement, Script):
+                return traced_evaluate(None, operands, self.out_format, ("script", self.text))
             return traced_evaluate(self.statement, operands, self.out_format, ("program",))
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:
-        """Each stage's explanation; a stage's inputs from the earlier ones are computed."""
+        """Each stage's explanation (a stage's inputs from the earlier ones are
+        computed), then which stages the planner fuses into one kernel and why the others
+        are not."""
         operands = self._bind(args, kwargs)
-        stages = self.program(operands).stages
+        program = self.program(operands)
+        stages = program.stages
         if len(stages) == 1:
             return _explain(stages[0].assignment, stage_inputs(stages[0], operands, []), stages[0].out_format)
         lines, results = [f"{self.text}: {len(stages)} stages"], []
         with torch.no_grad():
             for n, step in enumerate(stages):
                 inputs = stage_inputs(step, operands, results)
-                lines.append(f"stage %{n}:")
+                name = "" if not program.names or program.names[n] is None else f" ({program.names[n]})"
+                lines.append(f"stage %{n}{name}:")
                 lines.append(_explain(step.assignment, inputs, step.out_format))
                 results.append(evaluate(step.assignment, inputs, step.out_format))
-        return "\n".join(lines)
+        kept = frozenset(program.names.index(name) for name in self.returns or ())
+        return "\n".join(lines + describe_program(program, operands, kept))
 
     def __repr__(self) -> str:
         return f"CompiledExpression({self.text!r})"
 
 
-def compile_expression(text: str, out_format=None) -> CompiledExpression:
+def _returned(script: Script, returns: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    """The names of the results a call returns (None: the last statement's alone)."""
+    if returns is None:
+        return None
+    names = (returns,) if isinstance(returns, str) else tuple(returns)
+    written = [s.output for s in script.statements]
+    unknown = [name for name in names if name not in written]
+    if unknown or not names:
+        raise ValueError(f"returns names results the statements write ({', '.join(written)}), got {names}")
+    return names
+
+
+def compile_expression(text: str, out_format=None, returns: str | Sequence[str] | None = None) -> CompiledExpression:
     """Compile an index-notation expression into a callable.
 
     ``"Y[i,k] = relu(A[i,j] * X[j,k] + b[k])"``: operands are tensors or
     :class:`SparseTensor` s, passed in order of first appearance in the text or by name;
-    ``out_format`` as for :func:`einsum` (None with a mask).
+    ``out_format`` as for :func:`einsum` (None with a mask), for the last statement.
+
+    Statements separated by ``;`` or newlines form a program: each reads the caller's
+    operands and the results of the statements before it by their names
+    (``M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - M[i]); ...``). The call returns
+    the last statement's result, or with ``returns`` (a name or names of results) those
+    results, a tuple. The planner runs consecutive statements that read earlier results
+    only at their shared outer coordinates as one kernel (:func:`explain` says which and
+    why); gradients flow through every statement.
 
     Grammar (``{}``: repeated, ``[]``: optional; names are ``[A-Za-z_][A-Za-z0-9_]*``)::
 
+        program   = statement { (";" | newline) statement }
         statement = name [ "<" name ">" ] "[" [ indices ] "]" "=" sum
         sum       = product { ("+" | "-") product }
         product   = unary { ("*" | "/") unary }
@@ -201,7 +240,7 @@ def compile_expression(text: str, out_format=None) -> CompiledExpression:
 
     Errors in the text are :class:`NotationError` s with the column and a caret.
     """
-    return CompiledExpression(text, out_format)
+    return CompiledExpression(text, out_format, returns)
 
 
 def plan(equation: str, *operands, out_format=None) -> Plan:

@@ -38,6 +38,7 @@ from ..notation import Access, Assignment, Term, parse_einsum
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
+from ..plan.terms import merge_terms
 from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_path, operand_infos, path_request,
                              plan_call)
 from . import memory
@@ -122,7 +123,7 @@ def route(assignment: Assignment, checked: Checked
     if checked.all_dense and assignment.is_product_sum:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
-    folded = fold_bias(assignment, [i.format for i in infos], checked.request)
+    folded = merge_terms(fold_bias(assignment, [i.format for i in infos], checked.request), infos)
     path = path_call(folded, infos, checked)
     if path is not None:
         return path

@@ -45,12 +45,11 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.tensor import array_version
 
-from ..expression import Statement
+from ..expression import Script, Statement, parse_script
 from ..notation import Assignment
 from ..plan.bias import split_epilogue
 from .cache import LRUCache
 from .evaluate import SplitCall, evaluate, resolve, resolved
-from .fused import Result, Step, evaluate_steps
 from .launcher import Launch
 from .replay import remember, replay
 from .validate import check_call
@@ -95,13 +94,13 @@ class Layout:
 
 @dataclass(frozen=True)
 class CallSpec:
-    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement``,
-    run as its staged program, or :class:`~.fused.Step` s, whose last result is the
-    call's, fused when they fuse) over operands of ``layouts`` (None: dense),
+    """One traced evaluation: ``assignment`` (or a compiled expression's ``Statement`` or
+    ``Script``, run as its staged program, fused as the planner groups it) over operands
+    of ``layouts`` (None: dense),
     ``out_format`` requested; the result is dense when ``anchor`` is None, else values
     on operand ``anchor``'s pattern."""
 
-    assignment: Assignment | Statement | tuple[Step, ...]
+    assignment: Assignment | Statement | Script
     layouts: tuple[Layout | None, ...]
     out_format: object
     anchor: int | None
@@ -114,12 +113,10 @@ class CallSpec:
                      self.out_format)
 
     def run(self, operands: Sequence):
-        if isinstance(self.assignment, Statement):
-            from ..program import run
+        if isinstance(self.assignment, (Statement, Script)):
+            from .programs import run
 
             return run(self.program(), operands)
-        if isinstance(self.assignment, tuple):
-            return evaluate_steps(self.assignment, operands)[-1]
         return evaluate(self.assignment, operands, self.out_format)
 
     def encode(self) -> str:
@@ -127,7 +124,7 @@ class CallSpec:
 
 
 _SPEC_MODULES = frozenset({"sparsenn.compiler.notation", "sparsenn.compiler.expression", "sparsenn.formats.format",
-                           "sparsenn.formats.level", "sparsenn.compiler.runtime.fused", __name__})
+                           "sparsenn.formats.level", __name__})
 _SPEC_BUILTINS = frozenset({("torch", "float32"), ("torch", "float64"), ("torch", "int32"), ("torch", "int64"),
                             ("builtins", "frozenset"), ("builtins", "set")})
 
@@ -167,36 +164,31 @@ def decode(call: str) -> CallSpec:
     return spec
 
 
-_TABLES: dict[str, Callable[..., Assignment]] = {}
-
-
-def register_kernels(table: str, kernel: Callable[..., Assignment]) -> None:
-    """Make ``kernel(*args)`` (an assignment built from constants, e.g. one of a
-    function's kernels) nameable as ``("kernel", table, *args)`` by traced code, which
-    cannot pass assignments it did not read from a module attribute."""
-    _TABLES[table] = kernel
-
-
 def derived(assignment: Assignment | Statement | None, derive: tuple) -> Assignment | Statement:
     """What a traced call runs, named by constants:
 
     * ``()``: ``assignment``; ``("program",)``: the statement ``assignment``'s program;
     * ``("einsum", equation, num_operands)``: the parsed equation;
+    * ``("script", text)``: the parsed statements of a compiled program's text;
     * ``("reduced",)``, ``("epilogue",)``: the reduction or the epilogue of ``assignment``,
-      run apart when training (:func:`~..plan.bias.split_epilogue`);
-    * ``("kernel", table, *args)``: a kernel of :func:`register_kernels` (an assignment,
-      or steps)."""
+      run apart when training (:func:`~..plan.bias.split_epilogue`);"""
     from .api import parse  # api -> this module
 
     if not derive or derive[0] == "program":
         return assignment
     if derive[0] == "einsum":
         return parse(*derive[1:])
+    if derive[0] == "script":
+        return _script(derive[1])
     if derive[0] == "reduced":
         return split_epilogue(assignment)[0]
-    if derive[0] == "epilogue":
-        return split_epilogue(assignment)[1]
-    return _TABLES[derive[1]](*derive[2:])
+    return split_epilogue(assignment)[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _script(text: str) -> Script:
+    """``parse_script(text)``, one object per text (the compiler's caches key on it)."""
+    return parse_script(text)
 
 
 @torch.compiler.assume_constant_result
@@ -209,10 +201,8 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     from module attributes, hence the flat fields and ``derive``)."""
     layouts = tuple(None if fields[k] is None else Layout(*fields[k:k + 3]) for k in range(0, len(fields), 3))
     target = derived(assignment, derive)
-    if isinstance(target, Statement):
+    if isinstance(target, (Statement, Script)):
         anchor = _statement_anchor(target, layouts, out_format)
-    elif isinstance(target, tuple):
-        anchor = _steps_anchor(target, layouts)
     else:
         anchor = _anchor(target, layouts)
     spec = CallSpec(target, layouts, out_format, anchor)
@@ -221,10 +211,13 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     return call, spec.anchor
 
 
-def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], out_format) -> int | None:
-    """A masked statement's result has its mask's pattern; others must be dense."""
-    if statement.mask is not None:
-        return statement.operands.index(statement.mask)
+def _statement_anchor(statement: Statement | Script, layouts: tuple[Layout | None, ...], out_format) -> int | None:
+    """A masked statement's result has its mask's pattern (a script's: its last
+    statement's mask, or that mask's own mask when an earlier statement wrote it); others
+    must be dense."""
+    mask = _mask_operand(statement)
+    if mask is not None:
+        return statement.operands.index(mask)
     spec = CallSpec(statement, layouts, out_format, None)
     if _result_format(spec.program(), [None if lay is None else lay.format for lay in layouts]) is not None:
         raise NotImplementedError(
@@ -233,18 +226,15 @@ def _statement_anchor(statement: Statement, layouts: tuple[Layout | None, ...], 
     return None
 
 
-def _steps_anchor(steps: tuple[Step, ...], layouts: tuple[Layout | None, ...]) -> int | None:
-    """The operand whose pattern the last step's result has, None when it is dense."""
-    if steps[-1].on is None:
-        return None
-    source = steps[-1].operands[steps[-1].on]
-    while isinstance(source, Result):
-        step = steps[source.step]
-        if step.on is None:
-            raise ValueError(f"sparsenn: step {source.step}'s result is dense, so a later step's values cannot "
-                             "be on its pattern (Step.on must name a sparse operand or a result on one)")
-        source = step.operands[step.on]
-    return source if layouts[source].shares is None else layouts[source].shares
+def _mask_operand(statement: Statement | Script) -> str | None:
+    """The caller's operand whose pattern a masked result has, or None."""
+    if isinstance(statement, Statement):
+        return statement.mask
+    masks = {s.output: s.mask for s in statement.statements}
+    mask = masks[statement.output]
+    while mask in masks and masks[mask] is not None:
+        mask = masks[mask]
+    return None if mask in masks else mask
 
 
 def _result_format(program: Program, formats: list[Format | None]) -> Format | None:
@@ -428,9 +418,8 @@ def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tupl
     shapes, stored positions and dtypes: deterministic):
 
     * the dense result's dimensions from outermost to innermost in memory as the kernel
-      writes them, () for contiguous (steps: a fused kernel writes in expression order)
-      or when that is decided only by running (a sparse result, pairwise contractions,
-      torch.einsum, a staged program);
+      writes them, () for contiguous or when that is decided only by running (a sparse
+      result, pairwise contractions, torch.einsum, a program of several statements);
     * per tensor, the order in which the kernel reads it when it is a dense operand
       (the kernel's launch copies an operand stored otherwise), () when it is not, or
       not known before running.
@@ -438,7 +427,7 @@ def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tupl
     Planned on stand-in tensors of those sizes, as evaluation plans the call."""
     spec = decode(call)
     unknown: tuple[tuple[int, ...], ...] = ((),) * len(dims)
-    if isinstance(spec.assignment, (Statement, tuple)):
+    if isinstance(spec.assignment, (Statement, Script)):
         return (), unknown
     stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
     try:
@@ -574,48 +563,31 @@ def _evaluate_fake(call: str, tensors: list[Tensor], shapes: list[int], order: l
     sparse_shapes = _split_shapes(spec, shapes)
     operand_shapes = [tuple(tensors[slot].shape) if shape is None else shape
                       for slot, shape in zip(slots, sparse_shapes)]
-    if isinstance(spec.assignment, tuple):
-        shape = _steps_shape(spec.assignment, operand_shapes)
+    if isinstance(spec.assignment, (Statement, Script)):
+        shape = _program_shape(spec.program(), operand_shapes)
     else:
         sizes = {}
-        for operand, indices in _user_accesses(spec):
-            sizes.update(zip(indices, operand_shapes[operand]))
-        output = spec.assignment.indices if isinstance(spec.assignment, Statement) else spec.assignment.output
-        shape = [sizes[i] for i in output]
+        for access in spec.assignment.accesses:
+            sizes.update(zip(access.indices, operand_shapes[access.operand]))
+        shape = [sizes[i] for i in spec.assignment.output]
     _check_order(order, len(shape))
     if not order:
         return tensors[slots[0]].new_empty(shape, dtype=dtype)
     return tensors[slots[0]].new_empty_strided(shape, _strides(shape, order), dtype=dtype)
 
 
-def _steps_shape(steps: tuple[Step, ...], operand_shapes: Sequence[tuple]) -> list:
-    """The shape of the last step's result, from the shapes of the caller's operands."""
+def _program_shape(program: Program, operand_shapes: Sequence[tuple]) -> list:
+    """The shape of a program's result, from the shapes of the caller's operands."""
+    from ..program import UserOperand
+
     results: list = []
-    for step in steps:
-        shapes = [operand_shapes[s] if isinstance(s, int) else results[s.step] for s in step.operands]
-        if step.on is not None:
-            results.append(shapes[step.on])
-            continue
+    for step in program.stages:
+        shapes = [operand_shapes[s.n] if isinstance(s, UserOperand) else results[s.stage] for s in step.inputs]
         sizes = {}
         for access in step.assignment.accesses:
             sizes.update(zip(access.indices, shapes[access.operand]))
         results.append(tuple(sizes[i] for i in step.assignment.output))
     return list(results[-1])
-
-
-def _user_accesses(spec: CallSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """``(operand, indices)`` of every read of a call's operands."""
-    if not isinstance(spec.assignment, Statement):
-        return [(a.operand, a.indices) for a in spec.assignment.accesses]
-    from ..program import UserOperand
-
-    reads = []
-    for step in spec.program().stages:
-        for access in step.assignment.accesses:
-            source = step.inputs[access.operand]
-            if isinstance(source, UserOperand):
-                reads.append((source.n, access.indices))
-    return reads
 
 
 def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], grad: Tensor, result: Tensor,
@@ -630,10 +602,7 @@ def evaluate_backward_op(call: str, tensors: list[Tensor], shapes: list[int], gr
     if spec.anchor is not None:
         result = operands[spec.anchor].with_values(result)
     wanted = [n for n, need in enumerate(needed) if need]
-    if isinstance(spec.assignment, tuple):
-        raise NotImplementedError("sparsenn: traced steps are not differentiated by the op; differentiate the "
-                                  "function that runs them (e.g. sparsenn.softmax)")
-    if isinstance(spec.assignment, Statement):
+    if isinstance(spec.assignment, (Statement, Script)):
         grads = _program_gradients(spec, operands, grad_out, wanted)
     else:
         grads = operand_gradients(spec.assignment, operands, spec.out_format, grad_out, result, wanted)

@@ -1,0 +1,262 @@
+"""Run a program (:mod:`..program`): its stages grouped into kernels as the planner
+decides (:mod:`..plan.fusion`).
+
+The first call of a signature (:func:`validate.call_key` of the program and its
+operands) plans each stage as :func:`evaluate` does (through a blocked operand's split
+call) on stand-ins of the earlier results, binding its layouts without building its
+kernel; :func:`~..plan.fusion.fuse` then groups the stages from those plans, and each
+group of several is lowered into one kernel (``lower/fuse.py``) that runs its stages
+per team coordinate. Every call runs the groups: a group of one through :func:`evaluate`, a
+fused group by allocating its stages' results, collecting every stage's array pointers
+(an earlier result of the group is read in place, the fused kernel's own array) and
+running its kernel once. :func:`run` runs a program so when nothing records its stages
+for autograd, else stage by stage, each differentiable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..autograd import differentiable_evaluate, recorded
+from ..backend import abi
+from ..blocks import Split
+from ..lower.fuse import FusedStage
+from ..plan.fusion import Candidate, Fusion, fuse
+from ..plan.planner import ShapePlan, build_fused_kernel
+from ..program import Program, Stage, StageResult, stage_inputs
+from .cache import LRUCache
+from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
+from .launcher import Launch, bind, output_allocator, run_stages
+from .ops import transforming
+from .validate import call_key, check_call
+
+__all__ = ["run", "run_all", "run_program", "describe_program"]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A stage as its fused kernel runs it: its launch (bound without a kernel), the
+    split it goes through (if any) and the launch's arguments the kernel takes (the
+    others are earlier outputs of the group, passed once)."""
+
+    stage: Stage
+    launch: Launch
+    split: Split | None
+    kept: tuple[int, ...]
+    into: int | None  # the part of the group whose array it writes into
+
+
+class _Single:
+    """A stage run as its own call."""
+
+    def __init__(self, stage: Stage):
+        self.stage = stage
+
+    def run(self, operands: Sequence, results: list) -> None:
+        step = self.stage
+        results.append(evaluate(step.assignment, stage_inputs(step, operands, results), step.out_format))
+
+
+class _Fused:
+    """Stages run by one kernel (see the module doc)."""
+
+    def __init__(self, parts: list[_Part], entry: abi.EntryPoints, parallel: bool, source: str):
+        self.parts, self.entry, self.parallel, self.source = parts, entry, parallel, source
+        dims = [d for part in parts for d in part.launch.dims]
+        self.dims = (ctypes.c_int64 * len(dims))(*dims)
+        self.array_type = ctypes.c_void_p * (sum(len(p.kept) + (p.into is None) for p in parts))
+
+    def run(self, operands: Sequence, results: list) -> None:
+        pointers, arrays, outputs, staged = [], [], [], []
+        for part in self.parts:
+            ops = stage_inputs(part.stage, operands, results)
+            inner = part.split.operands(ops) if part.split is not None else ops
+            launch = part.launch
+            plan = launch.plan
+            if part.into is None:
+                out = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
+                    launch.allocation, dtype=launch.dtype)
+                outputs.append(out)
+            else:
+                out = arrays[part.into]
+            arrays.append(out)
+            result = out
+            if plan.anchor is not None:  # values of the anchor's length, allocated above: no checks
+                pattern = inner[plan.anchor]
+                result = pattern._share(pattern.shape, pattern.format, out)
+            results.append(part.split.result(result) if part.split is not None else result)
+            made = run_stages(launch.stages, inner)
+            staged.append(made)  # the staged copies live until the kernel has read them
+            every = launch.pointers(inner, made)
+            pointers += [every[n] for n in part.kept]
+        pointers += [out.data_ptr() for out in outputs]
+        threads = torch.get_num_threads() if self.parallel else 1
+        if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
+            raise MemoryError("sparsenn kernel ran out of memory")
+
+
+class _Runner:
+    """A program's groups for one call signature."""
+
+    def __init__(self, units: list, fusion: Fusion):
+        self.units, self.fusion = units, fusion
+
+    def run(self, operands: Sequence) -> list:
+        results: list = []
+        for unit in self.units:
+            unit.run(operands, results)
+        return results
+
+
+_runners: LRUCache[_Runner] = LRUCache("program runners", 256)
+
+
+def run(program: Program, operands: Sequence):
+    """The last stage's result (see :func:`run_all`)."""
+    return run_all(program, operands)[-1]
+
+
+def run_all(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result (those of the last stage and of ``kept`` stages; the others
+    may have been overwritten in place): each stage recorded for autograd when a
+    gradient (or a torch.func transform) needs it, else the stages in the planner's groups."""
+    if len(program.stages) > 1 and not transforming() and not recorded(operands):
+        return run_program(program, operands, kept)
+    results: list = []
+    for step in program.stages:
+        inputs = stage_inputs(step, operands, results)
+        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
+    return results
+
+
+def run_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result, the stages run in the planner's groups (see :func:`run_all`)."""
+    key = call_key((program, kept), operands, None)
+    if key is None:  # operands checked and converted per call: stage by stage
+        return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)
+    runner = _runners.get(key)
+    if runner is None:
+        runner = _planned(program, operands, kept)
+        _runners.put(key, runner)
+    return runner.run(operands)
+
+
+def describe_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list[str]:
+    """The planner's fusion decisions for these operands, and each fused kernel's C++."""
+    runner = _planned(program, operands, kept)
+    lines = ["fusion:"] + [f"  {reason}" for reason in runner.fusion.reasons]
+    for group, unit in zip(runner.fusion.groups, runner.units):
+        if isinstance(unit, _Fused):
+            lines.append(f"fused kernel of stages {', '.join(str(k) for k in group)}:")
+            lines.append(unit.source)
+    return lines
+
+
+_UNKNOWN = object()  # a result whose layout only running the stage tells
+
+
+def _planned(program: Program, operands: Sequence, kept: frozenset[int]) -> _Runner:
+    """The runner of ``program`` for these operands' signature. Each stage is planned on
+    stand-ins of the earlier results, laid out as their kernels write them (nothing
+    runs); a result another kind of call computes (torch, a contraction path, an
+    assembled sparse result) is known only by running, so stages reading it run apart."""
+    results: list = []
+    candidates: list[Candidate] = []
+    parts: list[tuple[Launch, Split | None] | None] = []
+    for k, step in enumerate(program.stages):
+        inputs = stage_inputs(step, operands, results)
+        name = f"stage {k}" if not program.names or program.names[k] is None else f"{program.names[k]} (stage {k})"
+        if any(x is _UNKNOWN for x in inputs):
+            candidate, part, result = Candidate(name, None, "reads a result computed apart"), None, _UNKNOWN
+        else:
+            candidate, part, result = _candidate(step, name, inputs)
+            if part is not None and part[0].plan.anchor is not None:
+                source = step.inputs[part[0].plan.anchor]
+                pattern = candidates[source.stage].pattern if isinstance(source, StageResult) else source
+                candidate = replace(candidate, pattern=pattern)
+        candidates.append(candidate)
+        parts.append(part)
+        results.append(result)
+    fusion = fuse(candidates, kept)
+    units = [_Single(program.stages[group[0]]) if len(group) == 1
+             else _fused(program, group, candidates, parts, fusion.into) for group in fusion.groups]
+    return _Runner(units, fusion)
+
+
+def _candidate(step: Stage, name: str, inputs: Sequence) -> tuple[Candidate, tuple | None, object]:
+    """The stage over ``inputs`` as fusion sees it, its launch and split, and a stand-in
+    of its result (:data:`_UNKNOWN` when only running it tells its layout)."""
+    checked = check_call(step.assignment, inputs, step.out_format)
+    if checked.dtype not in (torch.float32, torch.float64):
+        return Candidate(name, None, f"computes in {checked.dtype} (fused kernels: float32, float64)"), None, _UNKNOWN
+    runnable, split = route(step.assignment, checked), None
+    if isinstance(runnable, SplitCall):
+        split = runnable.split
+        checked = check_call(split.assignment, split.operands(checked.operands), split.request)
+        runnable = route(split.assignment, checked)
+    if not isinstance(runnable, ShapePlan):
+        return Candidate(name, None, _runs(runnable)), None, _UNKNOWN
+    launch = bind(runnable, checked.operands, checked.sizes, checked.dtype, checked.index_dtype, load=False)
+    converts = None
+    if launch.final_format is not None:
+        converts = f"converts its result to {launch.final_format}"
+    elif launch.out_dtype != launch.dtype:
+        converts = "rounds its result after the kernel"
+    reads = tuple(_source(step, slot.operand) for slot in launch.plan.kernel.slots)
+    candidate = Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts)
+    return candidate, (launch, split), _stand_in(launch, split, checked.operands)
+
+
+def _stand_in(launch: Launch, split: Split | None, operands: Sequence) -> object:
+    """An uncomputed result laid out as ``launch`` writes it (as :func:`evaluate` returns it)."""
+    plan = launch.plan
+    if plan.assembles or launch.final_format is not None:
+        return _UNKNOWN
+    out = torch.empty(launch.allocation, dtype=launch.dtype)
+    if plan.anchor is not None:
+        pattern = operands[plan.anchor]
+        result = pattern._share(pattern.shape, pattern.format, out)
+    else:
+        result = out if plan.output_permutation is None else out.permute(plan.output_permutation)
+    return split.result(result) if split is not None else result
+
+
+def _runs(runnable: object) -> str:
+    """What a stage that is not one kernel runs, for fusion's reasons."""
+    if isinstance(runnable, (PathCall, EpiloguePathCall)):
+        return "runs as pairwise contractions"
+    if isinstance(runnable, DenseCall):
+        return "runs in torch (every operand dense)"
+    if isinstance(runnable, DensifiedCall):
+        return "runs densely (BLAS on a dense copy)"
+    return "runs no single kernel"
+
+
+def _source(step: Stage, operand: int) -> int | None:
+    """The stage whose result is ``step``'s operand ``operand``, if one is."""
+    source = step.inputs[operand]
+    return source.stage if isinstance(source, StageResult) else None
+
+
+def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candidate], parts: Sequence,
+           into: Sequence[int | None]) -> _Fused:
+    """The kernel running the stages of ``group`` at each team coordinate."""
+    stages: list[FusedStage] = []
+    fused_parts: list[_Part] = []
+    for k in group:
+        launch, split = parts[k]
+        plan = launch.plan
+        reads = tuple(None if source is None or source not in group else group.index(source)
+                      for source in candidates[k].reads)
+        kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
+        local = None if into[k] is None else group.index(into[k])
+        stages.append(FusedStage(plan, reads, local))
+        fused_parts.append(_Part(program.stages[k], launch, split, kept, local))
+    first = fused_parts[0].launch
+    what = f"{program.stages[group[0]].assignment} and {len(group) - 1} more fused stage(s)"
+    kernel = build_fused_kernel(stages, first.dtype, first.index_dtype, what)
+    return _Fused(fused_parts, kernel.load(), any(p.launch.parallel for p in fused_parts), kernel.source)
