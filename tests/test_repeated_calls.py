@@ -156,3 +156,43 @@ def test_sparse_linear_reads_its_parameter_as_it_is_now():
     out = layer(x.float())
     out.sum().backward()
     assert layer.weight_values.grad is not None and layer.weight_values.grad.dtype == torch.float32
+
+
+def relaid() -> tuple[int, int]:
+    stats = cache_stats()["re-laid parameters"]
+    return stats.hits, stats.misses
+
+
+def test_a_parameter_read_transposed_is_copied_once_while_unchanged():
+    x = sp((40, 30), density=0.1)
+    w = torch.nn.Parameter(torch.randn(12, 30, dtype=torch.float64))
+    assert launch_of("ik,jk->ij", x, w).stages  # the kernel reads w k-major: a re-laid copy
+    clear_caches()
+
+    def check(hits: int, misses: int) -> None:
+        with torch.no_grad():
+            torch.testing.assert_close(sparsenn.einsum("ik,jk->ij", x, w), x.to_dense() @ w.T)
+        assert relaid() == (hits, misses)
+
+    for n in range(3):
+        check(n, 1)
+    with torch.no_grad():
+        w.mul_(2)  # an optimizer step: the copy is made, and not kept
+    check(2, 2)
+    w.data[3, 4] = 7.0  # an edit no version counter sees: the bits tell
+    check(2, 3)
+    check(3, 3)
+    for step in range(3):  # training: the first forward reads the kept copy, the next the stepped weight
+        y = sparsenn.einsum("ik,jk->ij", x, w)
+        y.sum().backward()
+        torch.testing.assert_close(w.grad, (step + 1) * x.to_dense().sum(0).expand(12, 30))
+        torch.testing.assert_close(y, x.to_dense() @ w.detach().T)
+        with torch.no_grad():
+            w -= 0.1 * w.grad
+        assert relaid() == (4, 3 + step)
+    check(4, 6)  # evaluation after training: the stepped weight,
+    check(4, 7)  # unchanged since: kept,
+    check(5, 7)  # and read
+    with torch.no_grad():  # a tensor that is not a parameter is not kept
+        sparsenn.einsum("ik,jk->ij", x, w.detach().clone())
+    assert relaid() == (5, 7)

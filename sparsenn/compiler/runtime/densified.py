@@ -1,14 +1,21 @@
-"""Dense copies of sparse operands, for the dense path (``plan/dense_path.py``).
+"""Copies of operands kept while the operand is unchanged: dense copies of sparse
+operands for the dense path (``plan/dense_path.py``, :data:`COPIES`), and the re-laid-out
+copies a kernel reads of dense parameters (a transposed or panelled weight, :data:`RELAID`).
 
-A copy is reused only while the operand is unchanged: the same values tensor, of the
-same dtype, holding the same values (compared with a snapshot at every use: an edit
-through ``.data`` or of an inference tensor changes no version counter) over the same
-index arrays, unedited (their versions, or their contents when they have none). Entries
-hold weak references, so a copy never keeps its operand alive and a tensor allocated
-where a freed one was is never mistaken for it; a view of the same arrays in another
-shape or format (a transpose) has a copy of its own. At most :data:`COPY_BYTES` of
-copies and snapshots (``$SPARSENN_DENSE_COPY_BYTES``) and :data:`MAX_OPERANDS` operands
-are kept, least recently used first to go; :func:`~.cache.clear_caches` drops them.
+A copy is reused only while the operand is unchanged: the same values tensor (a dense
+operand is its own values), of the same dtype, holding the same values (compared with a
+snapshot at every use: an edit through ``.data`` or of an inference tensor changes no
+version counter) over the same index arrays, unedited (their versions, or their contents
+when they have none). Entries hold weak references, so a copy never keeps its operand
+alive and a tensor allocated where a freed one was is never mistaken for it; a view of
+the same arrays in another shape, format or strides (a transpose), or a copy made another
+way (``how``), is kept apart. At most :data:`COPY_BYTES` of copies and snapshots per cache
+(``$SPARSENN_DENSE_COPY_BYTES``) and :data:`MAX_OPERANDS` operands are kept, least
+recently used first to go; :func:`~.cache.clear_caches` drops them.
+
+An operand whose values were edited in place since its last call (their version moved:
+an optimizer step) is being trained: its copy is made for the call and not kept (no
+snapshot either), until a call finds it as the previous call left it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from sparsenn.formats import SparseTensor
 
 from .cache import CacheStats, register
 
-__all__ = ["DenseCopies", "COPIES", "COPY_BYTES", "MAX_OPERANDS"]
+__all__ = ["DenseCopies", "COPIES", "RELAID", "COPY_BYTES", "MAX_OPERANDS"]
 
 try:  # the C library's memcmp: a snapshot compared at memory speed (torch.equal is about 8x slower)
     _memcmp = ctypes.CDLL(None).memcmp
@@ -52,16 +59,17 @@ MAX_OPERANDS = 256
 class _Operand:
     arrays: tuple  # weak references to the values and index arrays defining the operand
     index_state: tuple  # per index array its version, or (no version counter) a copy
-    snapshot: torch.Tensor  # the values the copy was made from
-    copy: torch.Tensor
+    version: int | None  # the values' version when last seen (None: an inference tensor has none)
+    snapshot: torch.Tensor | None  # the values the copy was made from; None while the operand is trained
+    copy: torch.Tensor | None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.copy, self.snapshot))
+        return sum(t.numel() * t.element_size() for t in (self.copy, self.snapshot) if t is not None)
 
 
 class DenseCopies:
-    """Dense copies of unchanged sparse operands (see the module doc)."""
+    """Copies of unchanged operands (see the module doc)."""
 
     def __init__(self, name: str, max_bytes: int, max_operands: int) -> None:
         self.name, self.max_bytes, self.max_operands = name, max_bytes, max_operands
@@ -69,20 +77,30 @@ class DenseCopies:
         self._operands: OrderedDict[tuple, _Operand] = OrderedDict()
         self._lock = threading.Lock()
 
-    def copy_for(self, operand: SparseTensor, make: Callable[[SparseTensor], torch.Tensor]) -> torch.Tensor:
-        """The dense copy of ``operand``: the kept one if the operand is unchanged since,
-        else ``make(operand)``, then kept."""
-        key, arrays = _identity(operand)
+    def copy_for(self, operand: SparseTensor | torch.Tensor, make: Callable[[SparseTensor | torch.Tensor], torch.Tensor],
+                 how: object = None) -> torch.Tensor:
+        """The copy ``make(operand)`` made the way ``how`` names: the kept one if the
+        operand is unchanged since, else made now, then kept."""
+        key, arrays = _identity(operand, how)
+        version = None if arrays[0].is_inference() else arrays[0]._version
         with self._lock:
             known = self._operands.get(key)
             if known is not None and all(ref() is a for ref, a in zip(known.arrays, arrays)) \
-                    and _same_indices(known.index_state, arrays[1:]) and _same_bits(known.snapshot, arrays[0]):
-                self._operands.move_to_end(key)
-                self.hits += 1
-                return known.copy
+                    and _same_indices(known.index_state, arrays[1:]):
+                trained = known.version != version  # edited in place since its last call
+                if trained:
+                    known.version, known.snapshot, known.copy = version, None, None
+                elif known.copy is not None and _same_bits(known.snapshot, arrays[0]):
+                    self._operands.move_to_end(key)
+                    self.hits += 1
+                    return known.copy
+            else:
+                trained = False
             self.misses += 1
         copy = make(operand)
-        kept = _Operand(tuple(weakref.ref(a) for a in arrays), tuple(_index_state(a) for a in arrays[1:]),
+        if trained:
+            return copy
+        kept = _Operand(tuple(weakref.ref(a) for a in arrays), tuple(_index_state(a) for a in arrays[1:]), version,
                         arrays[0].detach().clone(memory_format=torch.contiguous_format), copy)
         if kept.nbytes <= self.max_bytes:
             with self._lock:
@@ -107,11 +125,14 @@ class DenseCopies:
         return CacheStats(len(self._operands), self.max_operands, self.hits, self.misses, self.evictions)
 
 
-def _identity(operand: SparseTensor) -> tuple[tuple, list[torch.Tensor]]:
+def _identity(operand: SparseTensor | torch.Tensor, how: object) -> tuple[tuple, list[torch.Tensor]]:
     """(a key, the arrays defining ``operand``: its values, then its index arrays). The
-    key holds the shape and format too: a transposed view shares every array."""
+    key holds the shape and format (strides) too: a transposed view shares every array."""
+    if isinstance(operand, torch.Tensor):
+        return (tuple(operand.shape), operand.stride(), operand.storage_offset(), operand.dtype, how,
+                id(operand)), [operand]
     arrays = [operand.values, *(a for a in (*operand.pos, *operand.crd) if a is not None)]
-    return (tuple(operand.shape), operand.format, operand.values.dtype, *(id(a) for a in arrays)), arrays
+    return (tuple(operand.shape), operand.format, operand.values.dtype, how, *(id(a) for a in arrays)), arrays
 
 
 def _index_state(t: torch.Tensor) -> int | torch.Tensor:
@@ -125,3 +146,4 @@ def _same_indices(states: tuple, arrays: list[torch.Tensor]) -> bool:
 
 
 COPIES = register(DenseCopies("dense copies", COPY_BYTES, MAX_OPERANDS))
+RELAID = register(DenseCopies("re-laid parameters", COPY_BYTES, MAX_OPERANDS))

@@ -32,6 +32,7 @@ from ..backend.precision import output_dtype
 from ..functions import IDENTITY
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
+from .densified import RELAID
 from .restore import restored_as
 
 __all__ = ["Launch", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill", "run_stages"]
@@ -243,32 +244,42 @@ def argument_packer(count: int) -> Callable[..., bytes]:
 
 def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
     """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order."""
-    if layout is None:
-        return lambda ops, made: _contiguous(ops[n])
-    return lambda ops, made: _contiguous(ops[n].permute(layout))
 
+    def copy(t: torch.Tensor, allocate: Callable[..., torch.Tensor]) -> torch.Tensor:
+        view = t if layout is None else t.permute(layout)
+        return allocate(view.shape, dtype=view.dtype).copy_(view)
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t.contiguous()``; a copy goes to memory reused from call to call (a stage's copy
-    lives for one kernel call, see :mod:`.memory`)."""
-    if t.is_contiguous():
-        return t
-    return memory.empty(t.shape, dtype=t.dtype).copy_(t)
+    return _copied(n, copy, ("contiguous", layout))
 
 
 def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
     """Dense operand ``n`` with its modes in ``layout`` order, in panels of ``size``
     along the last: ``[panel][other modes][offset]``, the last panel the remainder."""
 
-    def stage(ops, made):
-        t = ops[n] if layout is None else ops[n].permute(layout)
+    def copy(t: torch.Tensor, allocate: Callable[..., torch.Tensor]) -> torch.Tensor:
+        t = t if layout is None else t.permute(layout)
         whole = t.shape[-1] // size * size
-        out = memory.empty((t.numel(),), dtype=t.dtype)
+        out = allocate((t.numel(),), dtype=t.dtype)
         split = t.numel() // max(t.shape[-1], 1) * whole
         out[:split].view(whole // size, *t.shape[:-1], size).copy_(
             t[..., :whole].unflatten(-1, (-1, size)).movedim(-2, 0))
         out[split:].view(*t.shape[:-1], t.shape[-1] - whole).copy_(t[..., whole:])
         return out
+
+    return _copied(n, copy, ("panels", layout, size))
+
+
+def _copied(n: int, copy: Callable[[torch.Tensor, Callable[..., torch.Tensor]], torch.Tensor], how: tuple) -> Stage:
+    """The stage copying dense operand ``n`` with ``copy(operand, allocate)``: a parameter's
+    copy is kept while the parameter is unchanged (:data:`.densified.RELAID`: the next call,
+    in inference, most likely reads it so); any other operand's goes to memory reused from
+    call to call (a stage's copy lives for one kernel call, see :mod:`.memory`)."""
+
+    def stage(ops, made):
+        op = ops[n]
+        if isinstance(op, torch.nn.Parameter):
+            return RELAID.copy_for(op, lambda t: copy(t.detach(), torch.empty), how)
+        return copy(op, memory.empty)
 
     return stage
 
