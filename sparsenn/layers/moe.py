@@ -315,9 +315,9 @@ class SparseMoE(nn.Module):
         before they run one after another: the intermediate panels are stand-ins of their
         shapes. A recorded call (training) runs other kernels (its epilogue split for the
         gradient), which ``sparsenn.precompile`` builds."""
-        params = (self.w1, self.w2, self.b1, self.b2)
+        tensors = (x, gates.values, self.w1, self.w2, self.b1, self.b2)
         if (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type)
-                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, gates.values, *params))):
+                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
             return
         kind = (x.dtype, self.w1.dtype, plan.slots.index_dtype, self.b1 is not None, self.b2 is not None)
         built = self.__dict__.setdefault("_kernels_built_for", set())  # (a module unpickled from before has none)
