@@ -128,6 +128,14 @@ def test_vmap_of_a_sparse_result_sampling_an_unbatched_pattern():
     before = _calls()
     torch.testing.assert_close(vmap(f)(dY, X), expected)
     assert _calls() - before == 1
+    # The batch dimension read last by the dense operands, wherever it is given:
+    torch.testing.assert_close(vmap(f, in_dims=(2, 1))(dY.permute(1, 2, 0), X.transpose(0, 1)), expected)
+    unbatched_x = torch.stack([f(dy, X[0]) for dy in dY])
+    torch.testing.assert_close(vmap(f, in_dims=(0, None))(dY, X[0]), unbatched_x)
+    V = _x(3, W.nnz, seed=15)  # the sampled pattern's values batched too
+    g = lambda dy, v: sparsenn.einsum("bo,bi,oi->oi", dy, X[0], W.with_values(v)).values  # noqa: E731
+    torch.testing.assert_close(vmap(g, in_dims=(1, 0))(dY.transpose(0, 1), V),
+                               torch.stack([g(dy, v) for dy, v in zip(dY, V)]))
 
 
 def test_vmap_of_blocked_values_runs_per_element():
