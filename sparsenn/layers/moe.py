@@ -43,8 +43,6 @@ import torch
 from torch import Tensor, nn
 
 from sparsenn.compiler import compile_expression, einsum, explain
-from sparsenn.compiler.runtime.api import parse
-from sparsenn.compiler.runtime.evaluate import build_together
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.formats import SparseTensor, parse_format
 from sparsenn.layers.conventions import factory_kwargs, refuse_onnx_export, refuse_torchscript
@@ -297,7 +295,6 @@ class SparseMoE(nn.Module):
         if gates.shape != (x.shape[0], self.num_experts):
             raise ValueError(f"gates must have shape (T, E) = {(x.shape[0], self.num_experts)}, got {gates.shape}")
         plan = dispatch(gates)
-        self._build_kernels_together(x, gates, plan)
         panels = einsum("st,td->sd", plan.gather, x).view(self.num_experts, plan.capacity, self.d_model)
         if self.b1 is None:
             act = _HIDDEN[self.activation](plan.slots, panels, self.w1)
@@ -308,35 +305,6 @@ class SparseMoE(nn.Module):
         if self.b2 is not None:
             y = y + einsum("te,ed->td", gates, self.b2)
         return y
-
-    def _build_kernels_together(self, x: Tensor, gates: SparseTensor, plan: Dispatch) -> None:
-        """On the first unrecorded call of a kind (dtypes, bias), the kernels of the expert
-        products, built concurrently (:func:`~sparsenn.compiler.runtime.evaluate.build_together`)
-        before they run one after another: the intermediate panels are stand-ins of their
-        shapes. A recorded call (training) runs other kernels (its epilogue split for the
-        gradient), which ``sparsenn.precompile`` builds."""
-        tensors = (x, gates.values, self.w1, self.w2, self.b1, self.b2)
-        if (torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type)
-                or torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)):
-            return
-        kind = (x.dtype, self.w1.dtype, plan.slots.index_dtype, self.b1 is not None, self.b2 is not None)
-        built = self.__dict__.setdefault("_kernels_built_for", set())  # (a module unpickled from before has none)
-        if kind in built:
-            return
-        built.add(kind)
-        e, c = self.num_experts, plan.capacity
-        panels = x.new_empty(e, c, self.d_model)
-        hidden, inputs = (_HIDDEN, (plan.slots, panels, self.w1)) if self.b1 is None else \
-            (_HIDDEN_BIASED, (plan.slots, panels, self.w1, self.b1))
-        calls = [(parse("st,td->sd", 2), [plan.gather, x], None),
-                 (parse("ec,ech,ehd->ecd", 3), [plan.slots, x.new_empty(e, c, self.d_hidden), self.w2], "dense"),
-                 (parse("ts,sd->td", 2), [plan.combine, x.new_empty(e * c, self.d_model)], None)]
-        stages = hidden[self.activation].program(inputs).stages
-        if len(stages) == 1:  # one kernel with the activation as its epilogue
-            calls.append((stages[0].assignment, list(inputs), stages[0].out_format))
-        if self.b2 is not None:
-            calls.append((parse("te,ed->td", 2), [gates, self.b2], None))
-        build_together(calls)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_tracing():
