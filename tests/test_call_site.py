@@ -63,17 +63,41 @@ def test_a_resized_parameter_fails_the_guard_and_is_checked_in_full():
         torch.testing.assert_close(layer(x), reference(layer, x))
 
 
+def moved_entry(layer: SparseLinear) -> tuple[int, int]:
+    """(position, column): the last entry of a row moved to column 15, a valid new pattern."""
+    pos, crd = layer.weight_pos1, layer.weight_crd1
+    row = next(r for r in range(layer.out_features) if pos[r + 1] > pos[r] and crd[pos[r + 1] - 1] < 15)
+    return int(pos[row + 1]) - 1, 15
+
+
 def test_an_edited_pattern_is_validated_and_adopted_by_the_next_call():
     layer, x = layer_and_input()
     with torch.no_grad():
-        layer(x)
-        crd = layer.weight_crd1
-        row = slice(int(layer.weight_pos1[0]), int(layer.weight_pos1[1]))
-        kept = crd[row].clone()
-        free = [i for i in range(16) if i not in kept.tolist()]
-        crd[row.start + len(kept) - 1] = max(free[-1], int(kept[-1]))  # still sorted and in range
+        before = layer(x)
+        position, column = moved_entry(layer)
+        layer.weight_crd1[position] = column  # in place: still sorted and in range
+        after = layer(x)
+        torch.testing.assert_close(after, reference(layer, x))
+        assert not torch.equal(after, before)
+        layer.weight_crd1[0] = 99  # out of range: named, not read
+        with pytest.raises(ValueError, match="weight_crd1"):
+            layer(x)
+
+
+def test_a_replaced_pattern_buffer_or_values_parameter_is_read_by_the_next_call():
+    layer, x = layer_and_input()
+    with torch.no_grad():
+        before = layer(x)
+        position, column = moved_entry(layer)
+        crd = layer.weight_crd1.clone()
+        crd[position] = column
+        layer.weight_crd1 = crd  # a new tensor: the held weight's arrays are unedited, but no longer the layer's
+        after = layer(x)
+        torch.testing.assert_close(after, reference(layer, x))
+        assert not torch.equal(after, before)
+        layer.weight_values = torch.nn.Parameter(torch.randn(layer.nnz, dtype=torch.float64))
         torch.testing.assert_close(layer(x), reference(layer, x))
-        crd[row.start] = 99  # out of range: named, not read
+        layer.weight_crd1 = torch.full_like(crd, 99)
         with pytest.raises(ValueError, match="weight_crd1"):
             layer(x)
 

@@ -385,8 +385,9 @@ class SparseLinear(nn.Module):
         strides) is read as it is."""
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
-        if site.holds_signature:  # inputs of one signature as before: its guard checks them (a miss: None)
-            result = site.cached((x, self.weight) if bias is None else (x, self.weight, bias))
+        weight = self._weight_pattern.held_weight(self) if site.holds_signature else None
+        if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
+            result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:
                 return result
         x = self._checked_input(x)

@@ -130,6 +130,22 @@ class PatternBuffers:
         weight = self._weight = self._validate(module, values).with_values(values)
         return weight
 
+    def held_weight(self, module: nn.Module) -> SparseTensor | None:
+        """The weight :meth:`tensor` last returned while the buffers and the values
+        parameter are still those objects (versioned ones), else None. Their contents are
+        not checked here: for a kernel call whose guard checks them (every index array's
+        data pointer and version, the values' shape, dtype and layout:
+        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
+        :meth:`tensor`."""
+        weight = self._weight
+        if weight is None or self._unchanged is None or module._parameters.get(f"{self.name}_values") is not weight.values:
+            return None
+        buffers = module._buffers
+        for name, (array, _, _) in zip(self._names, self._record):
+            if buffers.get(name) is not array:
+                return None
+        return weight
+
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
         self.validations += 1
