@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 
 import pytest
 import torch
@@ -193,3 +194,23 @@ def test_a_call_site_needs_one_statement():
     v = torch.arange(4.0, dtype=torch.float64)
     torch.testing.assert_close(site(a, v), v)
     torch.testing.assert_close(site(a, v * 2), v * 2)
+
+
+def test_threads_calling_one_layer_with_other_shapes_get_their_own_results():
+    layer, _ = layer_and_input()
+    inputs = [torch.randn(batch, 16, dtype=torch.float64) for batch in (1, 2, 5)]
+    expected = [reference(layer, x) for x in inputs]
+    failures = []
+
+    def work(k: int) -> None:
+        with torch.no_grad():
+            for _ in range(300):
+                if not torch.allclose(layer(inputs[k]), expected[k], rtol=1e-12, atol=1e-12):
+                    failures.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []

@@ -19,8 +19,8 @@ import torch
 
 from ..autograd import recorded
 from .api import CompiledExpression, compile_expression
-from .cache import forget_with_caches
-from .evaluate import guarded_run
+from .cache import Guard, forget_with_caches
+from .evaluate import Run, guarded_run
 from .ops import tracing
 
 __all__ = ["CallSite"]
@@ -32,26 +32,26 @@ class CallSite:
     """``site(*operands)`` is ``expression(*operands)`` (see the module doc); the
     expression is a single-statement sum of products (:attr:`CompiledExpression.assignment`)."""
 
-    __slots__ = ("expression", "assignment", "out_format", "_guard", "_run", "__weakref__")
+    __slots__ = ("expression", "assignment", "out_format", "_held", "__weakref__")
 
     def __init__(self, expression: CompiledExpression) -> None:
         if expression.assignment is None or expression.returns is not None:
             raise ValueError(f"a call site needs an expression of one statement, got {expression.text!r}")
         self.expression, self.assignment, self.out_format = expression, expression.assignment, expression.out_format
-        self._guard = self._run = None
+        self._held: tuple[Guard, Run] | None = None  # one object: a thread reads a guard with its own run
         forget_with_caches(self)
 
     @property
     def holds_signature(self) -> bool:
         """Whether the site holds a signature (:meth:`cached` can find the call)."""
-        return self._guard is not None
+        return self._held is not None
 
     def cached(self, operands: tuple):
         """The result of a plain call over ``operands`` of the signature held, else None
         (nothing is run: call the site)."""
-        guard = self._guard
-        if guard is not None and _plain(operands) and guard(operands, self.out_format):
-            return self._run(operands)
+        held = self._held
+        if held is not None and _plain(operands) and held[0](operands, self.out_format):
+            return held[1](operands)
         return None
 
     def __call__(self, *operands):
@@ -63,13 +63,12 @@ class CallSite:
         signature if it is plain."""
         result = self.expression(*operands)
         if _plain(operands):
-            entry = guarded_run(self.assignment, operands, self.out_format)
-            self._guard, self._run = (None, None) if entry is None else entry
+            self._held = guarded_run(self.assignment, operands, self.out_format)
         return result
 
     def clear(self) -> None:
         """Forget the signature held (the caches it came from were cleared)."""
-        self._guard = self._run = None
+        self._held = None
 
     def __reduce__(self):  # the guard and run are code made for this process: rebuilt on first call
         return _site, (self.expression.text, self.out_format)
