@@ -7,9 +7,10 @@ read as given; the others go through a *stage* each call: a dense operand whose 
 are not the loop order's is copied in that order, a sparse one the schedule reads in
 another mode order is re-stored (:func:`restore.restored_as`), index arrays narrower
 than the kernel's are widened. ``Launch.run`` then runs the stages (usually
-none), collects the data pointers, calls ``sn_run`` with the GIL released, and returns
-the dense result (a view in the expression's index order), the anchor's pattern with
-the computed values, or the sparse result the kernel assembled. A 16-bit kernel that
+none), packs the data pointers, calls ``sn_run`` with the GIL released, and returns
+the dense result (allocated in the expression's index order, its memory in the kernel's
+output order), the anchor's pattern with the computed values, or the sparse result the
+kernel assembled. A 16-bit kernel that
 accumulates in its dense output writes float32, rounded to the values' dtype after it
 (``backend/precision.py``).
 """
