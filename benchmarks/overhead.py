@@ -12,10 +12,11 @@ time counts the time the thread waits for a core, mostly in the longer batches);
 table gives the median per-call time of each and their ratio, so
 the figures are the cost of a call whose kernel, Python objects and operands are warm:
 dispatch plus kernel. The cases: SpMV on a 4×4 CSR matrix (the call is all overhead),
-SpMV, SpMM and SpGEMM on the two smallest SuiteSparse matrices, and a
+SpMV, SpMM and SpGEMM on the two smallest SuiteSparse matrices, a
 ``SparseLinear(16, 8, sparsity=0.5)`` forward on one input row against ``F.linear``
 with its dense weight, under ``torch.no_grad()`` and recording autograd (the layer's
-parameters require grad). The table is printed and written to ``DIR/overhead.json``
+parameters require grad), and a ``SparseLinear(128, 7, sparsity=0.9)`` forward on 8
+rows under ``no_grad`` (its kernel reads the input feature-major: a copy per call). The table is printed and written to ``DIR/overhead.json``
 in the common schema of ``report.py``.
 """
 
@@ -59,17 +60,21 @@ def matrix_cases(m: sps.csr_array) -> dict[str, Case]:
     }
 
 
-def layer_cases() -> dict[str, Case]:
-    """``SparseLinear(16, 8, sparsity=0.5)`` on a (1, 16) input against ``F.linear`` with
-    its dense weight, without and with autograd recording."""
+def layer_cases(in_features: int = 16, out_features: int = 8, sparsity: float = 0.5, batch: int = 1,
+                autograd: bool = True) -> dict[str, Case]:
+    """``SparseLinear(in_features, out_features, sparsity)`` on a ``(batch, in_features)``
+    input against ``F.linear`` with its dense weight, without and (``autograd``) with
+    autograd recording."""
     torch.manual_seed(0)
-    layer = sparsenn.SparseLinear(16, 8, sparsity=0.5)
+    layer = sparsenn.SparseLinear(in_features, out_features, sparsity=sparsity)
     weight = layer.to_dense().weight.detach().requires_grad_()
     bias = layer.bias.detach().clone().requires_grad_()
-    x = torch.randn(1, 16)
+    x = torch.randn(batch, in_features)
     ours, theirs = (lambda: layer(x)), (lambda: F.linear(x, weight, bias))
-    return {"forward, no_grad": (ours, theirs, torch.no_grad),
-            "forward, autograd": (ours, theirs, torch.enable_grad)}
+    cases = {"forward, no_grad": (ours, theirs, torch.no_grad)}
+    if autograd:
+        cases["forward, autograd"] = (ours, theirs, torch.enable_grad)
+    return cases
 
 
 def per_call_us(ours: Callable, theirs: Callable, batches: int, calls_per_batch: int) -> tuple[float, float]:
@@ -111,6 +116,7 @@ def main() -> None:
         m = sps.csr_array(scipy.io.mmread(path), dtype=np.float32)
         groups[f"{name} ({m.nnz})"] = matrix_cases(m)
     groups["SparseLinear(16, 8, 50 %), batch 1"] = layer_cases()
+    groups["SparseLinear(128, 7, 90 %), batch 8"] = layer_cases(128, 7, 0.9, 8, autograd=False)
     print("| operands | call | sparsenn | torch | sparsenn / torch |\n|---|---|---:|---:|---:|")
     rows = []
     for operands, cases in groups.items():

@@ -52,8 +52,11 @@ __all__ = ["differentiable_evaluate", "recorded"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
-    """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern."""
-    return tensor if template is None else template._share(template.shape, template.format, tensor)
+    """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern
+    (``template`` itself when these are its values)."""
+    if template is None or tensor is template.values:
+        return tensor if template is None else template
+    return template._share(template.shape, template.format, tensor)
 
 
 class _Spec:

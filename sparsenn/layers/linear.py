@@ -15,8 +15,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from sparsenn.compiler import compile_expression, einsum
+from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
+from sparsenn.compiler.runtime.site import CallSite
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.layers.conventions import FLOAT_DTYPES, factory_kwargs, refuse_onnx_export, refuse_torchscript
 from sparsenn.layers.pattern import PatternBuffers
@@ -25,6 +26,7 @@ __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count"
            "shape_problem"]
 
 _AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
+_LINEAR = compile_expression("Y[b,o] = X[b,i] * W[o,i]", out_format="dense")
 
 Method = Literal["magnitude", "random"]
 
@@ -381,10 +383,22 @@ class SparseLinear(nn.Module):
         ``(1, batch)``), so a batch-major input is transposed once per call while the
         output of another SparseLinear (or of elementwise ops on it, which keep its
         strides) is read as it is."""
+        bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
+        site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
+        weight = self._weight_pattern.held_weight(self) if site.holds_signature else None
+        if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
+            result = site.cached((x, weight) if bias is None else (x, weight, bias))
+            if result is not None:
+                return result
         x = self._checked_input(x)
         if isinstance(x, SparseTensor) or x.dim() == 2:
-            return self._affine(x)
-        return self._affine(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+            return self._affine(site, x, bias)
+        return self._affine(site, x.reshape(-1, self.in_features), bias).reshape(*x.shape[:-1], self.out_features)
+
+    def _new_call_sites(self) -> tuple[CallSite, CallSite]:
+        """This layer's :class:`CallSite` s of ``x W^T`` and ``x W^T + b``."""
+        sites = self.__dict__["_call_sites"] = (CallSite(_LINEAR), CallSite(_AFFINE))
+        return sites
 
     def _checked_input(self, x: object) -> Tensor | SparseTensor:
         """``x`` validated against the layer; a torch sparse tensor (COO, CSR, CSC, BSR,
@@ -410,15 +424,12 @@ class SparseLinear(nn.Module):
             raise TypeError(f"input has dtype {x.dtype} but the weight has {dtype}; convert one of them")
         return x
 
-    def _affine(self, x: Tensor | SparseTensor) -> Tensor:
+    def _affine(self, site: CallSite, x: Tensor | SparseTensor, bias: Tensor | None) -> Tensor:
         """``x W^T (+ b)`` for a 2-D input, dense whatever the formats (a product of two
         sparse operands, or with a weight that stores o in a compressed level, is sparse):
         the bias is added to each output slice by the kernel that finishes it (an
         epilogue), not in a second pass."""
-        bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
-        if bias is None:
-            return einsum("bi,oi->bo", x, self.weight, out_format="dense")
-        return _AFFINE(x, self.weight, bias)
+        return site.call((x, self.weight) if bias is None else (x, self.weight, bias))
 
     # ------------------------------------------------------------------ conversion
     @classmethod

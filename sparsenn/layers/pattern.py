@@ -13,7 +13,7 @@ the buffers are the weight's structure, as a parameter is its values.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,6 +26,20 @@ from sparsenn.layers.optimizer_state import watch_resized
 __all__ = ["PatternBuffers"]
 
 _ARRAY = re.compile(r"\b(pos|crd)\[(\d+)\]")
+
+
+def _record_test(names: tuple[str, ...], record: tuple[tuple[Tensor, int, int | None], ...]
+                 ) -> Callable[[dict], bool] | None:
+    """``test(buffers)``: whether the buffers ``names`` are the recorded tensors with the
+    recorded data pointers and versions, written out as one expression (a loop costs as
+    much again); None when a buffer has no version counter (an inference tensor: checked
+    in full at every call)."""
+    if any(version is None for _, _, version in record):
+        return None
+    tests = [f"(a{n} := buffers.get({name!r})) is array{n} and a{n}.data_ptr() == {address} "
+             f"and a{n}._version == {version}" for n, (name, (_, address, version)) in enumerate(zip(names, record))]
+    arrays = {f"array{n}": array for n, (array, _, _) in enumerate(record)}
+    return eval(f"lambda buffers: {' and '.join(tests) or 'True'}", arrays)
 
 
 def _token(array: Tensor | None) -> tuple | None:
@@ -49,10 +63,18 @@ class PatternBuffers:
         self._checked: SparseTensor | None = None  # over the buffers as last validated
         self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
-        self._versioned = False  # every recorded buffer has a version counter (none is an inference tensor)
+        self._unchanged: Callable[[dict], bool] | None = None  # the record as a test of the buffers, if versioned
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
         self.deferred: str | None = None  # why the buffers hold no pattern yet (a layer built on the meta device)
         self.validations = 0
+
+    def __getstate__(self) -> dict:  # the record's test is code made in this process: made again from the record
+        return {**self.__dict__, "_unchanged": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self._record:
+            self._unchanged = _record_test(self._names, self._record)
 
     @property
     def values_name(self) -> str:
@@ -77,6 +99,7 @@ class PatternBuffers:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
         self._names = self.buffer_names()
         self._checked, self._weight, self._record, self._unloaded = None, None, (), {}
+        self._unchanged = None
         self.deferred = None
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
@@ -93,22 +116,34 @@ class PatternBuffers:
         buffer) after they were edited, replaced or partly loaded. Buffers created under
         ``torch.inference_mode`` carry no version counter: they are validated at every call.
         The same SparseTensor is returned while the buffers and the parameter object are."""
-        values = module._parameters.get(self.values_name)
+        values = module._parameters.get(f"{self.name}_values")
         if torch.compiler.is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
             pos, crd = self._arrays(module)
             return SparseTensor(self.shape, self.format, pos, crd, values, check=False)
-        checked, weight = self._checked, self._weight
-        if checked is not None and self._versioned and values is not None and values.shape == checked.values.shape:
-            buffers = module._buffers
-            for name, (array, address, version) in zip(self._names, self._record):
-                current = buffers.get(name)
-                if current is not array or current.data_ptr() != address or current._version != version:
-                    break
-            else:
-                if weight is None or weight.values is not values:  # the same parameter: the same weight
-                    weight = self._weight = checked.with_values(values)
-                return weight
+        checked, unchanged = self._checked, self._unchanged
+        if (checked is not None and unchanged is not None and values is not None
+                and values.shape == checked.values.shape and unchanged(module._buffers)):
+            weight = self._weight
+            if weight is None or weight.values is not values:  # the same parameter: the same weight
+                weight = self._weight = checked.with_values(values)
+            return weight
         weight = self._weight = self._validate(module, values).with_values(values)
+        return weight
+
+    def held_weight(self, module: nn.Module) -> SparseTensor | None:
+        """The weight :meth:`tensor` last returned while the buffers and the values
+        parameter are still those objects (versioned ones), else None. Their contents are
+        not checked here: for a kernel call whose guard checks them (every index array's
+        data pointer and version, the values' shape, dtype and layout:
+        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
+        :meth:`tensor`."""
+        weight = self._weight
+        if weight is None or self._unchanged is None or module._parameters.get(f"{self.name}_values") is not weight.values:
+            return None
+        buffers = module._buffers
+        for name, (array, _, _) in zip(self._names, self._record):
+            if buffers.get(name) is not array:
+                return None
         return weight
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
@@ -136,7 +171,7 @@ class PatternBuffers:
         arrays = tuple(module._buffers[name] for name in self._names)
         self._checked = checked
         self._record = tuple((a, a.data_ptr(), None if a.is_inference() else a._version) for a in arrays)
-        self._versioned = all(version is not None for _, _, version in self._record)
+        self._unchanged = _record_test(self._names, self._record)
         return checked
 
     def _changes(self, module: nn.Module) -> str:

@@ -15,12 +15,14 @@ exact in one thread and approximate under concurrent calls.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["LRUCache", "GuardedCache", "CacheStats", "clear_caches", "cache_stats", "register"]
+__all__ = ["LRUCache", "GuardedCache", "CacheStats", "clear_caches", "cache_stats", "register",
+           "forget_with_caches"]
 
 V = TypeVar("V")
 
@@ -120,12 +122,17 @@ class GuardedCache(LRUCache[tuple[Guard, V]]):
     def find(self, expression: object, operands: object, detail: object) -> V | None:
         """The value of ``expression``'s first recent entry whose guard passes, or None
         (uncounted: look the key up next)."""
+        entry = self.find_entry(expression, operands, detail)
+        return None if entry is None else entry[1]
+
+    def find_entry(self, expression: object, operands: object, detail: object) -> tuple[Guard, V] | None:
+        """``expression``'s first recent entry ``(guard, value)`` whose guard passes, or None."""
         slot = self._recent.get(id(expression))
         if slot is not None:
-            for guard, value in slot[1]:
-                if guard(operands, detail):
+            for entry in slot[1]:
+                if entry[0](operands, detail):
                     self.hits += 1
-                    return value
+                    return entry
         return None
 
     def lookup(self, expression: object, key: Hashable) -> V | None:
@@ -170,13 +177,24 @@ def register(cache: Cache) -> Cache:
     return cache
 
 
+_holders: weakref.WeakSet = weakref.WeakSet()
+
+
+def forget_with_caches(holder: object) -> None:
+    """Have :func:`clear_caches` also call ``holder.clear()`` (an object holding what the
+    caches resolved, such as a :class:`~.site.CallSite`), for as long as it lives."""
+    _holders.add(holder)
+
+
 def clear_caches() -> None:
     """Empty every compiler cache (parsed equations, calls, plans, contraction paths and
-    their pair schedules, re-stored patterns) and release the memory kept for kernel
-    outputs. Compiled kernels stay loaded and on disk; the next call of each expression
-    plans it again."""
+    their pair schedules, re-stored patterns), what call sites hold of them, and release
+    the memory kept for kernel outputs. Compiled kernels stay loaded and on disk; the next
+    call of each expression plans it again."""
     for cache in _registry.values():
         cache.clear()
+    for holder in list(_holders):
+        holder.clear()
 
 
 def cache_stats() -> dict[str, CacheStats]:

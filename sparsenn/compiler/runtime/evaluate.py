@@ -42,13 +42,13 @@ from ..plan.terms import merge_terms
 from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_path, operand_infos, path_request,
                              plan_call)
 from . import memory
-from .cache import GuardedCache
+from .cache import Guard, GuardedCache
 from .dense_product import blas_form
 from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
-__all__ = ["evaluate", "build_together", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
+__all__ = ["evaluate", "build_together", "guarded_run", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
            "DenseCall", "DensifiedCall"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
@@ -78,6 +78,12 @@ def resolved(assignment: Assignment, operands: Sequence, out_format) -> Run | No
     """The run function of a call evaluated last with operands of this call's key (its
     cached resolution), None when such calls are checked in full every time."""
     return _calls.find(assignment, operands, out_format)
+
+
+def guarded_run(assignment: Assignment, operands: Sequence, out_format) -> tuple[Guard, Run] | None:
+    """The guard and run function of the cached resolution of this call's signature (as
+    :func:`resolved`), for a caller that keeps them (:class:`~.site.CallSite`)."""
+    return _calls.find_entry(assignment, operands, out_format)
 
 
 def build_together(calls: Sequence[tuple[Assignment, Sequence, Request]]) -> None:

@@ -7,9 +7,10 @@ read as given; the others go through a *stage* each call: a dense operand whose 
 are not the loop order's is copied in that order, a sparse one the schedule reads in
 another mode order is re-stored (:func:`restore.restored_as`), index arrays narrower
 than the kernel's are widened. ``Launch.run`` then runs the stages (usually
-none), collects the data pointers, calls ``sn_run`` with the GIL released, and returns
-the dense result (a view in the expression's index order), the anchor's pattern with
-the computed values, or the sparse result the kernel assembled. A 16-bit kernel that
+none), packs the data pointers, calls ``sn_run`` with the GIL released, and returns
+the dense result (allocated in the expression's index order, its memory in the kernel's
+output order), the anchor's pattern with the computed values, or the sparse result the
+kernel assembled. A 16-bit kernel that
 accumulates in its dense output writes float32, rounded to the values' dtype after it
 (``backend/precision.py``).
 """
@@ -79,6 +80,7 @@ class Launch:
     parallel: bool
     stages: tuple[Stage, ...]
     pointers: Pointers
+    terms: tuple[str, ...]  # per argument, the expression of its data pointer over ``ops`` and ``made``
     pack: Callable[..., bytes]  # the kernel's array arguments (and a dense output) as sn_run's void* array
     allocation: tuple[int, ...]  # shape of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
@@ -106,33 +108,48 @@ def run_stages(stages: Sequence[Stage], operands: Sequence) -> list | None:
 
 def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]:
     """The per-call work of ``launch``, a closure over its constants (read faster than
-    attributes): run the stages, collect the data pointers, call the kernel, wrap its output."""
+    attributes): run the stages, pack the data pointers, call the kernel, wrap its output.
+    A dense output is allocated in the expression's index order with its memory in the
+    kernel's (:func:`memory.allocator`'s ``layout``): returned as it is."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
-    kernel_run, pack, allocation, dtype = launch.entry.run, launch.pack, launch.allocation, launch.dtype
+    kernel_run, dtype, num_threads = launch.entry.run, launch.dtype, torch.get_num_threads
     rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
-    assembles, anchor, permutation = plan.assembles, plan.anchor, plan.output_permutation
-    allocate = None if assembles else memory.allocator(
-        allocation, launch.out_dtype, output_fill(plan.assignment.reduction, plan.kernel.overwrites_output))
+    assembles, anchor = plan.assembles, plan.anchor
+    packed = None if assembles else _packed(launch.pack, launch.terms)
+    allocate = None if assembles else _output_allocator(launch)
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
         made = run_stages(stages, operands) if stages else None  # held until the kernel has read the staged copies
-        arguments = pointers(operands, made)
-        threads = torch.get_num_threads() if parallel else 1
+        threads = num_threads() if parallel else 1
         if assembles:
-            result = _assembled(launch, arguments, threads)
+            result = _assembled(launch, pointers(operands, made), threads)
         else:
             out = allocate()
-            if kernel_run(pack(*arguments, out.data_ptr()), dims, threads, None) != 0:
+            if kernel_run(packed(operands, made, out.data_ptr()), dims, threads, None) != 0:
                 raise MemoryError("sparsenn kernel ran out of memory")
             if rounded:
-                out = out.to(dtype)
+                out = out.to(dtype)  # keeps the strides
             if anchor is None:
-                return out if permutation is None else out.permute(permutation)
+                return out
             result = operands[anchor].with_values(out)
         return result if final is None else result.asformat(final)
 
     return run
+
+
+def _output_allocator(launch: Launch) -> Callable[[], torch.Tensor]:
+    """The allocation of ``launch``'s dense output (or its anchor's values): in the
+    expression's index order, laid out in memory in the kernel's ``output_order``."""
+    plan = launch.plan
+    fill = output_fill(plan.assignment.reduction, plan.kernel.overwrites_output)
+    permutation = plan.output_permutation
+    if plan.anchor is not None or permutation is None:
+        return memory.allocator(launch.allocation, launch.out_dtype, fill)
+    layout = [0] * len(permutation)  # result dim d is allocation dim permutation[d]
+    for d, k in enumerate(permutation):
+        layout[k] = d
+    return memory.allocator(launch.out_shape, launch.out_dtype, fill, tuple(layout))
 
 
 def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTensor:
@@ -229,7 +246,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         allocation = tuple(sizes[i] for i in plan.schedule.output_order)
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
-        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms),
+        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms), tuple(terms),
         argument_packer(len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
         output_dtype(kernel, dtype), index_dtype, shaped.final_format,
     )
@@ -243,13 +260,25 @@ def argument_packer(count: int) -> Callable[..., bytes]:
 
 
 def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
-    """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order."""
+    """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order: a
+    parameter's copy kept while it is unchanged (:func:`_copied`), any other operand
+    copied into memory laid out in that order (:func:`memory.empty_permuted`: one copy,
+    no permuted view)."""
 
     def copy(t: torch.Tensor, allocate: Callable[..., torch.Tensor]) -> torch.Tensor:
         view = t if layout is None else t.permute(layout)
         return allocate(view.shape, dtype=view.dtype).copy_(view)
 
-    return _copied(n, copy, ("contiguous", layout))
+    kept = _copied(n, copy, ("contiguous", layout))
+
+    def stage(ops, made):
+        op = ops[n]
+        if isinstance(op, torch.nn.Parameter):
+            return kept(ops, made)
+        return memory.empty_permuted(op.shape, tuple(range(op.dim())) if layout is None else layout,
+                                     op.dtype).copy_(op)
+
+    return stage
 
 
 def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
@@ -306,3 +335,10 @@ def _pointers(terms: list[str]) -> Pointers:
     and ``made`` (the stages' tensors) built by :func:`bind` from integers and fixed
     attribute names only."""
     return eval(f"lambda ops, made: [{', '.join(terms)}]", {})
+
+
+def _packed(pack: Callable[..., bytes], terms: Sequence[str]) -> Callable[[Sequence, list | None, int], bytes]:
+    """``packed(ops, made, out)``: the kernel's argument array, every argument's data
+    pointer (``terms``, as :func:`_pointers` writes them) then the output's address
+    ``out``, packed in one call: no list of pointers is built per launch."""
+    return eval(f"lambda ops, made, out: pack({''.join(term + ', ' for term in terms)}out)", {"pack": pack})

@@ -33,7 +33,7 @@ import torch
 
 from .cache import CacheStats, register
 
-__all__ = ["empty", "filled", "allocator", "poison_outputs", "set_output_pool_limit", "OutputPool", "OUTPUTS",
+__all__ = ["empty", "empty_permuted", "filled", "allocator", "poison_outputs", "set_output_pool_limit", "OutputPool", "OUTPUTS",
            "MIN_POOLED_BYTES", "POOL_BUFFERS", "POOL_BYTES"]
 
 MIN_POOLED_BYTES = 1 << 20  # smaller outputs come from the allocator's own free lists
@@ -151,12 +151,19 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(torch.iinfo(t.dtype).max if _is_integer(t.dtype) else math.nan)
 
 
-def allocator(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None) -> Callable[[], torch.Tensor]:
+def allocator(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = None,
+              layout: tuple[int, ...] | None = None) -> Callable[[], torch.Tensor]:
     """:func:`empty` (``fill`` None) or :func:`filled` of a fixed shape and dtype, as a
-    function of no arguments (a launch's output). A small output never comes from the
-    pool, so its allocator skips the pool's test and passes torch the sizes one by one,
-    which torch parses faster than a shape tuple (about half the cost of a small call's
-    allocation)."""
+    function of no arguments (a launch's output). With ``layout`` (a permutation: the
+    tensor's dimensions from outermost to innermost in memory, as
+    ``torch.empty_permuted``'s) the memory is laid out in that order, so a kernel that
+    writes in storage order returns the tensor as it is, no permuted view made per call.
+    A small output never comes from the pool, so its allocator skips the pool's test and
+    passes torch the sizes one by one, which torch parses faster than a shape tuple
+    (about half the cost of a small call's allocation)."""
+    if layout is not None:
+        return functools.partial(empty_permuted, shape, layout, dtype) if fill is None else \
+            functools.partial(_filled_permuted, fill, shape, layout, dtype)
     if not shape or math.prod(shape) * dtype.itemsize >= MIN_POOLED_BYTES:
         return functools.partial(empty, shape, dtype) if fill is None else functools.partial(filled, fill, shape, dtype)
     if fill is None:
@@ -168,6 +175,22 @@ def allocator(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = N
     if fill == 0:
         return functools.partial(torch.zeros, *shape, dtype=dtype)
     return functools.partial(torch.full, shape, fill, dtype=dtype)
+
+
+def empty_permuted(shape: tuple[int, ...], layout: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty` of ``shape`` whose dimensions lie in memory in ``layout`` order
+    (outermost first): ``empty`` of the permuted shape, viewed back in ``shape``'s order."""
+    if math.prod(shape) * dtype.itemsize < MIN_POOLED_BYTES:
+        t = torch.empty_permuted(shape, layout, dtype=dtype)
+        return _poison(t) if _poisoned else t
+    inverse = [0] * len(layout)
+    for k, d in enumerate(layout):
+        inverse[d] = k
+    return empty(tuple(shape[d] for d in layout), dtype).permute(inverse)
+
+
+def _filled_permuted(value: float, shape: tuple[int, ...], layout: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return empty_permuted(shape, layout, dtype).fill_(value)
 
 
 def _is_integer(dtype: torch.dtype) -> bool:

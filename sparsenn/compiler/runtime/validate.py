@@ -192,7 +192,8 @@ def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
             constants[f"values{n}"] = op.values.shape
             tests.append(f"type(op{n} := ops[{n}]) is SparseTensor and op{n}.signature == signature{n} "
                          f"and (values{n}_ := op{n}.values).shape == values{n} and values{n}_.dtype is dtype{n} "
-                         f"and values{n}_.is_cpu and values{n}_.is_contiguous() and op{n}.index_arrays_unmodified()")
+                         f"and values{n}_.is_cpu and values{n}_.is_contiguous() "
+                         f"and {_unmodified(f'op{n}', len(op._index_arrays))}")
         else:
             constants[f"shape{n}"], constants[f"dtype{n}"], constants[f"stride{n}"] = op.shape, op.dtype, op.stride()
             tests.append(f"isinstance(op{n} := ops[{n}], Tensor) and op{n}.layout is strided "
@@ -202,3 +203,14 @@ def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
     return eval(f"lambda ops, out_format: {' and '.join(tests)}", constants)
+
+
+def _unmodified(name: str, count: int) -> str:
+    """:meth:`SparseTensor.index_arrays_unmodified` of the operand ``name`` with ``count``
+    index arrays (its signature fixes how many), written out: each array's data address
+    and version counter (None for an inference tensor) against those recorded when the
+    operand was built."""
+    arrays = f"{name}_arrays"
+    current = ", ".join(f"({arrays}[{j}].data_ptr(), None if {arrays}[{j}].is_inference() else {arrays}[{j}]._version)"
+                        for j in range(count))
+    return f"({arrays} := {name}._index_arrays) is not None and {name}._versions == ({current}{',' if count == 1 else ''})"
