@@ -12,9 +12,9 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler.expression import Call, Product, Reduction, Sum, Tensor, parse_statement
+from sparsenn.compiler.expression import Call, Product, Reduction, Sum, Tensor, parse_expression, parse_statement
 from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS
-from sparsenn.compiler.notation import NotationError, parse_expression
+from sparsenn.compiler.notation import NotationError
 from sparsenn.compiler.program import StageResult, UserOperand, plain, stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")

@@ -8,7 +8,8 @@ import torch
 
 import sparsenn
 from sparsenn.formats import parse_format
-from sparsenn.compiler.notation import parse_einsum, parse_expression
+from sparsenn.compiler.expression import parse_expression
+from sparsenn.compiler.notation import parse_einsum
 from sparsenn.compiler.plan.cost import OperandInfo
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target

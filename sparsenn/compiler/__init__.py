@@ -76,6 +76,7 @@ from .plan.target import Target
 from .runtime.api import CompiledExpression, compile_expression, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
 from .runtime.memory import poison_outputs, set_output_pool_limit
+from .runtime.ops import evaluate_op as _evaluate_op  # registers the sparsenn::evaluate ops that traces record
 
 install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @ and sum run through the compiler
 

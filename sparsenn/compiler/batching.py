@@ -43,7 +43,7 @@ from sparsenn.formats.level import Dense
 from .notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .runtime import memory
-from .runtime.ops import transforming
+from .runtime.tracing import transforming
 
 __all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
 

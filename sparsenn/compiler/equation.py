@@ -36,9 +36,10 @@ import torch
 from sparsenn.formats import SparseTensor
 
 from .diagonal import Groups, view
-from .notation import NotationError
+from .notation import Assignment, NotationError, parse_einsum
+from .runtime.cache import LRUCache
 
-__all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one"]
+__all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one", "core_assignment"]
 
 ELLIPSIS = "..."
 _LETTERS = string.ascii_letters
@@ -304,3 +305,17 @@ def broadcast_size_one(equation: str, operands: tuple) -> tuple[str, tuple] | No
     except (ValueError, TypeError):
         return None
     return None if all(a is b for a, b in zip(ops, operands)) else (rewritten, ops)
+
+
+_equations: LRUCache[Assignment] = LRUCache("equations", 1024)
+
+
+def core_assignment(equation: str, num_operands: int) -> Assignment:
+    """``parse_einsum(equation, num_operands)`` of a core equation (:func:`normalise`'s),
+    cached."""
+    key = (equation, num_operands)
+    assignment = _equations.get(key)
+    if assignment is None:
+        assignment = parse_einsum(equation, num_operands)
+        _equations.put(key, assignment)
+    return assignment

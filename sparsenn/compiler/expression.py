@@ -23,7 +23,7 @@ from .functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from .notation import REDUCTIONS, Access, Assignment, NotationError, Term
 
 __all__ = ["Tensor", "Call", "Reduction", "Product", "Sum", "Statement", "Script", "parse_statement",
-           "parse_script", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
+           "parse_script", "parse_expression", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
 
 
 @dataclass(frozen=True)
@@ -466,3 +466,18 @@ def plain_assignment(statement: Statement) -> Assignment | None:
     terms = tuple(Term(p.coefficient, tuple(Access(number[f.name], f.indices) for f in p.factors))
                   for p in products)
     return Assignment(statement.indices, terms, statement.operands)
+
+
+def parse_expression(text: str) -> Assignment:
+    """Parse a sum of products, ``"Out[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"``, into
+    one :class:`Assignment` (grammar: :mod:`.expression`).
+
+    Operands are numbered by first appearance on the right-hand side; a name used twice
+    refers to the same operand. Functions, explicit reductions and masks may need
+    several kernels: :func:`sparsenn.compile` stages those.
+    """
+    assignment = plain_assignment(parse_statement(text))
+    if assignment is None:
+        raise NotationError(f"{text!r} is not a sum of products of tensors (it has a function, an explicit "
+                            "reduction, a division or a mask): compile it with sparsenn.compile, which stages it")
+    return assignment

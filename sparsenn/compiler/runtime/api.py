@@ -17,35 +17,23 @@ from sparsenn.formats import SparseTensor
 
 from ..autograd import differentiable_evaluate
 from ..equation import broadcast_size_one, normalise
+from ..equation import core_assignment as parse
 from ..expression import Script, parse_script
-from ..notation import Assignment, parse_einsum
+from ..notation import Assignment
 from ..program import Program, plain, signature, stage, stage_inputs
 from ..plan.contract import describe_path
 from ..plan.planner import Plan, ShapePlan
 from ..plan.schedule import Schedule
 from ..plan.target import ACTIVE_TARGET, Target
 from .autocast import autocast_operands
-from .cache import LRUCache, clear_caches
+from .cache import clear_caches
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
-from .ops import traced_evaluate, tracing
+from .tracing import traced_evaluate, tracing
 from .programs import describe_program, run, run_all
 from .validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "kernel_schedule", "use_target", "parse",
            "describe_schedule", "CompiledExpression"]
-
-_equations: LRUCache[Assignment] = LRUCache("equations", 1024)
-
-
-def parse(equation: str, num_operands: int) -> Assignment:
-    """``parse_einsum(equation, num_operands)``, cached."""
-    key = (equation, num_operands)
-    assignment = _equations.get(key)
-    if assignment is None:
-        assignment = parse_einsum(equation, num_operands)
-        _equations.put(key, assignment)
-    return assignment
-
 
 def einsum(equation: str, *operands, out_format=None):
     """Einstein summation over dense ``torch.Tensor`` and :class:`SparseTensor` operands.
@@ -140,7 +128,7 @@ class CompiledExpression:
         if tracing():  # the whole program as one op (a script named by its text: traced code passes constants)
             if isinstance(self.statement, Script):
                 return traced_evaluate(None, operands, self.out_format, ("script", self.text))
-            return traced_evaluate(self.statement, operands, self.out_format, ("program",))
+            return traced_evaluate(None, operands, self.out_format, ("statement", self.text))
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:

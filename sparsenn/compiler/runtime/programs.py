@@ -31,7 +31,7 @@ from ..program import Program, Stage, StageResult, stage_inputs
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .launcher import Launch, bind, output_allocator, run_stages
-from .ops import transforming
+from .tracing import transforming
 from .validate import call_key, check_call
 
 __all__ = ["run", "run_all", "run_program", "describe_program"]
