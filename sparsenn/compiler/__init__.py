@@ -70,10 +70,10 @@ from dataclasses import replace
 from sparsenn.formats.arithmetic import install_arithmetic
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError
-from .notation import NotationError
-from .operators import ARITHMETIC
+from .frontend.notation import NotationError
+from .frontend.operators import ARITHMETIC
 from .plan.target import Target
-from .runtime.api import CompiledExpression, compile_expression, einsum, explain, use_target
+from .api import CompiledExpression, compile_expression, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
 from .runtime.memory import poison_outputs, set_output_pool_limit
 from .runtime.ops import evaluate_op as _evaluate_op  # registers the sparsenn::evaluate ops that traces record

@@ -43,8 +43,8 @@ from sparsenn.formats import SparseTensor
 
 from .backend import jit
 from .batching import batched_call
-from .functions import apply, derivative
-from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from .frontend.functions import apply, derivative
+from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
 from .runtime.tracing import traced_evaluate, tracing, transforming
 

@@ -40,7 +40,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.level import Dense
 
-from .notation import Access, Assignment, Epilogue, Term
+from .frontend.notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .runtime import memory
 from .runtime.tracing import transforming

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from sparsenn.formats import Format
 
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from .cost import OperandInfo
 from .infer import result_format
 

@@ -13,9 +13,9 @@ text holds what the call is in the notation's own printed forms, never Python ob
 * line 1, the format's version (:data:`VERSION`): a text of another version raises an
   error naming both;
 * line 2, what runs, as written: ``einsum <operands>: <equation>`` (the core equation
-  :func:`..equation.normalise` gives), ``statement: <text>`` or ``script: <text>`` (a
+  :func:`..frontend.equation.normalise` gives), ``statement: <text>`` or ``script: <text>`` (a
   compiled expression's text), or ``assignment: <text>`` (an assignment the library
-  built, in :mod:`..notation_text`'s form); texts are JSON strings;
+  built, in :mod:`..frontend.notation_text`'s form); texts are JSON strings;
 * ``operands``: per operand ``dense``, or ``<format>/<rank> <index dtype>`` and
   ``shares <n>`` when it uses operand ``n``'s index arrays (its values alone are passed);
 * ``out_format``: ``none``, ``dense``, ``auto``, ``name <JSON string>`` (a format name
@@ -34,14 +34,14 @@ import torch
 
 from sparsenn.formats import Format, parse_format
 
-from ..equation import core_assignment
-from ..expression import Script, Statement, parse_script
-from ..notation import Assignment
-from ..notation_text import read_assignment, write_assignment
+from ..frontend.equation import core_assignment
+from ..frontend.expression import Script, Statement, parse_script
+from ..frontend.notation import Assignment
+from ..frontend.notation_text import read_assignment, write_assignment
 from ..plan.anchor import sampled_operand
 from ..plan.bias import split_epilogue
 from ..plan.infer import result_format
-from ..program import Program, UserOperand, stage
+from ..frontend.program import Program, UserOperand, stage
 from .cache import LRUCache
 
 __all__ = ["VERSION", "CallSpec", "Layout", "SpecVersionError", "anchor_of", "decode", "derived", "read_spec",

@@ -26,8 +26,8 @@ from torch import Tensor
 from sparsenn.formats import SparseTensor
 
 from ..autograd import operand_gradients
-from ..notation import Assignment
-from ..program import Program, UserOperand
+from ..frontend.notation import Assignment
+from ..frontend.program import Program, UserOperand
 from .callspec import CallSpec, decode
 from .evaluate import evaluate, resolved
 from .programs import run

@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.formats import SparseTensor
 
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from .callspec import CallSpec, Layout, anchor_of, decode, derived, remember_spec
 from .evaluate import SplitCall, resolve
 from .launcher import Launch

@@ -10,7 +10,7 @@ Two front ends build it:
 * :func:`parse_einsum` (here) — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit
   output) in their core form: one letter per dimension, none twice in an operand.
   Ellipses, diagonals and size-1 broadcasting are rewritten into that form first
-  (:mod:`sparsenn.compiler.equation`);
+  (:mod:`sparsenn.compiler.frontend.equation`);
 * :func:`~.expression.parse_expression` — index notation for sums of products,
   ``"D[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"`` (the plain case of the grammar of
   :mod:`.expression`, whose other statements :mod:`.program` stages into several
@@ -68,7 +68,7 @@ class Reduced(Value):
 
 @dataclass(frozen=True)
 class Apply(Value):
-    """``function(*args)``, a function of :data:`sparsenn.compiler.functions.FUNCTIONS`."""
+    """``function(*args)``, a function of :data:`sparsenn.compiler.frontend.functions.FUNCTIONS`."""
 
     function: str
     args: tuple[Value, ...]
@@ -260,7 +260,7 @@ def parse_einsum(equation: str, num_operands: int) -> Assignment:
         raise NotationError(f"einsum equation {equation!r} has more than one '->'")
     if "..." in eq:
         raise NotationError(f"einsum equation {equation!r}: ellipsis '...' must be expanded first "
-                            "(sparsenn.compiler.equation.normalise)")
+                            "(sparsenn.compiler.frontend.equation.normalise)")
     lhs, arrow, rhs = eq.partition("->")
     bad = set(re.sub(r"[A-Za-z,]", "", lhs)) | set(re.sub(r"[A-Za-z]", "", rhs))
     if bad:

@@ -1,7 +1,7 @@
 """The text of :func:`sparsenn.compile`: index notation with functions, explicit
 reductions and an output mask, parsed into an expression tree.
 
-The grammar (EBNF) is in :func:`~.runtime.api.compile_expression`'s docstring, the
+The grammar (EBNF) is in :func:`~..api.compile_expression`'s docstring, the
 users' reference; the parser below has one method per rule.
 
 ``function`` is one of :data:`~.functions.PUBLIC_FUNCTIONS`; those names and the

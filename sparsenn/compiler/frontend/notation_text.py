@@ -2,7 +2,7 @@
 line of text, and that line read into an equal assignment.
 
 ``str(assignment)`` is for people (``explain``); this form is exact, for what must be
-stored and read again (a traced call, :mod:`.runtime.callspec`)::
+stored and read again (a traced call, :mod:`..runtime.callspec`)::
 
     assignment = "(" names ")" "[" [indices] "]" "=" reduction "{" term {";" term} "}" [epilogue]
     term       = number "{" [access {"," access}] "}" [":" value]
