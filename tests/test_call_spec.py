@@ -95,6 +95,12 @@ def _csr(rows: int, cols: int, seed: int) -> sparsenn.SparseTensor:
     return sparsenn.from_dense(dense, "csr")
 
 
+def _bsr() -> sparsenn.SparseTensor:
+    generator = torch.Generator().manual_seed(5)
+    dense = torch.randn(32, 32, generator=generator) * (torch.rand(32, 32, generator=generator) < 0.3)
+    return sparsenn.from_dense(dense, "bsr(8,8)")
+
+
 def _kinds() -> dict:
     """Per kind of traced call, a function and its inputs (something requiring grad)."""
     torch.manual_seed(0)
@@ -110,10 +116,14 @@ def _kinds() -> dict:
     attention = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, num_window_blocks=3,
                                               num_random_blocks=1, seed=0, fixed_pattern=True)
     edges = torch.randint(0, 12, (2, 40))
+    blocks = _bsr()
     return {
         "einsum": (lambda w, v: sparsenn.einsum("ij,jk->ik", w, v), weights, x),
         "einsum sampled on a pattern": (lambda w, u, v: sparsenn.einsum("ij,ik,jk->ij", w, u, v), weights,
                                         torch.randn(12, 3, requires_grad=True), torch.randn(10, 3, requires_grad=True)),
+        "einsum sampled on a block pattern": (lambda u, v: sparsenn.einsum("ij,ik,jk->ij", blocks, u, v),
+                                             torch.randn(32, 3, requires_grad=True),
+                                             torch.randn(32, 3, requires_grad=True)),
         "compiled expression with an epilogue": (lambda w, v, b: affine(w, v, b), weights, x, bias),
         "compiled program": (lambda w: softmax(w), weights),
         "softmax": (lambda w: sparsenn.softmax(w, dim=1), weights),
@@ -137,6 +147,20 @@ def test_every_traced_call_reads_back_from_its_text(kind: str) -> None:
         spec = read_spec(call)
         assert spec == decode(call)
         assert spec.encode() == call
+
+
+@pytest.mark.parametrize("pattern", [_bsr(), _csr(32, 32, 6)], ids=["bsr", "csr"])
+def test_a_traced_sampled_product_has_the_eager_results_pattern(pattern: sparsenn.SparseTensor) -> None:
+    """One anchor rule (plan/anchor.py): the traced call returns values on the pattern
+    eager evaluation gives the result, a blocked one included (run over split indices)."""
+    u, v = torch.randn(32, 3), torch.randn(32, 3)
+    f = lambda u, v: sparsenn.einsum("ij,ik,jk->ij", pattern, u, v)  # noqa: E731
+    expected = f(u, v)
+    torch._dynamo.reset()
+    actual = torch.compile(f, fullgraph=True, backend="aot_eager")(u, v)
+    assert actual.format == expected.format == pattern.format
+    assert all(a is b for a, b in zip(actual.crd, pattern.crd))
+    torch.testing.assert_close(actual.values, expected.values)
 
 
 def test_a_saved_exported_program_runs_after_loading(tmp_path) -> None:
