@@ -22,10 +22,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from sparsenn.compiler import Target, use_target
-from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.frontend.notation import parse_einsum
 from sparsenn.compiler.plan.dense_path import dense_product_cycles, schedule_cycles
 from sparsenn.compiler.plan.planner import operand_info
-from sparsenn.compiler.runtime.api import kernel_schedule
+from sparsenn.compiler.api import kernel_schedule
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.layers.linear import SparseLinear, check_weight_format, layer_nnz, resolve_sparsity, shape_problem
 

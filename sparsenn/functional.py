@@ -33,7 +33,7 @@ import torch
 
 from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.batching import batched_format
-from sparsenn.compiler.runtime.ops import tracing
+from sparsenn.compiler.runtime.tracing import tracing
 from sparsenn.formats import SparseTensor
 
 __all__ = ["softmax", "log_softmax", "softmax_program", "softmax_gradient"]

@@ -440,7 +440,7 @@ class NonlinearSkeleton:
     output indices (the bias is the last operand)."""
 
     einsum: EinsumSkeleton
-    assignment: object  # sparsenn.compiler.notation.Assignment
+    assignment: object  # sparsenn.compiler.frontend.notation.Assignment
 
     @property
     def out_format(self) -> str | None:
@@ -450,8 +450,8 @@ class NonlinearSkeleton:
 def random_value(rng: random.Random, factors: int, smooth: bool):
     """A value tree over ``factors`` factors: each factor, maybe through a function,
     combined pairwise by products, sums, differences, max/min or division by ``1 + x²``."""
-    from sparsenn.compiler.functions import apply
-    from sparsenn.compiler.notation import Constant, Factor
+    from sparsenn.compiler.frontend.functions import apply
+    from sparsenn.compiler.frontend.notation import Constant, Factor
 
     unary = SMOOTH if smooth else SMOOTH + ("relu", "abs", "sqrt_abs", "log1p_abs")
     parts = []
@@ -481,8 +481,8 @@ def random_value(rng: random.Random, factors: int, smooth: bool):
 def random_nonlinear_skeleton(seed: int, dtype: torch.dtype | None = None, smooth: bool = False) -> NonlinearSkeleton:
     """Skeleton ``seed``: an einsum skeleton's single term with a random value, reduction
     and epilogue. ``smooth``: sums only, through smooth functions (for gradcheck)."""
-    from sparsenn.compiler.functions import apply
-    from sparsenn.compiler.notation import Access, Assignment, Epilogue, Factor, Reduced, Term
+    from sparsenn.compiler.frontend.functions import apply
+    from sparsenn.compiler.frontend.notation import Access, Assignment, Epilogue, Factor, Reduced, Term
 
     base = random_einsum_skeleton(seed, dtype)
     rng = random.Random(seed + 1_000_003)
@@ -553,8 +553,8 @@ def value_magnitude(value, factors):
     """A bound on the magnitudes a value tree's rounding errors scale with: sums of the
     magnitudes of what is added, products of what is multiplied, and for a function
     ``|f(x)| (1 + m(x)) + m(x)`` (its slope is at most about ``max(1, |f|)``)."""
-    from sparsenn.compiler.functions import evaluate
-    from sparsenn.compiler.notation import Apply, Constant, Factor
+    from sparsenn.compiler.frontend.functions import evaluate
+    from sparsenn.compiler.frontend.notation import Apply, Constant, Factor
 
     if isinstance(value, Factor):
         return factors[value.k].abs()
@@ -577,7 +577,7 @@ def nonlinear_reference(assignment, operands, magnitude: bool = False) -> torch.
     all its sparse factors store an entry, reduced, then the epilogue. ``magnitude``:
     :func:`value_magnitude` (what rounding errors scale with) summed, or, for a max or
     min, its largest value; no epilogue."""
-    from sparsenn.compiler.functions import IDENTITY, evaluate
+    from sparsenn.compiler.frontend.functions import IDENTITY, evaluate
 
     dense = [to_dense(op).double() for op in operands]
     output = assignment.output

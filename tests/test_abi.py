@@ -16,7 +16,7 @@ from sparsenn.compiler.backend import abi, jit
 from sparsenn.compiler.backend.c import array_name
 from sparsenn.compiler.backend.codegen import ASSEMBLY_HEADER, KERNEL_HEADER, generate_source
 from sparsenn.compiler.loops import ir
-from sparsenn.compiler.runtime import api
+from sparsenn.compiler import api
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 

@@ -1,4 +1,4 @@
-"""Blocked operands computed over split indices (sparsenn/compiler/blocks.py)."""
+"""Blocked operands computed over split indices (sparsenn/compiler/frontend/blocks.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from _machines import AVX2, AVX512
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler.blocks import split_call
-from sparsenn.compiler.notation import parse_einsum
+from sparsenn.compiler.frontend.blocks import split_call
+from sparsenn.compiler.frontend.notation import parse_einsum
 from sparsenn.compiler.plan.planner import operand_info
 from sparsenn.compiler.plan.schedule import DotTile, RegisterTile, schedule
 from sparsenn.compiler.plan.target import Target
@@ -236,7 +236,7 @@ def test_nm_operands_split_their_last_index_into_groups_and_offsets(n, m):
 def test_an_nm_operand_read_in_another_mode_order_is_re_stored_with_compressed_offsets():
     weight = SparseTensor.from_dense(torch.randn(512, 512, dtype=torch.float64), format="nm(2,4)")
     grad = torch.randn(64, 512, dtype=torch.float64)
-    plan = sparsenn.compiler.runtime.api.plan("bo,oi->bi", grad, weight, out_format="dense")
+    plan = sparsenn.compiler.api.plan("bo,oi->bi", grad, weight, out_format="dense")
     assert plan.schedule.nests[0].order[0] != "o"  # the reduction outermost would run on one thread
     assert any(slot.fmt is not None and slot.fmt.levels[-1].letter == "c" for slot in plan.kernel.slots)
     torch.testing.assert_close(sparsenn.einsum("bo,oi->bi", grad, weight, out_format="dense"),
@@ -259,7 +259,7 @@ def small_l2_host(host_target):
 def test_a_batch_major_input_is_read_in_panels_of_the_batch_tile(batch, fmt, small_l2_host):
     weight = SparseTensor.from_dense(block_sparse((48, 64), (8, 8), density=0.5, dtype=torch.float64), format=fmt)
     x = torch.randn(batch, 64, dtype=torch.float64)
-    sched = sparsenn.compiler.runtime.api.plan("bi,oi->bo", x, weight, out_format="dense").schedule
+    sched = sparsenn.compiler.api.plan("bi,oi->bo", x, weight, out_format="dense").schedule
     (nest,) = sched.nests
     (tile,) = [t for t in nest.tiles if t.index == "b"]
     assert nest.panels == ((0, tile.size),)
@@ -270,7 +270,7 @@ def test_a_batch_major_input_is_read_in_panels_of_the_batch_tile(batch, fmt, sma
 def test_no_panels_for_an_operand_read_in_its_own_layout(small_l2_host):
     weight = SparseTensor.from_dense(block_sparse((48, 64), (1, 1), density=0.2, dtype=torch.float64), format="csr")
     xt = torch.randn(64, 100, dtype=torch.float64)
-    (nest,) = sparsenn.compiler.runtime.api.plan("oi,ib->ob", weight, xt, out_format="dense").schedule.nests
+    (nest,) = sparsenn.compiler.api.plan("oi,ib->ob", weight, xt, out_format="dense").schedule.nests
     assert any(t.index == "b" for t in nest.tiles) and nest.panels == ()
 
 
@@ -359,7 +359,7 @@ def test_a_masked_product_reads_its_mask_for_the_pattern_and_gets_micro_kernels(
 
 def test_no_dot_tile_over_a_compressed_loop():
     mask = SparseTensor.from_dense(block_sparse((64, 64), (1, 1), density=0.2, dtype=torch.float32), format="csr")
-    (nest,) = sparsenn.compiler.runtime.api.plan("ij,ik,jk->ij", mask, torch.randn(64, 32), torch.randn(64, 32)
+    (nest,) = sparsenn.compiler.api.plan("ij,ik,jk->ij", mask, torch.randn(64, 32), torch.randn(64, 32)
                                                  ).schedule.nests
     assert nest.dot_tile is None
 
@@ -373,7 +373,7 @@ def test_dot_tiled_kernels_match_torch_with_partial_tiles(block, n, k, dtype, ou
     mask = SparseTensor.from_dense(dense, format=f"bsr({block},{block})")
     q, kk = torch.randn(n, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
     out = sparsenn.einsum("ij,ik,jk->ij", mask, q, kk, out_format=out_format)
-    (nest,) = sparsenn.compiler.runtime.api.plan("ij,ik,jk->ij", mask, q, kk, out_format=out_format).schedule.nests
+    (nest,) = sparsenn.compiler.api.plan("ij,ik,jk->ij", mask, q, kk, out_format=out_format).schedule.nests
     assert nest.register_tile or nest.dot_tile  # a register tile when a block row spans a vector
     out = out.to_dense() if isinstance(out, SparseTensor) else out
     tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {}
@@ -569,7 +569,7 @@ def test_packed_panels_match_torch_across_panels_and_partial_blocks(dtype, threa
         w = w.transpose(1, 2).contiguous()
     equation = f"et,td,{weights}->eth"
     sparse = SparseTensor.from_dense(gate, format="csr")
-    plan = sparsenn.compiler.runtime.api.plan(equation, sparse, x, w, out_format="dense")
+    plan = sparsenn.compiler.api.plan(equation, sparse, x, w, out_format="dense")
     assert plan.schedule.nests[0].register_tile.panel < 300
     assert "packed per thread in panels" in sparsenn.explain(equation, sparse, x, w, out_format="dense")
     before = torch.get_num_threads()
@@ -653,7 +653,7 @@ def test_tiled_kernels_written_for_the_widest_vectors_are_correct_on_any_host(ho
     dense = block_sparse((48, 48), (16, 16), density=0.5)
     a = SparseTensor.from_dense(dense, format="bsr(16,16)")
     x, q = torch.randn(48, 70, dtype=torch.float64), torch.randn(48, 21, dtype=torch.float64)
-    assert sparsenn.compiler.runtime.api.plan("ij,jk->ik", a, x).schedule.target.vector_bytes == 64
+    assert sparsenn.compiler.api.plan("ij,jk->ik", a, x).schedule.target.vector_bytes == 64
     torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x), dense @ x)
     torch.testing.assert_close(sparsenn.einsum("ij,ik,jk->ij", a, q, q).to_dense(), dense * (q @ q.T))
     gate = routed(4, 30)
@@ -686,7 +686,7 @@ def test_seven_index_block_products_read_the_blocks_as_stored(length, density):
         ("bhij,bhjd->bhid", [mask, v], None, ("b", "h", "i", "j", "i'", "j'", "d")),
         ("bhij,bhid,bhjd->bhij", [mask, v, v], mask.format, ("b", "h", "i", "j", "i'", "d", "j'")),
     ]:
-        plan = sparsenn.compiler.runtime.api.plan(equation, *operands, out_format=out_format)
+        plan = sparsenn.compiler.api.plan(equation, *operands, out_format=out_format)
         (nest,) = plan.schedule.nests
         assert nest.order == order and all(k != 0 for (_, k), _ in plan.schedule.transposes)
         assert nest.register_tile is not None

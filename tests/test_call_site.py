@@ -16,7 +16,7 @@ import torch
 import sparsenn
 from sparsenn import SparseLinear
 from sparsenn.compiler import compile_expression, use_target
-from sparsenn.compiler.runtime.site import CallSite
+from sparsenn.compiler.call_site import CallSite
 
 from _machines import AVX2, AVX512
 

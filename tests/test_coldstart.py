@@ -196,7 +196,7 @@ def test_float_kernels_parse_no_intrinsics_header_under_gcc():
 
     import sparsenn
     from sparsenn.compiler.backend import jit
-    from sparsenn.compiler.runtime.api import plan
+    from sparsenn.compiler.api import plan
 
     gcc = "clang" not in jit.compiler_info().lower()
     torch.manual_seed(0)

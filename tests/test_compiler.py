@@ -22,7 +22,7 @@ from sparsenn.compiler.lower.merge import lattice
 from sparsenn.compiler.plan.decisions import PrefetchLoop, PrefetchPolicy
 from sparsenn.compiler.plan.planner import operand_info, plan_call
 from sparsenn.compiler.plan.target import Target
-from sparsenn.compiler.runtime import api
+from sparsenn.compiler import api
 
 MATRIX_FORMATS = ["csr", "csc", "coo", "dcsr", "dcsc"]
 

@@ -16,7 +16,7 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler import cache_stats, clear_caches
-from sparsenn.compiler.notation import Access, Assignment, Term, parse_einsum
+from sparsenn.compiler.frontend.notation import Access, Assignment, Term, parse_einsum
 from sparsenn.compiler.plan import contract
 from sparsenn.compiler.plan.contract import Step, best_path, pairwise_path
 from sparsenn.compiler.plan.infer import infer_output_format

@@ -11,7 +11,7 @@ from _machines import AVX2, AVX512
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.runtime.evaluate import DensifiedCall, resolve
 from sparsenn.compiler.runtime.validate import check_call
-from sparsenn.compiler.runtime.api import parse
+from sparsenn.compiler.api import parse
 
 
 TOL = {"rtol": 1e-4, "atol": 1e-4}
@@ -47,7 +47,7 @@ def test_moderate_sparsity_at_a_large_batch_runs_densely_and_high_sparsity_does_
     text = sparsenn.explain("bi,oi->bo", torch.randn(64, 1024), moderate, out_format="dense")
     assert "dense path" in text and "against the sparse kernel" in text
     with pytest.raises(ValueError, match="runs densely"):
-        sparsenn.compiler.runtime.api.plan("bi,oi->bo", torch.randn(64, 1024), moderate, out_format="dense")
+        sparsenn.compiler.api.plan("bi,oi->bo", torch.randn(64, 1024), moderate, out_format="dense")
 
 
 @pytest.mark.parametrize("target, dense", [(AVX2, False), (AVX512, True)], ids=["avx2", "avx512"])
@@ -70,7 +70,7 @@ def test_a_half_sparse_layer_at_batch_one_runs_its_gathered_kernel(target):
         affine = sparsenn.compile("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
         assert "dense path" not in affine.explain(x, w, bias)
         assert not isinstance(routed("bi,oi->bo", x, w), DensifiedCall)
-        (nest,) = sparsenn.compiler.runtime.api.plan("bi,oi->bo", x, w, out_format="dense").schedule.nests
+        (nest,) = sparsenn.compiler.api.plan("bi,oi->bo", x, w, out_format="dense").schedule.nests
         assert nest.order[-1] == "i" and nest.sparse_reduction is not None and nest.sparse_reduction.gathered
 
 

@@ -19,8 +19,8 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler import equation as grammar
-from sparsenn.compiler.diagonal import view, view_format
+from sparsenn.compiler.frontend import equation as grammar
+from sparsenn.compiler.frontend.diagonal import view, view_format
 from sparsenn.formats import parse_format
 
 F64 = torch.float64

@@ -12,10 +12,10 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler.expression import Call, Product, Reduction, Sum, Tensor, parse_statement
-from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS
-from sparsenn.compiler.notation import NotationError, parse_expression
-from sparsenn.compiler.program import StageResult, UserOperand, plain, stage
+from sparsenn.compiler.frontend.expression import Call, Product, Reduction, Sum, Tensor, parse_expression, parse_statement
+from sparsenn.compiler.frontend.functions import FUNCTIONS, PUBLIC_FUNCTIONS
+from sparsenn.compiler.frontend.notation import NotationError
+from sparsenn.compiler.frontend.program import StageResult, UserOperand, plain, stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 

@@ -12,7 +12,7 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler import cache_stats
-from sparsenn.compiler.program import stage_inputs
+from sparsenn.compiler.frontend.program import stage_inputs
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.functional import _programs
 

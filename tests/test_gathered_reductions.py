@@ -14,7 +14,7 @@ from _machines import AVX2, AVX512
 
 import sparsenn
 from sparsenn.compiler import use_target
-from sparsenn.compiler.runtime.api import plan
+from sparsenn.compiler.api import plan
 
 
 def rows_of_every_length(cols: int = 80, dtype=torch.float64) -> torch.Tensor:

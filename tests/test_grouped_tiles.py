@@ -15,7 +15,7 @@ from _machines import AVX2, AVX512
 
 import sparsenn
 from sparsenn.compiler import use_target
-from sparsenn.compiler.runtime.api import plan
+from sparsenn.compiler.api import plan
 
 
 def nm_weight(rows: int, cols: int, fmt: str, dtype=torch.float32, seed: int = 0):

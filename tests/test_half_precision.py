@@ -24,7 +24,7 @@ from torch import nn
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.backend.precision import output_dtype
-from sparsenn.compiler.runtime import api
+from sparsenn.compiler import api
 from sparsenn.compiler.runtime.evaluate import PathCall, resolve, split_of
 from sparsenn.compiler.runtime.validate import check_call
 

@@ -1,7 +1,8 @@
 """Layering: storage (``sparsenn.formats``) never imports the compiler or the layers, the
-compiler never imports the layers, every third-party module the library imports is a
-declared dependency, and only the command's modules import the ``models`` extra. Checked on
-the source (``ast``), so lazy imports inside functions count too."""
+compiler never imports the layers, no module of the compiler imports itself through others
+(no import cycle), every third-party module the library imports is a declared dependency,
+and only the command's modules import the ``models`` extra. Checked on the source
+(``ast``), so lazy imports inside functions count too."""
 
 from __future__ import annotations
 
@@ -40,12 +41,21 @@ def package_of(path: Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
-def imports_of(source: str, package: str) -> set[str]:
+def imports_of(source: str, package: str, annotations: bool = True) -> set[str]:
     """Absolute names of every module ``source`` (a module of ``package``) imports,
-    relative imports resolved, imports inside functions included."""
+    relative imports resolved, imports inside functions included; without
+    ``annotations``, those under ``if TYPE_CHECKING:`` (never run) left out."""
     parts = package.split(".")
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    skipped = set()
+    if not annotations:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                skipped.update(id(inner) for child in node.body for inner in ast.walk(child))
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -56,8 +66,68 @@ def imports_of(source: str, package: str) -> set[str]:
     return names
 
 
-def imported_modules(path: Path) -> set[str]:
-    return imports_of(path.read_text(), package_of(path))
+def imported_modules(path: Path, annotations: bool = True) -> set[str]:
+    return imports_of(path.read_text(), package_of(path), annotations)
+
+
+def import_graph(folder: str) -> dict[str, set[str]]:
+    """Module -> the modules of ``folder`` it imports when it runs (lazy imports included,
+    those for type annotations only not). ``from pkg import name`` reads ``pkg.name``
+    when that is a module, else ``pkg`` (its ``__init__``); the parent packages a
+    module's import runs first are not edges."""
+    modules = {module_name(path): path for path in modules_under(folder)}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {found for found in imported_modules(path, annotations=False)
+                       if found in modules and found != name}
+        # ``from pkg import submodule`` names both; the submodule is the one read
+        graph[name] -= {package for package in graph[name]
+                        if any(other.startswith(package + ".") for other in graph[name])
+                        and modules[package].name == "__init__.py"}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of more than one
+    module (Tarjan's algorithm, iterative), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            following = next(edges, None)
+            if following is not None:
+                if following not in index:
+                    index[following] = low[following] = len(index)
+                    stack.append(following)
+                    on_stack.add(following)
+                    work.append((following, iter(sorted(graph[following]))))
+                elif following in on_stack:
+                    low[node] = min(low[node], index[following])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
 
 
 def modules_under(folder: str) -> list[Path]:
@@ -90,10 +160,29 @@ def test_compiler_never_imports_layers() -> None:
     assert offending(paths, ("sparsenn.layers", "sparsenn.convert", "sparsenn.cli")) == {}
 
 
+def test_the_compiler_has_no_import_cycle() -> None:
+    """Every module of ``sparsenn.compiler`` can be read knowing only the modules below it
+    (each cycle is listed by its modules' names)."""
+    graph = import_graph("compiler")
+    assert len(graph) >= 50 and "sparsenn.compiler.api" in graph
+    # autograd's backward under a torch.func transform runs gradients' Function, whose
+    # rules are autograd's: the one cycle left (its two modules are to become one layer)
+    assert cycles(graph) == [["sparsenn.compiler.autograd", "sparsenn.compiler.gradients"]]
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_lazy_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
 def test_the_checker_resolves_relative_and_lazy_imports() -> None:
     source = "def f():\n    from ..compiler import operators\n    import sparsenn.layers.linear\n"
     names = imports_of(source, "sparsenn.formats")
     assert {"sparsenn.compiler", "sparsenn.compiler.operators", "sparsenn.layers.linear"} <= names
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .tensor import SparseTensor\n"
+    assert "sparsenn.formats.tensor" in imports_of(typed, "sparsenn.formats")
+    assert "sparsenn.formats.tensor" not in imports_of(typed, "sparsenn.formats", annotations=False)
     assert package_of(PACKAGE / "formats" / "tensor.py") == "sparsenn.formats"
     assert package_of(PACKAGE / "formats" / "__init__.py") == "sparsenn.formats"
 

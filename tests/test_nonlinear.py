@@ -15,9 +15,9 @@ from _strategies import nonlinear_reference
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.autograd import differentiable_evaluate
-from sparsenn.compiler.functions import FUNCTIONS, PUBLIC_FUNCTIONS, apply
-from sparsenn.compiler.notation import Access, Assignment, Constant, Epilogue, Factor, Reduced, Term
-from sparsenn.compiler.runtime.api import _plan
+from sparsenn.compiler.frontend.functions import FUNCTIONS, PUBLIC_FUNCTIONS, apply
+from sparsenn.compiler.frontend.notation import Access, Assignment, Constant, Epilogue, Factor, Reduced, Term
+from sparsenn.compiler.api import _plan
 from sparsenn.compiler.runtime.evaluate import evaluate
 from sparsenn.compiler.runtime.validate import check_call
 
@@ -261,7 +261,7 @@ def test_epilogue_reads_dense_operands_only():
 def test_an_epilogue_over_a_path_result_is_written_in_place_when_its_functions_allow(value, in_place):
     """What :class:`EpiloguePathCall` applies over the path's own result: in its memory,
     equal to the out-of-place value; otherwise nothing is written."""
-    from sparsenn.compiler.functions import evaluate as evaluate_value, evaluate_in_place
+    from sparsenn.compiler.frontend.functions import evaluate as evaluate_value, evaluate_in_place
 
     g = torch.Generator().manual_seed(0)
     x, b = torch.randn(4, 5, generator=g), torch.randn(5, generator=g)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from sparsenn.compiler.autograd import _gradient_assignment
-from sparsenn.compiler.notation import Access, Assignment, NotationError, Term, parse_einsum, parse_expression
+from sparsenn.compiler.frontend.expression import parse_expression
+from sparsenn.compiler.frontend.notation import Access, Assignment, NotationError, Term, parse_einsum
 
 
 def single(coefficient: float) -> Assignment:

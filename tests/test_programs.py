@@ -10,11 +10,11 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
-from sparsenn.compiler.expression import parse_script
-from sparsenn.compiler.notation import NotationError
+from sparsenn.compiler.frontend.expression import parse_script
+from sparsenn.compiler.frontend.notation import NotationError
 from sparsenn.compiler.plan.planner import operand_infos
 from sparsenn.compiler.plan.terms import merge_terms
-from sparsenn.compiler.program import StageResult, UserOperand, stage
+from sparsenn.compiler.frontend.program import StageResult, UserOperand, stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 

@@ -11,7 +11,8 @@ import torch
 import sparsenn
 from sparsenn import SparseLinear
 from sparsenn.compiler import cache_stats, clear_caches
-from sparsenn.compiler.runtime import api, memory
+from sparsenn.compiler import api
+from sparsenn.compiler.runtime import memory
 from sparsenn.compiler.runtime.cache import GuardedCache
 from sparsenn.compiler.runtime.evaluate import resolve
 from sparsenn.compiler.runtime.launcher import Launch

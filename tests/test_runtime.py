@@ -12,7 +12,8 @@ import sparsenn
 from sparsenn import SparseLinear, SparseTensor
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.plan.planner import decisions, operand_info, path_request
-from sparsenn.compiler.runtime import api, memory
+from sparsenn.compiler import api
+from sparsenn.compiler.runtime import memory
 from sparsenn.compiler.runtime.cache import LRUCache
 from sparsenn.compiler.runtime.evaluate import resolve
 from sparsenn.compiler.runtime.launcher import Launch

@@ -8,12 +8,13 @@ import torch
 
 import sparsenn
 from sparsenn.formats import parse_format
-from sparsenn.compiler.notation import parse_einsum, parse_expression
+from sparsenn.compiler.frontend.expression import parse_expression
+from sparsenn.compiler.frontend.notation import parse_einsum
 from sparsenn.compiler.plan.cost import OperandInfo
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target
 from sparsenn.compiler.plan.planner import operand_info
-from sparsenn.compiler.runtime.api import plan
+from sparsenn.compiler.api import plan
 
 from _machines import AVX512
 
@@ -127,7 +128,7 @@ def test_three_operand_fusion_touches_only_nonzero_pairs():
 
 def test_chain_with_dense_tail_uses_a_contraction_path():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.notation import parse_einsum
+    from sparsenn.compiler.frontend.notation import parse_einsum
 
     a = sparse((N, N), "csr", density=0.01)
     b, c = torch.randn(N, 64), torch.randn(64, 64)
@@ -142,7 +143,7 @@ def test_chain_with_dense_tail_uses_a_contraction_path():
 
 def test_sddmm_and_attention_stay_fused():
     from sparsenn.compiler.plan.contract import best_path
-    from sparsenn.compiler.notation import parse_einsum
+    from sparsenn.compiler.frontend.notation import parse_einsum
 
     a = sparse((N, N), "csr")
     x, y = torch.randn(N, 64), torch.randn(N, 64)
@@ -199,7 +200,7 @@ def test_three_operand_sampled_product_is_fused():
     # bo,bi,oi->oi samples g^T x on M's pattern: fused, values written in place; the
     # dense 2048 x 2048 product must not be formed.
     from sparsenn.compiler.plan.planner import contraction_path as _contraction_path
-    from sparsenn.compiler.runtime.api import parse as _parse_cached
+    from sparsenn.compiler.api import parse as _parse_cached
 
     m = sparse((2048, 2048), "csr", density=0.1)
     g, x = torch.randn(64, 2048), torch.randn(64, 2048)
@@ -211,7 +212,7 @@ def test_gcn_weight_gradient_contracts_the_narrow_side_first_and_stays_dense():
     # to,ts,si->oi with 16 output channels and 1433 input features: G^T A (nnz * 16) as
     # a dense intermediate, then a dense product; not A X (nnz * 1433).
     from sparsenn.compiler.plan.planner import contraction_path as _contraction_path
-    from sparsenn.compiler.runtime.api import parse as _parse_cached
+    from sparsenn.compiler.api import parse as _parse_cached
 
     a = sparse((2708, 2708), "csr", density=0.002)
     g, x = torch.randn(2708, 16), torch.randn(2708, 1433)

@@ -69,7 +69,7 @@ def test_use_target_wants_a_target():
 
 def source(target: Target, *operands) -> str:
     with sparsenn.compiler.use_target(target):
-        return sparsenn.compiler.runtime.api.plan("ij,jk->ik", *operands, out_format="dense").source
+        return sparsenn.compiler.api.plan("ij,jk->ik", *operands, out_format="dense").source
 
 
 def test_the_kernels_take_their_machine_facts_from_the_target():

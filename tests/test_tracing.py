@@ -1,5 +1,5 @@
 """torch.compile, torch.export and torch.jit.trace of sparsenn layers: each compiled
-assignment is one ``sparsenn::evaluate`` custom op (``compiler/runtime/ops.py``)."""
+assignment is one ``sparsenn::evaluate`` custom op (``compiler/runtime/tracing.py``, ``compiler/runtime/ops.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 import sparsenn
 from sparsenn.compiler import cache_stats
-from sparsenn.compiler.runtime import ops
+from sparsenn.compiler.runtime import callspec, ops, traced_operands, tracing
 from sparsenn.layers.linear import _AFFINE
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
@@ -327,11 +327,11 @@ def test_opcheck_evaluate_and_its_gradient():
     x, weight, bias = torch.randn(4, 48), layer.weight, layer.bias
     weight = weight.with_values(weight.values.detach().requires_grad_())
     operands = [x.requires_grad_(), weight, bias.detach().requires_grad_()]
-    fields = ops._describe(operands)
-    call, anchor = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    fields = traced_operands.describe(operands)
+    call, anchor = tracing._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
     assert anchor is None
     torch.library.opcheck(torch.ops.sparsenn.evaluate.default,
-                          (call, ops._flatten(operands, fields[2::3]), ops._shapes(operands), []))
+                          (call, traced_operands.flatten(operands, fields[2::3]), traced_operands.sparse_shapes(operands), []))
 
 
 def _layer_calls() -> nn.Module:
@@ -378,15 +378,15 @@ def test_compiled_results_with_dynamic_shapes_are_contiguous():
 
 def _layer_call(layer: sparsenn.SparseLinear, x: torch.Tensor) -> tuple[str, list, list[int]]:
     operands = [x, layer.weight, layer.bias]
-    fields = ops._describe(operands)
-    call, _ = ops._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
-    return call, ops._flatten(operands, fields[2::3]), ops._shapes(operands)
+    fields = traced_operands.describe(operands)
+    call, _ = tracing._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    return call, traced_operands.flatten(operands, fields[2::3]), traced_operands.sparse_shapes(operands)
 
 
 def test_planned_layout_is_the_eager_results_layout():
     layer, x = _layer_calls().first, torch.randn(16, 64)
     call, tensors, shapes = _layer_call(layer, x)
-    order, _ = ops.planned_layouts(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),
+    order, _ = tracing.planned_layouts(call, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors),
                                    tuple(shapes))
     with torch.no_grad():
         expected = layer(x)
@@ -421,7 +421,7 @@ def test_traced_einsum_of_dense_operands_returns_a_tensor_of_its_own():
     torch._dynamo.reset()
     y = torch.compile(lambda t: sparsenn.einsum("ij->ij", t), fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
-    call, _ = ops._encoded(None, ("einsum", "ij->ij", 1), None, *ops._describe([x]))
+    call, _ = tracing._encoded(None, ("einsum", "ij->ij", 1), None, *traced_operands.describe([x]))
     torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, [x], [], []))
 
 
@@ -433,19 +433,21 @@ def test_operands_sharing_index_arrays_at_other_shapes():
     f = lambda x, y: sparsenn.einsum("ij,jk->ik", A, x) + sparsenn.einsum("ij,jk->ik", B, y)  # noqa: E731
     torch._dynamo.reset()
     _assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, y), f(x, y))
-    fields = ops._describe([A, B])
+    fields = traced_operands.describe([A, B])
     assert fields[2::3] == [None, None]
 
 
 def test_a_call_string_cannot_load_arbitrary_objects():
+    """A call string is text parsed by the notation's readers: the pickles of the format
+    before it (version 0) are refused by their version, whatever they hold."""
     import base64
     import pickle
 
     evil = "sparsenn-call:" + base64.b64encode(pickle.dumps(print)).decode()
-    with pytest.raises(pickle.UnpicklingError, match="cannot reference builtins.print"):
-        ops.decode(evil)
+    with pytest.raises(callspec.SpecVersionError, match="format version 0 .* reads version 1"):
+        callspec.decode(evil)
     with pytest.raises(ValueError, match="not a sparsenn call string"):
-        ops.decode("garbage")
+        callspec.decode("garbage")
 
 
 def test_traced_op_validates_the_buffers_it_is_given():
@@ -492,5 +494,5 @@ def test_a_call_string_cannot_call_sparsenn_functions():
             return jit.load_library, ("int main() { return 0; }",)
 
     evil = "sparsenn-call:" + base64.b64encode(pickle.dumps(Build())).decode()
-    with pytest.raises(pickle.UnpicklingError, match="cannot reference sparsenn.compiler.backend.jit.load_library"):
-        ops.decode(evil)
+    with pytest.raises(callspec.SpecVersionError, match="format version 0"):
+        callspec.decode(evil)

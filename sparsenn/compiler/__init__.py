@@ -1,41 +1,43 @@
 """The sparse einsum compiler, behind :func:`einsum`, :func:`compile_expression` and
-:func:`explain`.
+:func:`explain` (all three in ``api.py``).
 
 One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order:
 
 1. ``layers/linear.py``: ``forward`` calls ``einsum("bi,oi->bo", x, W, out_format="dense")``
    (with a bias, the compiled ``Y[b,o] = X[b,i] * W[o,i] + bias[o]``).
-2. ``runtime/api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated
-   letters) into the core notation (``equation.py``), parses it (``notation.py``,
-   cached; terms may apply the scalar functions of ``functions.py`` to their factors,
-   reduce by max or min, and end in an epilogue) and hands it to ``autograd.py``,
-   which records the call when gradients are needed (backward passes are einsums too)
-   and calls ``runtime/evaluate.py``.
+2. ``api.py``: :func:`einsum` rewrites torch's grammar (ellipses, repeated letters) into
+   the core notation (``frontend/equation.py``, with ``frontend/diagonal.py``), parses it
+   (``frontend/notation.py``, cached; terms may apply the scalar functions of
+   ``frontend/functions.py`` to their factors, reduce by max or min, and end in an
+   epilogue) and hands it to ``autograd.py``, which records the call when gradients are
+   needed (backward passes are einsums too; ``gradients.py`` and ``batching.py`` under
+   torch.func transforms) and calls ``runtime/evaluate.py``.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,
    and the call resolves to the same call over split indices when an operand is blocked
-   or n:m (``blocks.py``: block and in-block coordinates, the operands viewed so),
-   ``torch.einsum`` (a sum of products of dense operands), pairwise contractions
+   or n:m (``frontend/blocks.py``: block and in-block coordinates, the operands viewed
+   so), ``torch.einsum`` (a sum of products of dense operands), pairwise contractions
    (``plan/contract.py``) or one kernel, biases folded into its epilogue
    (``plan/bias.py``).
 4. ``plan/planner.py``: the result's format from the operands' formats and
-   ``out_format`` (``plan/infer.py``), then the schedule (``plan/schedule.py`` searches
-   loop orders with the cost model of ``plan/cost.py``, places workspaces, tiles and
-   panels, designs each nest's micro-kernel in ``plan/microkernel.py``: register blocks,
-   register, grouped and dot tiles, packing, and records every code decision of
+   ``out_format`` (``plan/infer.py``; a result sampled on an operand's pattern takes it:
+   ``plan/anchor.py``), then the schedule (``plan/schedule.py`` searches loop orders
+   with the cost model of ``plan/cost.py``, places workspaces, tiles and panels, designs
+   each nest's micro-kernel in ``plan/microkernel.py``: register blocks, register,
+   grouped and dot tiles, packing, and records every code decision of
    ``plan/decisions.py``: vector and sparse reductions, row blocks, prefetching loops,
    store-once, ``omp simd``, the output's assembly, threads; the result's types in
    ``plan/nest.py``), all for an explicit machine model (``plan/target.py``: the host's,
-   or one given with ``use_target``). The plan is looked up by those decisions, so every batch
-   size with the same decisions shares one kernel. A new plan is built by
+   or one given with ``use_target``). The plan is looked up by those decisions, so every
+   batch size with the same decisions shares one kernel. A new plan is built by
    ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
    (``lower/dense_output.py`` with ``lower/epilogue.py`` and its micro-kernels in
    ``lower/microkernel.py`` and ``lower/register_tile.py``, or ``lower/sparse_output.py``
-   with ``lower/assembly.py`` for a sparse result), iterating each storage level through its capabilities
-   (``formats/level.py`` via ``lower/iterators.py``) and co-iterating levels in one
-   routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;
+   with ``lower/assembly.py`` for a sparse result), iterating each storage level through
+   its capabilities (``formats/level.py`` via ``lower/iterators.py``) and co-iterating
+   levels in one routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;
    ``backend/c.py`` prints the C++ and ``backend/codegen.py`` wraps it into a
    translation unit around the runtime headers (``backend/runtime/*.h``) with the entry
    points of ``backend/abi.py``; ``backend/jit.py`` compiles and loads it (cached on disk).
@@ -43,18 +45,30 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    ``sn_run`` through ctypes with the GIL released and returns the dense result, or
    the sparse one the kernel assembled.
 
-``compile_expression(text)`` (``sparsenn.compile``) parses its text once
-(``expression.py``: functions, explicit reductions, masks; statements separated by ``;``
-or newlines, a later one reading earlier results by name) and, per formats signature of
-its operands, stages it into a program of assignments (``program.py``); a plain sum of
-products is one assignment. ``runtime/programs.py`` runs a program: when nothing records
-it for autograd, ``plan/fusion.py`` groups its consecutive stages that share their team
-loops and read earlier results only at their own team coordinates (sparse softmax: the
+A fused program, ``sparsenn.softmax`` or ``sparsenn.compile("M[i] = max[j](S[i,j]);
+E<S>[i,j] = exp(S[i,j] - M[i]); Z[i] = sum[j](E[i,j]); P<S>[i,j] = E[i,j] / Z[i]")``:
+``api.compile_expression`` parses the text once (``frontend/expression.py``: functions,
+explicit reductions, masks; statements separated by ``;`` or newlines, a later one
+reading earlier results by name) and, per formats signature of its operands,
+``frontend/program.py`` stages it into a program of assignments (a plain sum of products
+is one assignment, run as in steps 2-5). ``runtime/programs.py`` runs the program: when
+nothing records it for autograd, ``plan/fusion.py`` groups its consecutive stages that
+share their team loops and read earlier results only at their own team coordinates (the
 row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
 before them and its SpMM after), decided from the stages' plans before anything runs,
 with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
 (``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
-are in cache; a stage alone runs as in steps 2-5.
+are in cache, launched as in step 5; a stage alone runs as in steps 2-5. When gradients
+are needed each stage is a differentiable call of ``autograd.py``.
+
+Under ``torch.compile``, ``torch.export`` or ``torch.jit.trace``
+(``runtime/tracing.py``), step 2 records one ``sparsenn::evaluate`` op per call instead
+of running it: its call string (``runtime/callspec.py``: versioned text holding the
+call as written, an assignment in ``frontend/notation_text.py``'s exact form, the
+operands' formats and the request) and its operands flattened into tensors
+(``runtime/traced_operands.py``). The op's kernels (``runtime/ops.py``, registered on
+import) read the string back and evaluate as in steps 3-5 or as a program (a repeated
+call replayed: ``runtime/replay.py``); its backward runs ``autograd.py``'s gradients.
 
 ``explain(equation, *operands)`` prints steps 3-4 for a call, C++ included; a compiled
 program's ``explain`` adds the fusion decisions and the fused kernels' C++.
@@ -70,12 +84,13 @@ from dataclasses import replace
 from sparsenn.formats.arithmetic import install_arithmetic
 
 from .backend.jit import CompilerNotFoundError, KernelBuildError
-from .notation import NotationError
-from .operators import ARITHMETIC
+from .frontend.notation import NotationError
+from .frontend.operators import ARITHMETIC
 from .plan.target import Target
-from .runtime.api import CompiledExpression, compile_expression, einsum, explain, use_target
+from .api import CompiledExpression, compile_expression, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
 from .runtime.memory import poison_outputs, set_output_pool_limit
+from .runtime.ops import evaluate_op as _evaluate_op  # registers the sparsenn::evaluate ops that traces record
 
 install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @ and sum run through the compiler
 

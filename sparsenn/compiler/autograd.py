@@ -43,10 +43,10 @@ from sparsenn.formats import SparseTensor
 
 from .backend import jit
 from .batching import batched_call
-from .functions import apply, derivative
-from .notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from .frontend.functions import apply, derivative
+from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.bias import split_epilogue
-from .runtime.ops import traced_evaluate, tracing, transforming
+from .runtime.tracing import traced_evaluate, tracing, transforming
 
 __all__ = ["differentiable_evaluate", "recorded"]
 
@@ -402,7 +402,7 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
     (whose rules :class:`_SparseEinsum` defines) while one runs. An epilogue is then run
     as a second, elementwise assignment over the saved reduced values (see
     :func:`~.plan.bias.split_epilogue`). Under a tracer each evaluation is one
-    ``sparsenn::evaluate`` op (:mod:`.runtime.ops`) with the same gradients."""
+    ``sparsenn::evaluate`` op (:mod:`.runtime.tracing`) with the same gradients."""
     if tracing():  # each op's autograd formula records its gradients
         if assignment.epilogue is None or not recorded(operands):
             return traced_evaluate(assignment, operands, out_format)

@@ -40,10 +40,10 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.level import Dense
 
-from .notation import Access, Assignment, Epilogue, Term
+from .frontend.notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .runtime import memory
-from .runtime.ops import transforming
+from .runtime.tracing import transforming
 
 __all__ = ["BatchedResult", "batched_call", "batched_format", "looped_call", "stacked_format"]
 

@@ -21,7 +21,7 @@ from sparsenn.formats import SparseTensor
 
 from .autograd import _apply, _gradients, _operand, _Spec, tangent
 from .batching import batched_call
-from .runtime.ops import transforming
+from .runtime.tracing import transforming
 
 __all__ = ["gradients_together"]
 

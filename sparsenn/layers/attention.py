@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
-from sparsenn.compiler.runtime.ops import tracing, transforming
+from sparsenn.compiler.runtime.tracing import tracing, transforming
 from sparsenn.formats import SparseTensor, from_coo, from_dense
 from sparsenn.functional import softmax_gradient, softmax_program
 from sparsenn.layers.arguments import checked_int

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from sparsenn.compiler import compile_expression, einsum
 from sparsenn.compiler.runtime.autocast import autocast_dtype
-from sparsenn.compiler.runtime.ops import transforming
+from sparsenn.compiler.runtime.tracing import transforming
 from sparsenn.formats import SparseTensor, parse_format
 from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
 

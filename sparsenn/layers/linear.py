@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
-from sparsenn.compiler.runtime.site import CallSite
+from sparsenn.compiler.call_site import CallSite
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.layers.conventions import FLOAT_DTYPES, factory_kwargs, refuse_onnx_export, refuse_torchscript
 from sparsenn.layers.pattern import PatternBuffers

@@ -161,7 +161,7 @@ class Call(Expr):
 
 @dataclass(frozen=True)
 class Math(Expr):
-    """A scalar function of values (V), one of :data:`sparsenn.compiler.functions.FUNCTIONS`
+    """A scalar function of values (V), one of :data:`sparsenn.compiler.frontend.functions.FUNCTIONS`
     other than arithmetic (printed as its runtime helper ``sn_<function>``)."""
 
     function: str

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from sparsenn.formats import Format
 
 from ..loops import ir
-from ..notation import Assignment, Constant, Factor, Reduced, Term, Value
+from ..frontend.notation import Assignment, Constant, Factor, Reduced, Term, Value
 from ..plan.schedule import Schedule
 
 __all__ = ["Slot", "Lowering", "lower_value", "product_of", "counted", "ONES"]

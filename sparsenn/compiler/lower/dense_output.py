@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from ..functions import IDENTITY
+from ..frontend.functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from sparsenn.formats.level import Level
 
 from ..loops import ir
-from ..notation import Term
+from ..frontend.notation import Term
 from .context import Lowering, Slot
 
 __all__ = ["initial_states", "FactorState", "LevelExprs", "Cursor", "open_cursor", "locate", "level_size", "segment_end",

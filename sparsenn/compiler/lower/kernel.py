@@ -16,7 +16,7 @@ from sparsenn.formats import Format
 from ..backend.c import print_block
 from ..loops import ir
 from ..loops.simplify import simplify
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from ..plan.schedule import Schedule
 from .context import Lowering, Slot
 from .dense_output import lower_dense_output

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..functions import IDENTITY
+from ..frontend.functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import RowBlock
 from .context import ONES, Lowering, counted, product_of

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 
 from sparsenn.formats import Format
 
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from .cost import OperandInfo
+from .infer import result_format
 
-__all__ = ["find_anchor"]
+__all__ = ["find_anchor", "sampled_operand"]
 
 
 def find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested: Format | None,
@@ -27,11 +28,29 @@ def find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested:
     gradients, ``P * (dP - G)`` of a softmax's backward. Values are then written in
     place and nothing is assembled. Only for a sparse ``output``, and when a format is
     ``requested``, an operand of that format."""
+    return _anchor(assignment, [i.format for i in infos], [i.pattern for i in infos], requested, output, False)
+
+
+def sampled_operand(assignment: Assignment, formats: Sequence[Format | None], patterns: Sequence[int | None],
+                    request: Format | str | None) -> int | None:
+    """:func:`find_anchor` from the operands' formats and the output request alone, as a
+    traced call decides it before any data exists: the output the planner starts from is
+    dense for ``"dense"``, the requested format, or the one inferred from the formats
+    (``"auto"`` included: its fill is known only when the call runs). A blocked operand
+    may anchor: the call runs over split indices (:mod:`..frontend.blocks`), where the
+    planner sees it unblocked, its outer levels deciding as here."""
+    if request == "dense":
+        return None
+    requested = request if isinstance(request, Format) else None
+    output = request if requested is not None else result_format(assignment, list(formats))
+    return _anchor(assignment, formats, patterns, requested, output, True)
+
+
+def _anchor(assignment: Assignment, formats: Sequence[Format | None], patterns: Sequence[int | None],
+            requested: Format | None, output: Format | None, blocked: bool) -> int | None:
     if output is None:
         return None
     out = assignment.output
-    formats = [i.format for i in infos]
-    patterns = [i.pattern for i in infos]
 
     def root(operand: int) -> int:
         """The first operand with ``operand``'s index arrays."""
@@ -46,7 +65,7 @@ def find_anchor(assignment: Assignment, infos: Sequence[OperandInfo], requested:
         return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
 
     for n, fmt in enumerate(formats):
-        if fmt is None or fmt.block is not None or (requested is not None and requested != fmt):
+        if fmt is None or (fmt.block is not None and not blocked) or (requested is not None and requested != fmt):
             continue
         if all(
             any(f.operand == n and f.indices == out for f in t.factors) and not any(narrows(f, n) for f in t.factors)

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 from sparsenn.formats import Format
 
-from ..functions import apply
-from ..notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
+from ..frontend.functions import apply
+from ..frontend.notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .infer import result_format
 
 __all__ = ["fold_bias", "split_epilogue"]

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 from .anchor import find_anchor
 from .infer import SPARSE_OUTPUT_DENSITY, infer_output_format
-from ..notation import Access, Assignment, Term
+from ..frontend.notation import Access, Assignment, Term
 from ..backend.abi import MAX_OUTPUT_RANK
 from ..runtime.cache import LRUCache
 from .cost import estimate_positions

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from sparsenn.formats import Format
 from sparsenn.formats.level import Dense, Level
 
-from ..notation import Term
+from ..frontend.notation import Term
 from .decisions import NestFactor, gathered_reduction, reductions_from
 from .target import Target
 

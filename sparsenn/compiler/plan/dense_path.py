@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from sparsenn.formats import Format, parse_format
 
-from ..notation import Assignment, Term
+from ..frontend.notation import Assignment, Term
 
 __all__ = ["infer_output_format", "result_format", "densify_by_fill", "mode_is_sparse",
            "SPARSE_OUTPUT_DENSITY"]

@@ -91,7 +91,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..notation import Term
+from ..frontend.notation import Term
 from . import decisions
 from .cost import Factor, nest_cost, outside_vector, register_blockable
 from .decisions import VectorReduction

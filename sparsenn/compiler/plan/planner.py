@@ -37,7 +37,7 @@ from ..backend.codegen import generate_fused_source, generate_source
 from ..backend.precision import compute_dtype
 from ..lower.fuse import FusedStage, lower_fused
 from ..lower.kernel import LoweredKernel, lower
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from ..runtime.cache import LRUCache
 from .anchor import find_anchor
 from .contract import Step, best_path

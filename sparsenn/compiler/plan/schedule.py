@@ -50,8 +50,8 @@ from dataclasses import replace
 
 from sparsenn.formats import Format
 
-from .. import notation
-from ..notation import Assignment, Term
+from ..frontend import notation
+from ..frontend.notation import Assignment, Term
 from . import decisions
 from . import microkernel
 from .cost import Factor, OperandInfo, estimate_positions, nest_cost

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..functions import apply
-from ..notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from ..frontend.functions import apply
+from ..frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .cost import OperandInfo
 
 __all__ = ["merge_terms"]

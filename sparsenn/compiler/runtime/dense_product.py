@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..notation import Access, Assignment, Term
+from ..frontend.notation import Access, Assignment, Term
 
 __all__ = ["BlasForm", "blas_form"]
 

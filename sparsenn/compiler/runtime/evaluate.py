@@ -31,10 +31,10 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
-from .. import functions
-from ..blocks import Split, split_call
+from ..frontend import functions
+from ..frontend.blocks import Split, split_call
 from ..backend.precision import compute_dtype
-from ..notation import Access, Assignment, Term, parse_einsum
+from ..frontend.notation import Access, Assignment, Term, parse_einsum
 from ..plan.bias import fold_bias, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path

@@ -30,7 +30,7 @@ from sparsenn.formats import Format, SparseTensor
 
 from ..backend.abi import EntryPoints
 from ..backend.precision import output_dtype
-from ..functions import IDENTITY
+from ..frontend.functions import IDENTITY
 from ..plan.planner import Plan, ShapePlan, runs_parallel
 from . import memory
 from .densified import RELAID

@@ -1,4 +1,4 @@
-"""Run a program (:mod:`..program`): its stages grouped into kernels as the planner
+"""Run a program (:mod:`..frontend.program`): its stages grouped into kernels as the planner
 decides (:mod:`..plan.fusion`).
 
 The first call of a signature (:func:`validate.call_key` of the program and its
@@ -23,15 +23,15 @@ import torch
 
 from ..autograd import differentiable_evaluate, recorded
 from ..backend import abi
-from ..blocks import Split
+from ..frontend.blocks import Split
 from ..lower.fuse import FusedStage
 from ..plan.fusion import Candidate, Fusion, fuse
 from ..plan.planner import ShapePlan, build_fused_kernel
-from ..program import Program, Stage, StageResult, stage_inputs
+from ..frontend.program import Program, Stage, StageResult, stage_inputs
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .launcher import Launch, bind, output_allocator, run_stages
-from .ops import transforming
+from .tracing import transforming
 from .validate import call_key, check_call
 
 __all__ = ["run", "run_all", "run_program", "describe_program"]

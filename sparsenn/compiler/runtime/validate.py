@@ -21,7 +21,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.validate import VALUE_DTYPE_NAMES, VALUE_DTYPES
 
-from ..notation import Assignment
+from ..frontend.notation import Assignment
 from ..plan.planner import AUTO, DENSE, Request, shared_patterns
 from .cache import Guard
 

@@ -7,11 +7,11 @@ position; user-chosen names are kept only for display and never reach generated 
 
 Two front ends build it:
 
-* :func:`parse_einsum` — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit output)
-  in their core form: one letter per dimension, none twice in an operand. Ellipses,
-  diagonals and size-1 broadcasting are rewritten into that form first
-  (:mod:`sparsenn.compiler.equation`);
-* :func:`parse_expression` — index notation for sums of products,
+* :func:`parse_einsum` (here) — torch's ``einsum`` strings (``"ij,jk->ik"``, implicit
+  output) in their core form: one letter per dimension, none twice in an operand.
+  Ellipses, diagonals and size-1 broadcasting are rewritten into that form first
+  (:mod:`sparsenn.compiler.frontend.equation`);
+* :func:`~.expression.parse_expression` — index notation for sums of products,
   ``"D[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"`` (the plain case of the grammar of
   :mod:`.expression`, whose other statements :mod:`.program` stages into several
   assignments).
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Access", "Term", "Assignment", "Epilogue", "Value", "Factor", "Constant", "Reduced", "Apply",
-           "REDUCTIONS", "parse_einsum", "parse_expression", "NotationError"]
+           "REDUCTIONS", "parse_einsum", "NotationError"]
 
 REDUCTIONS = ("sum", "max", "min")  # how a term's values combine over its reduction indices
 
@@ -68,7 +68,7 @@ class Reduced(Value):
 
 @dataclass(frozen=True)
 class Apply(Value):
-    """``function(*args)``, a function of :data:`sparsenn.compiler.functions.FUNCTIONS`."""
+    """``function(*args)``, a function of :data:`sparsenn.compiler.frontend.functions.FUNCTIONS`."""
 
     function: str
     args: tuple[Value, ...]
@@ -260,7 +260,7 @@ def parse_einsum(equation: str, num_operands: int) -> Assignment:
         raise NotationError(f"einsum equation {equation!r} has more than one '->'")
     if "..." in eq:
         raise NotationError(f"einsum equation {equation!r}: ellipsis '...' must be expanded first "
-                            "(sparsenn.compiler.equation.normalise)")
+                            "(sparsenn.compiler.frontend.equation.normalise)")
     lhs, arrow, rhs = eq.partition("->")
     bad = set(re.sub(r"[A-Za-z,]", "", lhs)) | set(re.sub(r"[A-Za-z]", "", rhs))
     if bad:
@@ -295,21 +295,3 @@ def parse_einsum(equation: str, num_operands: int) -> Assignment:
         output = tuple(sorted(i for i, c in counts.items() if c == 1))  # ASCII: A-Z before a-z, as torch
     names = tuple(f"operand{n}" for n in range(num_operands))
     return Assignment(output, (Term(1.0, tuple(accesses)),), names)
-
-
-def parse_expression(text: str) -> Assignment:
-    """Parse a sum of products, ``"Out[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"``, into
-    one :class:`Assignment` (grammar: :mod:`.expression`).
-
-    Operands are numbered by first appearance on the right-hand side; a name used twice
-    refers to the same operand. Functions, explicit reductions and masks may need
-    several kernels: :func:`sparsenn.compile` stages those.
-    """
-    # The grammar reads the function table, which is built on this module's Value types.
-    from .expression import parse_statement, plain_assignment
-
-    assignment = plain_assignment(parse_statement(text))
-    if assignment is None:
-        raise NotationError(f"{text!r} is not a sum of products of tensors (it has a function, an explicit "
-                            "reduction, a division or a mask): compile it with sparsenn.compile, which stages it")
-    return assignment

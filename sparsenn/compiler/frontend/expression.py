@@ -1,7 +1,7 @@
 """The text of :func:`sparsenn.compile`: index notation with functions, explicit
 reductions and an output mask, parsed into an expression tree.
 
-The grammar (EBNF) is in :func:`~.runtime.api.compile_expression`'s docstring, the
+The grammar (EBNF) is in :func:`~..api.compile_expression`'s docstring, the
 users' reference; the parser below has one method per rule.
 
 ``function`` is one of :data:`~.functions.PUBLIC_FUNCTIONS`; those names and the
@@ -23,7 +23,7 @@ from .functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from .notation import REDUCTIONS, Access, Assignment, NotationError, Term
 
 __all__ = ["Tensor", "Call", "Reduction", "Product", "Sum", "Statement", "Script", "parse_statement",
-           "parse_script", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
+           "parse_script", "parse_expression", "plain_assignment", "mentioned", "product_indices", "tensors_in"]
 
 
 @dataclass(frozen=True)
@@ -466,3 +466,18 @@ def plain_assignment(statement: Statement) -> Assignment | None:
     terms = tuple(Term(p.coefficient, tuple(Access(number[f.name], f.indices) for f in p.factors))
                   for p in products)
     return Assignment(statement.indices, terms, statement.operands)
+
+
+def parse_expression(text: str) -> Assignment:
+    """Parse a sum of products, ``"Out[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"``, into
+    one :class:`Assignment` (grammar: :mod:`.expression`).
+
+    Operands are numbered by first appearance on the right-hand side; a name used twice
+    refers to the same operand. Functions, explicit reductions and masks may need
+    several kernels: :func:`sparsenn.compile` stages those.
+    """
+    assignment = plain_assignment(parse_statement(text))
+    if assignment is None:
+        raise NotationError(f"{text!r} is not a sum of products of tensors (it has a function, an explicit "
+                            "reduction, a division or a mask): compile it with sparsenn.compile, which stages it")
+    return assignment

@@ -1,6 +1,6 @@
 """torch.einsum's whole grammar, rewritten into the compiler's core notation.
 
-The core (:func:`~sparsenn.compiler.notation.parse_einsum`) takes one letter per
+The core (:func:`~sparsenn.compiler.frontend.notation.parse_einsum`) takes one letter per
 dimension, no letter twice within an operand, and one size per letter. torch.einsum
 also takes
 
@@ -16,7 +16,7 @@ also takes
 
 :func:`normalise` rewrites a call into the core form: fresh letters for the ellipsis
 dimensions, each operand with repeated letters or broadcast dimensions replaced by its
-:func:`~sparsenn.compiler.diagonal.view`, and an explicit output; what to do is worked
+:func:`~sparsenn.compiler.frontend.diagonal.view`, and an explicit output; what to do is worked
 out once per equation and operand shapes (:class:`Rewrite`). An equation that needs
 none of this (no ``.``, no letter twice within an operand) is recognised once per
 string and passed on as it is; size-1 broadcasting in such an equation is handled by
@@ -36,9 +36,10 @@ import torch
 from sparsenn.formats import SparseTensor
 
 from .diagonal import Groups, view
-from .notation import NotationError
+from .notation import Assignment, NotationError, parse_einsum
+from ..runtime.cache import LRUCache
 
-__all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one"]
+__all__ = ["Equation", "Rewrite", "parse", "normalise", "broadcast_size_one", "core_assignment"]
 
 ELLIPSIS = "..."
 _LETTERS = string.ascii_letters
@@ -209,7 +210,7 @@ def _output(eq: Equation, width: int) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Rewrite:
     """One equation's core form for operands of given shapes: the core equation, and per
-    operand the groups of modes its :func:`~sparsenn.compiler.diagonal.view` walks
+    operand the groups of modes its :func:`~sparsenn.compiler.frontend.diagonal.view` walks
     together (None: the operand is used as it is)."""
 
     equation: str
@@ -304,3 +305,17 @@ def broadcast_size_one(equation: str, operands: tuple) -> tuple[str, tuple] | No
     except (ValueError, TypeError):
         return None
     return None if all(a is b for a, b in zip(ops, operands)) else (rewritten, ops)
+
+
+_equations: LRUCache[Assignment] = LRUCache("equations", 1024)
+
+
+def core_assignment(equation: str, num_operands: int) -> Assignment:
+    """``parse_einsum(equation, num_operands)`` of a core equation (:func:`normalise`'s),
+    cached."""
+    key = (equation, num_operands)
+    assignment = _equations.get(key)
+    if assignment is None:
+        assignment = parse_einsum(equation, num_operands)
+        _equations.put(key, assignment)
+    return assignment

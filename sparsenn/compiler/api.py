@@ -1,9 +1,9 @@
 """The public entry points: :func:`einsum`, :func:`compile_expression`, :func:`explain`
 and :func:`plan`. Each parses its expression (equations are cached), records the call
 for autograd when gradients are needed (``compiler.autograd``) and evaluates it
-(:mod:`runtime.evaluate`); a compiled expression runs the stages of its program
-(:mod:`..program`). Under ``torch.autocast`` the operands are cast first
-(:mod:`runtime.autocast`)."""
+(:mod:`.runtime.evaluate`); a compiled expression runs the stages of its program
+(:mod:`.frontend.program`, :mod:`.runtime.programs`). Under ``torch.autocast`` the
+operands are cast first (:mod:`.runtime.autocast`)."""
 
 from __future__ import annotations
 
@@ -15,37 +15,25 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from ..autograd import differentiable_evaluate
-from ..equation import broadcast_size_one, normalise
-from ..expression import Script, parse_script
-from ..notation import Assignment, parse_einsum
-from ..program import Program, plain, signature, stage, stage_inputs
-from ..plan.contract import describe_path
-from ..plan.planner import Plan, ShapePlan
-from ..plan.schedule import Schedule
-from ..plan.target import ACTIVE_TARGET, Target
-from .autocast import autocast_operands
-from .cache import LRUCache, clear_caches
-from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
-from .ops import traced_evaluate, tracing
-from .programs import describe_program, run, run_all
-from .validate import Checked, check_call, describe_operand
+from .autograd import differentiable_evaluate
+from .frontend.equation import broadcast_size_one, normalise
+from .frontend.equation import core_assignment as parse
+from .frontend.expression import Script, parse_script
+from .frontend.notation import Assignment
+from .frontend.program import Program, plain, signature, stage, stage_inputs
+from .plan.contract import describe_path
+from .plan.planner import Plan, ShapePlan
+from .plan.schedule import Schedule
+from .plan.target import ACTIVE_TARGET, Target
+from .runtime.autocast import autocast_operands
+from .runtime.cache import clear_caches
+from .runtime.evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
+from .runtime.programs import describe_program, run, run_all
+from .runtime.tracing import traced_evaluate, tracing
+from .runtime.validate import Checked, check_call, describe_operand
 
 __all__ = ["einsum", "compile_expression", "explain", "plan", "kernel_schedule", "use_target", "parse",
            "describe_schedule", "CompiledExpression"]
-
-_equations: LRUCache[Assignment] = LRUCache("equations", 1024)
-
-
-def parse(equation: str, num_operands: int) -> Assignment:
-    """``parse_einsum(equation, num_operands)``, cached."""
-    key = (equation, num_operands)
-    assignment = _equations.get(key)
-    if assignment is None:
-        assignment = parse_einsum(equation, num_operands)
-        _equations.put(key, assignment)
-    return assignment
-
 
 def einsum(equation: str, *operands, out_format=None):
     """Einstein summation over dense ``torch.Tensor`` and :class:`SparseTensor` operands.
@@ -57,7 +45,7 @@ def einsum(equation: str, *operands, out_format=None):
     sparse), ``"dense"`` asks for a tensor, a format name or :class:`Format` for that
     format, and ``"auto"`` infers, then returns a tensor when the inferred sparse result
     is estimated to be at least 1/8 full (a result type that depends on the data).
-    The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.equation`).
+    The equation follows torch.einsum's grammar (see :mod:`sparsenn.compiler.frontend.equation`).
     Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
     computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
@@ -140,7 +128,7 @@ class CompiledExpression:
         if tracing():  # the whole program as one op (a script named by its text: traced code passes constants)
             if isinstance(self.statement, Script):
                 return traced_evaluate(None, operands, self.out_format, ("script", self.text))
-            return traced_evaluate(self.statement, operands, self.out_format, ("program",))
+            return traced_evaluate(None, operands, self.out_format, ("statement", self.text))
         return run(self.program(operands), operands)
 
     def explain(self, *args, **kwargs) -> str:
@@ -220,7 +208,7 @@ def compile_expression(text: str, out_format=None, returns: str | Sequence[str] 
       read) and the result has exactly ``S``'s pattern and format;
     * ``a / b``: ``b`` must be dense at run time (a sparse operand there is a ValueError).
 
-    Semantics with sparse operands (the stages are in :mod:`sparsenn.compiler.program`):
+    Semantics with sparse operands (the stages are in :mod:`sparsenn.compiler.frontend.program`):
 
     * a term (a product, possibly of function calls) is evaluated where all its sparse
       operands store entries; that is exact when its value vanishes with each of them

@@ -35,8 +35,8 @@ from sparsenn.formats import Format, SparseTensor
 from sparsenn.formats.level import Compressed, Dense, Level
 
 from .notation import Access, Assignment, Epilogue, Term
-from .plan.infer import result_format
-from .plan.planner import AUTO, DENSE
+from ..plan.infer import result_format
+from ..plan.planner import AUTO, DENSE
 
 __all__ = ["Split", "split_call", "inner_name"]
 

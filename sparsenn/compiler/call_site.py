@@ -2,14 +2,14 @@
 
 Such a site mostly sees one signature of operands from call to call (the same weight,
 inputs of one shape). :class:`CallSite` keeps the guard and run function of the
-signature it saw last (:func:`.evaluate.guarded_run`), so a repeated plain call costs
-that guard (every per-call check of :func:`.validate.call_guard`: types, shapes,
+signature it saw last (:func:`.runtime.evaluate.guarded_run`), so a repeated plain call costs
+that guard (every per-call check of :func:`.runtime.validate.call_guard`: types, shapes,
 strides, dtypes, unedited index arrays) and the run, without the entry point's dispatch
 or the shared cache's search among the expression's recent signatures (which several
 layers of one expression would take turns evicting). A call is plain when nothing but
 the kernel has to see it: no autograd recording, autocast, torch.func transform or
 tracer; any other call, and a call whose guard fails, goes through the expression as
-usual and leaves the site holding its signature. :func:`~.cache.clear_caches` (and
+usual and leaves the site holding its signature. :func:`~.runtime.cache.clear_caches` (and
 ``use_target``) empties every site.
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from ..autograd import recorded
 from .api import CompiledExpression, compile_expression
-from .cache import Guard, forget_with_caches
-from .evaluate import Run, guarded_run
-from .ops import tracing
+from .autograd import recorded
+from .runtime.cache import Guard, forget_with_caches
+from .runtime.evaluate import Run, guarded_run
+from .runtime.tracing import tracing
 
 __all__ = ["CallSite"]
 

@@ -17,7 +17,7 @@ import torch
 from sparsenn.formats import SparseTensor
 from sparsenn.formats.arithmetic import Arithmetic
 
-from .runtime.api import CompiledExpression, compile_expression, einsum
+from ..api import CompiledExpression, compile_expression, einsum
 
 __all__ = ["add", "subtract", "multiply", "matmul", "ARITHMETIC"]
 

@@ -61,8 +61,8 @@ from .expression import Call, Product, Reduction, Script, Statement, Sum, Tensor
     product_indices, tensors_in
 from .functions import FUNCTIONS, apply, factors_of, vanishes_with
 from .notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
-from .plan.infer import result_format
-from .runtime.cache import LRUCache
+from ..plan.infer import result_format
+from ..runtime.cache import LRUCache
 
 __all__ = ["UserOperand", "StageResult", "Stage", "Program", "plain", "stage", "stage_format", "signature",
            "stage_inputs"]
