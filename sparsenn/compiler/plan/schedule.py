@@ -135,8 +135,9 @@ def _tiles(
             continue
         fits = (l2 // 2) // (footprint * itemsize)
         size = 1 << max(fits, 1).bit_length() - 1
-        # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
-        if 2 * target.cache_line_bytes // itemsize <= size and fits < dims[index]:
+        # A tile narrower than a wide register block splits that block into narrower ones
+        # and re-reads the sparse operand per tile for little reuse.
+        if target.wide_register_block_vectors * target.lanes(itemsize) <= size and fits < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
