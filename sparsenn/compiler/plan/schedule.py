@@ -135,9 +135,14 @@ def _tiles(
             continue
         fits = (l2 // 2) // (footprint * itemsize)
         size = 1 << max(fits, 1).bit_length() - 1
-        # A tile narrower than a wide register block splits that block into narrower ones
-        # and re-reads the sparse operand per tile for little reuse.
-        if target.wide_register_block_vectors * target.lanes(itemsize) <= size and fits < dims[index]:
+        # A tile narrower than a few cache lines re-reads the sparse operand for little
+        # reuse; one narrower than a wide register block also splits that block, which
+        # pays only when the operand exceeds twice the L2 (below that, most of its rows
+        # stay in the L2 between reuses and the last-level cache serves the rest).
+        least = 2 * target.cache_line_bytes // itemsize
+        if footprint * dims[index] * itemsize < 2 * l2:
+            least = max(least, target.wide_register_block_vectors * target.lanes(itemsize))
+        if least <= size and fits < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
