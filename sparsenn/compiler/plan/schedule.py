@@ -214,7 +214,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     if block is None and not _scalar(assignment, nest.term):
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
-            "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
+            "sparse_reduction": decisions.sparse_reduction(order, output, f, target, _fiber(order[-1], factors)),
             "row_block": decisions.row_block(order, output, f, target),
         }
         fields["dot_tile"] = microkernel.dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
@@ -232,6 +232,15 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
             and decisions.stores_once(order, output, f, tiles, block is not None, k)
         }))
     return replace(nest, **fields)
+
+
+def _fiber(index: str, factors: list[Factor]) -> float:
+    """The mean positions of a fiber of the first sparse factor with a level over ``index``."""
+    for factor in factors:
+        held = [i for i, _ in factor.levels]
+        if factor.sparse and index in held:
+            return factor.fibers[held.index(index)]
+    return 0.0
 
 
 def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims: dict[str, int],
