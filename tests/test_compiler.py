@@ -530,21 +530,23 @@ LENGTHS = [0, 1, 3, 4, 5, 0, 8, 13, 40, 2, 0, 64]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_sparse_reduction_into_several_accumulators(dtype, index_dtype, avx2_host):
-    # SpMV's row dot product runs as 4 interleaved sums plus a scalar tail.
-    a = sparsenn.from_dense(rows_of_lengths(LENGTHS, 64, dtype), "csr", index_dtype=index_dtype)
+    # SpMV's row dot product runs as interleaved sums (one per 8 positions of a mean row,
+    # up to the target's 4) plus a scalar tail; full rows make the mean row long.
+    lengths = LENGTHS + [64] * len(LENGTHS)
+    a = sparsenn.from_dense(rows_of_lengths(lengths, 64, dtype), "csr", index_dtype=index_dtype)
     x = torch.randn(64, dtype=dtype)
     atol = 1e-5 if dtype == torch.float32 else 1e-10
     check("ij,j->i", [a, x], atol=atol)
     assert api.plan("ij,j->i", a, x).schedule.nests[0].sparse_reduction.accumulators == AVX2.sparse_accumulators
     # A dense-level operand located by the same loop, and a dense matrix factor.
-    b = sparsenn.from_dense(torch.randn(len(LENGTHS), 64, dtype=dtype), "dd")
+    b = sparsenn.from_dense(torch.randn(len(lengths), 64, dtype=dtype), "dd")
     check("ij,ij->i", [a, b], atol=atol)
-    check("ij,ij,j->i", [a, torch.randn(len(LENGTHS), 64, dtype=dtype), x], atol=atol)
+    check("ij,ij,j->i", [a, torch.randn(len(lengths), 64, dtype=dtype), x], atol=atol)
     # Not for a singleton level (COO) nor for an intersection of two sparse levels.
     coo = sparsenn.from_dense(a.to_dense(), "coo")
     check("ij,j->i", [coo, x], atol=atol)
     assert api.plan("ij,j->i", coo, x).schedule.nests[0].sparse_reduction is None
-    other = sparsenn.from_dense(rows_of_lengths(LENGTHS[::-1], 64, dtype, seed=1), "csr")
+    other = sparsenn.from_dense(rows_of_lengths(lengths[::-1], 64, dtype, seed=1), "csr")
     check("ij,ij->i", [a, other], atol=atol)
     assert api.plan("ij,ij->i", a, other).schedule.nests[0].sparse_reduction is None
 

@@ -108,6 +108,32 @@ def test_gcn_sparse_and_dense_features_give_the_same_logits(cora):
     torch.testing.assert_close(sparse, dense, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gcn_as_one_program_equals_its_layers_and_their_gradients(cora, threads):
+    """Without dropout the GCN runs as one fused program (models/gcn.py); its logits and
+    gradients equal the two layers' computed one by one."""
+    torch.manual_seed(0)
+    model = GCN(1433, 7, hidden_channels=128, dropout=0.0)
+    torch.nn.init.normal_(model.conv1.bias)
+    torch.nn.init.normal_(model.conv2.bias)
+    graph = cora.graph
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            layers = model.conv2(torch.relu(model.conv1(graph.x, graph.edge_index)), graph.edge_index)
+            for _ in range(2):
+                torch.testing.assert_close(model(graph.x, graph.edge_index), layers, rtol=1e-4, atol=1e-5)
+        model(graph.x, graph.edge_index).square().sum().backward()
+        program_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        model.conv2(torch.relu(model.conv1(graph.x, graph.edge_index)), graph.edge_index).square().sum().backward()
+    finally:
+        torch.set_num_threads(before)
+    for got, want in zip(program_grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_gcn_inference_variants_agree_and_score_the_test_nodes(cora):
     torch.manual_seed(0)
     model = GCN(1433, 7, hidden_channels=16).eval()

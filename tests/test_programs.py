@@ -170,3 +170,67 @@ def test_results_asked_for_are_kept_and_not_overwritten() -> None:
         torch.testing.assert_close(p.to_dense(), sparsenn.softmax(S).to_dense())
     with pytest.raises(ValueError, match="returns names results the statements write"):
         sparsenn.compile(SOFTMAX, returns="Q")
+
+
+# ---------------------------------------------------------------------- epilogues and dense stages
+
+GCN_LAYER = "H[t,o] = relu(A[t,s] * XW[s,o] + b[o]); Z[t,c] = H[t,o] * W[c,o]"
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows, hidden, classes", [(300, 29, 7), (257, 128, 3), (301, 9, 1)])
+def test_a_propagation_with_its_epilogue_fuses_with_the_next_narrow_product(machine, dtype, threads, rows, hidden,
+                                                                            classes) -> None:
+    """relu(Â XW + b) runs on each row as its propagation finishes it, and the next
+    layer's product over that row (a dense stage, BLAS when apart) runs right after it
+    in the same kernel: its output row is narrower than a vector, which BLAS fills badly.
+    (Rows beyond the target's ``team_coordinates``: with fewer, the product's threads
+    would share its (t, c) coordinates, not the propagation's rows.)"""
+    import _machines
+
+    A = random_sparse((rows, rows), "csr", dtype)
+    xw, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+    w = torch.randn(classes, hidden, dtype=dtype)
+    before = torch.get_num_threads()
+    with sparsenn.compiler.use_target(getattr(_machines, machine)):
+        program = sparsenn.compile(GCN_LAYER)
+        explained = program.explain(A, xw, b, w)
+        assert "Z (stage 1) fused with H (stage 0)" in explained
+        try:
+            torch.set_num_threads(threads)
+            for _ in range(2):
+                got = program(A, xw, b, w)
+        finally:
+            torch.set_num_threads(before)
+    want = torch.relu(A.to_dense() @ xw + b) @ w.T
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10  # sums of products of order 10 cancel
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_a_wide_dense_product_stays_in_blas_and_says_why() -> None:
+    """64 outputs per row fill BLAS's vectors: the stage runs apart, in torch."""
+    import _machines
+
+    A = random_sparse((50, 50), "csr", torch.float32)
+    xw, b, w = torch.randn(50, 128), torch.randn(128), torch.randn(64, 128)
+    with sparsenn.compiler.use_target(_machines.AVX512):
+        program = sparsenn.compile(GCN_LAYER)
+        explained = program.explain(A, xw, b, w)
+        assert "Z (stage 1) not fused with H (stage 0): Z (stage 1) runs in torch: BLAS" in explained
+        for _ in range(2):
+            torch.testing.assert_close(program(A, xw, b, w), torch.relu(A.to_dense() @ xw + b) @ w.T)
+
+
+def test_an_epilogue_run_after_every_nest_is_not_fused() -> None:
+    """Y's epilogue needs all of Y's terms (two nests): it runs after them, so a stage
+    reading Y cannot run per row inside the same kernel."""
+    S, T = random_sparse((30, 30), "csr"), random_sparse((30, 30), "csr", seed=1)
+    x = torch.randn(30, 4, dtype=torch.float64)
+    program = sparsenn.compile("Y[i,k] = relu(S[i,j] * X[j,k] + T[i,j] * X[j,k]); Z[i] = sum[k](Y[i,k])")
+    explained = program.explain(S, x, T)
+    assert "Z (stage 1) not fused with Y (stage 0): Y (stage 0) has an epilogue run after its loops" in explained
+    want = torch.relu(S.to_dense() @ x + T.to_dense() @ x).sum(1)
+    for _ in range(2):
+        torch.testing.assert_close(program(S, x, T), want)

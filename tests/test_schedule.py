@@ -316,3 +316,33 @@ def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
                 assert nest.block_sums > 1 or batch == 64, (batch, nest.block_sums)
             torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight, out_format="dense"),
                                        x @ weight.to_dense().T)
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+def test_a_tile_splitting_a_wide_register_block_only_over_twice_the_l2(machine):
+    """SpMM ``Â H`` over a Cora-sized graph: ``H`` with 128 columns (1.4 MB) is under
+    twice the 1 MiB L2, so its columns are not cut into 32-wide tiles (that would split
+    the 64-wide register block and re-read ``Â`` per tile); with 256 columns (2.8 MB) it is."""
+    import _machines
+
+    target = getattr(_machines, machine)
+    a = sparse((2708, 2708), "csr", density=2e-3)
+    (near,) = dense_schedule("ts,so->to", a, torch.empty(2708, 128), target=target).nests
+    assert near.tiles == () and near.register_block.size == target.wide_register_block_vectors * 8
+    (far,) = dense_schedule("ts,so->to", a, torch.empty(2708, 256), target=target).nests
+    assert [t.index for t in far.tiles] == ["o"] and far.tiles[0].size == 32
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+def test_interleaved_sums_of_a_sparse_reduction_follow_its_fiber_length(machine):
+    """An SpMV over rows of about 5 stored entries (a graph's adjacency) sums each row
+    in one chain, which overlaps the next row's; rows of about 100 get the target's
+    interleaved sums."""
+    import _machines
+
+    target = getattr(_machines, machine)
+    x = torch.randn(2000)
+    short = dense_schedule("ij,j->i", sparse((2000, 2000), "csr", density=2.5e-3), x, target=target)
+    long = dense_schedule("ij,j->i", sparse((2000, 2000), "csr", density=5e-2), x, target=target)
+    assert short.nests[0].sparse_reduction.accumulators == 1
+    assert long.nests[0].sparse_reduction.accumulators == target.sparse_accumulators

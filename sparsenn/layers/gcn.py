@@ -204,7 +204,7 @@ class SparseGCNConv(nn.Module):
     def forward(self, x: Tensor | SparseTensor, edge_index: Tensor | SparseTensor,
                 edge_weight: Tensor | None = None) -> Tensor:
         """``Â X Wᵀ + b`` with ``Â`` the (normalised) adjacency of the graph; see the class docstring."""
-        num_nodes = self._checked_features(x)
+        num_nodes = self.checked_features(x)
         adjacency = self.adjacency(edge_index, edge_weight, num_nodes, self.weight.dtype)
         if isinstance(x, SparseTensor):
             # X Wᵀ dense whatever X's format (one storing s compressed would make it sparse).
@@ -213,8 +213,9 @@ class SparseGCNConv(nn.Module):
             return self._propagate(adjacency, F.linear(x, self.weight))
         return F.linear(einsum("ts,si->ti", adjacency, x), self.weight, self.bias)
 
-    def _checked_features(self, x: object) -> int:
-        """The number of nodes of valid features ``x``; initialises a lazy weight."""
+    def checked_features(self, x: object) -> int:
+        """The number of nodes of valid features ``x`` (raises a clear error otherwise);
+        initialises a lazy weight."""
         if isinstance(x, SparseTensor):
             shape, dtype = x.shape, x.dtype
         elif isinstance(x, Tensor) and x.layout == torch.strided:

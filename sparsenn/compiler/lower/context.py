@@ -146,7 +146,7 @@ class Lowering:
 
 
 def lower_value(value: Value, factors: Sequence[ir.Expr], reduced: ir.Expr | None = None) -> ir.Expr:
-    """A :class:`~..notation.Value` as an expression over the factors' values (and the
+    """A :class:`~..frontend.notation.Value` as an expression over the factors' values (and the
     reduced value, in an epilogue)."""
     if isinstance(value, Factor):
         return factors[value.k]

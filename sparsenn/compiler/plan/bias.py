@@ -3,7 +3,7 @@
 A term whose factors are all dense and indexed by output indices only adds the same
 dense values to the output whatever the other terms do: ``Y[b,o] = X[b,i] W[o,i] +
 bias[o]``. As a term it is a second nest, a second pass over the output; folded into
-the epilogue (``Y = R + bias[o]``, :class:`~..notation.Epilogue`) it is added to each
+the epilogue (``Y = R + bias[o]``, :class:`~..frontend.notation.Epilogue`) it is added to each
 output slice right after the product that finishes it. :func:`split_epilogue` undoes
 an epilogue into the reduction and one elementwise assignment over its result (training
 keeps the reduced values; a contraction path computes them apart).

@@ -14,8 +14,8 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   combining as ``sn_max`` does (a NaN wins), then a tree over the lanes.
 * **Sparse reduction.** An innermost reduction loop driven by one unique, branching
   sparse level (a compressed fiber; the other factors indexed there locate dense
-  levels) sums into ``sparse_accumulators`` interleaved sums: position ``q`` feeds sum
-  ``q mod A``. When the level is the driving factor's last and the other factors are
+  levels) sums into up to ``sparse_accumulators`` interleaved sums, as many as its fibers
+  are long: position ``q`` feeds sum ``q mod A``. When the level is the driving factor's last and the other factors are
   dense, whole vectors of positions go first: the values loaded as a vector, the dense
   factors gathered at the vector of coordinates (an SpMV's ``x[crd[q]]``).
 * **Row block.** A loop over such a fiber whose body is an innermost vector reduction
@@ -217,12 +217,18 @@ def extremum_reduction(order, output, factors, target: Target) -> VectorReductio
     return VectorReduction(k, target.register_block_vectors, (0,)) if contiguous_factors(k, factors, [0]) else None
 
 
-def sparse_reduction(order, output, factors, target: Target) -> SparseReduction | None:
+def sparse_reduction(order, output, factors, target: Target, fiber: float) -> SparseReduction | None:
+    """The sparse reduction of the innermost loop (see the module doc), over fibers of
+    ``fiber`` positions on average: one interleaved sum per ``cost_vector_lanes``
+    positions, at least one and at most the target's ``sparse_accumulators`` (a shorter
+    chain of adds overlaps the next fiber's in the out-of-order window; more sums would
+    only cost their setup and combining)."""
     summed = summed_factors(order, output, factors)
     k = driver(order[-1], factors) if summed else None
     if k is None:
         return None
-    return SparseReduction(order[-1], target.sparse_accumulators, gathered_reduction(order, output, factors))
+    sums = max(1, min(target.sparse_accumulators, int(fiber // target.cost_vector_lanes)))
+    return SparseReduction(order[-1], sums, gathered_reduction(order, output, factors))
 
 
 def gathered_reduction(order, output, factors) -> bool:

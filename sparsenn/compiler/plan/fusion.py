@@ -11,8 +11,8 @@ so a stage reads what an earlier stage of its group wrote at ``c`` while it is i
 That is exact when, for every stage of the group,
 
 * it is one planned kernel writing a dense array (or values on an operand's pattern) in
-  its own dtype, laid out in the expression's order, with no epilogue, every nest
-  parallel over the same team loops, its sparse operands with team indices storing
+  its own dtype, laid out in the expression's order, every nest parallel over the
+  same team loops, an epilogue (``relu(... + b)``) run on each slice below them, its sparse operands with team indices storing
   those first over locatable levels;
 * its team loops have the group's extents (and a register-blocked stage the group's
   vector width);
@@ -32,20 +32,58 @@ values instead of three, written once.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..frontend.notation import Assignment
+from .dense_path import dense_product_cycles
+from .target import Target
+
 if TYPE_CHECKING:
     from .planner import Plan
 
-__all__ = ["Candidate", "Fusion", "fuse", "team_of"]
+__all__ = ["Candidate", "DenseStage", "Fusion", "dense_stage", "fuse", "team_of"]
+
+
+@dataclass(frozen=True)
+class DenseStage:
+    """A sum of products over dense operands that runs in BLAS when apart, with the
+    cycles of each way: BLAS apart (its call included), and its planned kernel inside a
+    fused group (its operands from cache)."""
+
+    blas_cycles: float
+    kernel_cycles: float
+
+    def pays(self) -> bool:
+        return self.kernel_cycles < self.blas_cycles
+
+
+def dense_stage(assignment: Assignment, shapes: Sequence[tuple[int, ...]], itemsize: int,
+                target: Target) -> DenseStage:
+    r"""The costs of a dense product stage (see :class:`DenseStage`), in cycles.
+
+    BLAS: :func:`.dense_path.dense_product_cycles` scaled by the lanes a
+    narrow output row leaves idle in the micro-kernel's widest vectors (a row of
+    :math:`n` outputs fills :math:`n / (L \lceil n / L \rceil)` of them), plus the
+    target's ``python_call_cycles``. The fused kernel: its flops at the same efficiency
+    over the kernel's vectors, reading what an earlier stage of the group has just
+    written from cache (no bandwidth term)."""
+    sizes = {i: shapes[a.operand][m] for t in assignment.terms for a in t.factors for m, i in enumerate(a.indices)}
+    flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
+    row = sizes[assignment.output[-1]] if assignment.output else 1
+    widest = max(target.widest_vector_bytes // itemsize, 1)
+    idle = widest * math.ceil(row / widest) / max(row, 1)
+    blas = dense_product_cycles(assignment, shapes, itemsize, target) * idle + target.python_call_cycles
+    kernel = flops / (2 * target.lanes(itemsize) * target.fma_per_cycle * target.gemm_efficiency)
+    return DenseStage(blas, kernel)
 
 
 @dataclass(frozen=True)
 class Candidate:
     """A stage as fusion sees it: ``plan`` (None when it runs no single kernel:
-    ``runs`` says what it runs), ``dims`` the extents of its kernel's indices, per slot
+    ``runs`` says what it runs; a dense product, ``dense``, has both a plan and BLAS), ``dims`` the extents of its kernel's indices, per slot
     of its kernel the earlier stage whose result the slot reads (``reads``), and whether
     the kernel's output is converted after it runs (a requested format, a 16-bit
     dtype: ``converts``)."""
@@ -57,6 +95,7 @@ class Candidate:
     reads: tuple[int | None, ...] = ()
     converts: str | None = None
     pattern: object = None  # what identifies the pattern its values are on (None: dense)
+    dense: DenseStage | None = None  # a dense product that runs in BLAS when apart
 
 
 @dataclass(frozen=True)
@@ -135,22 +174,32 @@ def _alone(stage: Candidate) -> str | None:
     plan, name = stage.plan, stage.name
     if plan is None:
         return f"{name} {stage.runs}"
+    if stage.dense is not None and not stage.dense.pays():
+        return (f"{name} runs in torch: BLAS ({stage.dense.blas_cycles:.3g} cycles) is cheaper than its kernel "
+                f"({stage.dense.kernel_cycles:.3g})")
     if stage.converts is not None:
         return f"{name} {stage.converts}"
     if not plan.kernel.dense_output:
         return f"{name} assembles a sparse result"
     if plan.output_permutation is not None and plan.anchor is None:
         return f"{name} writes its result in another order than its indices'"
-    if plan.assignment.epilogue is not None:
-        return f"{name} has an epilogue"
     team = team_of(plan)
     if team is None:
         return f"{name}'s loop nests do not share parallel outer loops"
+    if plan.assignment.epilogue is not None and not _epilogue_per_coordinate(plan, team):
+        return f"{name} has an epilogue run after its loops, not per coordinate of {', '.join(team)}"
     for slot in plan.kernel.slots:
         if slot.fmt is not None and _touches(plan, slot.operand, team) and not _leads(plan, slot.operand, team):
             return (f"{name} reads a sparse operand whose stored order does not start with its outer loops "
                     f"({', '.join(team)})")
     return None
+
+
+def _epilogue_per_coordinate(plan: Plan, team: tuple[str, ...]) -> bool:
+    """Whether ``plan``'s one nest runs its epilogue on each slice it finishes below its
+    team loops (so each team coordinate's outputs are final when its stage returns)."""
+    nests = plan.schedule.nests
+    return len(nests) == 1 and nests[0].epilogue_at is not None and nests[0].epilogue_at >= len(team)
 
 
 def _joins(stages: Sequence[Candidate], group: Sequence[int], k: int) -> str | None:

@@ -93,7 +93,7 @@ def result_format(assignment: Assignment, formats: Sequence[Format | None]) -> F
     ``A[i,j] A[k,j] -> [i,k]`` (A·Aᵀ with CSR operands) stores ``i`` and ``k`` in dense
     levels, but the result only has the pairs that share a ``j``, and a dense n² result
     costs asymptotically more than a full sparse one. A max, min or epilogue gives a
-    dense result (:attr:`~..notation.Assignment.dense_result`)."""
+    dense result (:attr:`~..frontend.notation.Assignment.dense_result`)."""
     if assignment.dense_result:
         return None
     inferred = infer_output_format(assignment, formats)

@@ -135,8 +135,14 @@ def _tiles(
             continue
         fits = (l2 // 2) // (footprint * itemsize)
         size = 1 << max(fits, 1).bit_length() - 1
-        # A tile narrower than a few cache lines re-reads the sparse operand for little reuse.
-        if 2 * target.cache_line_bytes // itemsize <= size and fits < dims[index]:
+        # A tile narrower than a few cache lines re-reads the sparse operand for little
+        # reuse; one narrower than a wide register block also splits that block, which
+        # pays only when the operand exceeds twice the L2 (below that, most of its rows
+        # stay in the L2 between reuses and the last-level cache serves the rest).
+        least = 2 * target.cache_line_bytes // itemsize
+        if footprint * dims[index] * itemsize < 2 * l2:
+            least = max(least, target.wide_register_block_vectors * target.lanes(itemsize))
+        if least <= size and fits < dims[index]:
             tiles.append(Tile(index, size))
     return tuple(tiles)
 
@@ -208,7 +214,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     if block is None and not _scalar(assignment, nest.term):
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
-            "sparse_reduction": decisions.sparse_reduction(order, output, f, target),
+            "sparse_reduction": decisions.sparse_reduction(order, output, f, target, _fiber(order[-1], factors)),
             "row_block": decisions.row_block(order, output, f, target),
         }
         fields["dot_tile"] = microkernel.dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)
@@ -228,6 +234,15 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     return replace(nest, **fields)
 
 
+def _fiber(index: str, factors: list[Factor]) -> float:
+    """The mean positions of a fiber of the first sparse factor with a level over ``index``."""
+    for factor in factors:
+        held = [i for i, _ in factor.levels]
+        if factor.sparse and index in held:
+            return factor.fibers[held.index(index)]
+    return 0.0
+
+
 def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims: dict[str, int],
                 target: Target) -> int:
     """:func:`decisions.team_loops` of a parallel dense-output nest, every code decision made."""
@@ -243,7 +258,7 @@ def _team_loops(nest: Nest, factors: list[Factor], output: tuple[str, ...], dims
 def _scalar(assignment: Assignment, t: int) -> bool:
     """Term ``t`` runs without micro-kernels (register blocks and tiles, vector and
     sparse reductions, row blocks): its value is not a product of factors (some of them
-    may count for their patterns only, :attr:`~..notation.Term.multiplied`), or the
+    may count for their patterns only, :attr:`~..frontend.notation.Term.multiplied`), or the
     reduction is not a sum."""
     return assignment.terms[t].multiplied is None or assignment.reduction != "sum"
 

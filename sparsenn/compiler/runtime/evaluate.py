@@ -216,7 +216,7 @@ class EpiloguePathCall:
 def _in_place_epilogue(epilogue: Assignment, operands: Sequence) -> torch.Tensor | None:
     """The elementwise ``epilogue`` written over its operand 0, the path's result (memory
     of this call alone: a path's dense result never shares an operand's), when its
-    functions allow (:func:`~..functions.evaluate_in_place`); else None."""
+    functions allow (:func:`~..frontend.functions.evaluate_in_place`); else None."""
     (term,) = epilogue.terms
     factors = [_spread(operands[a.operand], a.indices, epilogue.output) for a in term.factors]
     result = factors[0]

@@ -6,7 +6,8 @@ operands) plans each stage as :func:`evaluate` does (through a blocked operand's
 call) on stand-ins of the earlier results, binding its layouts without building its
 kernel; :func:`~..plan.fusion.fuse` then groups the stages from those plans, and each
 group of several is lowered into one kernel (``lower/fuse.py``) that runs its stages
-per team coordinate. Every call runs the groups: a group of one through :func:`evaluate`, a
+per team coordinate. A stage over dense operands alone, which runs in torch apart, is
+offered to fusion with its planned kernel and both costs (:func:`..plan.fusion.dense_stage`). Every call runs the groups: a group of one through :func:`evaluate`, a
 fused group by allocating its stages' results, collecting every stage's array pointers
 (an earlier result of the group is read in place, the fused kernel's own array) and
 running its kernel once. :func:`run` runs a program so when nothing records its stages
@@ -25,9 +26,11 @@ from ..autograd import differentiable_evaluate, recorded
 from ..backend import abi
 from ..frontend.blocks import Split
 from ..lower.fuse import FusedStage
-from ..plan.fusion import Candidate, Fusion, fuse
-from ..plan.planner import ShapePlan, build_fused_kernel
+from ..backend.precision import compute_dtype
 from ..frontend.program import Program, Stage, StageResult, stage_inputs
+from ..plan.fusion import Candidate, Fusion, dense_stage, fuse
+from ..plan.planner import DENSE, ShapePlan, build_fused_kernel, operand_infos, plan_call
+from ..plan.target import Target
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .launcher import Launch, bind, output_allocator, run_stages
@@ -198,6 +201,14 @@ def _candidate(step: Stage, name: str, inputs: Sequence) -> tuple[Candidate, tup
         split = runnable.split
         checked = check_call(split.assignment, split.operands(checked.operands), split.request)
         runnable = route(split.assignment, checked)
+    dense = None
+    if isinstance(runnable, DenseCall) and checked.request in (None, DENSE) and runnable.assignment.epilogue is None:
+        # BLAS when it runs apart; its kernel if the planner fuses it, which pays when that kernel is cheaper
+        assignment = runnable.assignment
+        dense = dense_stage(assignment, [tuple(op.shape) for op in checked.operands],
+                            compute_dtype(checked.dtype).itemsize, Target.current())
+        runnable = plan_call(assignment, operand_infos(checked.operands), checked.request, checked.dtype,
+                             checked.index_dtype)
     if not isinstance(runnable, ShapePlan):
         return Candidate(name, None, _runs(runnable)), None, _UNKNOWN
     launch = bind(runnable, checked.operands, checked.sizes, checked.dtype, checked.index_dtype, load=False)
@@ -207,7 +218,7 @@ def _candidate(step: Stage, name: str, inputs: Sequence) -> tuple[Candidate, tup
     elif launch.out_dtype != launch.dtype:
         converts = "rounds its result after the kernel"
     reads = tuple(_source(step, slot.operand) for slot in launch.plan.kernel.slots)
-    candidate = Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts)
+    candidate = Candidate(name, launch.plan, "one kernel", tuple(launch.dims), reads, converts, dense=dense)
     return candidate, (launch, split), _stand_in(launch, split, checked.operands)
 
 

@@ -444,7 +444,7 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
   return lo;
 }
 
-/* The scalar functions of index notation (sparsenn/compiler/functions.py), each as
+/* The scalar functions of index notation (sparsenn/compiler/frontend/functions.py), each as
    torch computes it: NaN propagates through relu, max and min. */
 static inline V sn_neg(V x) { return -x; }
 static inline V sn_abs(V x) { return std::abs(x); }
