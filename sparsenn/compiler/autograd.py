@@ -12,7 +12,7 @@ other factors of ``f``'s term, contracted onto ``f``'s indices:
   exactly ``X``'s stored positions and its values line up with ``X.values``.
 
 A term with a value tree ``v`` over its factors contributes ``dOut * dv/dT_f``, the
-derivative tree built by :func:`~.functions.derivative` and read at the same points
+derivative tree built by :func:`~.frontend.functions.derivative` and read at the same points
 (all the term's factors, so the term's pattern); under a max or min, only where ``v``
 equals the result, split equally between ties (as ``torch.amax``). An epilogue
 ``Out = e(R)`` runs, when gradients are needed, as ``R`` and then ``e`` as an
@@ -150,7 +150,7 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
 
     ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
     A product term contributes ``dOut * (the other factors)`` (those it reads for their
-    patterns only stay pattern-only: :attr:`~.notation.Term.multiplied`); a factor the
+    patterns only stay pattern-only: :attr:`~.frontend.notation.Term.multiplied`); a factor the
     others do not cover gets an all-ones tensor over the operand's modes it lacks (the
     gradient is constant along them). A term with another value tree, or a factor it
     reads for its pattern only, contributes ``dOut * dvalue/dfactor``
