@@ -24,27 +24,31 @@ class Precompiled:
 
 
 def precompile(module: nn.Module, *example_inputs, backward: bool = True, **example_kwargs) -> Precompiled:
-    """Run ``module(*example_inputs, **example_kwargs)`` without gradients (inference
-    kernels), then, when ``backward`` and a parameter requires grad, with them and its
-    backward pass (training kernels: a differentiable call may run other kernels, and
-    the gradients' kernels build concurrently), so every kernel they need is built into
-    the kernel cache (``$SPARSENN_CACHE_DIR``).
+    """Run ``module(*example_inputs, **example_kwargs)`` in eval mode without gradients
+    (inference kernels), then, when ``backward`` and a parameter requires grad, in
+    training mode with gradients and its backward pass (training kernels: a training
+    forward may take another path, e.g. with dropout, a differentiable call may run other
+    kernels, and the gradients' kernels build concurrently), so every kernel they need is
+    built into the kernel cache (``$SPARSENN_CACHE_DIR``).
 
     Kernels depend on the operands' formats, dtypes and shapes up to the schedule's
     decisions: give inputs of the sizes the model will see. Nothing observable changes:
-    the module runs in eval mode (restored after), under a forked RNG, and gradients are
-    computed with ``torch.autograd.grad`` (no ``.grad`` is written)."""
+    the module's mode and buffers (batch-norm statistics) are restored after, the random
+    generators are forked, and gradients are computed with ``torch.autograd.grad`` (no
+    ``.grad`` is written)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"precompile takes an nn.Module, got {type(module).__name__}")
     built, started = jit.builds, time.perf_counter()
     training = module.training
     params = [p for p in module.parameters() if p.requires_grad]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
-        module.eval()
         with torch.random.fork_rng():
+            module.eval()
             with torch.no_grad():
                 module(*example_inputs, **example_kwargs)
             if backward and params:
+                module.train()
                 with torch.enable_grad():
                     outputs = module(*example_inputs, **example_kwargs)
                     tensors = [t for t in _tensors(outputs) if t.requires_grad]
@@ -53,6 +57,9 @@ def precompile(module: nn.Module, *example_inputs, backward: bool = True, **exam
                                             allow_unused=True)
     finally:
         module.train(training)
+        with torch.no_grad():
+            for buffer, kept in buffers:
+                buffer.copy_(kept)
     return Precompiled(jit.builds - built, time.perf_counter() - started)
 
 
