@@ -11,19 +11,32 @@ their tile or chunk bounds) is still in cache::
 The schedule fuses only where the loops above ``p`` visit every coordinate (else
 elements it never visits would miss the epilogue); otherwise :func:`epilogue_pass`
 runs it over the whole output after every nest.
+
+A register block whose slice is its own span of ``k`` (the output's innermost index)
+applies the epilogue to its accumulators before the store (:func:`vector_epilogue`)
+when every function of the epilogue has a vector form and every factor is either
+unit-stride in ``k`` (a vector, masked in the partial block) or free of ``k`` (one
+value for every lane)::
+
+    out[i, kb : kb + B] = relu(acc + b[kb : kb + B])      # no store, reload and scalar loop
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from ..frontend.notation import Apply, Value
 from ..loops import ir
 from .context import Lowering, Slot, lower_value
 from .iterators import FactorState
 
-__all__ = ["fuse_epilogue", "epilogue_pass"]
+__all__ = ["fuse_epilogue", "epilogue_pass", "vector_epilogue", "VECTOR_FUNCTIONS"]
 
 OUT = ir.Array("out")
+
+# The functions of index notation the kernel header defines on SIMD vectors too, besides
+# the arithmetic operators.
+VECTOR_FUNCTIONS = frozenset({"add", "sub", "mul", "div", "neg", "relu", "max", "min"})
 
 
 def _apply(lo: Lowering) -> None:
@@ -84,3 +97,30 @@ def epilogue_pass(lo: Lowering) -> None:
     pragma = None if lo.s.serial else "omp_parallel_for"
     body = lo.block(lambda: _slice(lo, rest, {}) if rest else _apply(lo))
     lo.emit(ir.For(ir.Decl(var, "index", ir.Const(0)), ir.lt(var, end), ir.Incr(var), body, pragma))
+
+
+def _vectorisable(value: Value) -> bool:
+    """Whether every function in ``value`` has a vector form."""
+    if not isinstance(value, Apply):
+        return True
+    return value.function in VECTOR_FUNCTIONS and all(_vectorisable(a) for a in value.args)
+
+
+def vector_epilogue(lo: Lowering, k: str, lane: ir.Expr,
+                    count: ir.Expr | None) -> Callable[[ir.Expr], ir.Expr] | None:
+    """The epilogue as a function of a finished vector of the output (lanes ``lane ..``
+    past ``k``'s current value, the first ``count`` of them valid), or None where it has
+    no vector form: a function without one, or a factor along ``k`` not unit-stride."""
+    epilogue = lo.a.epilogue
+    if not _vectorisable(epilogue.value):
+        return None
+    factors = []
+    for a in epilogue.factors:
+        st = FactorState(lo.slot_of(Slot(a.operand, None)), (), a.indices)
+        if k not in a.indices:
+            factors.append(lo.values([st])[0])
+        elif a.indices[-1] == k and lo.slots[st.slot].panel is None:
+            factors.append(lo.vector_load(st, lane=lane, count=count))
+        else:
+            return None
+    return lambda reduced: lower_value(epilogue.value, factors, reduced=reduced)

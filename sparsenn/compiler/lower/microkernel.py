@@ -38,7 +38,7 @@ from ..loops import ir
 from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .context import Lowering, counted, product_of
-from .epilogue import fuse_epilogue
+from .epilogue import fuse_epilogue, vector_epilogue
 from .iterators import locate
 from .order import NestWalk, emit_order
 from .reductions import enter
@@ -68,6 +68,10 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
         n_k = end
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
     lane = ir.mul(v, ir.Lanes())
+    # The epilogue on the accumulators before the store: its slice is the block's span
+    # of k (fused right after the block's reductions), its functions have vector forms.
+    in_registers = (lo.a.epilogue is not None and nest.epilogue_at == r and nest.register_tile is None
+                    and k_anchor is None and vector_epilogue(lo, k, lane, None) is not None)
     # Whether the pass being emitted is the last, partial block: vector v then holds
     # the lanes ``mask[v]`` of its span.
     partial = [False]
@@ -118,6 +122,8 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
             scaled = product_of([coef, ir.Elem(acc, (v,)), *(vector_at(lo, at_k[n], lane, count=count())
                                                             for n in outside)])
             value = scaled if once else ir.add(ir.VectorLoad(OUT, ir.add(offset(at_k), lane), count()), scaled)
+            if in_registers:
+                value = vector_epilogue(lo, k, lane, count())(value)
             lo.emit(counted(v, vectors, ir.VectorStore(OUT, ir.add(offset(at_k), lane), value, count())))
 
         lo.emit(lo.block(store))
@@ -140,7 +146,7 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
     elif nest.register_tile is not None:
         wrap[r - 1] = RegisterTileLowering(lo, nest, plain, coef, once, (k_lo, n_k), with_k, scalars, outside,
                                            k_anchor, offset)
-    if lo.a.epilogue is not None and nest.epilogue_at is not None:
+    if not in_registers and lo.a.epilogue is not None and nest.epilogue_at is not None:
         fuse_epilogue(lo, wrap, plain.bounds, order, nest.epilogue_at)
     emit_order(lo, plain, states)
 

@@ -528,5 +528,16 @@ static inline V sn_step(V x) { return x > V(0) ? V(1) : V(0); }
 static inline V sn_sign(V x) { return x > V(0) ? V(1) : x < V(0) ? V(-1) : V(0); }
 static inline V sn_pick(V a, V b) { return a > b ? V(1) : a == b ? V(0.5) : V(0); }
 static inline V sn_equal(V a, V b) { return a == b ? V(1) : V(0); }
+/* Vector forms (lane-wise, as the scalar ones above, NaN kept) of the functions an
+   epilogue applies to a register block before its store (lower/epilogue.py,
+   VECTOR_FUNCTIONS); a scalar argument is the same value in every lane. */
+static inline VV sn_neg(VV x) { return -x; }
+static inline VV sn_relu(VV x) { return (x < VV{}) ? VV{} : x; }
+static inline VV sn_max(VV a, VV b) { return sn_vmax(a, b); }
+static inline VV sn_max(VV a, V b) { return sn_vmax(a, sn_splat(b)); }
+static inline VV sn_max(V a, VV b) { return sn_vmax(sn_splat(a), b); }
+static inline VV sn_min(VV a, VV b) { return sn_vmin(a, b); }
+static inline VV sn_min(VV a, V b) { return sn_vmin(a, sn_splat(b)); }
+static inline VV sn_min(V a, VV b) { return sn_vmin(sn_splat(a), b); }
 
 #endif
