@@ -27,6 +27,7 @@ __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count"
 
 _AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
 _LINEAR = compile_expression("Y[b,o] = X[b,i] * W[o,i]", out_format="dense")
+_STRIDED = torch.strided  # a bare name: the traced forward reads no attribute of torch
 
 Method = Literal["magnitude", "random"]
 
@@ -404,7 +405,7 @@ class SparseLinear(nn.Module):
         """``x`` validated against the layer; a torch sparse tensor (COO, CSR, CSC, BSR,
         BSC) becomes a SparseTensor of its natural format (``sparsenn.from_torch``)."""
         dtype = self._parameters["weight_values"].dtype  # as self.weight_values, without Module.__getattr__
-        if isinstance(x, Tensor) and x.layout != torch.strided:
+        if isinstance(x, Tensor) and x.layout != _STRIDED:
             if x.dim() != 2:
                 raise ValueError(f"a torch sparse input must have shape (batch, {self.in_features}), got "
                                  f"{tuple(x.shape)} ({x.layout})")
