@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
 
 from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
@@ -323,6 +324,7 @@ class SparseLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._new_call_sites()  # here, not first in a traced forward (whose guards would then see them created)
 
     # ------------------------------------------------------------------ pattern storage
     def _set_pattern(self, fmt: Format, pos: tuple[Tensor | None, ...], crd: tuple[Tensor | None, ...]) -> None:
@@ -386,7 +388,8 @@ class SparseLinear(nn.Module):
         strides) is read as it is."""
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
-        weight = self._weight_pattern.held_weight(self) if site.holds_signature else None
+        # Dynamo traces past the held signature (eager state its guards would otherwise check)
+        weight = self._weight_pattern.held_weight(self) if not is_compiling() and site.holds_signature else None
         if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
             result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:
