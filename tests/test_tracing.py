@@ -243,6 +243,28 @@ def test_no_graph_break_without_fullgraph():
         assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_mlp_recompiles_only_for_a_new_shape_or_dtype():
+    """A second call of the same shapes reuses the compiled graph (its guards pass); a new
+    batch size or dtype compiles again."""
+    from torch._dynamo.utils import counters
+
+    mlp = _mlp().eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(mlp, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        for x in (torch.randn(5, 48), torch.randn(5, 48)):
+            _assert_close(compiled(x), mlp(x))
+        assert counters["stats"]["unique_graphs"] == 1
+        x = torch.randn(7, 48)
+        _assert_close(compiled(x), mlp(x))
+        assert counters["stats"]["unique_graphs"] == 2
+        mlp.double()
+        x = torch.randn(5, 48, dtype=torch.float64)
+        _assert_close(compiled(x), mlp(x))
+        assert counters["stats"]["unique_graphs"] == 3
+
+
 def test_export_sparse_linear_mlp_and_gcn():
     mlp, x = _mlp().eval(), torch.randn(5, 48)
     with torch.no_grad():

@@ -37,6 +37,7 @@ import functools
 from collections.abc import Sequence
 
 import torch
+from torch import is_grad_enabled
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from sparsenn.formats import SparseTensor
@@ -384,7 +385,7 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
 def recorded(operands: Sequence) -> bool:
     """Whether autograd records a call over ``operands`` (grad mode, and a dense operand or
     sparse operand's values requiring grad)."""
-    if not torch.is_grad_enabled():
+    if not is_grad_enabled():
         return False
     for op in operands:  # a plain loop: this runs on every call
         if isinstance(op, SparseTensor):

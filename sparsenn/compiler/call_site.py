@@ -16,6 +16,7 @@ usual and leaves the site holding its signature. :func:`~.runtime.cache.clear_ca
 from __future__ import annotations
 
 import torch
+from torch import is_autocast_enabled
 
 from .api import CompiledExpression, compile_expression
 from .autograd import recorded
@@ -83,5 +84,5 @@ def _site(text: str, out_format) -> CallSite:
 
 def _plain(operands: tuple) -> bool:
     """Whether only the kernel needs to see a call over ``operands`` (see the module doc)."""
-    return (not recorded(operands) and not torch.is_autocast_enabled(_CPU) and not tracing()
+    return (not recorded(operands) and not is_autocast_enabled(_CPU) and not tracing()
             and torch._C._functorch.peek_interpreter_stack() is None)

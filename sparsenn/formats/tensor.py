@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 from sparsenn.formats import export, indexing
 from sparsenn.formats.arithmetic import arithmetic
@@ -36,7 +37,7 @@ def array_version(array: Tensor | None) -> tuple[int, int | None] | None:
     inference-mode tensors, which torch does not version). None for no array, and while
     ``torch.compile``/``torch.export`` trace (arrays are fake; the traced op validates the
     real ones, ``compiler/runtime/ops.py``)."""
-    if array is None or torch.compiler.is_compiling():
+    if array is None or is_compiling():
         return None
     return array.data_ptr(), None if array.is_inference() else array._version
 
@@ -102,13 +103,13 @@ class SparseTensor(Constructors):
                  crd: Sequence[Tensor | None], values: Tensor, check: bool = True,
                  index_dtype: torch.dtype | None = None) -> None:
         # Traced sizes stay symbolic (an expert panel's capacity is decided by the routing).
-        shape = tuple(shape) if torch.compiler.is_compiling() else tuple(operator.index(n) for n in shape)
+        shape = tuple(shape) if is_compiling() else tuple(operator.index(n) for n in shape)
         if any(n < 0 for n in shape):
             raise ValueError(f"shape {shape} has a negative dimension")
         fmt = parse_format(format, len(shape))
         sizes = tuple(size for _, size, _ in fmt.storage_levels(shape))
         pos, crd = tuple(pos), tuple(crd)
-        if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        if not is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
             pos, crd = _plain_arrays(pos), _plain_arrays(crd)
         arrays = [a for a in pos + crd if a is not None]
         if check:
@@ -198,7 +199,7 @@ class SparseTensor(Constructors):
         replaced) since construction, or ``values`` no longer has one entry per stored
         position. With the attributes immutable, this is all that can break the
         structure a kernel trusts; it costs O(number of levels)."""
-        if torch.compiler.is_compiling():  # fake arrays: the traced op checks the real ones
+        if is_compiling():  # fake arrays: the traced op checks the real ones
             return
         if not self.index_arrays_unmodified():
             raise ValueError("index arrays of this SparseTensor were modified in place or replaced after "

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
 
 from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
@@ -27,6 +28,7 @@ __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count"
 
 _AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
 _LINEAR = compile_expression("Y[b,o] = X[b,i] * W[o,i]", out_format="dense")
+_STRIDED = torch.strided  # a bare name: the traced forward reads no attribute of torch
 
 Method = Literal["magnitude", "random"]
 
@@ -322,6 +324,7 @@ class SparseLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+        self._new_call_sites()  # here, not first in a traced forward (whose guards would then see them created)
 
     # ------------------------------------------------------------------ pattern storage
     def _set_pattern(self, fmt: Format, pos: tuple[Tensor | None, ...], crd: tuple[Tensor | None, ...]) -> None:
@@ -385,7 +388,8 @@ class SparseLinear(nn.Module):
         strides) is read as it is."""
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
-        weight = self._weight_pattern.held_weight(self) if site.holds_signature else None
+        # Dynamo traces past the held signature (eager state its guards would otherwise check)
+        weight = self._weight_pattern.held_weight(self) if not is_compiling() and site.holds_signature else None
         if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
             result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:
@@ -404,7 +408,7 @@ class SparseLinear(nn.Module):
         """``x`` validated against the layer; a torch sparse tensor (COO, CSR, CSC, BSR,
         BSC) becomes a SparseTensor of its natural format (``sparsenn.from_torch``)."""
         dtype = self._parameters["weight_values"].dtype  # as self.weight_values, without Module.__getattr__
-        if isinstance(x, Tensor) and x.layout != torch.strided:
+        if isinstance(x, Tensor) and x.layout != _STRIDED:
             if x.dim() != 2:
                 raise ValueError(f"a torch sparse input must have shape (batch, {self.in_features}), got "
                                  f"{tuple(x.shape)} ({x.layout})")

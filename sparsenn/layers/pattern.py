@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.compiler import is_compiling
 
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.tensor import array_version
@@ -117,7 +118,7 @@ class PatternBuffers:
         ``torch.inference_mode`` carry no version counter: they are validated at every call.
         The same SparseTensor is returned while the buffers and the parameter object are."""
         values = module._parameters.get(f"{self.name}_values")
-        if torch.compiler.is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
+        if is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
             pos, crd = self._arrays(module)
             return SparseTensor(self.shape, self.format, pos, crd, values, check=False)
         checked, unchanged = self._checked, self._unchanged

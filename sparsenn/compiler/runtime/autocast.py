@@ -15,6 +15,7 @@ can become a custom op's ``torch.library.register_autocast`` rule.
 from __future__ import annotations
 
 import torch
+from torch import is_autocast_enabled
 
 from sparsenn.formats import SparseTensor
 
@@ -34,7 +35,7 @@ def autocast_dtype(dtype: torch.dtype) -> torch.dtype:
 def autocast_operands(operands: list | tuple) -> list | tuple:
     """``operands`` (a list or tuple, returned as one) with autocast's casts applied
     (see the module doc); the same object when autocast is disabled."""
-    if not torch.is_autocast_enabled(_DEVICE):
+    if not is_autocast_enabled(_DEVICE):
         return operands
     return type(operands)(_cast(op) for op in operands)
 

@@ -29,6 +29,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.jit import is_tracing
+from torch.onnx import is_in_onnx_export
 from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.formats import SparseTensor
@@ -46,7 +49,7 @@ __all__ = ["planned_layouts", "traced_evaluate", "tracing", "transforming"]
 def tracing() -> bool:
     """Whether a tracer (``torch.compile``/``torch.export`` or ``torch.jit.trace``) is
     recording the current call."""
-    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+    return is_compiling() or is_tracing()
 
 
 def transforming() -> bool:
@@ -165,7 +168,7 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     """``evaluate(derived(assignment, derive), operands, out_format)`` as one
     ``sparsenn::evaluate`` op (differentiable through ``sparsenn::evaluate_backward``); a
     sparse result keeps the anchor operand's pattern."""
-    if torch.onnx.is_in_onnx_export():
+    if is_in_onnx_export():
         raise RuntimeError("torch.onnx.export cannot export sparsenn's compiled sparse kernels (the sparsenn::evaluate "
                            "op has no ONNX equivalent); use torch.export.export (the ExportedProgram keeps sparsenn's "
                            "ops, and runs where sparsenn is installed) or torch.compile")
