@@ -5,3 +5,7 @@ from sparsenn.compiler.plan.target import Target
 
 AVX2 = Target(vector_bytes=32, vector_registers=16, l2_bytes=1 << 20, llc_bytes=32 << 20)
 AVX512 = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+# 16 float lanes in every vector (AVX-512 at full width): masked loads and stores of both
+# widths run on any host when a test pins AVX2 and this.
+WIDE = Target(vector_bytes=64, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
+LANES = {"8 lanes": AVX2, "16 lanes": WIDE}

@@ -183,6 +183,23 @@ def random_values(shape: tuple[int, ...], density: str, dtype: torch.dtype, seed
     return values.to(dtype)
 
 
+def irregular_matrix(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """A random ``rows x cols`` matrix of about ``density`` nonzeros with an empty row (3)
+    and a long one (row 5: its first half all 1.5)."""
+    g = torch.Generator().manual_seed(seed)
+    dense = torch.randn(rows, cols, generator=g, dtype=torch.float64)
+    dense[torch.rand(rows, cols, generator=g) > density] = 0
+    dense[3] = 0
+    dense[5, : cols // 2] = 1.5
+    return dense.to(dtype)
+
+
+def close(dtype: torch.dtype) -> dict:
+    """``assert_close`` tolerances for a short sum computed in ``dtype``, compared in float64."""
+    return {torch.bfloat16: dict(atol=6e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4),
+            torch.float64: dict(atol=1e-10, rtol=1e-10)}[dtype]
+
+
 def dense_with_layout(values: torch.Tensor, layout: str) -> torch.Tensor:
     """``values`` (same contents) stored with ``layout``: a transposed or strided view,
     or a stride-0 broadcast of its first row (then every row equals the first)."""

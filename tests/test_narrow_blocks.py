@@ -12,55 +12,40 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _machines import AVX2, AVX512
+from _machines import AVX2, AVX512, LANES
+from _strategies import close, irregular_matrix
 
 import sparsenn
 from sparsenn.compiler import use_target
-from sparsenn.compiler.plan.target import Target
 
-WIDE = Target(vector_bytes=64, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
-MACHINES = {"8 lanes": AVX2, "16 lanes": WIDE}
 COLUMNS = (0, 1, 3, 7, 9, 17, 33)
 
 
-def weight(rows: int, cols: int, density: float, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    dense = torch.randn(rows, cols, generator=g, dtype=torch.float64)
-    dense[torch.rand(rows, cols, generator=g) > density] = 0
-    dense[3] = 0  # an empty row
-    dense[5, : cols // 2] = 1.5  # a long row
-    return dense.to(dtype)
 
-
-def tolerance(dtype: torch.dtype) -> dict:
-    return {torch.bfloat16: dict(atol=5e-2, rtol=2e-2), torch.float32: dict(atol=1e-4, rtol=1e-4),
-            torch.float64: dict(atol=1e-10, rtol=1e-10)}[dtype]
-
-
-@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("machine", LANES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["csr", "dcsr"])
 def test_spmm_with_narrow_and_odd_rows(machine, dtype, fmt):
-    a = weight(40, 50, 0.3, dtype)
+    a = irregular_matrix(40, 50, 0.3, dtype)
     sparse_a = sparsenn.from_dense(a, format=fmt)
-    with use_target(MACHINES[machine]):
+    with use_target(LANES[machine]):
         for k in COLUMNS:
             x = torch.randn(50, k, dtype=torch.float64).to(dtype)
             got = sparsenn.einsum("ij,jk->ik", sparse_a, x, out_format="dense")
-            torch.testing.assert_close(got.double(), a.double() @ x.double(), **tolerance(dtype), msg=f"k={k}")
+            torch.testing.assert_close(got.double(), a.double() @ x.double(), **close(dtype), msg=f"k={k}")
 
 
-@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("machine", LANES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_two_terms_and_an_epilogue_accumulate_into_masked_rows(machine, threads):
     """The second term adds into what the first stored; a bias and ReLU follow."""
-    a, b = weight(30, 20, 0.4, torch.float32, 1), weight(30, 20, 0.4, torch.float32, 2)
+    a, b = irregular_matrix(30, 20, 0.4, torch.float32, 1), irregular_matrix(30, 20, 0.4, torch.float32, 2)
     sa, sb = sparsenn.from_dense(a, format="csr"), sparsenn.from_dense(b, format="csr")
     program = sparsenn.compile("O[i,k] = relu(A[i,j] * X[j,k] + B[i,j] * Y[j,k] + c[k])")
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with use_target(MACHINES[machine]):
+        with use_target(LANES[machine]):
             for k in (1, 5, 11, 19):
                 x, y, c = torch.randn(20, k), torch.randn(20, k), torch.randn(k)
                 expected = torch.relu(a @ x + b @ y + c)
@@ -69,14 +54,14 @@ def test_two_terms_and_an_epilogue_accumulate_into_masked_rows(machine, threads)
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("machine", LANES)
 def test_sparse_linear_small_batches_forward_and_backward(machine):
     """A layer's batch rows are the narrow output (``bi,oi->bo`` runs ``o, i, b``), and
     its gradients run the same kernels transposed."""
     torch.manual_seed(0)
     layer = sparsenn.SparseLinear(37, 23, sparsity=0.7).double()
     dense_w = layer.weight.to_dense().detach()
-    with use_target(MACHINES[machine]):
+    with use_target(LANES[machine]):
         for batch in (1, 2, 3, 5, 7, 9, 17):
             x = torch.randn(batch, 37, dtype=torch.float64, requires_grad=True)
             y = layer(x)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _machines import AVX2, AVX512
+from _machines import AVX2, AVX512, LANES
+from _strategies import close, irregular_matrix
 
 import sparsenn
 from sparsenn.compiler import use_target
-from sparsenn.compiler.plan.target import Target
 
-WIDE = Target(vector_bytes=64, widest_vector_bytes=64, vector_registers=32, l2_bytes=1 << 20, llc_bytes=32 << 20)
-MACHINES = {"8 lanes": AVX2, "16 lanes": WIDE}
 COLUMNS = (1, 3, 7, 9, 17, 33, 128)
 EPILOGUES = {
     "bias": ("Z[t,c] = A[t,s] * H[s,c] + b[c]", lambda z, b: z + b),
@@ -28,29 +26,16 @@ EPILOGUES = {
 }
 
 
-def adjacency(rows: int, density: float, dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    dense = torch.randn(rows, rows, generator=g, dtype=torch.float64)
-    dense[torch.rand(rows, rows, generator=g) > density] = 0
-    dense[3] = 0  # an empty row
-    dense[5, : rows // 2] = 1.5  # a long row
-    return dense.to(dtype)
 
-
-def tolerance(dtype: torch.dtype) -> dict:
-    return {torch.bfloat16: dict(atol=6e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4),
-            torch.float64: dict(atol=1e-10, rtol=1e-10)}[dtype]
-
-
-@pytest.mark.parametrize("machine", MACHINES)
+@pytest.mark.parametrize("machine", LANES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["csr", "dcsr"])
 def test_epilogues_on_register_blocks_match_torch(machine, dtype, fmt):
-    a = adjacency(37, 0.2, dtype)
+    a = irregular_matrix(37, 37, 0.2, dtype)
     sparse_a = sparsenn.from_dense(a, format=fmt)
     previous = torch.get_num_threads()
     try:
-        with use_target(MACHINES[machine]):
+        with use_target(LANES[machine]):
             for name, (text, reference) in EPILOGUES.items():
                 program = sparsenn.compile(text)
                 for threads in (1, 2):
@@ -60,7 +45,7 @@ def test_epilogues_on_register_blocks_match_torch(machine, dtype, fmt):
                         b = torch.randn(k, dtype=torch.float64).to(dtype)
                         got = program(sparse_a, h, b)
                         expected = reference(a.double() @ h.double(), b.double())
-                        torch.testing.assert_close(got.double(), expected, **tolerance(dtype),
+                        torch.testing.assert_close(got.double(), expected, **close(dtype),
                                                    msg=f"{name}, k={k}, {threads} threads")
     finally:
         torch.set_num_threads(previous)
@@ -72,7 +57,7 @@ def _store_lines(source: str) -> list[str]:
 
 @pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
 def test_a_narrow_spmm_adds_its_bias_before_the_store(machine):
-    a = sparsenn.from_dense(adjacency(40, 0.2, torch.float32), format="csr")
+    a = sparsenn.from_dense(irregular_matrix(40, 40, 0.2, torch.float32), format="csr")
     h, b = torch.randn(40, 7), torch.randn(7)
     with use_target(machine):
         source = sparsenn.compile("Z[t,c] = A[t,s] * H[s,c] + b[c]").explain(a, h, b)
