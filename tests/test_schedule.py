@@ -177,10 +177,11 @@ def test_spmm_register_blocks_the_dense_output_row():
 def test_narrow_rows_get_masked_vectors_and_interleaved_sums():
     a = sparse((N, N), "csr")
     # k narrower than a block: the vectors that cover it, the last masked (float32: 8
-    # lanes on AVX2, 16 on AVX-512), their sums interleaved over the stored entries of a
-    # row until they make the target's independent chains of adds.
+    # lanes on AVX2 vectors; AVX-512's 16 once the row needs more than one 8-lane
+    # vector), their sums interleaved over the stored entries of a row until they make
+    # the target's independent chains of adds.
     for k, target, size, sums in ((3, AVX2, 8, 4), (7, AVX512, 8, 4), (16, AVX2, 16, 2), (20, AVX2, 24, 2),
-                                  (20, AVX512, 24, 2), (40, AVX2, 32, 1)):
+                                  (20, AVX512, 32, 2), (40, AVX2, 32, 1)):
         s = dense_schedule("ij,jk->ik", a, torch.randn(N, k), target=target)
         (nest,) = s.nests
         assert (nest.register_block.size, nest.block_sums) == (size, sums), (k, target)
@@ -321,14 +322,19 @@ def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
 @pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
 def test_a_tile_splitting_a_wide_register_block_only_over_twice_the_l2(machine):
     """SpMM ``Â H`` over a Cora-sized graph: ``H`` with 128 columns (1.4 MB) is under
-    twice the 1 MiB L2, so its columns are not cut into 32-wide tiles (that would split
-    the 64-wide register block and re-read ``Â`` per tile); with 256 columns (2.8 MB) it is."""
+    twice the 1 MiB L2, so its columns are not cut into tiles (that would split the
+    register block and re-read ``Â`` per tile); with 256 columns (2.8 MB) they are. The
+    block takes the widest vectors (16 lanes on AVX-512): 128 columns in one pass there."""
     import _machines
 
     target = getattr(_machines, machine)
     a = sparse((2708, 2708), "csr", density=2e-3)
-    (near,) = dense_schedule("ts,so->to", a, torch.empty(2708, 128), target=target).nests
-    assert near.tiles == () and near.register_block.size == target.wide_register_block_vectors * 8
+    lanes = target.widest_vector_bytes // 4
+    near_schedule = dense_schedule("ts,so->to", a, torch.empty(2708, 128), target=target)
+    (near,) = near_schedule.nests
+    assert near.tiles == () and near.register_block.size == min(target.wide_register_block_vectors * lanes, 128)
+    widened = [r for r in near_schedule.reasons if r.startswith("vectors of 64 bytes")]
+    assert len(widened) == (machine == "AVX512")
     (far,) = dense_schedule("ts,so->to", a, torch.empty(2708, 256), target=target).nests
     assert [t.index for t in far.tiles] == ["o"] and far.tiles[0].size == 32
 

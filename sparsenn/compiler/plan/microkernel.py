@@ -24,8 +24,11 @@ registers and caches, never from an operation's or a format's name.
   weights): the tile then takes ``rows`` consecutive stored positions, their
   coordinates as the rows. The tile fills the target's vector registers (see
   :class:`~.target.Target`); ``rows`` prefers a divisor of ``a``'s extent, rows past the
-  last whole tile run the plain register block. Bound by multiply-adds, a schedule with a tile is made for the
-  target's widest vectors (AVX-512 rather than AVX2). A factor holding ``k`` (as its
+  last whole tile run the plain register block. Bound by multiply-adds, a schedule with a tile, or
+  with a register block wider than one vector, is made for the target's widest vectors
+  (AVX-512 rather than AVX2): the same block in half the registers, loads and
+  multiply-adds, and an output row of 128 floats in one pass over the sparse row instead
+  of two. A factor holding ``k`` (as its
   dense last level) and no index of ``R`` is outside the sums: it scales each block of
   sums where it is stored, and it may read ``a`` too (a sampled output's anchor).
 * **Packed panels.** When ``R`` is one dense reduction ``d`` and a dense vector factor

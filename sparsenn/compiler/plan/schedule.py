@@ -192,14 +192,30 @@ def schedule(
             dims[index] = infos[access.operand].shape[m]
     if output_format is None:
         sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
-        tiled = any(n.register_tile or n.dot_tile for n in sched.nests)
-        if tiled and target.widest_vector_bytes > target.vector_bytes:
-            target = replace(target, vector_bytes=target.widest_vector_bytes)  # see the module doc
+        bound = _bound_by_multiply_adds(sched, itemsize, target)
+        if bound and target.widest_vector_bytes > target.vector_bytes:
+            narrow, target = target.vector_bytes, replace(target, vector_bytes=target.widest_vector_bytes)
             sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
+            sched = replace(sched, reasons=(*sched.reasons, f"vectors of {target.vector_bytes} bytes (the target's "
+                                            f"widest, not {narrow}): {bound}"))
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
                    target=target)
+
+
+def _bound_by_multiply_adds(sched: Schedule, itemsize: int, target: Target) -> str:
+    """Why ``sched`` is made for the target's widest vectors (:mod:`.microkernel`), or
+    "": a register or dot tile, or a register block wider than one of ``target``'s
+    vectors, which wider vectors hold in fewer registers, loads and multiply-adds (and
+    in fewer passes over the sparse rows when the block no longer splits the row)."""
+    lanes = target.vector_bytes // itemsize
+    for nest in sched.nests:
+        if nest.register_tile or nest.dot_tile:
+            return "a register tile, bound by its multiply-adds"
+        if nest.register_block is not None and nest.register_block.size > lanes:
+            return f"a register block of {nest.register_block.size} values, wider than one vector"
+    return ""
 
 
 def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target) -> Nest:

@@ -10,7 +10,8 @@ depends on where the suite runs).
   on x86-64 with AVX2 (also on AVX-512 hosts, where GCC's ``-march=native`` prefers
   256-bit vectors too), 16 on SSE-only x86-64 and on aarch64 (NEON).
   ``widest_vector_bytes`` is the widest the CPU has (64 with AVX-512): kernels with a
-  register tile, which are bound by their multiply-adds, are written for it.
+  register tile, or a register block wider than one ``vector_bytes`` vector, which are
+  bound by their multiply-adds and loads, are written for it.
 * **Caches.** ``l1_bytes`` is one core's L1 data cache: a packed register tile's rows
   over one pack's depth of the reduction stay in half of it. ``l2_bytes`` is one
   core's private L2, the budget for tiles (half of it) and the size under which
