@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparsenn.compiler.backend.c import print_block, print_expr
+from sparsenn.compiler.backend.c import ONE_COPY_LINES, print_block, print_expr
 from sparsenn.compiler.loops import ir
 from sparsenn.compiler.loops.simplify import fold, simplify
 
@@ -68,7 +68,7 @@ def test_a_sparse_dot_product_prints_as_cpp():
     )
 
 
-def test_pragmas_and_the_one_thread_copy():
+def test_pragmas_and_the_one_thread_copy_of_a_short_nest():
     loop = ir.For(
         ir.Decl(I, "index", ir.Const(0)), ir.lt(I, ir.Var("N0")), ir.Incr(I),
         ir.Block((ir.Assign(ACC, ir.Load(X, I), "+="),)), "simd_reduction", ACC,
@@ -77,6 +77,11 @@ def test_pragmas_and_the_one_thread_copy():
     assert text.count("#pragma omp simd reduction(+:acc1)") == 2
     assert text.startswith("if (nthreads > 1) {\n#pragma omp parallel num_threads(nthreads)".replace("\n#", "\n  #"))
     assert "} else {" in text
+    long_nest = ir.Block(tuple(loop for _ in range(ONE_COPY_LINES // 3 + 1)), scoped=False)
+    once = print_block(ir.Block((ir.Parallel(long_nest),)), depth=0)
+    assert once.startswith("#pragma omp parallel num_threads(nthreads) if(nthreads > 1)\n{")
+    assert once.count("#pragma omp simd reduction(+:acc1)") == len(long_nest.stmts)
+    assert "else" not in once
     unrolled = ir.For(ir.Decl(ir.Var("v"), "int", ir.Const(0)), ir.lt(ir.Var("v"), 4), ir.Incr(ir.Var("v")),
                       ir.Block(()), "unroll")
     assert print_block(ir.Block((unrolled,)), depth=0).startswith("#pragma GCC unroll 16\nfor (int v = 0; v < 4; ++v) {")

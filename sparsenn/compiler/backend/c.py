@@ -202,6 +202,8 @@ _PRAGMAS = {
     "omp_for": "#pragma omp for schedule(dynamic, 1)",
     "omp_parallel_for": "#pragma omp parallel for num_threads(nthreads)",
 }
+# Lines of a parallel nest above which it is printed once (see ``_Printer.parallel``).
+ONE_COPY_LINES = 150
 # How an ``omp simd`` reduction combines its lanes, by reduction (the header declares
 # the max and min reductions, which keep a NaN as sn_max and sn_min do).
 _COMBINERS = {"sum": "+", "max": "sn_max_reduction", "min": "sn_min_reduction"}
@@ -293,14 +295,27 @@ class _Printer:
             raise TypeError(f"not a statement: {s!r}")
 
     def parallel(self, s: ir.Parallel) -> None:
+        """A short nest twice: under a team when ``nthreads > 1``, else without one (a
+        team of one thread costs about 0.5 µs a call). A nest of more than
+        ``ONE_COPY_LINES`` lines once, run by a team of one thread when ``nthreads == 1``:
+        a second copy costs more compile time (about 1.5 ms a line at -O3) than the team
+        costs a call that large."""
+        nest = _Printer(self.depth + 2, self.stored)
+        nest.body(s.body)
+        if len(nest.lines) > ONE_COPY_LINES:
+            self.line("#pragma omp parallel num_threads(nthreads) if(nthreads > 1)")
+            self.open("")
+            self.body(s.body)
+            self.close()
+            return
         self.open("if (nthreads > 1)")
         self.line("#pragma omp parallel num_threads(nthreads)")
         self.open("")
-        self.body(s.body)
+        self.lines += nest.lines
         self.close()
         self.close("} else {")
         self.depth += 1
-        self.body(s.body)  # one thread: the same statements, no team
+        self.body(s.body)
         self.close()
 
 
