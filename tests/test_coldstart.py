@@ -211,3 +211,33 @@ def test_float_kernels_parse_no_intrinsics_header_under_gcc():
                                                      "sn_lane_mask"))
         if gcc or not masks:
             assert "immintrin.h" not in headers
+
+
+def test_planning_and_lowering_run_no_garbage_collection():
+    """Compiling a new call allocates many short-lived objects: with the cyclic collector
+    set to run at every allocation, it runs during the call but never while the planner
+    schedules or lowers (no scheduler or lowering frame on the stack of a collection)."""
+    done = run_python(textwrap.dedent("""
+        import gc, sys, torch, sparsenn
+        from sparsenn.compiler.api import plan
+        S = sparsenn.from_dense(torch.randn(40, 30).relu(), format="csr")
+        X = torch.randn(30, 5)
+        compiling = ("/compiler/plan/schedule.py", "/compiler/lower/")
+        inside, outside = [], []
+
+        def seen(phase, info):
+            if phase == "start":
+                frame, files = sys._getframe(1), []
+                while frame is not None:
+                    files.append(frame.f_code.co_filename)
+                    frame = frame.f_back
+                (inside if any(part in f for f in files for part in compiling) else outside).append(1)
+
+        gc.callbacks.append(seen)
+        gc.set_threshold(1, 1, 1)
+        source = plan("ij,jk->ik", S, X).source
+        gc.set_threshold(700, 10, 10)
+        print(len(inside), len(outside) > 0, gc.isenabled(), "sn_run" in source)
+    """))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "True", "True", "True"]

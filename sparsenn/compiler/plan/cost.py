@@ -39,8 +39,8 @@ from ..frontend.notation import Term
 from .decisions import NestFactor, gathered_reduction, reductions_from
 from .target import Target
 
-__all__ = ["OperandInfo", "Factor", "estimate_positions", "read_in_order", "outside_vector", "register_blockable",
-           "nest_cost"]
+__all__ = ["OperandInfo", "Factor", "estimate_positions", "stored_in_order", "read_in_order", "outside_vector",
+           "register_blockable", "nest_cost", "NestCosts"]
 
 TRANSPOSE_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
@@ -102,6 +102,13 @@ def estimate_positions(levels: Sequence[Level], sizes: Sequence[int], nnz: int) 
     return positions
 
 
+def stored_in_order(access, fmt: Format, loop_rank: dict[str, int]) -> bool:
+    """Whether loops ranked ``loop_rank`` visit a sparse ``access``'s indices in its
+    storage order (read as stored, no re-stored copy)."""
+    stored = [access.indices[m] for m in fmt.mode_order]
+    return all(loop_rank[a] <= loop_rank[b] for a, b in zip(stored, stored[1:]))
+
+
 def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> Factor:
     """A factor read in loop order. A dense operand is laid out in loop order too (a
     copy when that differs from its own), so its innermost accesses are unit-stride."""
@@ -110,9 +117,10 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
         return Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices), info.nnz)
     fmt = info.format
     natural = [access.indices[m] for m in fmt.mode_order]
-    wanted = sorted(natural, key=lambda i: loop_rank[i])
+    in_order = stored_in_order(access, fmt, loop_rank)
+    wanted = natural if in_order else sorted(natural, key=lambda i: loop_rank[i])
     levels = fmt.levels
-    if wanted == natural:
+    if in_order:
         positions = list(info.positions)
     else:
         order = tuple(access.indices.index(i) for i in wanted)
@@ -124,7 +132,7 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
         fibers.append(p / parent if parent > 0 else 0.0)
         storage += level.index_entries(parent, p)
         parent = p
-    return Factor(access.operand, True, list(zip(wanted, levels)), fibers, wanted == natural, info.nnz, storage)
+    return Factor(access.operand, True, list(zip(wanted, levels)), fibers, in_order, info.nnz, storage)
 
 
 def outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:
@@ -227,3 +235,28 @@ def _gathered_work(fiber: float, factors: Sequence[NestFactor], index: str, prod
     gathers = sum(1 for f in factors if not f.sparse and index in f.indices)
     step = SPARSE_ITERATION_COST + products
     return step * scalar + (fiber - scalar) * (step / lanes + GATHER_COST * gathers)
+
+
+class NestCosts:
+    """:func:`nest_cost` of one ``term`` over the loop orders a search tries, each order
+    costed once (a search asks for an order's cost, then its factors and leaf count;
+    both are the same at every ``lanes``)."""
+
+    def __init__(self, term: Term, infos: Sequence[OperandInfo], dims: dict[str, int], target: Target,
+                 output: tuple[str, ...] = (), lanes: int | None = None) -> None:
+        self.term, self.infos, self.dims, self.target, self.output, self.lanes = term, infos, dims, target, output, lanes
+        self._costed: dict[tuple[str, ...], tuple[float, float, list[Factor]]] = {}
+
+    def __call__(self, order: tuple[str, ...]) -> tuple[float, float, list[Factor]]:
+        """(cost, leaf iterations, factors) of ``order``."""
+        costed = self._costed.get(order)
+        if costed is None:
+            costed = nest_cost(self.term, order, self.infos, self.dims, self.target, self.output, self.lanes)
+            self._costed[order] = costed
+        return costed
+
+    def reads_anchor_as_stored(self, order: tuple[str, ...], anchor: int) -> bool:
+        """Whether ``order`` reads every access of operand ``anchor`` in its storage order."""
+        rank = {i: n for n, i in enumerate(order)}
+        fmt = self.infos[anchor].format
+        return all(stored_in_order(a, fmt, rank) for a in self.term.factors if a.operand == anchor)

@@ -94,9 +94,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..frontend.notation import Term
 from . import decisions
-from .cost import Factor, nest_cost, outside_vector, register_blockable
+from .cost import Factor, NestCosts, outside_vector, register_blockable
 from .decisions import VectorReduction
 from .target import Target
 
@@ -151,8 +150,8 @@ class DotTile:
 
 
 def register_tiled_order(
-    order: tuple[str, ...], candidates: dict[tuple[str, ...], float], output: tuple[str, ...], term: Term, infos,
-    dims: dict[str, int], layout: tuple[str, ...], anchor: int | None, itemsize: int, target: Target,
+    order: tuple[str, ...], candidates: dict[tuple[str, ...], float], output: tuple[str, ...], nests: NestCosts,
+    anchor: int | None, itemsize: int, target: Target,
 ) -> tuple[str, ...] | None:
     """An order to run instead of the cheapest, ``order``, because it gets a register
     tile (see the module doc), or None: ``order`` with its innermost reduction ``d``
@@ -162,10 +161,12 @@ def register_tiled_order(
     itself gets none, the cheapest of the ``candidates`` (order: cost) that does and
     costs at most :data:`REGISTER_TILE_MARGIN` times as much (a weight gradient
     ``Xᵀ dH`` over an expert's stored rows: ``e, d, c, h`` instead of ``e, c, d, h``)."""
+    dims = nests.dims
+
     def tiled(o: tuple[str, ...]) -> bool:
-        factors = nest_cost(term, o, infos, dims, target, layout)[2]
-        if anchor is not None and not all(f.natural for f in factors if f.operand == anchor):
+        if anchor is not None and not nests.reads_anchor_as_stored(o, anchor):
             return False
+        factors = nests(o)[2]
         output_order = tuple(sorted(output, key=o.index))
         block = _register_block(output_order, o, factors, (), dims, itemsize, target)
         return _register_tile(o, output, factors, block, (), o[0] in output, dims, itemsize, target) is not None

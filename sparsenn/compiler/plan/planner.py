@@ -24,6 +24,7 @@ of three or more factors may instead run as pairwise contractions
 from __future__ import annotations
 
 import functools
+import gc
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -130,6 +131,7 @@ class ShapePlan:
 
 _shape_plans: LRUCache[ShapePlan] = LRUCache("shape plans", 512)
 _plans: LRUCache[Plan] = LRUCache("plans", 256)
+_fused_kernels: LRUCache[FusedKernel] = LRUCache("fused kernels", 64)
 _paths: LRUCache[tuple] = LRUCache("contraction paths", 256)
 
 
@@ -200,6 +202,26 @@ def _requested(assignment: Assignment, formats: Sequence[Format | None],
     return result_format(assignment, formats), None
 
 
+def _collector_paused(compile_step: Callable) -> Callable:
+    """``compile_step`` run with Python's cyclic garbage collector paused. Planning and
+    lowering allocate many short-lived objects without cycles (freed by reference
+    counting); collected as they go, they would survive into the oldest generation and
+    start full collections of the whole heap (0.2 s with torch and a model loaded) in
+    the middle of a first call."""
+    @functools.wraps(compile_step)
+    def paused(*args, **kwargs):
+        if not gc.isenabled():
+            return compile_step(*args, **kwargs)
+        gc.disable()
+        try:
+            return compile_step(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
+
+
+@_collector_paused
 def _shape_plan(assignment: Assignment, infos: tuple[OperandInfo, ...], request: Request, dtype: torch.dtype,
                 index_dtype: torch.dtype) -> ShapePlan:
     formats = tuple(i.format for i in infos)
@@ -250,6 +272,7 @@ def plan_call(assignment: Assignment, infos: tuple[OperandInfo, ...], request: R
     return shaped
 
 
+@_collector_paused
 def _build_plan(assignment: Assignment, formats: tuple[Format | None, ...], output: Format | None,
                 anchor: int | None, sched: Schedule, dtype: torch.dtype, index_dtype: torch.dtype) -> Plan:
     generated = build_kernel(assignment, sched, formats, anchor, dtype, index_dtype)
@@ -299,15 +322,27 @@ def build_fused_kernel(stages: Sequence[FusedStage], dtype: torch.dtype, index_d
     (``lower/fuse.py``), printed at the widest of their vector widths, and a loader that
     builds (or finds in the kernel cache) the library; ``sn_run`` takes every stage's
     arguments that are not an earlier stage's output, stage by stage, then the outputs of
-    the stages that write their own (``FusedLowering.parameters``)."""
-    lowered = lower_fused(stages)
-    source = generate_fused_source(lowered, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."),
-                                   max(stage.plan.kernel.vector_bytes for stage in stages))
+    the stages that write their own (``FusedLowering.parameters``). Stages whose plans
+    make the same decisions share one kernel: lowered and printed once."""
+    key = (tuple((s.plan.assignment, s.plan.operand_formats, s.plan.output_format, s.plan.anchor, s.plan.schedule,
+                  s.reads, s.into) for s in stages), dtype, index_dtype)
+    fused = _fused_kernels.get(key)
+    if fused is None:
+        source = _fused_source(stages, dtype, index_dtype)
 
-    def load() -> abi.EntryPoints:
-        return abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
+        def load() -> abi.EntryPoints:
+            return abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
 
-    return FusedKernel(source, load)
+        fused = FusedKernel(source, load)
+        _fused_kernels.put(key, fused)
+    return fused
+
+
+@_collector_paused
+def _fused_source(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype) -> str:
+    return generate_fused_source(lower_fused(stages), str(dtype).removeprefix("torch."),
+                                 str(index_dtype).removeprefix("torch."),
+                                 max(stage.plan.kernel.vector_bytes for stage in stages))
 
 
 def build_plans(plans: Sequence[Plan]) -> None:

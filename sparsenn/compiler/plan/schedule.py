@@ -54,7 +54,7 @@ from ..frontend import notation
 from ..frontend.notation import Assignment, Term
 from . import decisions
 from . import microkernel
-from .cost import Factor, OperandInfo, estimate_positions, nest_cost
+from .cost import Factor, NestCosts, OperandInfo, estimate_positions, nest_cost
 from .decisions import PrefetchPolicy
 from .microkernel import DotTile, RegisterTile, Tile
 from .nest import Nest, Schedule, Workspace
@@ -293,14 +293,11 @@ def _epilogue_at(nest: Nest, output: tuple[str, ...], factors: list[Factor]) -> 
     return p if p > 0 else None
 
 
-def _anchored_orders(term: Term, candidates: list[tuple[str, ...]], anchor: int, infos, dims, target: Target,
+def _anchored_orders(nests: NestCosts, candidates: list[tuple[str, ...]], anchor: int,
                      layout: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The candidates reading the anchor in its storage order; if none does (a greedy
     search), the best one with the anchor's indices moved to its front in that order."""
-    def natural(order) -> bool:
-        return all(f.natural for f in nest_cost(term, order, infos, dims, target, layout)[2] if f.operand == anchor)
-
-    kept = [o for o in candidates if natural(o)]
+    kept = [o for o in candidates if nests.reads_anchor_as_stored(o, anchor)]
     if kept:
         return kept
     held = layout  # the anchor's indices in its storage order
@@ -316,24 +313,25 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         layout = tuple(assignment.output[m] for m in infos[anchor].format.mode_order)
     for t, term in enumerate(assignment.terms):
         indices = _nest_indices(term, assignment.output)
+        nests_of_term = NestCosts(term, infos, dims, target, layout, target.lanes(itemsize))
 
-        def cost_of(order, term=term):
-            cost = nest_cost(term, order, infos, dims, target, layout, target.lanes(itemsize))[0]
+        def cost_of(order, nests_of_term=nests_of_term):
+            cost = nests_of_term(order)[0]
             parallel = bool(order) and order[0] in assignment.output
             return cost if parallel else cost * SERIAL_PENALTY
 
         candidates = _orders(indices, cost_of, _storage_orders(term, infos))
         if anchor is not None:
-            candidates = _anchored_orders(term, candidates, anchor, infos, dims, target, layout)
+            candidates = _anchored_orders(nests_of_term, candidates, anchor, layout)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
         if assignment.epilogue is None and not _scalar(assignment, t):
-            tiled = microkernel.register_tiled_order(best, costs, assignment.output, term, infos, dims, layout, anchor,
-                                                     itemsize, target)
+            tiled = microkernel.register_tiled_order(best, costs, assignment.output, nests_of_term, anchor, itemsize,
+                                                     target)
             if tiled is not None:
                 costs[tiled] = cost_of(tiled)
                 best = tiled
-        _, leaves, factors = nest_cost(term, best, infos, dims, target, layout)
+        _, leaves, factors = nests_of_term(best)
         leaf_total += leaves
         tiles = _tiles(term, assignment.output, best, factors, infos, dims, itemsize, target)
         parallel = bool(best) and best[0] in assignment.output
