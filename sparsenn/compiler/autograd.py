@@ -7,9 +7,11 @@ other factors of ``f``'s term, contracted onto ``f``'s indices:
 * ``X`` dense: ``dX[x] = sum_t c_t sum_{rest} dOut[o] prod_{g != f} T_g`` — an ordinary
   (often sparse-times-dense) einsum with a dense result;
 * ``X`` sparse: the gradient lives on ``X``'s pattern only (its values are the leaf),
-  so the same product is *sampled* by a mask with ``X``'s pattern — an SDDMM-like kernel
-  that iterates the pattern — plus a zero-valued copy of the pattern, so the result has
-  exactly ``X``'s stored positions and its values line up with ``X.values``.
+  so the same product is *sampled* by a mask with ``X``'s pattern (read for its stored
+  positions only) — an SDDMM-like kernel that iterates the pattern — plus a zero-valued
+  copy of the pattern, so the result has exactly ``X``'s stored positions and its values
+  line up with ``X.values``; that copy is left out when nothing else narrows the
+  pattern (the kernel then writes at the mask's positions anyway).
 
 A term with a value tree ``v`` over its factors contributes ``dOut * dv/dT_f``, the
 derivative tree built by :func:`~.frontend.functions.derivative` and read at the same points
@@ -40,12 +42,13 @@ import torch
 from torch import is_grad_enabled
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from sparsenn.formats import SparseTensor
+from sparsenn.formats import Format, SparseTensor
 
 from .backend import jit
 from .batching import batched_call
 from .frontend.functions import apply, derivative
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from .plan.anchor import sampled_operand
 from .plan.bias import split_epilogue
 from .runtime.tracing import traced_evaluate, tracing, transforming
 
@@ -106,7 +109,11 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
             inputs.append(result)
         else:
             inputs.append(spec.run(_ties(spec.assignment), list(operands) + [result], "dense"))
-    return assignment, inputs, template.format if template is not None else "dense"
+    if template is None:
+        return assignment, inputs, "dense"
+    formats = tuple(op.format if isinstance(op, SparseTensor) else None for op in inputs)
+    mask = 1 + len(operands) + extras.index(("mask",))
+    return _without_zero_term(assignment, formats, mask, 1 + operand), inputs, template.format
 
 
 def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]:
@@ -116,11 +123,7 @@ def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]
 def _reduced_value(term: Term) -> Value:
     """What the reduction combines: the term's value (its product by default) times its
     coefficient."""
-    value = term.value
-    if value is None:
-        value = Factor(0)
-        for k in range(1, len(term.factors)):
-            value = apply("mul", value, Factor(k))
+    value = _product(len(term.factors)) if term.value is None else term.value
     return value if term.coefficient == 1.0 else apply("mul", Constant(term.coefficient), value)
 
 
@@ -201,7 +204,9 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                         if j in multiplied:
                             local = apply("mul", local, Factor(n + 1))
             covered = {i for f in factors for i in f.indices}
-            if sampled:  # a product multiplies the mask's values too: ones
+            if sampled:  # the mask's stored positions restrict the term; its values are not read
+                if local is None:
+                    local = _product(len(factors))
                 factors.append(Access(input_of(("mask",)), target))
             else:
                 missing = tuple(i for i in target if i not in covered)
@@ -213,6 +218,29 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
         terms.append(Term(0.0, (Access(input_of(("mask",)), target),)))
     names = tuple(f"operand{n}" for n in range(extra + len(extras)))
     return Assignment(target, tuple(terms), names), tuple(extras)
+
+
+def _product(count: int) -> Value:
+    """``F0 * F1 * ... * F(count-1)``: a term's product of its first ``count`` factors."""
+    value: Value = Factor(0)
+    for k in range(1, count):
+        value = apply("mul", value, Factor(k))
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _without_zero_term(assignment: Assignment, formats: tuple[Format | None, ...], mask: int,
+                       shares: int) -> Assignment:
+    """A sampled gradient (:func:`_gradient_assignment`) without its ``0 * mask`` term when
+    its other terms alone have exactly the mask's pattern (the planner writes them at its
+    positions, :func:`~.plan.anchor.sampled_operand`): one term, whose kernel need not
+    add a second one into its output. ``formats``: its inputs'; ``shares``: the input
+    whose index arrays the mask shares (the operand itself)."""
+    kept = Assignment(assignment.output, assignment.terms[:-1], assignment.operand_names)
+    patterns: list[int | None] = [None] * len(formats)
+    patterns[mask] = shares
+    anchor = sampled_operand(kept, formats, patterns, formats[mask])
+    return kept if anchor in (mask, shares) else assignment
 
 
 def _dtype_of(grad_out) -> torch.dtype:

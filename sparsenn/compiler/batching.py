@@ -14,10 +14,12 @@ whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
 * A dense result is ``Out[b, o]`` (batched at 0). A sparse result has the unbatched
   pattern for every ``b`` (a result's pattern depends on its operands' patterns only):
   when an operand of the result's format is read at the output's indices (a sampled
-  product, such as a sparse weight's gradient), that operand is batched too (expanded
-  if it was not) and the result asked for in its batched format, so the kernel writes
-  the values at its positions as it does unbatched; they come back as ``(nnz, B)``,
-  batched at 1. Otherwise the result is asked for with ``b`` in a dense level above
+  product, such as a sparse weight's gradient), that operand is batched too and the
+  result asked for in its batched format, so the kernel writes the values at its
+  positions as it does unbatched; they come back as ``(nnz, B)``, batched at 1. An
+  unbatched operand batched so is expanded, its values copied ``B`` times, unless the
+  assignment reads it for its stored positions only (a sampled gradient's mask): then
+  its batched values are never read and are left uninitialised (pooled memory). Otherwise the result is asked for with ``b`` in a dense level above
   its format's levels (:func:`stacked_format`, a layout kernels assemble: ``csr``
   becomes ``ddc``), its values ``(B, nnz)``, batched at 0, and the pattern returned is
   the first element's.
@@ -40,6 +42,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.level import Dense
 
+from .frontend.functions import factors_of
 from .frontend.notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .runtime import memory
@@ -180,8 +183,13 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     in_dims, tensors = list(in_dims), list(tensors)
     sampled = None if fmt is None else _sampled_operand(assignment, templates, fmt)
     if sampled is not None and in_dims[sampled] is None:  # batched too, so the result is written on it
-        tensors[sampled] = tensors[sampled].expand(batch_size, *tensors[sampled].shape)
-        in_dims[sampled] = 0
+        values = tensors[sampled]
+        if _pattern_only(assignment, sampled):
+            tensors[sampled] = memory.empty((values.numel() * batch_size,), values.dtype).view(-1, batch_size)
+            in_dims[sampled] = 1
+        else:
+            tensors[sampled] = values.expand(batch_size, *values.shape)
+            in_dims[sampled] = 0
     operands = [_batched_operand(t, x, d) for t, x, d in zip(templates, tensors, in_dims)]
     batched = batched_assignment(assignment, tuple(d is not None for d in in_dims))
     if fmt is None:
@@ -200,6 +208,19 @@ def _unique(template: SparseTensor) -> bool:
     """Whether every level of its format stores a coordinate once per parent (not COO's
     rows): a sparse result over batched operands of such a format runs per element."""
     return all(level.unique for level in template.format.levels)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern_only(assignment: Assignment, operand: int) -> bool:
+    """Whether ``assignment`` reads ``operand`` for its stored positions only: no term's
+    value (its product when it has none) nor the epilogue reads its values."""
+    if assignment.epilogue is not None and any(a.operand == operand for a in assignment.epilogue.factors):
+        return False
+    for term in assignment.terms:
+        read = range(len(term.factors)) if term.value is None else factors_of(term.value)
+        if any(term.factors[k].operand == operand for k in read):
+            return False
+    return True
 
 
 def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | None], fmt: Format) -> int | None:
