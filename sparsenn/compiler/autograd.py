@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import is_grad_enabled
+from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers
 
 from sparsenn.formats import Format, SparseTensor
@@ -460,10 +461,10 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
 
 def _apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)`` for a Function whose ``forward`` has no default
-    arguments. Outside torch.func transforms it does what ``Function.apply`` does then
-    (dead functorch wrappers unwrapped, then torch's C entry point) without the rest of
-    its Python wrapper, which costs as much as a small call's kernel (binding the default
+    arguments: what ``Function.apply`` does (torch.func's dispatch under a transform, else
+    dead functorch wrappers unwrapped and torch's C entry point) without the rest of its
+    Python wrapper, which costs as much as a small call's kernel (binding the default
     arguments with ``inspect`` once ``setup_context`` is defined: several µs per call)."""
     if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
+        return custom_function_call(function, *args)
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))

@@ -191,6 +191,9 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
             tensors[sampled] = values.expand(batch_size, *values.shape)
             in_dims[sampled] = 0
     operands = [_batched_operand(t, x, d) for t, x, d in zip(templates, tensors, in_dims)]
+    units = _unit_reductions(assignment, templates, tensors, in_dims)
+    if units:
+        assignment, operands = _without(assignment, units), _selected(operands, units, assignment, in_dims)
     batched = batched_assignment(assignment, tuple(d is not None for d in in_dims))
     if fmt is None:
         return BatchedResult(run(batched, operands, "dense"), 0, None)
@@ -202,6 +205,69 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     pattern = SparseTensor(result.shape[1:], fmt, result.pos[:-1], result.crd[:-1], values[:, 0], check=False,
                            index_dtype=result.index_dtype)
     return BatchedResult(values, 1, pattern)
+
+
+@functools.lru_cache(maxsize=1024)
+def _unit_candidates(assignment: Assignment, dense: tuple[bool, ...]) -> tuple[tuple[str, int, int], ...]:
+    """Reduction indices the batched call may drop where their extent is 1, each as
+    ``(index, operand, dimension)`` of its first access: read by dense operands only,
+    once per access, at the same dimension of every access of an operand."""
+    reduced = {i for a in assignment.accesses for i in a.indices} - set(assignment.output)
+    candidates = []
+    for index in sorted(reduced):
+        where: dict[int, int | None] = {}
+        for a in assignment.accesses:
+            at = a.indices.index(index) if a.indices.count(index) == 1 else None
+            if index in a.indices and (not dense[a.operand] or at is None) or where.setdefault(a.operand, at) != at:
+                break
+        else:
+            operand, at = next((n, k) for n, k in where.items() if k is not None)
+            candidates.append((index, operand, at))
+    return tuple(candidates)
+
+
+def _unit_reductions(assignment: Assignment, templates: Sequence[SparseTensor | None],
+                     tensors: Sequence[torch.Tensor], in_dims: Sequence[int | None]) -> tuple[str, ...]:
+    """The reduction indices of extent 1 the batched call drops (:func:`_without`): a
+    per-sample call often sums over a batch of one (``x.unsqueeze(0)``), which the batched
+    kernel would otherwise loop over, accumulating into its output. None when that would
+    leave an access without indices."""
+    units = []
+    for index, n, at in _unit_candidates(assignment, tuple(t is None for t in templates)):
+        d = in_dims[n]
+        if tensors[n].shape[at if d is None or at < d else at + 1] == 1:
+            units.append(index)
+    if units and any(a.indices and set(a.indices) <= set(units) for a in assignment.accesses):
+        return ()
+    return tuple(units)
+
+
+@functools.lru_cache(maxsize=1024)
+def _without(assignment: Assignment, indices: tuple[str, ...]) -> Assignment:
+    """``assignment`` with the reduction ``indices`` (each of extent 1) read nowhere:
+    ``sum_{b} f(b)`` over ``b = 0`` alone is ``f(0)``."""
+    def access(a: Access) -> Access:
+        return Access(a.operand, tuple(i for i in a.indices if i not in indices))
+
+    terms = tuple(Term(t.coefficient, tuple(map(access, t.factors)), t.value) for t in assignment.terms)
+    return Assignment(assignment.output, terms, assignment.operand_names, assignment.reduction, assignment.epilogue)
+
+
+def _selected(operands: list, indices: tuple[str, ...], assignment: Assignment, in_dims: Sequence[int | None]) -> list:
+    """The batched call's dense operands at element 0 of each dimension reading one of
+    ``indices`` (their batch dimension first, :func:`_batched_operand`; every access of
+    an operand reads them at the same dimensions, :func:`_unit_candidates`)."""
+    operands = list(operands)
+    done = set()
+    for a in assignment.accesses:
+        dims = [k for k, i in enumerate(a.indices) if i in indices]
+        if dims and a.operand not in done:
+            done.add(a.operand)
+            op, shift = operands[a.operand], in_dims[a.operand] is not None
+            for k in reversed(dims):
+                op = op.select(k + shift, 0)
+            operands[a.operand] = op
+    return operands
 
 
 def _unique(template: SparseTensor) -> bool:
