@@ -114,7 +114,7 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
         return assignment, inputs, "dense"
     formats = tuple(op.format if isinstance(op, SparseTensor) else None for op in inputs)
     mask = 1 + len(operands) + extras.index(("mask",))
-    return _without_zero_term(assignment, formats, mask, 1 + operand), inputs, template.format
+    return _without_zero_term(assignment, formats, _shared_patterns(inputs), mask), inputs, template.format
 
 
 def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]:
@@ -230,18 +230,29 @@ def _product(count: int) -> Value:
 
 
 @functools.lru_cache(maxsize=1024)
-def _without_zero_term(assignment: Assignment, formats: tuple[Format | None, ...], mask: int,
-                       shares: int) -> Assignment:
+def _without_zero_term(assignment: Assignment, formats: tuple[Format | None, ...],
+                       patterns: tuple[int | None, ...], mask: int) -> Assignment:
     """A sampled gradient (:func:`_gradient_assignment`) without its ``0 * mask`` term when
     its other terms alone have exactly the mask's pattern (the planner writes them at its
-    positions, :func:`~.plan.anchor.sampled_operand`): one term, whose kernel need not
-    add a second one into its output. ``formats``: its inputs'; ``shares``: the input
-    whose index arrays the mask shares (the operand itself)."""
+    positions, :func:`~.plan.anchor.sampled_operand`; any anchor it finds is read where
+    the mask is, so has its pattern): one term, whose kernel need not add a second one
+    into its output. ``formats`` and ``patterns``: its inputs' (:func:`_shared_patterns`)."""
     kept = Assignment(assignment.output, assignment.terms[:-1], assignment.operand_names)
-    patterns: list[int | None] = [None] * len(formats)
-    patterns[mask] = shares
-    anchor = sampled_operand(kept, formats, patterns, formats[mask])
-    return kept if anchor in (mask, shares) else assignment
+    return kept if sampled_operand(kept, formats, patterns, formats[mask]) is not None else assignment
+
+
+def _shared_patterns(inputs: Sequence) -> tuple[int | None, ...]:
+    """Per input, the first earlier sparse input with the same format and index arrays
+    (the same tensors), or None: the patterns :func:`~.plan.anchor.sampled_operand` takes."""
+    first: dict[tuple, int] = {}
+    patterns: list[int | None] = []
+    for n, op in enumerate(inputs):
+        if not isinstance(op, SparseTensor):
+            patterns.append(None)
+            continue
+        root = first.setdefault((op.format, *map(id, op.pos), *map(id, op.crd)), n)
+        patterns.append(None if root == n else root)
+    return tuple(patterns)
 
 
 def _dtype_of(grad_out) -> torch.dtype:

@@ -19,10 +19,13 @@ whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
   positions as it does unbatched; they come back as ``(nnz, B)``, batched at 1. An
   unbatched operand batched so is expanded, its values copied ``B`` times, unless the
   assignment reads it for its stored positions only (a sampled gradient's mask): then
-  its batched values are never read and are left uninitialised (pooled memory). Otherwise the result is asked for with ``b`` in a dense level above
-  its format's levels (:func:`stacked_format`, a layout kernels assemble: ``csr``
-  becomes ``ddc``), its values ``(B, nnz)``, batched at 0, and the pattern returned is
-  the first element's.
+  its batched values are never read and are left uninitialised (pooled memory).
+  Otherwise the result is asked for with ``b`` in a dense level above its format's
+  levels (:func:`stacked_format`, a layout kernels assemble: ``csr`` becomes ``ddc``),
+  its values ``(B, nnz)``, batched at 0, and the pattern returned is the first element's.
+* A reduction index of extent 1 read by dense operands only (a per-sample call's batch
+  of one, ``x.unsqueeze(0)``) is dropped and those operands read at its element 0:
+  ``sum_{c} f(c)`` over ``c = 0`` alone is ``f(0)``, and the kernel need not accumulate.
 
 Blocked and ``nm(n,m)`` formats cannot take a dense level below their in-block levels,
 ``out_format="auto"`` decides the result's type by its estimated fill, and a sparse
@@ -230,7 +233,7 @@ def _unit_reductions(assignment: Assignment, templates: Sequence[SparseTensor | 
                      tensors: Sequence[torch.Tensor], in_dims: Sequence[int | None]) -> tuple[str, ...]:
     """The reduction indices of extent 1 the batched call drops (:func:`_without`): a
     per-sample call often sums over a batch of one (``x.unsqueeze(0)``), which the batched
-    kernel would otherwise loop over, accumulating into its output. None when that would
+    kernel would otherwise loop over, accumulating into its output. None if that would
     leave an access without indices."""
     units = []
     for index, n, at in _unit_candidates(assignment, tuple(t is None for t in templates)):
@@ -253,7 +256,8 @@ def _without(assignment: Assignment, indices: tuple[str, ...]) -> Assignment:
     return Assignment(assignment.output, terms, assignment.operand_names, assignment.reduction, assignment.epilogue)
 
 
-def _selected(operands: list, indices: tuple[str, ...], assignment: Assignment, in_dims: Sequence[int | None]) -> list:
+def _selected(operands: list, indices: tuple[str, ...], assignment: Assignment,
+              in_dims: Sequence[int | None]) -> list:
     """The batched call's dense operands at element 0 of each dimension reading one of
     ``indices`` (their batch dimension first, :func:`_batched_operand`; every access of
     an operand reads them at the same dimensions, :func:`_unit_candidates`)."""
