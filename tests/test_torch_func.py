@@ -155,7 +155,9 @@ def test_nested_vmap_and_vmap_of_jacrev():
 
 
 def test_per_sample_gradients_of_a_sparse_mlp():
-    """vmap(grad(loss)) with functional_call: each sample's gradients, as a loop computes them."""
+    """vmap(grad(loss)) with functional_call: each sample's gradients, as a loop computes them.
+    The weight gradients' batched mask is read for its positions only: its values are
+    uninitialised memory, NaN under the tests' poisoning, so a read would show."""
     torch.manual_seed(0)
     model = nn.Sequential(sparsenn.SparseLinear(784, 256, sparsity=0.9), nn.ReLU(),
                           sparsenn.SparseLinear(256, 10, sparsity=0.9)).double()
