@@ -221,7 +221,8 @@ def _unit_candidates(assignment: Assignment, dense: tuple[bool, ...]) -> tuple[t
         where: dict[int, int | None] = {}
         for a in assignment.accesses:
             at = a.indices.index(index) if a.indices.count(index) == 1 else None
-            if index in a.indices and (not dense[a.operand] or at is None) or where.setdefault(a.operand, at) != at:
+            unusable = index in a.indices and (not dense[a.operand] or at is None)
+            if unusable or where.setdefault(a.operand, at) != at:  # an operand reads it at one dimension or none
                 break
         else:
             operand, at = next((n, k) for n, k in where.items() if k is not None)
