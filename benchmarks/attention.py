@@ -1,7 +1,7 @@
 """Attention benchmark: BlockSparseAttention's attention (BigBird, 2 global + 3 window +
 2 random blocks) against dense and block-sparse alternatives, fp32.
 
-    PYTHONPATH=<worktree> python benchmarks/attention.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/attention.py [--quick] [--threads 1 2] [--out DIR]
         [--lengths 1024 2048 4096 8192] [--batches 1 4] [--blocks 64 16]
 
 The attention alone on projected heads (4 heads of 64; ``layer.attend(q, k, v)``), one
@@ -41,6 +41,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention as sdpa

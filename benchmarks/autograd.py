@@ -2,14 +2,12 @@
 90 %-sparse linear layer (x @ W^T) and GCN propagation A @ (X W) (Cora, synthetic R-MAT graph).
 Usage: ``python benchmarks/autograd.py [--quick]``."""
 import argparse, json, os, platform, statistics, subprocess, sys, tempfile, time  # noqa: E401
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT  # noqa: E402  (first: this tree's sparsenn on sys.path)
 import sparsenn  # noqa: E402
 from models.planetoid import load_planetoid  # noqa: E402
 

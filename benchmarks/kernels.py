@@ -32,8 +32,7 @@ import scipy.io
 import scipy.sparse as sps
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT  # noqa: E402  (first: this tree's sparsenn on sys.path)
 import sparsenn  # noqa: E402
 from models.download import suitesparse_matrix  # noqa: E402
 

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT  # noqa: E402  (first: this tree's sparsenn on sys.path)
 import sparsenn  # noqa: E402
 from models.planetoid import load_planetoid  # noqa: E402
 from sparsenn import SparseGCNConv, SparseLinear  # noqa: E402

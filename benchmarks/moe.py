@@ -1,7 +1,7 @@
 """Mixture-of-experts benchmark: sparsenn.SparseMoE against a dense all-experts einsum, a
 per-expert loop in plain PyTorch and torch._grouped_mm, fp32.
 
-    PYTHONPATH=<worktree> python benchmarks/moe.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/moe.py [--quick] [--threads 1 2] [--out DIR]
 
 d_model 512, d_hidden 2048, 4096 tokens, E in {8, 64} experts, top-k in {1, 2}, gelu, no
 bias, dropless. Every implementation runs the same SparseMoEGate (router, softmax, top-k)
@@ -37,6 +37,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
 
 import torch
 import torch.nn.functional as F

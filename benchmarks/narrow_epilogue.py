@@ -3,20 +3,18 @@
 against the bare SpMM and torch.sparse (``addmm``, ``mm``) in the same run: medians of
 round-robin timed calls after warm-up, 1 and 2 threads (issue 33, narrow dense outputs).
 
-    PYTHONPATH=$PWD python benchmarks/narrow_epilogue.py --graphs Cora --columns 7 16
+    python benchmarks/narrow_epilogue.py --graphs Cora --columns 7 16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sparsenn  # noqa: E402
-from sweep import PLANETOID, planetoid_adjacency, round_robin_ms  # noqa: E402
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
+import sparsenn
+from sweep import PLANETOID, planetoid_adjacency, round_robin_ms
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Nonlinear benchmark: sparse softmax over stored entries and a fused ``relu(A @ X + b)``
 epilogue, sparsenn against torch.sparse and the unfused paths, fp32.
 
-    PYTHONPATH=<worktree> python benchmarks/nonlinear.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/nonlinear.py [--quick] [--threads 1 2] [--out DIR]
 
 1. Softmax on graph patterns: ``sparsenn.softmax`` (and ``log_softmax``) of a CSR matrix
    along rows against ``torch.sparse.softmax`` on the same pattern in COO (torch rejects
@@ -41,8 +41,7 @@ from pathlib import Path
 import scipy.io
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT  # noqa: E402  (first: this tree's sparsenn on sys.path)
 import sparsenn  # noqa: E402
 from models.download import suitesparse_matrix  # noqa: E402
 from structured import (compare, error_text, first_build, first_build_table, machine_info, run_case,  # noqa: E402

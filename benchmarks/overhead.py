@@ -32,6 +32,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
+
 import numpy as np
 import scipy.io
 import scipy.sparse as sps

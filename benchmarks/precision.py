@@ -1,7 +1,7 @@
 """Mixed-precision benchmark: SpMM and SparseLinear with bfloat16 and float16 values
 (float32 arithmetic in the kernels) against float32.
 
-    PYTHONPATH=<worktree> python benchmarks/precision.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/precision.py [--quick] [--threads 1 2] [--out DIR]
 
 1. SpMM ``A @ X``: A N x N CSR with 16 uniformly random entries per row (N = 2^16; 2^14
    with --quick), X N x K for K = 64 and 256, A's values, X and the result all in one
@@ -34,6 +34,8 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
 
 import torch
 from torch import nn

@@ -1,7 +1,7 @@
 """Structured-sparsity benchmark: block-sparse (BSR) SpMM and SDDMM, and SparseLinear with
 block, N:M and unstructured weights, sparsenn against torch and dense, fp32.
 
-    PYTHONPATH=<worktree> python benchmarks/structured.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/structured.py [--quick] [--threads 1 2] [--out DIR]
 
 1. BSR SpMM: A 4096x4096 with square blocks of 16, 32 and 64, 90 % of the blocks empty
    (seeded random block mask), times X 4096x256: sparsenn BSR against sparsenn CSR of the
@@ -38,6 +38,8 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
 
 import torch
 from torch import nn

@@ -1,7 +1,7 @@
 """Sweep that maps where sparsenn wins and where it loses (issue 33, part 1).
 
-    PYTHONPATH=<worktree> python benchmarks/sweep.py [--quick] [--suitesparse-dir DIR] [grid flags]
-    PYTHONPATH=<worktree> python benchmarks/sweep.py --plot benchmarks/results/sweep/<machine>.json
+    python benchmarks/sweep.py [--quick] [--suitesparse-dir DIR] [grid flags]
+    python benchmarks/sweep.py --plot benchmarks/results/sweep/<machine>.json
 
 Three sections, each against the alternatives a user would otherwise run:
 
@@ -59,8 +59,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from checkout import ROOT  # noqa: E402  (first: this tree's sparsenn on sys.path)
 import sparsenn  # noqa: E402
 from structured import machine_info  # noqa: E402
 from sweep_plot import summary, write_heatmaps  # noqa: E402

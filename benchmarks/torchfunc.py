@@ -2,7 +2,7 @@
 ``functional_call`` (every sparse einsum batched into one compiled kernel) against a loop
 over the samples (one forward and backward each), fp32.
 
-    PYTHONPATH=<worktree> python benchmarks/torchfunc.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/torchfunc.py [--quick] [--threads 1 2] [--out DIR]
 
 1. Per-sample gradients of an MLP ``SparseLinear(784, 256)`` at 90 %, ReLU,
    ``SparseLinear(256, 10)`` at 90 % (csr), cross-entropy, batch 64 and 256: the
@@ -25,6 +25,8 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import checkout  # noqa: F401  (first: this tree's sparsenn on sys.path)
 
 import torch
 from torch import nn

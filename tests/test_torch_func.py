@@ -155,7 +155,9 @@ def test_nested_vmap_and_vmap_of_jacrev():
 
 
 def test_per_sample_gradients_of_a_sparse_mlp():
-    """vmap(grad(loss)) with functional_call: each sample's gradients, as a loop computes them."""
+    """vmap(grad(loss)) with functional_call: each sample's gradients, as a loop computes them.
+    The weight gradients' batched mask is read for its positions only: its values are
+    uninitialised memory, NaN under the tests' poisoning, so a read would show."""
     torch.manual_seed(0)
     model = nn.Sequential(sparsenn.SparseLinear(784, 256, sparsity=0.9), nn.ReLU(),
                           sparsenn.SparseLinear(256, 10, sparsity=0.9)).double()
@@ -340,3 +342,71 @@ def test_per_sample_hessian_vector_products_of_a_sparse_layer():
     ours = lambda v, x: sparsenn.einsum("ij,j->i", A.with_values(v), x).tanh().sum()  # noqa: E731
     ref = lambda v, x: (_dense(A, v) @ x).tanh().sum()  # noqa: E731
     torch.testing.assert_close(hvp(ours), hvp(ref))
+
+
+def _nodes(out: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes ``out`` was computed by, each once."""
+    names, seen, pending = [], set(), [out.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        pending.extend(f for f, _ in node.next_functions)
+    return names
+
+
+def test_a_vmapped_sparse_mlp_records_one_node_per_layer():
+    """A SparseLinear's product and bias are one recorded call under vmap, as outside it."""
+    torch.manual_seed(5)
+    model = nn.Sequential(sparsenn.SparseLinear(8, 6, sparsity=0.5), nn.ReLU(),
+                          sparsenn.SparseLinear(6, 3, sparsity=0.5)).double()
+    X = _x(4, 2, 8)
+    out = vmap(model)(X)
+    assert _nodes(out).count("_SparseEinsumBackward") == 2
+    torch.testing.assert_close(out, torch.stack([model(x) for x in X]))
+    out.sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    model(X).sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad)
+
+
+@pytest.mark.parametrize("other", ["dense", "sparse"])
+def test_gradient_of_a_sparse_operand_keeps_every_stored_position(other):
+    """d/dA of ``A[i,j] * B[i,j]`` lies on A's pattern: B's values where B is dense (A's
+    pattern alone bounds the product), and zeros where a sparse B stores nothing."""
+    A = _sparse((5, 6), "csr", seed=40)
+    B = _sparse((5, 6), "csr", seed=41) if other == "sparse" else _x(5, 6, seed=41)
+    dense_b = B.to_dense() if other == "sparse" else B
+    v = A.values.clone().requires_grad_()
+    out = sparsenn.einsum("ij,ij->ij", A.with_values(v), B)
+    (out.values if isinstance(out, SparseTensor) else out).sum().backward()
+    torch.testing.assert_close(v.grad, dense_b[tuple(A.coords()[0])])
+
+
+def test_per_sample_weight_gradients_over_a_batch_of_one():
+    """Per-sample calls sum over a batch of one (``x.unsqueeze(0)``): the batched call
+    drops that index, wherever the batch dimension is and whichever operand is batched."""
+    W = _sparse((6, 5), "csr", seed=42)
+    mask = W.with_values(torch.ones_like(W.values))
+    dY, X = _x(4, 1, 6, seed=43), _x(4, 1, 5, seed=44)
+    f = lambda dy, x: sparsenn.einsum("bo,bi,oi->oi", dy, x, mask).values  # noqa: E731
+    expected = torch.stack([f(dy, x) for dy, x in zip(dY, X)])
+    before = _calls()
+    torch.testing.assert_close(vmap(f)(dY, X), expected)
+    assert _calls() - before == 1
+    torch.testing.assert_close(vmap(f, in_dims=(1, 1))(dY.transpose(0, 1), X.transpose(0, 1)), expected)
+    torch.testing.assert_close(vmap(f, in_dims=(0, None))(dY, X[0]), torch.stack([f(dy, X[0]) for dy in dY]))
+    V = _x(3, W.nnz, seed=45)
+    g = lambda v: sparsenn.einsum("bi,oi->o", X[0], W.with_values(v))  # noqa: E731
+    torch.testing.assert_close(vmap(g)(V), torch.stack([g(v) for v in V]))
+
+    def loss(v, x):
+        return sparsenn.einsum("bi,oi->bo", x.unsqueeze(0), W.with_values(v)).tanh().sum()
+
+    reference = lambda v, x: (_dense(W, v) @ x).tanh().sum()  # noqa: E731
+    torch.testing.assert_close(vmap(grad(loss), in_dims=(None, 0))(W.values, X[:, 0]),
+                               vmap(grad(reference), in_dims=(None, 0))(W.values, X[:, 0]))

@@ -7,9 +7,11 @@ other factors of ``f``'s term, contracted onto ``f``'s indices:
 * ``X`` dense: ``dX[x] = sum_t c_t sum_{rest} dOut[o] prod_{g != f} T_g`` — an ordinary
   (often sparse-times-dense) einsum with a dense result;
 * ``X`` sparse: the gradient lives on ``X``'s pattern only (its values are the leaf),
-  so the same product is *sampled* by a mask with ``X``'s pattern — an SDDMM-like kernel
-  that iterates the pattern — plus a zero-valued copy of the pattern, so the result has
-  exactly ``X``'s stored positions and its values line up with ``X.values``.
+  so the same product is *sampled* by a mask with ``X``'s pattern (read for its stored
+  positions only) — an SDDMM-like kernel that iterates the pattern — plus a zero-valued
+  copy of the pattern, so the result has exactly ``X``'s stored positions and its values
+  line up with ``X.values``; that copy is left out when nothing else narrows the
+  pattern (the kernel then writes at the mask's positions anyway).
 
 A term with a value tree ``v`` over its factors contributes ``dOut * dv/dT_f``, the
 derivative tree built by :func:`~.frontend.functions.derivative` and read at the same points
@@ -38,14 +40,16 @@ from collections.abc import Sequence
 
 import torch
 from torch import is_grad_enabled
+from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from sparsenn.formats import SparseTensor
+from sparsenn.formats import Format, SparseTensor
 
 from .backend import jit
 from .batching import batched_call
 from .frontend.functions import apply, derivative
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from .plan.anchor import sampled_operand
 from .plan.bias import split_epilogue
 from .runtime.tracing import traced_evaluate, tracing, transforming
 
@@ -106,7 +110,11 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
             inputs.append(result)
         else:
             inputs.append(spec.run(_ties(spec.assignment), list(operands) + [result], "dense"))
-    return assignment, inputs, template.format if template is not None else "dense"
+    if template is None:
+        return assignment, inputs, "dense"
+    formats = tuple(op.format if isinstance(op, SparseTensor) else None for op in inputs)
+    mask = 1 + len(operands) + extras.index(("mask",))
+    return _without_zero_term(assignment, formats, _shared_patterns(inputs), mask), inputs, template.format
 
 
 def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]:
@@ -116,11 +124,7 @@ def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]
 def _reduced_value(term: Term) -> Value:
     """What the reduction combines: the term's value (its product by default) times its
     coefficient."""
-    value = term.value
-    if value is None:
-        value = Factor(0)
-        for k in range(1, len(term.factors)):
-            value = apply("mul", value, Factor(k))
+    value = _product(len(term.factors)) if term.value is None else term.value
     return value if term.coefficient == 1.0 else apply("mul", Constant(term.coefficient), value)
 
 
@@ -201,7 +205,9 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                         if j in multiplied:
                             local = apply("mul", local, Factor(n + 1))
             covered = {i for f in factors for i in f.indices}
-            if sampled:  # a product multiplies the mask's values too: ones
+            if sampled:  # the mask's stored positions restrict the term; its values are not read
+                if local is None:
+                    local = _product(len(factors))
                 factors.append(Access(input_of(("mask",)), target))
             else:
                 missing = tuple(i for i in target if i not in covered)
@@ -213,6 +219,40 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
         terms.append(Term(0.0, (Access(input_of(("mask",)), target),)))
     names = tuple(f"operand{n}" for n in range(extra + len(extras)))
     return Assignment(target, tuple(terms), names), tuple(extras)
+
+
+def _product(count: int) -> Value:
+    """``F0 * F1 * ... * F(count-1)``: a term's product of its first ``count`` factors."""
+    value: Value = Factor(0)
+    for k in range(1, count):
+        value = apply("mul", value, Factor(k))
+    return value
+
+
+@functools.lru_cache(maxsize=1024)
+def _without_zero_term(assignment: Assignment, formats: tuple[Format | None, ...],
+                       patterns: tuple[int | None, ...], mask: int) -> Assignment:
+    """A sampled gradient (:func:`_gradient_assignment`) without its ``0 * mask`` term when
+    its other terms alone have exactly the mask's pattern (the planner writes them at its
+    positions, :func:`~.plan.anchor.sampled_operand`; any anchor it finds is read where
+    the mask is, so has its pattern): one term, whose kernel need not add a second one
+    into its output. ``formats`` and ``patterns``: its inputs' (:func:`_shared_patterns`)."""
+    kept = Assignment(assignment.output, assignment.terms[:-1], assignment.operand_names)
+    return kept if sampled_operand(kept, formats, patterns, formats[mask]) is not None else assignment
+
+
+def _shared_patterns(inputs: Sequence) -> tuple[int | None, ...]:
+    """Per input, the first earlier sparse input with the same format and index arrays
+    (the same tensors), or None: the patterns :func:`~.plan.anchor.sampled_operand` takes."""
+    first: dict[tuple, int] = {}
+    patterns: list[int | None] = []
+    for n, op in enumerate(inputs):
+        if not isinstance(op, SparseTensor):
+            patterns.append(None)
+            continue
+        root = first.setdefault((op.format, *map(id, op.pos), *map(id, op.crd)), n)
+        patterns.append(None if root == n else root)
+    return tuple(patterns)
 
 
 def _dtype_of(grad_out) -> torch.dtype:
@@ -432,10 +472,10 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
 
 def _apply(function: type[torch.autograd.Function], *args):
     """``function.apply(*args)`` for a Function whose ``forward`` has no default
-    arguments. Outside torch.func transforms it does what ``Function.apply`` does then
-    (dead functorch wrappers unwrapped, then torch's C entry point) without the rest of
-    its Python wrapper, which costs as much as a small call's kernel (binding the default
+    arguments: what ``Function.apply`` does (torch.func's dispatch under a transform, else
+    dead functorch wrappers unwrapped and torch's C entry point) without the rest of its
+    Python wrapper, which costs as much as a small call's kernel (binding the default
     arguments with ``inspect`` once ``setup_context`` is defined: several µs per call)."""
     if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
+        return custom_function_call(function, *args)
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))

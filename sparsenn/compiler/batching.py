@@ -14,13 +14,18 @@ whole batch, not a loop. ``"ij,j->i"`` with ``x`` batched is ``"ij,bj->bi"``.
 * A dense result is ``Out[b, o]`` (batched at 0). A sparse result has the unbatched
   pattern for every ``b`` (a result's pattern depends on its operands' patterns only):
   when an operand of the result's format is read at the output's indices (a sampled
-  product, such as a sparse weight's gradient), that operand is batched too (expanded
-  if it was not) and the result asked for in its batched format, so the kernel writes
-  the values at its positions as it does unbatched; they come back as ``(nnz, B)``,
-  batched at 1. Otherwise the result is asked for with ``b`` in a dense level above
-  its format's levels (:func:`stacked_format`, a layout kernels assemble: ``csr``
-  becomes ``ddc``), its values ``(B, nnz)``, batched at 0, and the pattern returned is
-  the first element's.
+  product, such as a sparse weight's gradient), that operand is batched too and the
+  result asked for in its batched format, so the kernel writes the values at its
+  positions as it does unbatched; they come back as ``(nnz, B)``, batched at 1. An
+  unbatched operand batched so is expanded, its values copied ``B`` times, unless the
+  assignment reads it for its stored positions only (a sampled gradient's mask): then
+  its batched values are never read and are left uninitialised (pooled memory).
+  Otherwise the result is asked for with ``b`` in a dense level above its format's
+  levels (:func:`stacked_format`, a layout kernels assemble: ``csr`` becomes ``ddc``),
+  its values ``(B, nnz)``, batched at 0, and the pattern returned is the first element's.
+* A reduction index of extent 1 read by dense operands only (a per-sample call's batch
+  of one, ``x.unsqueeze(0)``) is dropped and those operands read at its element 0:
+  ``sum_{c} f(c)`` over ``c = 0`` alone is ``f(0)``, and the kernel need not accumulate.
 
 Blocked and ``nm(n,m)`` formats cannot take a dense level below their in-block levels,
 ``out_format="auto"`` decides the result's type by its estimated fill, and a sparse
@@ -40,6 +45,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.level import Dense
 
+from .frontend.functions import factors_of
 from .frontend.notation import Access, Assignment, Epilogue, Term
 from .plan.infer import result_format
 from .runtime import memory
@@ -180,9 +186,17 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     in_dims, tensors = list(in_dims), list(tensors)
     sampled = None if fmt is None else _sampled_operand(assignment, templates, fmt)
     if sampled is not None and in_dims[sampled] is None:  # batched too, so the result is written on it
-        tensors[sampled] = tensors[sampled].expand(batch_size, *tensors[sampled].shape)
-        in_dims[sampled] = 0
+        values = tensors[sampled]
+        if _pattern_only(assignment, sampled):
+            tensors[sampled] = memory.empty((values.numel() * batch_size,), values.dtype).view(-1, batch_size)
+            in_dims[sampled] = 1
+        else:
+            tensors[sampled] = values.expand(batch_size, *values.shape)
+            in_dims[sampled] = 0
     operands = [_batched_operand(t, x, d) for t, x, d in zip(templates, tensors, in_dims)]
+    units = _unit_reductions(assignment, templates, tensors, in_dims)
+    if units:
+        assignment, operands = _without(assignment, units), _selected(operands, units, assignment, in_dims)
     batched = batched_assignment(assignment, tuple(d is not None for d in in_dims))
     if fmt is None:
         return BatchedResult(run(batched, operands, "dense"), 0, None)
@@ -196,10 +210,88 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     return BatchedResult(values, 1, pattern)
 
 
+@functools.lru_cache(maxsize=1024)
+def _unit_candidates(assignment: Assignment, dense: tuple[bool, ...]) -> tuple[tuple[str, int, int], ...]:
+    """Reduction indices the batched call may drop where their extent is 1, each as
+    ``(index, operand, dimension)`` of its first access: read by dense operands only,
+    once per access, at the same dimension of every access of an operand."""
+    reduced = {i for a in assignment.accesses for i in a.indices} - set(assignment.output)
+    candidates = []
+    for index in sorted(reduced):
+        where: dict[int, int | None] = {}
+        for a in assignment.accesses:
+            at = a.indices.index(index) if a.indices.count(index) == 1 else None
+            unusable = index in a.indices and (not dense[a.operand] or at is None)
+            if unusable or where.setdefault(a.operand, at) != at:  # an operand reads it at one dimension or none
+                break
+        else:
+            operand, at = next((n, k) for n, k in where.items() if k is not None)
+            candidates.append((index, operand, at))
+    return tuple(candidates)
+
+
+def _unit_reductions(assignment: Assignment, templates: Sequence[SparseTensor | None],
+                     tensors: Sequence[torch.Tensor], in_dims: Sequence[int | None]) -> tuple[str, ...]:
+    """The reduction indices of extent 1 the batched call drops (:func:`_without`): a
+    per-sample call often sums over a batch of one (``x.unsqueeze(0)``), which the batched
+    kernel would otherwise loop over, accumulating into its output. None if that would
+    leave an access without indices."""
+    units = []
+    for index, n, at in _unit_candidates(assignment, tuple(t is None for t in templates)):
+        d = in_dims[n]
+        if tensors[n].shape[at if d is None or at < d else at + 1] == 1:
+            units.append(index)
+    if units and any(a.indices and set(a.indices) <= set(units) for a in assignment.accesses):
+        return ()
+    return tuple(units)
+
+
+@functools.lru_cache(maxsize=1024)
+def _without(assignment: Assignment, indices: tuple[str, ...]) -> Assignment:
+    """``assignment`` with the reduction ``indices`` (each of extent 1) read nowhere:
+    ``sum_{b} f(b)`` over ``b = 0`` alone is ``f(0)``."""
+    def access(a: Access) -> Access:
+        return Access(a.operand, tuple(i for i in a.indices if i not in indices))
+
+    terms = tuple(Term(t.coefficient, tuple(map(access, t.factors)), t.value) for t in assignment.terms)
+    return Assignment(assignment.output, terms, assignment.operand_names, assignment.reduction, assignment.epilogue)
+
+
+def _selected(operands: list, indices: tuple[str, ...], assignment: Assignment,
+              in_dims: Sequence[int | None]) -> list:
+    """The batched call's dense operands at element 0 of each dimension reading one of
+    ``indices`` (their batch dimension first, :func:`_batched_operand`; every access of
+    an operand reads them at the same dimensions, :func:`_unit_candidates`)."""
+    operands = list(operands)
+    done = set()
+    for a in assignment.accesses:
+        dims = [k for k, i in enumerate(a.indices) if i in indices]
+        if dims and a.operand not in done:
+            done.add(a.operand)
+            op, shift = operands[a.operand], in_dims[a.operand] is not None
+            for k in reversed(dims):
+                op = op.select(k + shift, 0)
+            operands[a.operand] = op
+    return operands
+
+
 def _unique(template: SparseTensor) -> bool:
     """Whether every level of its format stores a coordinate once per parent (not COO's
     rows): a sparse result over batched operands of such a format runs per element."""
     return all(level.unique for level in template.format.levels)
+
+
+@functools.lru_cache(maxsize=1024)
+def _pattern_only(assignment: Assignment, operand: int) -> bool:
+    """Whether ``assignment`` reads ``operand`` for its stored positions only: no term's
+    value (its product when it has none) nor the epilogue reads its values."""
+    if assignment.epilogue is not None and any(a.operand == operand for a in assignment.epilogue.factors):
+        return False
+    for term in assignment.terms:
+        read = range(len(term.factors)) if term.value is None else factors_of(term.value)
+        if any(term.factors[k].operand == operand for k in read):
+            return False
+    return True
 
 
 def _sampled_operand(assignment: Assignment, templates: Sequence[SparseTensor | None], fmt: Format) -> int | None:
