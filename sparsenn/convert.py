@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 
 from sparsenn.compiler import Target, use_target
 from sparsenn.compiler.frontend.notation import parse_einsum
-from sparsenn.compiler.plan.dense_path import dense_product_cycles, schedule_cycles
+from sparsenn.compiler.plan.dense_path import dense_product_cycles, restore_cycles, schedule_cycles
 from sparsenn.compiler.plan.planner import operand_info
 from sparsenn.compiler.api import kernel_schedule
 from sparsenn.formats import Format, SparseTensor
@@ -45,8 +45,11 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
       (:func:`~sparsenn.compiler.plan.dense_path.dense_product_cycles`);
     * sparse: the kernels the planner schedules for ``Y``, ``dX`` and ``dW`` sampled on
       the weight's pattern (the cost of their schedules, scaled from the fill they were
-      planned for to the weight's; one the planner runs as a contraction path, as its
-      dense product), each call paying the target's ``launch_cycles`` over a torch op.
+      planned for to the weight's, plus re-storing the weight's values at every call when
+      a kernel reads it in another mode order, ``dX``'s ``W[o, i]`` over ``i``:
+      :func:`~sparsenn.compiler.plan.dense_path.restore_cycles`; one the planner runs as
+      a contraction path, as its dense product), each call paying the target's
+      ``launch_cycles`` over a torch op.
 
     The comparison the planner's dense path makes per call (``plan/dense_path.py``),
     made here per layer."""
@@ -72,7 +75,14 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
             product = dense_product_cycles(parse_einsum(blas, 2), [tuple(s) for s in shapes], itemsize, current)
             sched = kernel_schedule(equation, *operands, out_format=out_format)
             # a call without a kernel runs pairwise products, the largest as BLAS would
-            sparse += product if sched is None else schedule_cycles(sched, current) * scale
+            if sched is None:
+                sparse += product
+            else:
+                stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in operands]
+                # the kernel's terms and factors are the equation's (over split indices for n:m)
+                called = parse_einsum(equation, len(operands))
+                sparse += (schedule_cycles(sched, current) * scale
+                           + restore_cycles(called, sched, stored, itemsize, current))
             sparse += current.launch_cycles
             dense += product
     return dense / sparse

@@ -11,6 +11,9 @@ from torch import nn
 import sparsenn
 from sparsenn import SparseLinear
 from _machines import AVX2, AVX512
+from sparsenn.compiler.api import kernel_schedule
+from sparsenn.compiler.frontend.notation import parse_einsum
+from sparsenn.compiler.plan.dense_path import dense_product_cycles, restore_cycles
 from sparsenn.convert import ConversionReport, Converted, predicted_speedup
 
 
@@ -167,6 +170,25 @@ def test_skip_slower_weighs_the_planners_costs(target):
 def test_blas_runs_wider_vectors_on_avx512_so_sparse_gains_less_there():
     weight = SparseLinear.from_dense(nn.Linear(1024, 1024), 0.9).weight
     assert predicted_speedup(weight, target=AVX512) < predicted_speedup(weight, target=AVX2)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_predicted_speedup_counts_re_storing_an_nm_weight_as_the_planner_does(target):
+    # dX reads the n:m weight across its rows: its kernel re-stores the weight's values
+    # at every call, as the dense path weighs it
+    weight = sparsenn.from_dense(torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0)), format="nm(2,4)")
+    x = torch.empty(64, 1024)
+    assignment = parse_einsum("bo,oi->bi", 2)
+    with sparsenn.compiler.use_target(target):
+        forward = kernel_schedule("bi,oi->bo", x, weight, out_format="dense")
+        backward = kernel_schedule("bo,oi->bi", x, weight, out_format="dense")
+    restored = [[k for (_, k), _ in sched.transposes] for sched in (forward, backward)]
+    assert 1 not in restored[0] and 1 in restored[1]  # the weight, factor 1
+    restore = restore_cycles(assignment, backward, [0, weight.nnz], 4, target)
+    assert restore > 0 and restore_cycles(assignment, forward, [0, weight.nnz], 4, target) == 0
+    blas = 3 * dense_product_cycles(assignment, [(64, 1024), (1024, 1024)], 4, target)
+    speedup = predicted_speedup(weight, target=target)
+    assert blas / speedup > restore  # the sparse step's cycles include it
 
 
 def test_predicted_speedup_rejects_what_is_not_a_sparse_weight():

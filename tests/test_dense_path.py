@@ -9,7 +9,7 @@ import torch
 import sparsenn
 from _machines import AVX2, AVX512
 from sparsenn.compiler import cache_stats, clear_caches
-from sparsenn.compiler.runtime.evaluate import DensifiedCall, resolve
+from sparsenn.compiler.runtime.evaluate import DensifiedCall, SplitCall, resolve, route
 from sparsenn.compiler.runtime.validate import check_call
 from sparsenn.compiler.api import parse
 
@@ -192,3 +192,51 @@ def test_the_dense_path_is_one_blas_call_with_its_biases(host_target, equation, 
     reference = sparsenn.compile(equation, out_format="dense")(*dense)  # all dense: torch
     for _ in range(2):  # the copy made, then kept
         torch.testing.assert_close(compiled(*operands), reference)
+
+
+def innermost_route(equation, *operands):
+    """What a call runs, followed through the split of blocked (n:m) operands."""
+    assignment = parse(equation, len(operands))
+    checked = check_call(assignment, operands, "dense")
+    routed = route(assignment, checked)
+    while isinstance(routed, SplitCall):
+        split = routed.split
+        assignment = split.assignment
+        checked = check_call(assignment, split.operands(checked.operands), split.request)
+        routed = route(assignment, checked)
+    return routed
+
+
+@pytest.mark.parametrize("size, batch", [(1024, 64), (4096, 256)])
+@pytest.mark.parametrize("target, dense", [(AVX2, False), (AVX512, True)], ids=["avx2", "avx512"])
+def test_an_nm_input_gradient_weighs_re_storing_the_weight(size, batch, target, dense):
+    # dX = dY · W reads the n:m weight across its rows: the kernel gathers W's values
+    # into the transposed order at every call, a cache line per value. With that cost,
+    # BLAS on 64-byte vectors beats the kernel; on 32-byte vectors it does not.
+    g = torch.Generator().manual_seed(0)
+    w = sparsenn.from_dense(torch.randn(size, size, generator=g), format="nm(2,4)")
+    dy = torch.randn(batch, size, generator=g)
+    with sparsenn.compiler.use_target(target):
+        routed = innermost_route("bo,oi->bi", dy, w)
+        assert isinstance(routed, DensifiedCall) == dense
+        kernel = routed.shaped if dense else routed
+        assert 1 in [k for (_, k), _ in kernel.schedule.transposes]  # the weight, re-stored
+        if dense:
+            assert routed.dense.restore_cycles > 0 and "re-storing operands" in routed.dense.describe()
+            assert routed.dense.dense_cycles < routed.dense.sparse_cycles
+        assert not isinstance(innermost_route("bi,oi->bo", dy, w), DensifiedCall)  # read in its own order
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_an_nm_layer_backward_matches_torch(target):
+    # at this size the input gradient runs densely on AVX512, as a kernel on AVX2
+    torch.manual_seed(0)
+    layer = sparsenn.SparseLinear(1024, 1024, format="nm(2,4)").double()
+    x = torch.randn(64, 1024, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(64, 1024, dtype=torch.float64)
+    with sparsenn.compiler.use_target(target):
+        layer(x).backward(grad)
+    weight = layer.weight.to_dense().detach()
+    torch.testing.assert_close(x.grad, grad @ weight)
+    torch.testing.assert_close(layer.weight_values.grad, (grad.T @ x.detach())[weight != 0])  # row-major order
+    torch.testing.assert_close(layer.bias.grad, grad.sum(0))

@@ -16,6 +16,7 @@ from _machines import AVX2, AVX512
 import sparsenn
 from sparsenn.compiler import use_target
 from sparsenn.compiler.api import plan
+from sparsenn.compiler.plan.microkernel import Tile
 
 
 def nm_weight(rows: int, cols: int, fmt: str, dtype=torch.float32, seed: int = 0):
@@ -70,3 +71,30 @@ def test_grouped_tiles_in_bfloat16_and_in_a_layer():
         torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
         bf16 = layer.to(torch.bfloat16)
         torch.testing.assert_close(bf16(x.bfloat16()).float(), expected, atol=0.25, rtol=0.05)
+
+
+@pytest.mark.parametrize("machine, batch_tile, tile_shape", [(AVX2, 32, (4, 2)), (AVX512, 64, (4, 4))],
+                         ids=["avx2", "avx512"])
+def test_the_batch_tile_widens_to_the_widest_register_tile(machine, batch_tile, tile_shape):
+    # rows of 4096 inputs: half the L2 holds 32 of them. On AVX512 a grouped tile of
+    # 4 vectors (64 lanes) takes a batch tile of 64; on AVX2 two vectors fit in 32.
+    w = nm_weight(64, 4096, "nm(2,4)")
+    with use_target(machine):
+        (nest,) = plan("bi,oi->bo", torch.randn(256, 4096), w, out_format="dense").schedule.nests
+    assert [(t.index, t.size) for t in nest.tiles] == [("b", batch_tile)]
+    tile = nest.register_tile
+    assert tile.grouped_by is not None and (tile.rows, tile.vectors) == tile_shape
+    assert nest.register_block.size == tile.vectors * machine.widest_vector_bytes // 4
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_a_widened_batch_tile_matches_torch(machine):
+    # float64 rows of 4096 inputs: a batch tile of 16, widened to 32 on AVX512; a batch
+    # of 100 leaves a partial tile and a partial block
+    w = nm_weight(24, 4096, "nm(2,4)", torch.float64)
+    x = torch.randn(100, 4096, dtype=torch.float64)
+    with use_target(machine):
+        (nest,) = plan("bi,oi->bo", x, w, out_format="dense").schedule.nests
+        assert nest.tiles == (Tile("b", 32 if machine is AVX512 else 16),)
+        got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    torch.testing.assert_close(got, x @ w.to_dense().T)

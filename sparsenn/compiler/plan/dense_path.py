@@ -20,7 +20,16 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
   per new set of values (a training step); the dense product's cost includes checking
-  that they are (reading them and their snapshot, ``2 · nnz`` values).
+  that they are (reading them and their snapshot, ``2 · nnz`` values);
+* re-storing, at every call, a sparse operand the schedule reads in another mode order
+  (an n:m weight read across its rows, ``W[o, i]`` in ``dX = dY · W``): its pattern is
+  cached, its values are gathered through a permutation of ``nnz`` int64 positions. Read
+  across the storage order, consecutive values are a row apart, so each costs a cache
+  line of its own (rows a power of two apart alias in the cache, which then keeps none):
+  ``nnz · (line + 8 + itemsize) / bw``, ``bw`` for the values' bytes. The scheduler
+  counts a transpose in its relative units (``TRANSPOSE_COST`` per entry) to compare loop
+  orders; in cycles it is bound by these reads, and it is part of the sparse schedule's
+  cost here.
 
 The dense path is taken when the dense product and half the copy cost less than the
 sparse kernel: every set of values is used at least twice (a training step's forward and
@@ -43,7 +52,9 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path", "dense_product_cycles", "schedule_cycles"]
+__all__ = ["DensePath", "dense_path", "dense_product_cycles", "restore_cycles", "schedule_cycles"]
+
+_POSITION_BYTES = 8  # an int64 entry of a re-store's permutation
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,14 @@ class DensePath:
     sparse_cycles: float
     dense_cycles: float
     densify_cycles: float
+    restore_cycles: float = 0.0  # of sparse_cycles: re-storing operands in the schedule's mode order
 
     def describe(self) -> str:
+        restore = (f", of which {self.restore_cycles:.3g} re-storing operands in its loop order"
+                   if self.restore_cycles else "")
         return (f"dense path: operand {self.operand} made dense ({self.densify_cycles:.3g} cycles, kept while its "
                 f"values are unchanged), then BLAS ({self.dense_cycles:.3g} cycles), against the sparse kernel "
-                f"({self.sparse_cycles:.3g} cycles)")
+                f"({self.sparse_cycles:.3g} cycles{restore})")
 
 
 def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Sequence[int], sched: Schedule,
@@ -82,10 +96,11 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
                     + checked / _bandwidth(checked, target) + target.python_call_cycles)
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
-    sparse_cycles = schedule_cycles(sched, target) * nnz / max(infos[k].nnz, 1)
+    restore = restore_cycles(assignment, sched, stored, itemsize, target)
+    sparse_cycles = schedule_cycles(sched, target) * nnz / max(infos[k].nnz, 1) + restore
     if dense_cycles + densify_cycles / 2 >= sparse_cycles:
         return None
-    return DensePath(k, sparse_cycles, dense_cycles, densify_cycles)
+    return DensePath(k, sparse_cycles, dense_cycles, densify_cycles, restore)
 
 
 def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...]], itemsize: int,
@@ -98,6 +113,21 @@ def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...
     lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
     return max(compute, touched / _bandwidth(touched, target))
+
+
+def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int], itemsize: int,
+                   target: Target) -> float:
+    """Cycles of gathering, at every call, the values of each sparse operand ``sched``
+    re-stores in another mode order: ``nnz · (line + 8 + itemsize) / bw`` (a cache line
+    per value read across its rows, its int64 position, the value written; see the
+    module doc); ``stored``: each operand's stored entries (0: dense, copied at
+    ``DENSE_COPY_COST`` in the schedule's cost)."""
+    restored = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
+    cycles = 0.0
+    for n in restored:
+        per_value = target.cache_line_bytes + _POSITION_BYTES + itemsize
+        cycles += stored[n] * per_value / _bandwidth(stored[n] * itemsize, target)
+    return cycles
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:
