@@ -197,6 +197,8 @@ def compile_expression(text: str, out_format=None, returns: str | Sequence[str] 
 
     * functions: ``relu gelu silu sigmoid tanh exp log abs sqrt neg`` and the binary
       ``max(a, b)``, ``min(a, b)``; numbers as ``2``, ``0.125``, ``1e-3``;
+      ``detach(x)`` is ``x`` with gradient 0 (``exp(S[i,j] - detach(M[i]))``: a shift that
+      cancels in the result, such as softmax's row max, needs no derivative);
     * a product sums over its indices absent from its context (the output's, the
       enclosing reductions', and those the product's other factors write): Einstein's
       convention, so ``A[i,j] * X[j,k]`` sums over ``j`` and ``relu(A[i,k] * B[k,j])``
