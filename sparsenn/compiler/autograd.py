@@ -49,7 +49,7 @@ from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term
 from .plan.bias import split_epilogue
 from .runtime.tracing import traced_evaluate, tracing, transforming
 
-__all__ = ["differentiable_evaluate", "recorded"]
+__all__ = ["differentiable_evaluate", "recorded", "differentiated"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -133,6 +133,20 @@ def _shifted(value: Value, by: int) -> Value:
     return value
 
 
+@functools.lru_cache(maxsize=1024)
+def differentiated(assignment: Assignment) -> frozenset[int]:
+    """The operands the result moves with: those a term multiplies, or whose value tree's
+    derivative is not 0 (a factor read for its pattern only, or under ``detach``, has none)."""
+    operands = set()
+    for term in assignment.terms:
+        multiplied = term.multiplied if assignment.reduction == "sum" else None
+        value = _reduced_value(term)
+        for k, factor in enumerate(term.factors):
+            if (multiplied is not None and k in multiplied) or derivative(value, Factor(k)) != Constant(0.0):
+                operands.add(factor.operand)
+    return frozenset(operands)
+
+
 @functools.lru_cache(maxsize=256)
 def _ties(assignment: Assignment) -> Assignment:
     """``count[o] = sum_r (value == Out[o])`` over ``(*operands, Out)``: how many entries
@@ -183,6 +197,8 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                 factors += [Access(1 + g.operand, _rename(g.indices, rename)) for g in term.factors]
                 value = _reduced_value(term)
                 local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
+                if local == Constant(0.0):
+                    continue
                 if assignment.reduction != "sum":
                     out = len(factors)
                     factors += [Access(input_of(("result",)), _rename(assignment.output, rename)),
@@ -332,10 +348,12 @@ def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled
 
 def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
-    values (sparse) or like it (dense); None for an operand no factor reads. After a
-    forward that compiled its kernel, the gradients' kernels are built together first."""
+    values (sparse) or like it (dense); zeros for one the result does not move with
+    (:func:`differentiated`), None for one no factor reads. After a forward that compiled
+    its kernel, the gradients' kernels are built together first."""
+    moving = differentiated(spec.assignment)
     read = {a.operand for a in spec.assignment.accesses}
-    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in read}
+    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in moving}
     if spec.built_kernels and len(calls) > 1:
         from .runtime.evaluate import build_together
 
@@ -344,11 +362,11 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
         from .gradients import gradients_together  # gradients -> this module
 
         computed = dict(zip(calls, gradients_together(spec.evaluate, list(calls.values()))))
-        return [computed.get(n) for n in wanted]
+        return [computed[n] if n in computed else _zeros(operands[n], n in read) for n in wanted]
     grads = []
     for n in wanted:
         if n not in calls:
-            grads.append(None)
+            grads.append(_zeros(operands[n], n in read))
             continue
         g = spec.run(*calls[n])
         template = spec.templates[n]
@@ -359,6 +377,14 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
             g = g.permute(template.format.mode_order).reshape(-1)
         grads.append(g)
     return grads
+
+
+def _zeros(operand, read: bool) -> torch.Tensor | None:
+    """The gradient of an operand the result does not move with: 0 (its values' shape
+    when sparse) if a factor reads it, else None."""
+    if not read:
+        return None
+    return torch.zeros_like(operand.values if isinstance(operand, SparseTensor) else operand)
 
 
 def _together(spec: _Spec, calls: dict[int, tuple]) -> bool:
