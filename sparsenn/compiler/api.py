@@ -25,10 +25,11 @@ from .plan.contract import describe_path
 from .plan.planner import Plan, ShapePlan
 from .plan.schedule import Schedule
 from .plan.target import ACTIVE_TARGET, Target
+from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
 from .runtime.cache import clear_caches
 from .runtime.evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
-from .runtime.programs import describe_program, run, run_all
+from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
 
