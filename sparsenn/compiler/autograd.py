@@ -87,14 +87,15 @@ class _Spec:
 Extra = tuple
 
 
-def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
-                         result) -> tuple[Assignment, list, object]:
-    """The assignment, operand list and out_format computing d(loss)/d(operand)."""
+def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, result,
+                         read_result: bool = False) -> tuple[Assignment, list, object]:
+    """The assignment, operand list and out_format computing d(loss)/d(operand)
+    (``read_result``: see :func:`operand_gradients`)."""
     template = spec.templates[operand]
     if template is not None and template.format.is_dense:
         template = None  # stored densely: compute a dense gradient, then lay it out as values
     rank = len(operands[operand].shape)
-    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None)
+    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None, read_result)
     inputs = [grad_out] + list(operands)
     shape = operands[operand].shape
     for extra in extras:
@@ -133,6 +134,24 @@ def _shifted(value: Value, by: int) -> Value:
     return value
 
 
+def _pointwise(assignment: Assignment) -> bool:
+    """Whether ``assignment`` is ``Out = v(T...)`` at each visited point: one term,
+    coefficient 1, every index an output index."""
+    if assignment.reduction != "sum" or len(assignment.terms) != 1:
+        return False
+    (term,) = assignment.terms
+    return term.coefficient == 1.0 and all(i in assignment.output for a in term.factors for i in a.indices)
+
+
+def _replaced(tree: Value, part: Value, by: Value) -> Value:
+    """``tree`` with every subtree equal to ``part`` replaced by ``by``."""
+    if tree == part:
+        return by
+    if isinstance(tree, Apply):
+        return Apply(tree.function, tuple(_replaced(a, part, by) for a in tree.args))
+    return tree
+
+
 @functools.lru_cache(maxsize=1024)
 def differentiated(assignment: Assignment) -> frozenset[int]:
     """The operands the result moves with: those a term multiplies, or whose value tree's
@@ -159,8 +178,8 @@ def _ties(assignment: Assignment) -> Assignment:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
-                         sampled: bool) -> tuple[Assignment, tuple[Extra, ...]]:
+def _gradient_assignment(assignment: Assignment, operand: int, rank: int, sampled: bool,
+                         read_result: bool = False) -> tuple[Assignment, tuple[Extra, ...]]:
     """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, *extras)``.
 
     ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
@@ -171,6 +190,8 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
     reads for its pattern only, contributes ``dOut * dvalue/dfactor``
     over all its factors; under a max or min, only where the value equals the result,
     divided by the number of such entries (the extras ``result`` and ``count``).
+    ``read_result``: in the derivative of a pointwise statement (``Out = v(T...)``, one
+    term, nothing reduced) ``v`` itself is read from the result (``d exp(x) = exp(x) dx``).
     Cached: the same call's backward builds the same expression."""
     used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
     primes = 0  # a gradient's own gradient renames its indices again: "@'0", ...
@@ -185,6 +206,7 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
             extras.append(kind)
         return extra + extras.index(kind)
 
+    stored = read_result and _pointwise(assignment)
     terms = []
     for term in assignment.terms:
         multiplied = term.multiplied if assignment.reduction == "sum" else None
@@ -199,6 +221,11 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                 local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
                 if local == Constant(0.0):
                     continue
+                if stored and term.value is not None:
+                    read = _replaced(local, _shifted(term.value, 1), Factor(len(factors)))
+                    if read != local:
+                        local = read
+                        factors.append(Access(input_of(("result",)), _rename(assignment.output, rename)))
                 if assignment.reduction != "sum":
                     out = len(factors)
                     factors += [Access(input_of(("result",)), _rename(assignment.output, rename)),
@@ -346,14 +373,16 @@ def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled
     return Assignment(assignment.output, tuple(terms), names)
 
 
-def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
+def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int],
+               read_result: bool = False) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
     values (sparse) or like it (dense); zeros for one the result does not move with
     (:func:`differentiated`), None for one no factor reads. After a forward that compiled
     its kernel, the gradients' kernels are built together first."""
     moving = differentiated(spec.assignment)
     read = {a.operand for a in spec.assignment.accesses}
-    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in moving}
+    calls = {n: _gradient_expression(spec, n, operands, grad_out, result, read_result)
+             for n in wanted if n in moving}
     if spec.built_kernels and len(calls) > 1:
         from .runtime.evaluate import build_together
 
@@ -396,16 +425,18 @@ def _together(spec: _Spec, calls: dict[int, tuple]) -> bool:
 
 
 def operand_gradients(assignment: Assignment, operands: Sequence, out_format, grad_out, result,
-                      wanted: Sequence[int]) -> list:
+                      wanted: Sequence[int], read_result: bool = False) -> list:
     """The gradients :class:`_SparseEinsum` computes, for a call recorded outside torch's
-    autograd (a traced ``sparsenn::evaluate`` op): ``grad_out`` and ``result`` shaped as
-    the call's result."""
+    autograd (a traced ``sparsenn::evaluate`` op, a stage of a program recorded as one
+    node): ``grad_out`` and ``result`` shaped as the call's result; ``read_result``: a
+    pointwise statement's derivative reads its value from ``result`` instead of
+    computing it again (:func:`_gradient_assignment`)."""
     from .runtime.evaluate import evaluate
 
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     spec = _Spec(assignment, templates, out_format, evaluate)
     with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
-        return _gradients(spec, list(operands), grad_out, result, wanted)
+        return _gradients(spec, list(operands), grad_out, result, wanted, read_result)
 
 
 def recorded(operands: Sequence) -> bool:

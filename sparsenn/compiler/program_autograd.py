@@ -8,7 +8,8 @@ last stage to the first,
     d(input n of stage k) += dR_k · ∂f_k/∂(input n)
 
 each product being the compiler's gradient einsum of that stage
-(:func:`.autograd.operand_gradients`): an input is a caller's operand (its gradient is
+(:func:`.autograd.operand_gradients`, reading the stage's saved result where its
+derivative is its value): an input is a caller's operand (its gradient is
 the node's) or an earlier result (its gradient flows on). Only the stages whose result
 moves with an operand that requires grad (:func:`.autograd.differentiated`: a factor
 under ``detach`` does not move it) are differentiated, and only the results reaching a
@@ -88,15 +89,15 @@ class _Reverse:
 @functools.lru_cache(maxsize=256)
 def _reverse(program: Program, needed: tuple[bool, ...]) -> _Reverse:
     """A stage moves when an input it is differentiated in does; a moving stage's
-    gradients read its inputs, and a max or min's its result."""
+    gradients read its inputs and its result (a max's, to find the entries equal to it;
+    a pointwise statement's, its value: ``d exp(x) = exp(x) dx``)."""
     moving: list[bool] = []
     read: set[int] = set()
     for k, step in enumerate(program.stages):
         moving.append(any(_moves(step.inputs[n], needed, moving) for n in differentiated(step.assignment)))
         if moving[-1]:
             read.update(s.stage for s in step.inputs if isinstance(s, StageResult))
-            if step.assignment.reduction != "sum":
-                read.add(k)
+            read.add(k)
     return _Reverse(tuple(moving), frozenset(read))
 
 
@@ -173,7 +174,8 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
         wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
         inputs = stage_inputs(step, operands, results)
         grad_out = _on(call.patterns.get(k), grad.contiguous())
-        computed = operand_gradients(step.assignment, inputs, step.out_format, grad_out, results.get(k), wanted)
+        computed = operand_gradients(step.assignment, inputs, step.out_format, grad_out, results[k], wanted,
+                                     read_result=True)
         for n, g in zip(wanted, computed):
             source = step.inputs[n]
             if isinstance(source, UserOperand):
