@@ -181,3 +181,34 @@ def test_a_program_with_an_epilogue_still_differentiates():
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(gX, rX)
     torch.testing.assert_close(gb, rb)
+
+
+def test_the_node_keeps_no_reference_cycle_to_its_outputs():
+    import gc
+    import weakref
+
+    S = random_sparse((6, 8), "csr", seed=15)
+    values = S.values.clone().requires_grad_()
+    P = sparsenn.compile(SOFTMAX)(S.with_values(values))
+    gc.disable()
+    try:
+        alive = weakref.ref(P.values)
+        del P
+        assert alive() is None, "the output is freed by reference counting alone"
+    finally:
+        gc.enable()
+
+
+def test_dense_operands_and_an_operand_read_twice():
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(6, 3, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    y = sparsenn.compile("H[i,k] = x[i,j] * w[j,k]; y[i] = sum[k](sigmoid(H[i,k]) * x[i,k])")(x, w[:, :3])
+    assert nodes(y).count("_ProgramFunctionBackward") == 1
+    gx, gw = torch.autograd.grad(y.sum(), (x, w))
+    x0, w0 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ref = (torch.sigmoid(x0 @ w0[:, :3]) * x0).sum(1)
+    rx, rw = torch.autograd.grad(ref.sum(), (x0, w0))
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
