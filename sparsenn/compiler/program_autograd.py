@@ -37,7 +37,7 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import differentiable_evaluate, differentiated, operand_gradients, recorded
+from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
 from .frontend.program import Program, StageResult, UserOperand, stage_inputs
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
@@ -117,7 +117,7 @@ class _Call:
     results: list | None = None  # the forward's results, until the caller takes them
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
-        return [_on(tpl, t) for tpl, t in zip(self.templates, tensors)]
+        return [_operand(tpl, t) for tpl, t in zip(self.templates, tensors)]
 
 
 def _recorded(program: Program, operands: Sequence, kept: frozenset[int]) -> list:
@@ -128,7 +128,7 @@ def _recorded(program: Program, operands: Sequence, kept: frozenset[int]) -> lis
     call = _Call(program, templates, outputs, reverse)
     values = _ProgramFunction.apply(call, *tensors)
     results, call.results = call.results, None  # the node keeps no reference to its outputs
-    returned = {k: _on(call.patterns.get(k), v) for k, v in zip(outputs, values)}
+    returned = {k: _operand(call.patterns.get(k), v) for k, v in zip(outputs, values)}
     return [returned.get(k, r) for k, r in enumerate(results)]
 
 
@@ -157,7 +157,7 @@ class _ProgramFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             return (None, *_recomputed(call, tensors, grads, needed))
         results = dict(ctx.read)
-        results.update((k, _on(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
+        results.update((k, _operand(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
         return (None, *_backward(call, call.rebuild(tensors), results, dict(zip(call.outputs, grads)), needed))
 
 
@@ -173,7 +173,7 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
         step = call.program.stages[k]
         wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
         inputs = stage_inputs(step, operands, results)
-        grad_out = _on(call.patterns.get(k), grad.contiguous())
+        grad_out = _operand(call.patterns.get(k), grad.contiguous())
         computed = operand_gradients(step.assignment, inputs, step.out_format, grad_out, results[k], wanted,
                                      read_result=True)
         for n, g in zip(wanted, computed):
@@ -203,10 +203,3 @@ def _values(result) -> torch.Tensor:
 def _bare(result: SparseTensor) -> SparseTensor:
     """``result``'s pattern, without its values."""
     return result._share(result.shape, result.format, torch.empty(0, dtype=result.values.dtype))
-
-
-def _on(template: SparseTensor | None, tensor: torch.Tensor):
-    """``tensor`` as an operand: itself if dense, else values on ``template``'s pattern."""
-    if template is None or tensor is template.values:
-        return tensor if template is None else template
-    return template._share(template.shape, template.format, tensor)
