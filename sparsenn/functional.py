@@ -5,12 +5,13 @@ Along mode ``d``, with ``r`` the other indices and ``j`` the index of ``d``, ove
 entries of ``S`` that are stored (unstored ones count as ``-inf``, as in
 ``torch.sparse.softmax``)::
 
-    softmax:      M[r] = max[j](S[r,j]); E<S>[r,j] = exp(S[r,j] - M[r])
+    softmax:      M[r] = max[j](S[r,j]); E<S>[r,j] = exp(S[r,j] - detach(M[r]))
                   Z[r] = sum[j](E[r,j]); P<E>[r,j] = E[r,j] * (1 / Z[r])
-    log-softmax:  M[r] = max[j](S[r,j]); Z[r] = sum[j](exp(S[r,j] - M[r]))
-                  W[r] = log(Z[r]); L<S>[r,j] = S[r,j] - M[r] - W[r]
+    log-softmax:  M[r] = max[j](S[r,j]); Z[r] = sum[j](exp(S[r,j] - detach(M[r])))
+                  W[r] = log(Z[r]); L<S>[r,j] = S[r,j] - detach(M[r]) - W[r]
 
-(``M`` has no gradient: the result does not depend on the shift; ``S - M`` first keeps
+(``detach(M)``: the result does not depend on the shift, so ``M`` needs no gradient and
+a program's gradient never differentiates the max; ``S - M`` first keeps
 log-softmax exact near the max however large ``|S|`` is; one division, one log per row). The
 planner fuses the statements when ``S``'s rows (or block rows) lead its storage over
 dense levels (``compiler/plan/fusion.py``): one kernel computes per row ``M``, ``E``,
@@ -56,7 +57,7 @@ def softmax_program(rank: int, dim: int, scores: str = "") -> str:
     ``scores``: a statement computing ``S`` first (statements use ``M``, ``E``, ``Z``)."""
     full, rows, j = _indices(rank, dim)
     scores = f"{scores}; " if scores else ""
-    return (f"{scores}M[{rows}] = max[{j}](S[{full}]); E<S>[{full}] = exp(S[{full}] - M[{rows}]); "
+    return (f"{scores}M[{rows}] = max[{j}](S[{full}]); E<S>[{full}] = exp(S[{full}] - detach(M[{rows}])); "
             f"Z[{rows}] = sum[{j}](E[{full}]); P<E>[{full}] = E[{full}] * (1 / Z[{rows}])")
 
 
@@ -72,8 +73,8 @@ def _programs(rank: int, dim: int) -> _Programs:
     return _Programs(
         softmax=compile_expression(softmax_program(rank, dim)),
         log_softmax=compile_expression(
-            f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - M[{rows}])); "
-            f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - M[{rows}] - W[{rows}]"),
+            f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - detach(M[{rows}]))); "
+            f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - detach(M[{rows}]) - W[{rows}]"),
         softmax_grad=compile_expression(
             f"G[{rows}] = sum[{j}](dP[{full}] * P[{full}]); dS<P>[{full}] = P[{full}] * (dP[{full}] - G[{rows}])"),
         log_softmax_grad=compile_expression(

@@ -59,7 +59,8 @@ before them and its SpMM after), decided from the stages' plans before anything 
 with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
 (``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
 are in cache, launched as in step 5; a stage alone runs as in steps 2-5. When gradients
-are needed each stage is a differentiable call of ``autograd.py``.
+are needed ``program_autograd.py`` records the program as one autograd node, whose
+backward runs each stage's gradient einsums (``autograd.py``) in reverse.
 
 Under ``torch.compile``, ``torch.export`` or ``torch.jit.trace``
 (``runtime/tracing.py``), step 2 records one ``sparsenn::evaluate`` op per call instead

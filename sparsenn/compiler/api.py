@@ -25,10 +25,11 @@ from .plan.contract import describe_path
 from .plan.planner import Plan, ShapePlan
 from .plan.schedule import Schedule
 from .plan.target import ACTIVE_TARGET, Target
+from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
 from .runtime.cache import clear_caches
 from .runtime.evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
-from .runtime.programs import describe_program, run, run_all
+from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
 
@@ -197,6 +198,8 @@ def compile_expression(text: str, out_format=None, returns: str | Sequence[str] 
 
     * functions: ``relu gelu silu sigmoid tanh exp log abs sqrt neg`` and the binary
       ``max(a, b)``, ``min(a, b)``; numbers as ``2``, ``0.125``, ``1e-3``;
+      ``detach(x)`` is ``x`` with gradient 0 (``exp(S[i,j] - detach(M[i]))``: a shift that
+      cancels in the result, such as softmax's row max, needs no derivative);
     * a product sums over its indices absent from its context (the output's, the
       enclosing reductions', and those the product's other factors write): Einstein's
       convention, so ``A[i,j] * X[j,k]`` sums over ``j`` and ``relu(A[i,k] * B[k,j])``

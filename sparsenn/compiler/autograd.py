@@ -53,7 +53,7 @@ from .plan.anchor import sampled_operand
 from .plan.bias import split_epilogue
 from .runtime.tracing import traced_evaluate, tracing, transforming
 
-__all__ = ["differentiable_evaluate", "recorded"]
+__all__ = ["differentiable_evaluate", "recorded", "differentiated"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -91,14 +91,15 @@ class _Spec:
 Extra = tuple
 
 
-def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out,
-                         result) -> tuple[Assignment, list, object]:
-    """The assignment, operand list and out_format computing d(loss)/d(operand)."""
+def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, result,
+                         read_result: bool = False) -> tuple[Assignment, list, object]:
+    """The assignment, operand list and out_format computing d(loss)/d(operand)
+    (``read_result``: see :func:`operand_gradients`)."""
     template = spec.templates[operand]
     if template is not None and template.format.is_dense:
         template = None  # stored densely: compute a dense gradient, then lay it out as values
     rank = len(operands[operand].shape)
-    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None)
+    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None, read_result)
     inputs = [grad_out] + list(operands)
     shape = operands[operand].shape
     for extra in extras:
@@ -137,6 +138,38 @@ def _shifted(value: Value, by: int) -> Value:
     return value
 
 
+def _pointwise(assignment: Assignment) -> bool:
+    """Whether ``assignment`` is ``Out = v(T...)`` at each visited point: one term,
+    coefficient 1, every index an output index."""
+    if assignment.reduction != "sum" or len(assignment.terms) != 1:
+        return False
+    (term,) = assignment.terms
+    return term.coefficient == 1.0 and all(i in assignment.output for a in term.factors for i in a.indices)
+
+
+def _replaced(tree: Value, part: Value, by: Value) -> Value:
+    """``tree`` with every subtree equal to ``part`` replaced by ``by``."""
+    if tree == part:
+        return by
+    if isinstance(tree, Apply):
+        return Apply(tree.function, tuple(_replaced(a, part, by) for a in tree.args))
+    return tree
+
+
+@functools.lru_cache(maxsize=1024)
+def differentiated(assignment: Assignment) -> frozenset[int]:
+    """The operands the result moves with: those a term multiplies, or whose value tree's
+    derivative is not 0 (a factor read for its pattern only, or under ``detach``, has none)."""
+    operands = set()
+    for term in assignment.terms:
+        multiplied = term.multiplied if assignment.reduction == "sum" else None
+        value = _reduced_value(term)
+        for k, factor in enumerate(term.factors):
+            if (multiplied is not None and k in multiplied) or derivative(value, Factor(k)) != Constant(0.0):
+                operands.add(factor.operand)
+    return frozenset(operands)
+
+
 @functools.lru_cache(maxsize=256)
 def _ties(assignment: Assignment) -> Assignment:
     """``count[o] = sum_r (value == Out[o])`` over ``(*operands, Out)``: how many entries
@@ -149,8 +182,8 @@ def _ties(assignment: Assignment) -> Assignment:
 
 
 @functools.lru_cache(maxsize=1024)
-def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
-                         sampled: bool) -> tuple[Assignment, tuple[Extra, ...]]:
+def _gradient_assignment(assignment: Assignment, operand: int, rank: int, sampled: bool,
+                         read_result: bool = False) -> tuple[Assignment, tuple[Extra, ...]]:
     """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, *extras)``.
 
     ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
@@ -161,6 +194,8 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
     reads for its pattern only, contributes ``dOut * dvalue/dfactor``
     over all its factors; under a max or min, only where the value equals the result,
     divided by the number of such entries (the extras ``result`` and ``count``).
+    ``read_result``: in the derivative of a pointwise statement (``Out = v(T...)``, one
+    term, nothing reduced) ``v`` itself is read from the result (``d exp(x) = exp(x) dx``).
     Cached: the same call's backward builds the same expression."""
     used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
     primes = 0  # a gradient's own gradient renames its indices again: "@'0", ...
@@ -175,6 +210,7 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
             extras.append(kind)
         return extra + extras.index(kind)
 
+    stored = read_result and _pointwise(assignment)
     terms = []
     for term in assignment.terms:
         multiplied = term.multiplied if assignment.reduction == "sum" else None
@@ -187,6 +223,13 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int,
                 factors += [Access(1 + g.operand, _rename(g.indices, rename)) for g in term.factors]
                 value = _reduced_value(term)
                 local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
+                if local == Constant(0.0):
+                    continue
+                if stored and term.value is not None:
+                    read = _replaced(local, _shifted(term.value, 1), Factor(len(factors)))
+                    if read != local:
+                        local = read
+                        factors.append(Access(input_of(("result",)), _rename(assignment.output, rename)))
                 if assignment.reduction != "sum":
                     out = len(factors)
                     factors += [Access(input_of(("result",)), _rename(assignment.output, rename)),
@@ -370,12 +413,16 @@ def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled
     return Assignment(assignment.output, tuple(terms), names)
 
 
-def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int]) -> list:
+def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int],
+               read_result: bool = False) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
-    values (sparse) or like it (dense); None for an operand no factor reads. After a
-    forward that compiled its kernel, the gradients' kernels are built together first."""
+    values (sparse) or like it (dense); zeros for one the result does not move with
+    (:func:`differentiated`), None for one no factor reads. After a forward that compiled
+    its kernel, the gradients' kernels are built together first."""
+    moving = differentiated(spec.assignment)
     read = {a.operand for a in spec.assignment.accesses}
-    calls = {n: _gradient_expression(spec, n, operands, grad_out, result) for n in wanted if n in read}
+    calls = {n: _gradient_expression(spec, n, operands, grad_out, result, read_result)
+             for n in wanted if n in moving}
     if spec.built_kernels and len(calls) > 1:
         from .runtime.evaluate import build_together
 
@@ -384,11 +431,11 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
         from .gradients import gradients_together  # gradients -> this module
 
         computed = dict(zip(calls, gradients_together(spec.evaluate, list(calls.values()))))
-        return [computed.get(n) for n in wanted]
+        return [computed[n] if n in computed else _zeros(operands[n], n in read) for n in wanted]
     grads = []
     for n in wanted:
         if n not in calls:
-            grads.append(None)
+            grads.append(_zeros(operands[n], n in read))
             continue
         g = spec.run(*calls[n])
         template = spec.templates[n]
@@ -401,6 +448,14 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
     return grads
 
 
+def _zeros(operand, read: bool) -> torch.Tensor | None:
+    """The gradient of an operand the result does not move with: 0 (its values' shape
+    when sparse) if a factor reads it, else None."""
+    if not read:
+        return None
+    return torch.zeros_like(operand.values if isinstance(operand, SparseTensor) else operand)
+
+
 def _together(spec: _Spec, calls: dict[int, tuple]) -> bool:
     """Whether the gradient calls of ``spec``'s operands can run as one function under a
     torch.func transform (:mod:`.gradients`): sums whose results are dense tensors, or
@@ -410,16 +465,18 @@ def _together(spec: _Spec, calls: dict[int, tuple]) -> bool:
 
 
 def operand_gradients(assignment: Assignment, operands: Sequence, out_format, grad_out, result,
-                      wanted: Sequence[int]) -> list:
+                      wanted: Sequence[int], read_result: bool = False) -> list:
     """The gradients :class:`_SparseEinsum` computes, for a call recorded outside torch's
-    autograd (a traced ``sparsenn::evaluate`` op): ``grad_out`` and ``result`` shaped as
-    the call's result."""
+    autograd (a traced ``sparsenn::evaluate`` op, a stage of a program recorded as one
+    node): ``grad_out`` and ``result`` shaped as the call's result; ``read_result``: a
+    pointwise statement's derivative reads its value from ``result`` instead of
+    computing it again (:func:`_gradient_assignment`)."""
     from .runtime.evaluate import evaluate
 
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     spec = _Spec(assignment, templates, out_format, evaluate)
     with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
-        return _gradients(spec, list(operands), grad_out, result, wanted)
+        return _gradients(spec, list(operands), grad_out, result, wanted, read_result)
 
 
 def recorded(operands: Sequence) -> bool:

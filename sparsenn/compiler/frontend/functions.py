@@ -116,6 +116,8 @@ _TABLE = [
     Function("sigmoid", 1, True, False, torch.sigmoid, _sigmoid_derivative, torch.sigmoid_),
     Function("exp", 1, True, False, torch.exp, lambda a, out: (out,), torch.exp_),
     Function("log", 1, True, False, torch.log, lambda a, out: (apply("div", _ONE, a[0]),), torch.log_),
+    # detach(x) = x with d/dx = 0: a shift that cancels (softmax's max) needs no derivative
+    Function("detach", 1, True, True, torch.detach, lambda a, out: (_ZERO,), lambda x: x),
     # Derivatives of the above; not for users.
     Function("step", 1, False, True, lambda x: (x > 0).to(x.dtype), lambda a, out: (_ZERO,)),
     Function("sign", 1, False, True, torch.sign, lambda a, out: (_ZERO,)),

@@ -5,7 +5,7 @@ The CPU kernel reads the call string (:func:`.callspec.decode`), rebuilds the
 :class:`SparseTensor` s (:mod:`.traced_operands`: index arrays validated once per
 version, so a module whose pattern buffers were edited raises instead of crashing) and
 evaluates as in eager mode — an assignment by :func:`.evaluate.evaluate`, a compiled
-statement or script by :func:`.programs.run` — returning a dense result in ``order``
+statement or script by :func:`..program_autograd.run` — returning a dense result in ``order``
 (copied only if the kernel wrote another layout); a repeated call is replayed
 (:mod:`.replay`). The fake kernel derives the result's shape from the spec and its
 strides from ``order``. The autograd kernel records ``sparsenn::evaluate_backward``,
@@ -30,7 +30,7 @@ from ..frontend.notation import Assignment
 from ..frontend.program import Program, UserOperand
 from .callspec import CallSpec, decode
 from .evaluate import evaluate, resolved
-from .programs import run
+from ..program_autograd import run
 from .replay import remember, replay
 from .traced_operands import differentiable_slots, rebuild, split_shapes
 

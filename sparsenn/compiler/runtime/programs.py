@@ -10,8 +10,8 @@ per team coordinate. A stage over dense operands alone, which runs in torch apar
 offered to fusion with its planned kernel and both costs (:func:`..plan.fusion.dense_stage`). Every call runs the groups: a group of one through :func:`evaluate`, a
 fused group by allocating its stages' results, collecting every stage's array pointers
 (an earlier result of the group is read in place, the fused kernel's own array) and
-running its kernel once. :func:`run` runs a program so when nothing records its stages
-for autograd, else stage by stage, each differentiable.
+running its kernel once. Recording a program for autograd is
+:mod:`..program_autograd`'s.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..autograd import differentiable_evaluate, recorded
 from ..backend import abi
 from ..frontend.blocks import Split
 from ..lower.fuse import FusedStage
@@ -34,10 +33,9 @@ from ..plan.target import Target
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
 from .launcher import Launch, bind, output_allocator, run_stages
-from .tracing import transforming
 from .validate import call_key, check_call
 
-__all__ = ["run", "run_all", "run_program", "describe_program"]
+__all__ = ["run_program", "describe_program"]
 
 
 @dataclass(frozen=True)
@@ -118,26 +116,10 @@ class _Runner:
 _runners: LRUCache[_Runner] = LRUCache("program runners", 256)
 
 
-def run(program: Program, operands: Sequence):
-    """The last stage's result (see :func:`run_all`)."""
-    return run_all(program, operands)[-1]
-
-
-def run_all(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
-    """Every stage's result (those of the last stage and of ``kept`` stages; the others
-    may have been overwritten in place): each stage recorded for autograd when a
-    gradient (or a torch.func transform) needs it, else the stages in the planner's groups."""
-    if len(program.stages) > 1 and not transforming() and not recorded(operands):
-        return run_program(program, operands, kept)
-    results: list = []
-    for step in program.stages:
-        inputs = stage_inputs(step, operands, results)
-        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
-    return results
-
-
 def run_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
-    """Every stage's result, the stages run in the planner's groups (see :func:`run_all`)."""
+    """Every stage's result, the stages run in the planner's groups, nothing recorded for
+    autograd: those of the last stage and of ``kept`` stages (the others may have been
+    overwritten in place)."""
     key = call_key((program, kept), operands, None)
     if key is None:  # operands checked and converted per call: stage by stage
         return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)

@@ -493,6 +493,7 @@ static inline V sn_silu(V x) { return x / (V(1) + sn_exp(-x)); }
 static inline V sn_tanh(V x) { return std::tanh(x); }
 static inline V sn_log(V x) { return std::log(x); }
 static inline V sn_sqrt(V x) { return std::sqrt(x); }
+static inline V sn_detach(V x) { return x; }  // the value; its derivative is 0 (functions.py)
 /* Phi(x) = erfc(-x / sqrt 2) / 2. In float, erfc(z) for z >= 0 is Numerical Recipes'
    Chebyshev fit t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), within 1.2e-7 of erfc (relative)
    for every z, and 2 - erfc(-z) below 0: branch-free arithmetic the compiler vectorises,

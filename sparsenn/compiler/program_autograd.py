@@ -1,0 +1,205 @@
+"""A program (:mod:`.frontend.program`) recorded for autograd as one node.
+
+Forward runs the stages in the planner's groups (:func:`.runtime.programs.run_program`),
+keeping the results the gradients read. Backward is reverse mode through the stages:
+with ``dR_k`` the gradient reaching stage ``k``'s result ``R_k = f_k(inputs)``, from the
+last stage to the first,
+
+    d(input n of stage k) += dR_k · ∂f_k/∂(input n)
+
+each product being the compiler's gradient einsum of that stage
+(:func:`.autograd.operand_gradients`, reading the stage's saved result where its
+derivative is its value): an input is a caller's operand (its gradient is
+the node's) or an earlier result (its gradient flows on). Only the stages whose result
+moves with an operand that requires grad (:func:`.autograd.differentiated`: a factor
+under ``detach`` does not move it) are differentiated, and only the results reaching a
+returned one.
+
+Stage by stage instead, each stage its own :func:`.autograd.differentiable_evaluate`:
+
+* under torch.func transforms (``grad``, ``vmap``, ``jvp``: their rules are each call's);
+* while traced (each stage is one ``sparsenn::evaluate`` op with its own gradient);
+* a program with an epilogue stage: that stage's gradient reads its sum before the
+  epilogue, which its kernel does not keep; apart, the epilogue is a second call over
+  the saved sum (:func:`.plan.bias.split_epilogue`).
+
+A backward with ``create_graph=True`` (double backward) runs the stages again from the
+saved operands, each recorded, and differentiates them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsenn.formats import SparseTensor
+
+from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
+from .frontend.program import Program, StageResult, UserOperand, stage_inputs
+from .runtime.evaluate import evaluate
+from .runtime.programs import run_program
+from .runtime.tracing import tracing, transforming
+
+__all__ = ["run", "run_all"]
+
+
+def run(program: Program, operands: Sequence):
+    """The last stage's result (see :func:`run_all`)."""
+    return run_all(program, operands)[-1]
+
+
+def run_all(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result (those of the last stage and of ``kept`` stages; the others
+    may have been overwritten in place): the stages in the planner's groups, recorded
+    for autograd as one node when a gradient needs them (see the module doc)."""
+    if len(program.stages) > 1 and not transforming():
+        if not recorded(operands):
+            return run_program(program, operands, kept)
+        if _one_node(program, operands):
+            return _recorded(program, operands, kept)
+    return _stagewise(program, operands)
+
+
+def _stagewise(program: Program, operands: Sequence) -> list:
+    """Every stage's result, each stage recorded for autograd on its own."""
+    results: list = []
+    for step in program.stages:
+        results.append(differentiable_evaluate(evaluate, step.assignment, stage_inputs(step, operands, results),
+                                               step.out_format))
+    return results
+
+
+def _one_node(program: Program, operands: Sequence) -> bool:
+    return (not tracing() and all(isinstance(op, (torch.Tensor, SparseTensor)) for op in operands)
+            and all(step.assignment.epilogue is None for step in program.stages))
+
+
+@dataclass(frozen=True)
+class _Reverse:
+    """What a program's backward runs, for the caller's operands that require grad:
+    per stage, whether its result moves with them; the results it reads."""
+
+    moving: tuple[bool, ...]
+    read: frozenset[int]
+
+
+@functools.lru_cache(maxsize=256)
+def _reverse(program: Program, needed: tuple[bool, ...]) -> _Reverse:
+    """A stage moves when an input it is differentiated in does; a moving stage's
+    gradients read its inputs and its result (a max's, to find the entries equal to it;
+    a pointwise statement's, its value: ``d exp(x) = exp(x) dx``)."""
+    moving: list[bool] = []
+    read: set[int] = set()
+    for k, step in enumerate(program.stages):
+        moving.append(any(_moves(step.inputs[n], needed, moving) for n in differentiated(step.assignment)))
+        if moving[-1]:
+            read.update(s.stage for s in step.inputs if isinstance(s, StageResult))
+            read.add(k)
+    return _Reverse(tuple(moving), frozenset(read))
+
+
+def _moves(source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:
+    return needed[source.n] if isinstance(source, UserOperand) else moving[source.stage]
+
+
+@dataclass
+class _Call:
+    """A recorded program call: everything but the tensors autograd tracks."""
+
+    program: Program
+    templates: list  # per caller's operand: its SparseTensor, or None if dense
+    outputs: tuple[int, ...]  # the stages whose results are the node's outputs
+    reverse: _Reverse
+    patterns: dict[int, SparseTensor] | None = None  # stage -> its sparse result's pattern (no values)
+    results: list | None = None  # the forward's results, until the caller takes them
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
+        return [_operand(tpl, t) for tpl, t in zip(self.templates, tensors)]
+
+
+def _recorded(program: Program, operands: Sequence, kept: frozenset[int]) -> list:
+    templates = [op if isinstance(op, SparseTensor) else None for op in operands]
+    tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
+    reverse = _reverse(program, tuple(t.requires_grad for t in tensors))
+    outputs = tuple(sorted(kept | {len(program.stages) - 1}))
+    call = _Call(program, templates, outputs, reverse)
+    values = _ProgramFunction.apply(call, *tensors)
+    results, call.results = call.results, None  # the node keeps no reference to its outputs
+    returned = {k: _operand(call.patterns.get(k), v) for k, v in zip(outputs, values)}
+    return [returned.get(k, r) for k, r in enumerate(results)]
+
+
+class _ProgramFunction(torch.autograd.Function):
+    """The program as a function of its dense operands and sparse operands' values (the
+    patterns are constants of the call), returning the values of ``call.outputs``."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        results = run_program(call.program, call.rebuild(tensors), call.reverse.read | set(call.outputs))
+        call.patterns = {k: _bare(r) for k, r in enumerate(results) if isinstance(r, SparseTensor)}
+        call.results = results
+        values = tuple(_values(results[k]) for k in call.outputs)
+        ctx.call = call
+        ctx.read = {k: results[k] for k in call.reverse.read if k not in call.outputs}
+        ctx.save_for_backward(*tensors, *values)
+        ctx.set_materialize_grads(False)
+        return values
+
+    @staticmethod
+    def backward(ctx, *grads):
+        call: _Call = ctx.call
+        saved = ctx.saved_tensors
+        tensors, values = saved[:len(call.templates)], saved[len(call.templates):]
+        needed = ctx.needs_input_grad[1:]
+        if torch.is_grad_enabled():
+            return (None, *_recomputed(call, tensors, grads, needed))
+        results = dict(ctx.read)
+        results.update((k, _operand(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
+        return (None, *_backward(call, call.rebuild(tensors), results, dict(zip(call.outputs, grads)), needed))
+
+
+def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed: Sequence[bool]) -> list:
+    """The gradients of the caller's operands given ``flowing`` (stage -> the gradient of
+    its result), the stages in reverse."""
+    grads: list = [None] * len(operands)
+    moving = call.reverse.moving
+    for k in reversed(range(len(call.program.stages))):
+        grad = flowing.pop(k, None)
+        if grad is None or not moving[k]:
+            continue
+        step = call.program.stages[k]
+        wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
+        inputs = stage_inputs(step, operands, results)
+        grad_out = _operand(call.patterns.get(k), grad.contiguous())
+        computed = operand_gradients(step.assignment, inputs, step.out_format, grad_out, results[k], wanted,
+                                     read_result=True)
+        for n, g in zip(wanted, computed):
+            source = step.inputs[n]
+            if isinstance(source, UserOperand):
+                grads[source.n] = g if grads[source.n] is None else grads[source.n] + g
+            else:
+                flowing[source.stage] = g if source.stage not in flowing else flowing[source.stage] + g
+    return grads
+
+
+def _recomputed(call: _Call, tensors: Sequence[torch.Tensor], grads: Sequence, needed: Sequence[bool]) -> list:
+    """The gradients as a differentiable graph (``create_graph=True``): the stages run
+    again from ``tensors``, each recorded, and differentiated by torch's autograd."""
+    results = _stagewise(call.program, call.rebuild(tensors))
+    pairs = [(_values(results[k]), g) for k, g in zip(call.outputs, grads) if g is not None]
+    wanted = [t for t, need in zip(tensors, needed) if need]
+    computed = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                        allow_unused=True))
+    return [next(computed) if need else None for need in needed]
+
+
+def _values(result) -> torch.Tensor:
+    return result.values if isinstance(result, SparseTensor) else result
+
+
+def _bare(result: SparseTensor) -> SparseTensor:
+    """``result``'s pattern, without its values."""
+    return result._share(result.shape, result.format, torch.empty(0, dtype=result.values.dtype))
