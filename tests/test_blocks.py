@@ -705,3 +705,18 @@ def test_cache_tiles_give_way_to_a_register_tile_on_the_same_loops():
     q = torch.randn(1, 1, 4096, 64)
     text = sparsenn.compile(_scores(layer._score_scale, False)).explain(mask, q, q)
     assert "tiles: none" in text and "register tile: " in text
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(4,4)", "bsr(2,4)", "bsr(4,1)"])
+def test_a_factor_read_for_its_pattern_only_is_not_multiplied_in_a_block(fmt):
+    """``L<S>[i,j] = S[i,j] - w[i]``: ``w``'s gradient sums ``dL`` over ``S``'s stored
+    positions, ``S`` read for its pattern only; inside a block the sum over the block's
+    columns runs on vectors, which must not load ``S``'s values."""
+    g = torch.Generator().manual_seed(7)
+    dense = torch.randn(12, 16, generator=g, dtype=torch.float64) * (torch.rand(12, 16, generator=g) < 0.4)
+    S = sparsenn.from_dense(dense, format=fmt)
+    w = torch.randn(12, dtype=torch.float64, generator=g, requires_grad=True)
+    L = sparsenn.compile("L<S>[i,j] = S[i,j] - w[i]")(S, w)
+    grad = torch.randn(L.values.shape, dtype=torch.float64, generator=g)
+    L.values.backward(grad)
+    torch.testing.assert_close(w.grad, -L.with_values(grad).to_dense().sum(1))

@@ -39,15 +39,10 @@ def nodes(tensor: torch.Tensor) -> list[str]:
     return names
 
 
-BLOCKED_PATTERN_FACTOR = pytest.mark.xfail(
-    strict=True, reason="known bug: on a bsr operand, a term reading a factor for its pattern only (the gradient "
-                        "-sum_j dL[i,j] of L<S>[i,j] = ... - W[i]) multiplies by that factor's values")
-
-
 @pytest.mark.parametrize(("text", "reference", "fmt"), [
     (SOFTMAX, torch.sparse.softmax, "csr"), (SOFTMAX, torch.sparse.softmax, "bsr(4,4)"),
     (LOG_SOFTMAX, torch.sparse.log_softmax, "csr"),
-    pytest.param(LOG_SOFTMAX, torch.sparse.log_softmax, "bsr(4,4)", marks=BLOCKED_PATTERN_FACTOR),
+    (LOG_SOFTMAX, torch.sparse.log_softmax, "bsr(4,4)"),
 ], ids=["softmax-csr", "softmax-bsr", "log_softmax-csr", "log_softmax-bsr"])
 def test_row_program_gradients_match_torch_sparse(text, reference, fmt):
     S = random_sparse((12, 16), fmt, seed=1)

@@ -53,10 +53,14 @@ def vector_reduction(
         locate(lo, index, states, new)
         return new
 
+    def load(st: FactorState, lane: ir.Expr) -> ir.Expr:
+        if st.sparse and st.valued:  # a dense innermost level of a sparse factor: its values at pos + lane
+            return ir.VectorLoad(ir.Array("val", st.slot), ir.add(st.pos, lane))
+        return lo.vector_load(st, lane=lane)  # ONES for a factor read for its pattern only
+
     def loads(lane: ir.Expr) -> ir.Expr:
         at = located()
-        return product_of([ir.VectorLoad(ir.Array("val", at[k].slot), ir.add(at[k].pos, lane)) if at[k].sparse
-                           else lo.vector_load(at[k], lane=lane) for k in vectors])
+        return product_of([load(at[k], lane) for k in vectors])
 
     def fill():
         lo.emit(ir.Decl(end, "index", last, const=True),
