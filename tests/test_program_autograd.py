@@ -9,6 +9,7 @@ import torch
 
 import sparsenn
 from sparsenn import SparseTensor
+from _graphs import autograd_nodes
 
 SOFTMAX = ("M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - detach(M[i])); Z[i] = sum[j](E[i,j]); "
            "P<E>[i,j] = E[i,j] / Z[i]")
@@ -26,17 +27,6 @@ def random_sparse(shape, fmt, seed=0, density=0.4) -> SparseTensor:
     return sparsenn.from_dense(dense * keep, format=fmt)
 
 
-def nodes(tensor: torch.Tensor) -> list[str]:
-    """The names of the autograd nodes ``tensor`` was computed through."""
-    seen, pending, names = set(), [tensor.grad_fn], []
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        pending.extend(next_node for next_node, _ in node.next_functions)
-    return names
 
 
 @pytest.mark.parametrize(("text", "reference", "fmt"), [
@@ -86,7 +76,7 @@ def test_a_program_is_one_autograd_node():
     S = random_sparse((6, 8), "csr", seed=5)
     values = S.values.clone().requires_grad_()
     P = sparsenn.compile(SOFTMAX)(S.with_values(values))
-    names = nodes(P.values)
+    names = autograd_nodes(P.values)
     assert names.count("_ProgramFunctionBackward") == 1, names
     assert not any("SparseEinsum" in name for name in names), names
 
@@ -134,7 +124,7 @@ def test_detach_in_a_program_gives_no_gradient_through_that_path():
     x = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
     y = sparsenn.compile("m[] = sum[i](x[i] * w[i]); y[i] = x[i] - detach(m[])")(x, w)
-    assert nodes(y).count("_ProgramFunctionBackward") == 1
+    assert autograd_nodes(y).count("_ProgramFunctionBackward") == 1
     gx, gw = torch.autograd.grad(y.sum(), (x, w), allow_unused=True)
     torch.testing.assert_close(gx, torch.ones_like(x))
     assert gw is None or torch.equal(gw, torch.zeros_like(w))
@@ -199,7 +189,7 @@ def test_dense_operands_and_an_operand_read_twice():
     x = torch.randn(6, 3, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
     y = sparsenn.compile("H[i,k] = x[i,j] * w[j,k]; y[i] = sum[k](sigmoid(H[i,k]) * x[i,k])")(x, w[:, :3])
-    assert nodes(y).count("_ProgramFunctionBackward") == 1
+    assert autograd_nodes(y).count("_ProgramFunctionBackward") == 1
     gx, gw = torch.autograd.grad(y.sum(), (x, w))
     x0, w0 = x.detach().requires_grad_(), w.detach().requires_grad_()
     ref = (torch.sigmoid(x0 @ w0[:, :3]) * x0).sum(1)

@@ -14,6 +14,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, jvp, stac
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler import cache_stats
+from _graphs import autograd_nodes
 
 DT = torch.float64
 
@@ -344,17 +345,6 @@ def test_per_sample_hessian_vector_products_of_a_sparse_layer():
     torch.testing.assert_close(hvp(ours), hvp(ref))
 
 
-def _nodes(out: torch.Tensor) -> list[str]:
-    """The names of the autograd nodes ``out`` was computed by, each once."""
-    names, seen, pending = [], set(), [out.grad_fn]
-    while pending:
-        node = pending.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        pending.extend(f for f, _ in node.next_functions)
-    return names
 
 
 def test_a_vmapped_sparse_mlp_records_one_node_per_layer():
@@ -364,7 +354,7 @@ def test_a_vmapped_sparse_mlp_records_one_node_per_layer():
                           sparsenn.SparseLinear(6, 3, sparsity=0.5)).double()
     X = _x(4, 2, 8)
     out = vmap(model)(X)
-    assert _nodes(out).count("_SparseEinsumBackward") == 2
+    assert autograd_nodes(out).count("_SparseEinsumBackward") == 2
     torch.testing.assert_close(out, torch.stack([model(x) for x in X]))
     out.sum().backward()
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
