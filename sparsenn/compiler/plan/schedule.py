@@ -227,7 +227,7 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     fields = {"prefetch": decisions.prefetch_loops(
         order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
         "simd": decisions.simd_loop(order, output, f)}
-    if block is None and not _scalar(assignment, nest.term):
+    if block is None and order and not _scalar(assignment, nest.term):  # no loops (a scalar): no micro-kernel
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
             "sparse_reduction": decisions.sparse_reduction(order, output, f, target, _fiber(order[-1], factors)),
@@ -325,7 +325,7 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             candidates = _anchored_orders(nests_of_term, candidates, anchor, layout)
         costs = {o: cost_of(o) for o in candidates}
         best = min(candidates, key=lambda o: costs[o])
-        if assignment.epilogue is None and not _scalar(assignment, t):
+        if assignment.epilogue is None and best and not _scalar(assignment, t):
             tiled = microkernel.register_tiled_order(best, costs, assignment.output, nests_of_term, anchor, itemsize,
                                                      target)
             if tiled is not None:
