@@ -300,12 +300,12 @@ class _Printer:
         ``ONE_COPY_LINES`` lines once, run by a team of one thread when ``nthreads == 1``:
         a second copy costs more compile time (about 1.5 ms a line at -O3) than the team
         costs a call that large."""
-        nest = _Printer(self.depth + 2, self.stored)
+        nest = _Printer(self.depth + 2, self.stored)  # as the team's copy is indented
         nest.body(s.body)
         if len(nest.lines) > ONE_COPY_LINES:
             self.line("#pragma omp parallel num_threads(nthreads) if(nthreads > 1)")
             self.open("")
-            self.body(s.body)
+            self.lines += [line.removeprefix("  ") for line in nest.lines]  # one level less
             self.close()
             return
         self.open("if (nthreads > 1)")

@@ -123,11 +123,8 @@ def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int
     module doc); ``stored``: each operand's stored entries (0: dense, copied at
     ``DENSE_COPY_COST`` in the schedule's cost)."""
     restored = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
-    cycles = 0.0
-    for n in restored:
-        per_value = target.cache_line_bytes + _POSITION_BYTES + itemsize
-        cycles += stored[n] * per_value / _bandwidth(stored[n] * itemsize, target)
-    return cycles
+    per_value = target.cache_line_bytes + _POSITION_BYTES + itemsize
+    return sum(stored[n] * per_value / _bandwidth(stored[n] * itemsize, target) for n in restored)
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:
