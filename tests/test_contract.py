@@ -21,6 +21,7 @@ from sparsenn.compiler.plan import contract
 from sparsenn.compiler.plan.contract import Step, best_path, pairwise_path
 from sparsenn.compiler.plan.infer import infer_output_format
 from sparsenn.compiler.plan.schedule import OperandInfo, schedule
+from sparsenn.compiler.plan.target import Target
 from sparsenn.formats import parse_format
 
 # opt_einsum's tests/test_contract.py and tests/test_paths.py, numpy's test_einsum.py:
@@ -229,7 +230,7 @@ def _exhaustive_tree(assignment: Assignment, infos: list[OperandInfo], itemsize:
 def _exhaustive(assignment: Assignment, infos: list[OperandInfo], itemsize: int, anchored: bool) -> list[Step] | None:
     """The exhaustive tree if it costs less than the fused schedule, else None."""
     fmt = None if anchored else infer_output_format(assignment, [i.format for i in infos])
-    fused = schedule(assignment, infos, fmt, itemsize).cost
+    fused = schedule(assignment, infos, fmt, itemsize).cost + contract.launch_cost(Target.current())
     cost, steps = _exhaustive_tree(assignment, infos, itemsize)
     return steps if cost < fused else None
 

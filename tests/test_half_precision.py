@@ -188,11 +188,12 @@ def test_packed_panels_from_either_layout(dtype, weights, avx2_host):
     check_einsum(equation, [s, x, w], dtype, out_format="dense")
 
 
-def block_sddmm_operands(dtype, width=19):
-    mask = torch.rand(4, 4, generator=torch.Generator().manual_seed(0)) < 0.5
-    dense = rounded(64, 64, dtype=dtype) * mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
-    return sparsenn.from_dense(dense, format="bsr(16,16)"), rounded(64, width, dtype=dtype, seed=1), \
-        rounded(64, width, dtype=dtype, seed=2)
+def block_sddmm_operands(dtype, width=19, size=64):
+    blocks = size // 16
+    mask = torch.rand(blocks, blocks, generator=torch.Generator().manual_seed(0)) < 0.5
+    dense = rounded(size, size, dtype=dtype) * mask.repeat_interleave(16, 0).repeat_interleave(16, 1)
+    return sparsenn.from_dense(dense, format="bsr(16,16)"), rounded(size, width, dtype=dtype, seed=1), \
+        rounded(size, width, dtype=dtype, seed=2)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -213,10 +214,10 @@ def test_sampled_tiles_and_vector_reductions(dtype, avx2_host):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_pairwise_contractions_round_their_intermediates(dtype, avx2_host):
-    # A dense block SDDMM of half its blocks with 64 columns runs as (Q Kᵀ) first, a
-    # dense intermediate stored in the operands' dtype as torch.einsum stores it, then
-    # the product with the mask: two roundings.
-    blocked, q, k = block_sddmm_operands(dtype, width=64)
+    # A dense block SDDMM of half its blocks with 64 columns runs as (Q Kᵀ) first (once
+    # the work outweighs a second launch), a dense intermediate stored in the operands'
+    # dtype as torch.einsum stores it, then the product with the mask: two roundings.
+    blocked, q, k = block_sddmm_operands(dtype, width=64, size=256)
     assignment = api.parse("ij,ik,jk->ij", 3)
     checked = check_call(assignment, [blocked, q, k], "dense")
     split = split_of(assignment, checked)

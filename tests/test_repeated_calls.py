@@ -165,8 +165,8 @@ def relaid() -> tuple[int, int]:
 
 
 def test_a_parameter_read_transposed_is_copied_once_while_unchanged():
-    x = sp((40, 30), density=0.1)
-    w = torch.nn.Parameter(torch.randn(12, 30, dtype=torch.float64))
+    x = sp((200, 300), density=0.1)
+    w = torch.nn.Parameter(torch.randn(64, 300, dtype=torch.float64))
     assert launch_of("ik,jk->ij", x, w).stages  # the kernel reads w k-major: a re-laid copy
     clear_caches()
 
@@ -186,7 +186,7 @@ def test_a_parameter_read_transposed_is_copied_once_while_unchanged():
     for step in range(3):  # training: the first forward reads the kept copy, the next the stepped weight
         y = sparsenn.einsum("ik,jk->ij", x, w)
         y.sum().backward()
-        torch.testing.assert_close(w.grad, (step + 1) * x.to_dense().sum(0).expand(12, 30))
+        torch.testing.assert_close(w.grad, (step + 1) * x.to_dense().sum(0).expand(64, 300))
         torch.testing.assert_close(y, x.to_dense() @ w.detach().T)
         with torch.no_grad():
             w -= 0.1 * w.grad

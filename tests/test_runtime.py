@@ -157,16 +157,17 @@ def test_narrow_index_arrays_are_widened_per_call():
 def test_strided_dense_operands_are_copied_only_when_needed():
     # The forward `bi,oi->bo` reads x as (i, b): b is the vectorised innermost loop.
     # The output of such a product (the kernel writes (o, b)) already has those
-    # strides, so a following product reads it as given; a batch-major x is copied.
-    w = sp((7, 9), "csr")
-    plan = api.plan("bi,oi->bo", torch.randn(5, 9, dtype=torch.float64), w)
+    # strides, so a following product reads it as given; a batch-major x is copied
+    # (worth it from a few rows of work: tiny products read x as it is).
+    w = sp((32, 64), "csr")
+    plan = api.plan("bi,oi->bo", torch.randn(16, 64, dtype=torch.float64), w)
     assert [slot.layout for slot in plan.kernel.slots if slot.fmt is None] == [(1, 0)]
-    x = torch.randn(9, 5, dtype=torch.float64).t()  # shape (5, 9), strides (1, 5)
+    x = torch.randn(64, 16, dtype=torch.float64).t()  # shape (16, 64), strides (1, 16)
     for operand, copies in ((x, 0), (x.contiguous(), 1)):
         assert len(launch_of("bi,oi->bo", operand, w).stages) == copies
         for _ in range(2):
             torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", operand, w), operand @ w.to_dense().T)
-    out = sparsenn.einsum("ij,jk->ik", w, torch.randn(9, 4, dtype=torch.float64)).t()  # non-contiguous
+    out = sparsenn.einsum("ij,jk->ik", w, torch.randn(64, 4, dtype=torch.float64)).t()  # non-contiguous
     torch.testing.assert_close(sparsenn.einsum("ki,ij->kj", out, w, out_format="dense"), out @ w.to_dense())
 
 
@@ -180,8 +181,8 @@ def copies_made(forward, calls: int) -> tuple[list, int]:
 
 def test_sparse_linear_repeated_forward_hits_its_launch_and_chains_without_copies():
     torch.manual_seed(0)
-    first, second = SparseLinear(40, 24, dtype=torch.float64), SparseLinear(24, 16, dtype=torch.float64)
-    x = torch.randn(32, 40, dtype=torch.float64)
+    first, second = SparseLinear(64, 48, dtype=torch.float64), SparseLinear(48, 32, dtype=torch.float64)
+    x = torch.randn(32, 64, dtype=torch.float64)
     hidden = torch.relu(first(x))  # laid out (features, batch): what the next forward reads
     assert hidden.stride() == (1, 32)
     with torch.no_grad():

@@ -296,10 +296,13 @@ def test_team_loops_stop_at_a_held_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
     """``Y = X Wᵀ`` with a csr ``W``: with one batch row the nest keeps each output's
-    sum over the stored weights of its row in registers (the SpMV form); from two rows
-    up, the batch rows are the innermost loop, held in a register block across the
-    row's stored weights (one masked vector below a vector's lanes, its sums interleaved
-    over the stored weights)."""
+    sum over the stored weights of its row in registers (the SpMV form). With two rows
+    laid out batch-major, it does so per row too, reading ``X`` where it is (a copy
+    into another layout costs more than two rows' work); laid out feature-major (the
+    output of another such layer), and from a vector's rows up in any layout, the batch
+    rows are the innermost loop, held in a register block across the row's stored
+    weights (one masked vector below a vector's lanes, its sums interleaved over the
+    stored weights)."""
     import _machines
 
     # sparse enough that the planner never runs it densely
@@ -307,11 +310,14 @@ def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
     target = getattr(_machines, machine)
     lanes = target.lanes(dtype.itemsize)
     with sparsenn.compiler.use_target(target):
-        for batch in (1, 2, 3, lanes, 64):
-            x = torch.randn(batch, 300, dtype=dtype)
-            (nest,) = plan("bi,oi->bo", x, weight, out_format="dense").schedule.nests
-            if batch == 1:
+        for batch, feature_major in ((1, False), (1, True), (2, False), (2, True), (3, True), (lanes, False),
+                                     (lanes, True), (64, False)):
+            x = torch.randn(300, batch, dtype=dtype).T if feature_major else torch.randn(batch, 300, dtype=dtype)
+            scheduled = plan("bi,oi->bo", x, weight, out_format="dense").schedule
+            (nest,) = scheduled.nests
+            if batch == 1 or (batch == 2 and not feature_major):
                 assert nest.order[-1] == "i" and nest.sparse_reduction is not None, (batch, nest.order)
+                assert not scheduled.transposes, (batch, scheduled.transposes)
             else:
                 assert nest.order == ("o", "i", "b") and nest.register_block is not None, (batch, nest.order)
                 assert nest.block_sums > 1 or batch == 64, (batch, nest.block_sums)

@@ -8,7 +8,9 @@ with sparse ``bn`` (only the nonzero ``(b, n)`` pairs are visited).
 
 :func:`best_path` compares the fused schedule's cost with the cheapest tree of pairwise
 contractions (each pair itself scheduled, or left to BLAS when both are dense) and
-returns ``None`` when fusing everything is cheapest. Intermediates are internal, so
+returns ``None`` when fusing everything is cheapest. Every pair is a launch of its own,
+where the fused nest is one: a pair costs the target's ``launch_cycles`` besides its work
+(``launch_cost``), and so does the fused nest. Intermediates are internal, so
 their format is free: one whose estimated fill reaches ``SPARSE_OUTPUT_DENSITY`` is
 kept dense (``X·Wᵀ``-like products of a dense and a sparse operand fill in), instead of
 being assembled as a sparse tensor that is then nearly full; one with exactly an
@@ -55,8 +57,9 @@ from ..backend.abi import MAX_OUTPUT_RANK
 from ..runtime.cache import LRUCache
 from .cost import estimate_positions
 from .schedule import GEMM_SPEEDUP, OperandInfo, Schedule, schedule
+from .target import Target
 
-__all__ = ["Step", "best_path", "pairwise_path", "describe_path"]
+__all__ = ["Step", "best_path", "pairwise_path", "describe_path", "launch_cost"]
 
 INTERMEDIATE_COST = 2.0  # per element of a dense intermediate: written, then read back
 ALL_SPLITS_OPERANDS = 5  # up to this many operands, outer-product splits are searched too
@@ -114,6 +117,7 @@ class _Pairs:
         self.max_rank = max_rank
         self.dims = {i: infos[a.operand].shape[m] for a in term.factors for m, i in enumerate(a.indices)}
         self.operand_indices = [set(a.indices) for a in term.factors]
+        self.launch = launch_cost(Target.current())
         self._costs: dict[tuple, tuple[float, OperandInfo, int | None]] = {}
 
     def join(self, a: _Tree, b: _Tree) -> tuple[float, _Tree]:
@@ -157,11 +161,15 @@ class _Pairs:
         return planned
 
     def _result(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
-        """(cost, info, anchor) of contracting a pair: a BLAS call when both are dense
-        (``flops / GEMM_SPEEDUP``), else the pair's schedule; a dense result adds
-        ``INTERMEDIATE_COST`` per element; a result on an operand's pattern (that
-        operand: ``anchor``) is its values, computed in place; infinite beyond
+        """(cost, info, anchor) of contracting a pair: a launch, then a BLAS call when
+        both are dense (``flops / GEMM_SPEEDUP``), else the pair's schedule; a dense
+        result adds ``INTERMEDIATE_COST`` per element; a result on an operand's pattern
+        (that operand: ``anchor``) is its values, computed in place; infinite beyond
         ``max_rank`` indices."""
+        cost, info, anchor = self._work(pair, infos)
+        return cost + self.launch, info, anchor
+
+    def _work(self, pair: Assignment, infos: tuple[OperandInfo, ...]) -> tuple[float, OperandInfo, int | None]:
         shape = tuple(self.dims[i] for i in pair.output)
         if len(shape) > self.max_rank:
             return math.inf, OperandInfo(None, shape), None
@@ -321,7 +329,7 @@ def best_path(
     if len(term.factors) < 3:
         return None
     fmt = None if anchored or dense else infer_output_format(assignment, [i.format for i in infos])
-    fused = schedule(assignment, infos, fmt, itemsize).cost
+    fused = schedule(assignment, infos, fmt, itemsize).cost + launch_cost(Target.current())
     found = pairwise_path(assignment, infos, itemsize, bound=fused)
     return None if found is None else found[1]
 
@@ -345,6 +353,11 @@ def pairwise_path(
         if exact is not None and exact.cost <= tree.cost:
             tree = exact
     return (tree.cost, _steps(tree, n)) if tree.cost < bound else None
+
+
+def launch_cost(target: Target) -> float:
+    """A kernel's launch in the cost model's units (``target.launch_cycles``)."""
+    return target.launch_cycles / target.cycles_per_cost_unit
 
 
 def describe_path(assignment: Assignment, steps: Sequence[Step]) -> list[str]:

@@ -12,7 +12,9 @@ then starts a loop too short for a vector and reloads what the previous entry st
 where a reduction innermost sums in registers: the SpMV form); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
-of a dense operand); plus ``RESTREAM_COST`` per stored and index entry for every extra
+of a dense operand, plus the target's ``relayout_cycles`` per dense copy: its allocation
+and call, which outweigh the elements of a small one; indices of extent one do not
+count, a dense operand that differs only in them is read in place); plus ``RESTREAM_COST`` per stored and index entry for every extra
 pass over a sparse operand that an enclosing loop it does not index makes it traverse
 in full (its first level entered under that loop without another factor filtering it:
 ``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
@@ -58,13 +60,11 @@ class OperandInfo:
     shape: tuple[int, ...]
     positions: tuple[int, ...] = ()  # stored positions per storage level (sparse only)
     pattern: int | None = None  # the first operand whose index arrays this one shares (its pattern)
+    layout: tuple[int, ...] | None = None  # a dense operand's modes in memory order, outermost first (None: as indexed)
 
     @property
     def nnz(self) -> int:
         return self.positions[-1] if self.positions else math.prod(self.shape)
-
-
-
 
 
 @dataclass
@@ -76,13 +76,18 @@ class Factor:
     sparse: bool
     levels: list[tuple[str, Level]]
     fibers: list[float]
-    natural: bool
+    natural: bool  # read in its own index (dense) or storage (sparse) order
     nnz: int
     storage: float = 0.0  # index entries of the (possibly re-stored) levels
+    in_place: bool | None = None  # read where it is, without a copy (None: natural)
+
+    def __post_init__(self) -> None:
+        if self.in_place is None:
+            self.in_place = self.natural
 
     @property
     def transpose_cost(self) -> float:
-        if self.natural:
+        if self.in_place:
             return 0.0
         if not self.sparse:
             return DENSE_COPY_COST * self.nnz
@@ -111,10 +116,15 @@ def stored_in_order(access, fmt: Format, loop_rank: dict[str, int]) -> bool:
 
 def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Term) -> Factor:
     """A factor read in loop order. A dense operand is laid out in loop order too (a
-    copy when that differs from its own), so its innermost accesses are unit-stride."""
+    copy when that differs from its memory order, indices of extent one aside), so its
+    innermost accesses are unit-stride."""
     if info.format is None:
         layout = sorted(access.indices, key=lambda i: loop_rank[i])
-        return Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices), info.nnz)
+        stored = access.indices if info.layout is None else tuple(access.indices[m] for m in info.layout)
+        wide = {i for i, n in zip(access.indices, info.shape) if n != 1}
+        in_place = [i for i in layout if i in wide] == [i for i in stored if i in wide]
+        return Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices),
+                      info.nnz, in_place=in_place)
     fmt = info.format
     natural = [access.indices[m] for m in fmt.mode_order]
     in_order = stored_in_order(access, fmt, loop_rank)
@@ -222,7 +232,8 @@ def nest_cost(
         cost += iters / inner * math.ceil(inner / width) * len(term.factors)
     elif not gathered:  # a gathered reduction's products are in its loop's work
         cost += iters * len(term.factors)
-    cost += sum(f.transpose_cost for f in factors)
+    relaid = sum(1 for f in factors if not (f.in_place or f.sparse))
+    cost += sum(f.transpose_cost for f in factors) + relaid * target.relayout_cycles / target.cycles_per_cost_unit
     return cost, iters, factors
 
 

@@ -142,7 +142,17 @@ def operand_info(op: torch.Tensor | SparseTensor) -> OperandInfo:
     if isinstance(op, SparseTensor):
         _, shape, positions, _ = op.signature
         return OperandInfo(op.format, shape, tuple(0 if p <= 0 else 1 << round(math.log2(p)) for p in positions))
-    return OperandInfo(None, tuple(op.shape))
+    return OperandInfo(None, tuple(op.shape), layout=memory_order(op))
+
+
+def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The modes of a dense tensor in memory order, outermost first, when it is a
+    permutation of a contiguous tensor other than the identity (a transpose); None when
+    it is contiguous, or strided otherwise (read through a copy whatever the order)."""
+    if t.is_contiguous():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if t.permute(order).is_contiguous() else None
 
 
 def shared_patterns(operands: Sequence) -> tuple[int | None, ...]:

@@ -152,7 +152,7 @@ def _panels(order: Sequence[str], tiles: Sequence[Tile], factors: list[Factor]) 
     (see the module doc); not the outermost loop's tile, which is chunked instead."""
     sizes = {t.index: t.size for t in tiles if t.index != order[0]}
     return tuple((k, sizes[f.levels[-1][0]]) for k, f in enumerate(factors)
-                 if not f.sparse and not f.natural and f.levels and f.levels[-1][0] in sizes)
+                 if not f.sparse and not f.in_place and f.levels and f.levels[-1][0] in sizes)
 
 
 

@@ -57,7 +57,10 @@ depends on where the suite runs).
   do not see the width either); ``python_call_cycles`` the cycles of the
   dense path's own calls in Python and torch (its dispatch and checks) beyond a
   kernel's launch, ``launch_cycles`` those of a kernel's launch beyond a torch op's
-  (the call's guard, the launcher: what a sparse layer pays over ``F.linear``).
+  (the call's guard, the launcher: what a sparse layer pays over ``F.linear``), and
+  ``relayout_cycles`` those of copying a dense operand into a kernel's layout beyond
+  its elements (an allocation and a torch copy call, or finding a parameter's kept
+  copy): the fixed costs the scheduler weighs against work on small problems.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class Target:
     cycles_per_cost_unit: float = 0.25
     python_call_cycles: float = 20_000.0
     launch_cycles: float = 16_000.0
+    relayout_cycles: float = 5_000.0
     cost_vector_lanes: int = 8
     cache_line_bytes: int = 64
     register_tile_rows: int = 8
@@ -129,7 +133,7 @@ class Target:
                 raise ValueError(f"Target.{name} must be a power of two, got {value}")
         for name in ("fma_per_cycle", "gemm_efficiency", "l2_bytes_per_cycle", "llc_bytes_per_cycle", "llc_share",
                      "dram_bytes_per_cycle", "cycles_per_cost_unit", "python_call_cycles",
-                     "launch_cycles"):
+                     "launch_cycles", "relayout_cycles"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Target.{name} must be a positive number, got {value!r}")

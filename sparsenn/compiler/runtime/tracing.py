@@ -80,11 +80,13 @@ def _static_layouts(call: str, tensors: Sequence[Tensor], shapes: Sequence
     as given. Traced code: sizes are tested with ``has_static_value``, as Dynamo reports
     a symbolic size's type as ``int`` (``torch.jit.trace`` records sizes as tensors)."""
     dims = [tuple(t.shape) for t in tensors]
-    sizes = [*shapes, *(n for d in dims for n in d)]
+    strides = [tuple(t.stride()) for t in tensors]
+    sizes = [*shapes, *(n for d in dims for n in d), *(n for d in strides for n in d)]
     if any(isinstance(n, Tensor) for n in sizes) or not all(has_static_value(n) for n in sizes):
         return [], ((),) * len(tensors)
     order, reads = planned_layouts(call, tuple(t.dtype for t in tensors),
-                                   tuple(tuple(int(n) for n in d) for d in dims), tuple(int(n) for n in shapes))
+                                   tuple(tuple(int(n) for n in d) for d in dims), tuple(int(n) for n in shapes),
+                                   tuple(tuple(int(n) for n in d) for d in strides))
     return list(order), reads
 
 
@@ -101,10 +103,12 @@ def _read_in(tensor: Tensor, order: tuple[int, ...]) -> Tensor:
 
 @torch.compiler.assume_constant_result
 def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tuple[int, ...], ...],
-                    shapes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
-    """The memory layouts of the kernel of ``call`` over tensors of ``dtypes`` and sizes
-    ``dims`` (sparse shapes ``shapes``), as the planner decides them (from formats,
-    shapes, stored positions and dtypes: deterministic):
+                    shapes: tuple[int, ...], strides: tuple[tuple[int, ...], ...] | None = None
+                    ) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """The memory layouts of the kernel of ``call`` over tensors of ``dtypes``, sizes
+    ``dims`` and ``strides`` (None: contiguous; sparse shapes ``shapes``), as the planner
+    decides them (from formats, shapes, dense operands' memory orders, stored positions
+    and dtypes: deterministic):
 
     * the dense result's dimensions from outermost to innermost in memory as the kernel
       writes them, () for contiguous or when that is decided only by running (a sparse
@@ -118,7 +122,8 @@ def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tupl
     unknown: tuple[tuple[int, ...], ...] = ((),) * len(dims)
     if not isinstance(spec.assignment, Assignment):  # a program of statements
         return (), unknown
-    stand_ins = [torch.empty((), dtype=dtype).expand(dim) for dtype, dim in zip(dtypes, dims)]
+    strides = strides or ((),) * len(dims)
+    stand_ins = [_stand_in(dtype, dim, stride) for dtype, dim, stride in zip(dtypes, dims, strides)]
     try:
         result, reads = _planned_result(spec.assignment, rebuild(spec, stand_ins, shapes, unchecked_pattern),
                                         spec.out_format)
@@ -133,6 +138,21 @@ def planned_layouts(call: str, dtypes: tuple[torch.dtype, ...], dims: tuple[tupl
         return (), inputs
     order = sorted(range(result.dim()), key=lambda d: (-result.stride(d), d))
     return (() if order == list(range(result.dim())) else tuple(order)), inputs
+
+
+def _stand_in(dtype: torch.dtype, dim: tuple[int, ...], stride: tuple[int, ...]) -> Tensor:
+    """A tensor planned as one of ``dim`` with ``stride`` is: a permutation of a
+    contiguous tensor is allocated so (memory never touched), any other is one element
+    expanded (planned as contiguous; the kernel's launch copies it)."""
+    order = sorted(range(len(dim)), key=lambda d: (-stride[d], d)) if stride else []
+    step, permutation = 1, True
+    for d in reversed(order):
+        permutation = permutation and (stride[d] == step or dim[d] == 1)
+        step *= dim[d]
+    if order == sorted(order) or not permutation:
+        return torch.empty((), dtype=dtype).expand(dim)
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return torch.empty([dim[d] for d in order], dtype=dtype).permute(inverse)
 
 
 def _planned_result(assignment: Assignment, operands: Sequence, out_format
