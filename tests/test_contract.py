@@ -370,3 +370,20 @@ def test_an_epilogue_after_a_cheaper_contraction_path():
     small = [torch.randn(60, 7, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64),
              torch.randn(5, dtype=torch.float64)]
     assert torch.autograd.gradcheck(lambda *p: expression(a, *p), [t.requires_grad_() for t in small])
+
+
+def test_a_path_pays_a_launch_per_step():
+    """Each pairwise step is a launch of its own, the fused nest one: ``A B C`` with a
+    sparse ``A`` contracts ``(A B) C`` once its work saves more than a second launch
+    (64 x 64 on the default machine), and fuses at 16 x 16, where a machine whose
+    launches cost nothing would contract in steps too."""
+    assignment = parse_einsum("ij,jk,kl->il", 3)
+
+    def infos(n: int) -> list[OperandInfo]:
+        return [_sparse_info((n, n), 0.1), OperandInfo(None, (n, n)), OperandInfo(None, (n, n))]
+
+    with sparsenn.compiler.use_target(Target()):
+        assert best_path(assignment, infos(16), 4) is None
+        assert best_path(assignment, infos(64), 4) is not None
+    with sparsenn.compiler.use_target(Target(launch_cycles=1.0)):
+        assert best_path(assignment, infos(16), 4) is not None

@@ -321,6 +321,8 @@ def test_small_batches_sum_each_weight_row_in_registers(machine, dtype):
             else:
                 assert nest.order == ("o", "i", "b") and nest.register_block is not None, (batch, nest.order)
                 assert nest.block_sums > 1 or batch == 64, (batch, nest.block_sums)
+                read = "reads dense operand(s) [0] in place" if feature_major else "copies dense operand(s) [0]"
+                assert read in scheduled.reasons[0], scheduled.reasons
             torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, weight, out_format="dense"),
                                        x @ weight.to_dense().T)
 

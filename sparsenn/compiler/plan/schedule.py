@@ -450,10 +450,16 @@ def _explain_choice(t, best, costs, factors, parallel) -> str:
         for i in best
     ]
     moved = [f.operand for f in factors if f.sparse and not f.natural]
+    copied = [f.operand for f in factors if not f.sparse and not f.in_place]
+    in_place = [f.operand for f in factors if not f.sparse and f.in_place and not f.natural]
     text = (
         f"term {t}: order {','.join(best)} (cost {costs[best]:.3g}{runner}); "
         f"filters {'; '.join(filters)}; {'parallel' if parallel else 'serial'} outer loop"
     )
     if moved:
         text += f"; re-stores operand(s) {moved} in loop order (transpose)"
+    if copied:
+        text += f"; copies dense operand(s) {copied} into loop order"
+    if in_place:
+        text += f"; reads dense operand(s) {in_place} in place (memory already in loop order)"
     return text
