@@ -23,7 +23,7 @@ from torch.nn.utils import parametrize
 
 from sparsenn.compiler import Target, use_target
 from sparsenn.compiler.frontend.notation import parse_einsum
-from sparsenn.compiler.plan.dense_path import dense_product_cycles, restore_cycles, schedule_cycles
+from sparsenn.compiler.plan.dense_path import dense_product_cycles, kernel_cycles, restore_cycles
 from sparsenn.compiler.plan.planner import operand_info
 from sparsenn.compiler.api import kernel_schedule
 from sparsenn.formats import Format, SparseTensor
@@ -44,8 +44,9 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
     * dense: three BLAS products, ``Y = X Wᵀ``, ``dX = dY W`` and ``dW = dYᵀ X``
       (:func:`~sparsenn.compiler.plan.dense_path.dense_product_cycles`);
     * sparse: the kernels the planner schedules for ``Y``, ``dX`` and ``dW`` sampled on
-      the weight's pattern (the cost of their schedules, scaled from the fill they were
-      planned for to the weight's, plus re-storing the weight's values at every call when
+      the weight's pattern (the cost of their schedules or the arrival of their gathers,
+      :func:`~sparsenn.compiler.plan.dense_path.kernel_cycles`, scaled from the fill they
+      were planned for to the weight's, plus re-storing the weight's values at every call when
       a kernel reads it in another mode order, ``dX``'s ``W[o, i]`` over ``i``:
       :func:`~sparsenn.compiler.plan.dense_path.restore_cycles`; one the planner runs as
       a contraction path, as its dense product), each call paying the target's
@@ -81,7 +82,8 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
                 stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in operands]
                 # the kernel's terms and factors are the equation's (over split indices for n:m)
                 called = parse_einsum(equation, len(operands))
-                sparse += (schedule_cycles(sched, current) * scale
+                sparse += (kernel_cycles(called, sched, [tuple(op.shape) for op in operands],
+                                         [op is weight for op in operands].index(True), scale, itemsize, current)
                            + restore_cycles(called, sched, stored, itemsize, current))
             sparse += current.launch_cycles
             dense += product

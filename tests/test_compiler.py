@@ -557,8 +557,12 @@ def test_sparse_reduction_into_several_accumulators(dtype, index_dtype, avx2_hos
 @pytest.fixture
 def always_prefetch(host_target):
     """Kernels built while this is active prefetch every gather, whatever the operand's
-    size and the pattern's locality (the test operands are far smaller than a cache)."""
-    host_target(dataclasses.replace(AVX2, l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0))
+    size and the pattern's locality (the test operands are far smaller than a cache).
+    Memory is as fast as the L2, so that the dense path does not take the kernels'
+    place (gathers from memory would make BLAS on a dense copy cheaper)."""
+    host_target(dataclasses.replace(AVX2, l2_bytes=1, llc_bytes=1, prefetch_min_footprint=0.0, prefetch_min_jump=0,
+                                    llc_bytes_per_cycle=AVX2.l2_bytes_per_cycle,
+                                    dram_bytes_per_cycle=AVX2.l2_bytes_per_cycle))
 
 
 def test_prefetch_only_when_gathers_miss_the_caches(avx2_host):

@@ -7,7 +7,14 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
 
 * the sparse schedule: its cost (``plan/cost.py``) times ``cycles_per_cost_unit``,
   scaled from the fill it was planned for (stored positions rounded to a power of two,
-  so that plans are shared) to the operand's;
+  so that plans are shared) to the operand's, or, when more, the time its gathers take
+  to arrive (:func:`gather_cycles`): every leaf iteration reads an element of each dense
+  factor at the sparse operand's stored coordinates (``X[b, crd]``), from the level its
+  working set fits in; the working set being the factor's extents from the gathering
+  loop inwards (``o, i, b`` over ``X[b, i]``: all of ``X``, read again for every row;
+  ``b, o, i``: one row of ``X``). The cost model counts steps, not where their operands
+  come from: an SpMM whose gathered rows overflow the L2 runs at the last-level cache's
+  bandwidth;
 * the dense product: ``max(F / (2 · lanes · fma_per_cycle · gemm_efficiency), B / bw)``
   for ``F`` flops over ``B`` bytes of operands and result, ``bw`` the bandwidth of the
   level they fit in (the L2, a core's share of the last-level cache, else memory):
@@ -52,7 +59,8 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path", "dense_product_cycles", "restore_cycles", "schedule_cycles"]
+__all__ = ["DensePath", "dense_path", "dense_product_cycles", "gather_cycles", "kernel_cycles", "restore_cycles",
+           "schedule_cycles"]
 
 _POSITION_BYTES = 8  # an int64 entry of a re-store's permutation
 
@@ -97,7 +105,8 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
     densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
                       + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
     restore = restore_cycles(assignment, sched, stored, itemsize, target)
-    sparse_cycles = schedule_cycles(sched, target) * nnz / max(infos[k].nnz, 1) + restore
+    sparse_cycles = kernel_cycles(assignment, sched, [info.shape for info in infos], k, nnz / max(infos[k].nnz, 1),
+                                  itemsize, target) + restore
     if dense_cycles + densify_cycles / 2 >= sparse_cycles:
         return None
     return DensePath(k, sparse_cycles, dense_cycles, densify_cycles, restore)
@@ -130,6 +139,41 @@ def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int
 def schedule_cycles(sched: Schedule, target: Target) -> float:
     """Cycles of a sparse schedule's kernel: its cost in the cost model's units."""
     return sched.cost * target.cycles_per_cost_unit
+
+
+def kernel_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tuple[int, ...]], sparse: int,
+                  scale: float, itemsize: int, target: Target) -> float:
+    """Cycles of the kernel of ``sched`` over operands of ``shapes``, operand ``sparse``
+    the sparse one: its cost, or the arrival of its gathers when slower (see the module
+    doc), both scaled by ``scale`` (the operand's fill over the fill planned for)."""
+    return scale * max(schedule_cycles(sched, target),
+                       gather_cycles(assignment, sched, shapes, sparse, itemsize, target))
+
+
+def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tuple[int, ...]], sparse: int,
+                  itemsize: int, target: Target) -> float:
+    """Cycles for the dense factors a one-nest schedule gathers at operand ``sparse``'s
+    stored coordinates to arrive: its leaf iterations times ``itemsize`` per gathered
+    factor (one holding the innermost loop over the sparse operand's indices), at the
+    bandwidth of the level holding the factor's extents from that loop inwards (see the
+    module doc); 0 without such a factor."""
+    if len(sched.nests) != 1:
+        return 0.0
+    nest = sched.nests[0]
+    term = assignment.terms[nest.term]
+    sizes = {i: shapes[a.operand][m] for a in term.factors for m, i in enumerate(a.indices)}
+    held = {i for a in term.factors if a.operand == sparse for i in a.indices}
+    gathering = max((nest.order.index(i) for i in held if i in nest.order), default=None)
+    if gathering is None:
+        return 0.0
+    inner = set(nest.order[gathering:])
+    cycles = 0.0
+    for access in term.factors:
+        if access.operand == sparse or nest.order[gathering] not in access.indices:
+            continue
+        working_set = math.prod(sizes[i] for i in access.indices if i in inner) * itemsize
+        cycles += sched.leaves * itemsize / _bandwidth(working_set, target)
+    return cycles
 
 
 def _bandwidth(nbytes: float, target: Target) -> float:
