@@ -379,6 +379,7 @@ def run(args: argparse.Namespace) -> Path:
     path = args.out / f"{args.machine}{'-quick' if args.quick else ''}.json"
     args.out.mkdir(parents=True, exist_ok=True)
     data = {"machine": args.machine, "cpu": cpu_summary(), "torch": torch.__version__, "commit": commit(),
+            "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "command": shlex.join(["python", *sys.argv]), "loadavg": {"start": list(os.getloadavg()), "end": None},
             "cells": [], "spmm": [], "models": []}
     print(json.dumps({k: data[k] for k in ("machine", "cpu", "torch", "commit", "loadavg")}), flush=True)

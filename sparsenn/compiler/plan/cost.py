@@ -13,11 +13,11 @@ where a reduction innermost sums in registers: the SpMV form); plus
 re-storing any operand whose storage order disagrees with the loop order
 (``TRANSPOSE_COST`` per stored entry and index entry, ``DENSE_COPY_COST`` per element
 of a dense operand, plus the target's ``relayout_cycles`` per dense copy: its allocation
-and call, which outweigh the elements of a small one; indices of extent one do not
-count, a dense operand that differs only in them is read in place); plus ``RESTREAM_COST`` per stored and index entry for every extra
-pass over a sparse operand that an enclosing loop it does not index makes it traverse
-in full (its first level entered under that loop without another factor filtering it:
-``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
+and call, which outweigh the elements of a small one; a dense operand is read in place
+when its memory order, indices of extent one aside, is the loop order); plus
+``RESTREAM_COST`` per stored and index entry for every extra pass over a sparse operand
+that an enclosing loop it does not index makes it traverse in full (its first level
+entered under that loop without another factor filtering it: ``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
 operand, entered at another's stored coordinates, is not traversed in full). An
 innermost sparse reduction that gathers its dense factors
 (:func:`~.decisions.gathered_reduction`, an SpMV's ``x[crd[q]]``) runs the whole groups
