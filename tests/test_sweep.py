@@ -7,11 +7,12 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP = ROOT / "benchmarks" / "sweep.py"
-TOP = {"machine", "cpu", "torch", "commit", "command", "loadavg", "cells", "spmm", "models"}
+TOP = {"machine", "cpu", "torch", "commit", "date", "command", "loadavg", "cells", "spmm", "models"}
 CELL = {"shape", "sparsity", "batch", "dtype", "threads", "pass", "sparsenn_ms", "dense_ms", "torch_sparse_ms", "build_s"}
 SPMM = {"graph", "rows", "nnz", "columns", "threads", "sparsenn_ms", "torch_sparse_ms"}
 MODEL = {"model", "threads", "sparsenn_ms", "dense_ms", "torch_sparse_ms", "pyg_ms"}
@@ -31,6 +32,7 @@ def test_quick_sweep_writes_its_schema(tmp_path):
 
     assert set(data) == TOP
     assert data["machine"] == "test" and data["torch"] and data["commit"] and "--quick" in data["command"]
+    assert time.strptime(data["date"], "%Y-%m-%d %H:%M")
     assert {"model", "avx512f", "l2"} <= set(data["cpu"])
     assert all(len(data["loadavg"][key]) == 3 for key in ("start", "end"))
 
