@@ -13,7 +13,7 @@ from sparsenn.compiler.frontend.notation import parse_einsum
 from sparsenn.compiler.plan.cost import OperandInfo
 from sparsenn.compiler.plan.schedule import schedule
 from sparsenn.compiler.plan.target import Target
-from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.plan.planner import memory_order, operand_info
 from sparsenn.compiler.api import plan
 
 from _machines import AVX512
@@ -360,3 +360,16 @@ def test_interleaved_sums_of_a_sparse_reduction_follow_its_fiber_length(machine)
     long = dense_schedule("ij,j->i", sparse((2000, 2000), "csr", density=5e-2), x, target=target)
     assert short.nests[0].sparse_reduction.accumulators == 1
     assert long.nests[0].sparse_reduction.accumulators == target.sparse_accumulators
+
+
+def test_the_memory_order_of_a_dense_operand():
+    """The planner reads a transposed (permuted contiguous) operand's memory order; a
+    contiguous one, or one strided otherwise (a slice, a broadcast), is planned as
+    indexed (the launch copies the latter whatever the loop order)."""
+    x = torch.randn(4, 5)
+    assert memory_order(x) is None and memory_order(x.T) == (1, 0)
+    assert memory_order(torch.randn(2, 3, 4).permute(2, 0, 1)) == (1, 2, 0)
+    assert memory_order(torch.randn(5, 1).T) is None  # extents of one: contiguous
+    assert memory_order(torch.randn(4, 10)[:, ::2]) is None
+    assert memory_order(torch.randn(4, 1).expand(4, 5)) is None
+    assert operand_info(x.T).layout == (1, 0) and operand_info(x).layout is None

@@ -518,3 +518,13 @@ def test_a_call_string_cannot_call_sparsenn_functions():
     evil = "sparsenn-call:" + base64.b64encode(pickle.dumps(Build())).decode()
     with pytest.raises(callspec.SpecVersionError, match="format version 0"):
         callspec.decode(evil)
+
+
+def test_stand_ins_have_the_traced_tensors_memory_order():
+    """``planned_layouts`` plans on stand-ins laid out as the traced tensors are: a
+    permuted contiguous tensor in its order, anything else as one expanded element."""
+    transposed = tracing._stand_in(torch.float32, (4, 2, 3), (1, 12, 4))
+    assert transposed.shape == (4, 2, 3) and transposed.stride() == (1, 12, 4)
+    for stride in ((), (5, 1), (10, 2)):
+        stand_in = tracing._stand_in(torch.float32, (4, 5), stride)
+        assert stand_in.shape == (4, 5) and stand_in.stride() == (0, 0)
