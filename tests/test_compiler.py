@@ -458,7 +458,7 @@ def test_dense_expression_with_sparse_out_format_keeps_every_entry():
 
 
 @pytest.mark.parametrize("equation", ["ij,jk->ik", "ij,j->i", "ij,ik,jk->ij"])
-def test_one_thread_and_a_team_run_the_same_nest(equation):
+def test_one_thread_and_a_team_run_the_same_nest(equation, avx2_host):
     # A short parallel nest is emitted twice: inside an OpenMP team, and bare for one
     # thread (no team start-up); a long one once, in a team of one thread for one thread.
     # Both must compute the same thing.

@@ -164,7 +164,7 @@ def relaid() -> tuple[int, int]:
     return stats.hits, stats.misses
 
 
-def test_a_parameter_read_transposed_is_copied_once_while_unchanged():
+def test_a_parameter_read_transposed_is_copied_once_while_unchanged(avx2_host):
     x = sp((200, 300), density=0.1)
     w = torch.nn.Parameter(torch.randn(64, 300, dtype=torch.float64))
     assert launch_of("ik,jk->ij", x, w).stages  # the kernel reads w k-major: a re-laid copy

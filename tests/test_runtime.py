@@ -154,7 +154,7 @@ def test_narrow_index_arrays_are_widened_per_call():
         torch.testing.assert_close(result, wide.to_dense() @ narrow.to_dense())
 
 
-def test_strided_dense_operands_are_copied_only_when_needed():
+def test_strided_dense_operands_are_copied_only_when_needed(avx2_host):
     # The forward `bi,oi->bo` reads x as (i, b): b is the vectorised innermost loop.
     # The output of such a product (the kernel writes (o, b)) already has those
     # strides, so a following product reads it as given; a batch-major x is copied
@@ -179,7 +179,7 @@ def copies_made(forward, calls: int) -> tuple[list, int]:
     return results, sum(event.name == "aten::copy_" for event in profiled.events())
 
 
-def test_sparse_linear_repeated_forward_hits_its_launch_and_chains_without_copies():
+def test_sparse_linear_repeated_forward_hits_its_launch_and_chains_without_copies(avx2_host):
     torch.manual_seed(0)
     first, second = SparseLinear(64, 48, dtype=torch.float64), SparseLinear(48, 32, dtype=torch.float64)
     x = torch.randn(32, 64, dtype=torch.float64)

@@ -345,8 +345,6 @@ def test_per_sample_hessian_vector_products_of_a_sparse_layer():
     torch.testing.assert_close(hvp(ours), hvp(ref))
 
 
-
-
 def test_a_vmapped_sparse_mlp_records_one_node_per_layer():
     """A SparseLinear's product and bias are one recorded call under vmap, as outside it."""
     torch.manual_seed(5)

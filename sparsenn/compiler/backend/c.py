@@ -302,10 +302,11 @@ class _Printer:
         costs a call that large."""
         nest = _Printer(self.depth + 2, self.stored)  # as the team's copy is indented
         nest.body(s.body)
+        dedented = [line.removeprefix("  ") for line in nest.lines]  # one level less
         if len(nest.lines) > ONE_COPY_LINES:
             self.line("#pragma omp parallel num_threads(nthreads) if(nthreads > 1)")
             self.open("")
-            self.lines += [line.removeprefix("  ") for line in nest.lines]  # one level less
+            self.lines += dedented
             self.close()
             return
         self.open("if (nthreads > 1)")
@@ -314,9 +315,8 @@ class _Printer:
         self.lines += nest.lines
         self.close()
         self.close("} else {")
-        self.depth += 1
-        self.body(s.body)
-        self.close()
+        self.lines += dedented
+        self.line("}")
 
 
 def print_block(block: ir.Block, depth: int = 2, stored: frozenset[str] = frozenset()) -> str:

@@ -77,13 +77,9 @@ class Factor:
     levels: list[tuple[str, Level]]
     fibers: list[float]
     natural: bool  # read in its own index (dense) or storage (sparse) order
+    in_place: bool  # read where it is, without a copy
     nnz: int
     storage: float = 0.0  # index entries of the (possibly re-stored) levels
-    in_place: bool | None = None  # read where it is, without a copy (None: natural)
-
-    def __post_init__(self) -> None:
-        if self.in_place is None:
-            self.in_place = self.natural
 
     @property
     def transpose_cost(self) -> float:
@@ -124,7 +120,7 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
         wide = {i for i, n in zip(access.indices, info.shape) if n != 1}
         in_place = [i for i in layout if i in wide] == [i for i in stored if i in wide]
         return Factor(access.operand, False, [(i, Dense()) for i in layout], [], layout == list(access.indices),
-                      info.nnz, in_place=in_place)
+                      in_place, info.nnz)
     fmt = info.format
     natural = [access.indices[m] for m in fmt.mode_order]
     in_order = stored_in_order(access, fmt, loop_rank)
@@ -142,7 +138,7 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
         fibers.append(p / parent if parent > 0 else 0.0)
         storage += level.index_entries(parent, p)
         parent = p
-    return Factor(access.operand, True, list(zip(wanted, levels)), fibers, in_order, info.nnz, storage)
+    return Factor(access.operand, True, list(zip(wanted, levels)), fibers, in_order, in_order, info.nnz, storage)
 
 
 def outside_vector(f: Factor, k: str, reductions: set[str], below: str | None = None) -> bool:

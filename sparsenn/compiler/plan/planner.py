@@ -142,17 +142,28 @@ def operand_info(op: torch.Tensor | SparseTensor) -> OperandInfo:
     if isinstance(op, SparseTensor):
         _, shape, positions, _ = op.signature
         return OperandInfo(op.format, shape, tuple(0 if p <= 0 else 1 << round(math.log2(p)) for p in positions))
-    return OperandInfo(None, tuple(op.shape), layout=memory_order(op))
+    return OperandInfo(None, tuple(op.shape), layout=memory_order(op.shape, op.stride()))
 
 
-def memory_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The modes of a dense tensor in memory order, outermost first, when it is a
-    permutation of a contiguous tensor other than the identity (a transpose); None when
-    it is contiguous, or strided otherwise (read through a copy whatever the order)."""
-    if t.is_contiguous():
+def memory_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
+    """The modes of a dense tensor of ``shape`` and ``stride`` in memory order, outermost
+    first, when it is a permutation of a contiguous tensor other than the identity (a
+    transpose); None when it is contiguous, or strided otherwise (read through a copy
+    whatever the order). Extents of one are left out of the comparison, as torch's
+    ``is_contiguous`` leaves them."""
+
+    def packed(order: Sequence[int]) -> bool:
+        step = 1
+        for d in reversed(order):
+            if shape[d] != 1 and stride[d] != step:
+                return False
+            step *= shape[d]
+        return True
+
+    if math.prod(shape) == 0 or packed(range(len(shape))):
         return None
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    return order if t.permute(order).is_contiguous() else None
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-stride[d], d)))
+    return order if packed(order) else None
 
 
 def shared_patterns(operands: Sequence) -> tuple[int | None, ...]:

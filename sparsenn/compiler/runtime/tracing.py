@@ -37,6 +37,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.formats import SparseTensor
 
 from ..frontend.notation import Assignment
+from ..plan.planner import memory_order
 from .callspec import CallSpec, Layout, anchor_of, decode, derived, remember_spec
 from .evaluate import SplitCall, resolve
 from .launcher import Launch
@@ -144,12 +145,8 @@ def _stand_in(dtype: torch.dtype, dim: tuple[int, ...], stride: tuple[int, ...])
     """A tensor planned as one of ``dim`` with ``stride`` is: a permutation of a
     contiguous tensor is allocated so (memory never touched), any other is one element
     expanded (planned as contiguous; the kernel's launch copies it)."""
-    order = sorted(range(len(dim)), key=lambda d: (-stride[d], d)) if stride else []
-    step, permutation = 1, True
-    for d in reversed(order):
-        permutation = permutation and (stride[d] == step or dim[d] == 1)
-        step *= dim[d]
-    if order == sorted(order) or not permutation:
+    order = memory_order(dim, stride) if stride else None
+    if order is None:
         return torch.empty((), dtype=dtype).expand(dim)
     inverse = sorted(range(len(order)), key=order.__getitem__)
     return torch.empty([dim[d] for d in order], dtype=dtype).permute(inverse)
