@@ -1,8 +1,9 @@
-"""A layer's call site (``runtime/site.py``) runs a repeated plain call by the guard of
-the signature it holds: every change between two calls (in-place and ``.data`` edits of
-the parameters, pattern edits, another input shape, layout or dtype, another thread
-count, a grad mode that records, another Target) is either read by the held launch or
-sends the call through the expression, checked in full."""
+"""A layer's call site (``compiler/call_site.py``) runs a repeated call by the guard of
+the signature it holds, and a recorded call's backward by the gradient calls it holds:
+every change between two calls (in-place and ``.data`` edits of the parameters, pattern
+edits, another input shape, layout or dtype, another thread count, grad mode, autocast,
+another Target) and between a forward and its backward is either read by the held launch
+or sends the call through the expression, checked in full."""
 
 from __future__ import annotations
 
@@ -214,3 +215,84 @@ def test_threads_calling_one_layer_with_other_shapes_get_their_own_results():
     for thread in threads:
         thread.join()
     assert failures == []
+
+
+def reference_gradients(layer: SparseLinear, x: torch.Tensor, g: torch.Tensor):
+    """(dx, dW values, db) of ``(x W^T + b) . g`` from the dense weight."""
+    dense = layer.weight.to_dense()
+    rows, cols = layer.weight.coords()[0]
+    return g @ dense, (g.T @ x)[rows, cols], g.sum(0)
+
+
+def training_step(layer: SparseLinear, x: torch.Tensor, g: torch.Tensor):
+    layer.zero_grad()
+    x = x.detach().requires_grad_()
+    layer(x).backward(g)
+    return x.grad, layer.weight_values.grad, layer.bias.grad
+
+
+def test_training_steps_run_by_the_held_signature_and_its_gradient_calls():
+    layer, x = layer_and_input()
+    g = torch.randn(3, 8, dtype=torch.float64)
+    for step in range(4):
+        with torch.no_grad():
+            layer.weight_values.mul_(-1.5)  # an optimizer's in-place update
+        for got, expected in zip(training_step(layer, x, g), reference_gradients(layer, x, g)):
+            torch.testing.assert_close(got, expected)
+        assert held(layer)
+    assert set(layer._call_sites[1]._gradients) == {0, 1, 2}  # x, the weight's values and the bias
+
+
+def test_alternating_batch_sizes_and_wanted_gradients_are_computed_for_their_own_signature():
+    layer, x = layer_and_input()
+    other = torch.randn(5, 16, dtype=torch.float64)
+    for inputs in (x, other, x, other, x):
+        g = torch.randn(inputs.shape[0], 8, dtype=torch.float64)
+        for got, expected in zip(training_step(layer, inputs, g), reference_gradients(layer, inputs, g)):
+            torch.testing.assert_close(got, expected)
+        layer.zero_grad()
+        layer(inputs).backward(g)  # x needs no gradient: the weight's and the bias's only
+        torch.testing.assert_close(layer.weight_values.grad, reference_gradients(layer, inputs, g)[1])
+
+
+def test_a_pattern_replaced_between_forward_and_backward_differentiates_the_forward_s_pattern():
+    layer, x = layer_and_input()
+    g = torch.randn(3, 8, dtype=torch.float64)
+    for _ in range(3):
+        training_step(layer, x, g)
+    expected = reference_gradients(layer, x, g)[1]
+    out = layer(x)
+    position, column = moved_entry(layer)
+    crd = layer.weight_crd1.clone()
+    crd[position] = column
+    layer.weight_crd1 = crd
+    layer.zero_grad()
+    out.backward(g)
+    torch.testing.assert_close(layer.weight_values.grad, expected)
+
+
+def test_a_pattern_edited_in_place_between_forward_and_backward_is_refused():
+    layer, x = layer_and_input()
+    g = torch.randn(3, 8, dtype=torch.float64)
+    for _ in range(3):
+        training_step(layer, x, g)
+    out = layer(x)
+    position, column = moved_entry(layer)
+    layer.weight_crd1[position] = column
+    with pytest.raises(ValueError, match="modified"):
+        out.backward(g)
+
+
+def test_a_backward_that_records_its_graph_is_not_run_by_held_gradient_calls():
+    layer, x = layer_and_input()
+    g = torch.randn(3, 8, dtype=torch.float64)
+    for _ in range(3):
+        training_step(layer, x, g)
+    x = x.detach().requires_grad_()
+    (dx,) = torch.autograd.grad(layer(x), x, g, create_graph=True)
+    (ddw,) = torch.autograd.grad(dx.pow(2).sum(), layer.weight_values)
+    dense = layer.weight.to_dense().requires_grad_()
+    (dx_dense,) = torch.autograd.grad(x @ dense.T, x, g, create_graph=True)
+    (ddw_dense,) = torch.autograd.grad(dx_dense.pow(2).sum(), dense)
+    rows, cols = layer.weight.coords()[0]
+    torch.testing.assert_close(ddw, ddw_dense[rows, cols])

@@ -195,8 +195,9 @@ def test_sparse_linear_repeated_forward_hits_its_launch_and_chains_without_copie
     after = cache_stats()
     for result in results:
         torch.testing.assert_close(result, reference)
-    assert after["calls"].hits == before["calls"].hits + 3
+    assert after["calls"].hits == before["calls"].hits  # run by the layer's held signature, recorded
     assert after["calls"].misses == before["calls"].misses
+    assert all(r.grad_fn is not None for r in results)
     assert after["shape plans"].misses == before["shape plans"].misses
     batch_major = hidden.clone(memory_format=torch.contiguous_format)
     second(batch_major)

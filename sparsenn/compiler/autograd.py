@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
-from torch import is_grad_enabled
+from torch import is_autocast_enabled, is_grad_enabled
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers
 
@@ -51,9 +52,14 @@ from .frontend.functions import apply, derivative
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.anchor import sampled_operand
 from .plan.bias import split_epilogue
+from .runtime.cache import Guard
+from .runtime.evaluate import Run, build_together, evaluate, guarded_run
 from .runtime.tracing import traced_evaluate, tracing, transforming
+from .runtime.validate import call_guard
 
-__all__ = ["differentiable_evaluate", "recorded", "differentiated"]
+__all__ = ["differentiable_evaluate", "held_evaluate", "recorded", "differentiated", "HeldGradient"]
+
+_CPU = "cpu"
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -64,14 +70,32 @@ def _operand(template: SparseTensor | None, tensor: torch.Tensor):
     return template._share(template.shape, template.format, tensor)
 
 
-class _Spec:
-    """Everything about a call that is not a tensor autograd tracks."""
+class HeldGradient(NamedTuple):
+    """A gradient call of one operand, held for the next backward of the same signature:
+    its assignment and request, the inputs after ``(grad_out, *operands)`` (constants of
+    the signature: all-ones tensors, the operand's pattern), and the guard and run of the
+    cached resolution (:func:`~.runtime.evaluate.guarded_run`)."""
 
-    def __init__(self, assignment: Assignment, templates: list, out_format, evaluate):
+    assignment: Assignment
+    out_format: object
+    extras: tuple
+    guard: Guard
+    run: Run
+
+
+class _Spec:
+    """Everything about a call that is not a tensor autograd tracks. ``forward``: the run
+    of the call's held signature (else it is evaluated); ``held``: the gradient calls a
+    call site holds for its signature, by operand number (else none are held)."""
+
+    def __init__(self, assignment: Assignment, templates: list, out_format, evaluate,
+                 forward: Run | None = None, held: dict[int, HeldGradient] | None = None):
         self.assignment = assignment
         self.templates = templates  # per operand: SparseTensor pattern, or None if dense
         self.out_format = out_format
         self.evaluate = evaluate
+        self.forward = forward
+        self.held = held
         self.result: SparseTensor | None = None
         self.built_kernels = False  # the forward compiled a kernel: the backward's are likely new too
 
@@ -318,7 +342,9 @@ class _SparseEinsum(torch.autograd.Function):
     def forward(spec: _Spec, *tensors):
         tensors = [t if tpl is None else t.contiguous() for tpl, t in zip(spec.templates, tensors)]  # kernels' layout
         built = jit.builds
-        result = spec.evaluate(spec.assignment, spec.rebuild(tensors), spec.out_format)
+        operands = spec.rebuild(tensors)
+        result = (spec.evaluate(spec.assignment, operands, spec.out_format) if spec.forward is None
+                  else spec.forward(operands))
         spec.built_kernels = jit.builds != built
         if isinstance(result, SparseTensor):
             spec.result = result  # the pattern is fixed; its values carry the gradient
@@ -417,15 +443,17 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
                read_result: bool = False) -> list:
     """d(loss)/d(operand) for each operand number in ``wanted``: a tensor shaped like its
     values (sparse) or like it (dense); zeros for one the result does not move with
-    (:func:`differentiated`), None for one no factor reads. After a forward that compiled
-    its kernel, the gradients' kernels are built together first."""
+    (:func:`differentiated`), None for one no factor reads. Gradient calls a call site
+    holds (``spec.held``) run by their guard and run alone; the others are built and
+    evaluated, and held when the site can keep them. After a forward that compiled its
+    kernel, the gradients' kernels are built together first."""
     moving = differentiated(spec.assignment)
     read = {a.operand for a in spec.assignment.accesses}
+    holds = spec.held is not None and _plain_backward() and spec.assignment.reduction == "sum" and not read_result
+    found = _held_gradients(spec.held, operands, grad_out, wanted) if holds else {}
     calls = {n: _gradient_expression(spec, n, operands, grad_out, result, read_result)
-             for n in wanted if n in moving}
+             for n in wanted if n in moving and n not in found}
     if spec.built_kernels and len(calls) > 1:
-        from .runtime.evaluate import build_together
-
         build_together(list(calls.values()))
     if transforming() and len(calls) > 1 and _together(spec, calls):
         from .gradients import gradients_together  # gradients -> this module
@@ -434,10 +462,15 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
         return [computed[n] if n in computed else _zeros(operands[n], n in read) for n in wanted]
     grads = []
     for n in wanted:
-        if n not in calls:
+        if n in found:
+            g = found[n]
+        elif n in calls:
+            g = spec.run(*calls[n])
+            if holds:
+                _hold(spec.held, n, calls[n], len(operands))
+        else:
             grads.append(_zeros(operands[n], n in read))
             continue
-        g = spec.run(*calls[n])
         template = spec.templates[n]
         if isinstance(g, SparseTensor):
             g = g.values
@@ -446,6 +479,37 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
             g = g.permute(template.format.mode_order).reshape(-1)
         grads.append(g)
     return grads
+
+
+def _plain_backward() -> bool:
+    """Whether gradient calls now reach their kernels only: no graph recorded
+    (``create_graph``), no torch.func transform, autocast or tracer."""
+    return not (is_grad_enabled() or is_autocast_enabled(_CPU) or tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None)
+
+
+def _held_gradients(held: dict[int, HeldGradient], operands: list, grad_out, wanted: Sequence[int]) -> dict:
+    """The gradients of the operands in ``wanted`` whose held calls' guards pass, by operand number."""
+    found = {}
+    for n in wanted:
+        call = held.get(n)
+        if call is not None:
+            inputs = [grad_out, *operands, *call.extras]
+            if call.guard(inputs, call.out_format):
+                found[n] = call.run(inputs)
+    return found
+
+
+def _hold(held: dict[int, HeldGradient], n: int, call: tuple, count: int) -> None:
+    """Hold the gradient ``call`` of operand ``n`` (just evaluated) if its signature is
+    cached. Its guard tests the output gradient in full; the forward's operands (whose
+    signature the site's guard passed: ``held`` is that signature's) and the extras (held
+    here) only for unedited index arrays."""
+    assignment, inputs, out_format = call
+    entry = guarded_run(assignment, inputs, out_format)
+    if entry is not None:
+        guard = call_guard(assignment, inputs, out_format, frozenset(range(1, len(inputs))))
+        held[n] = HeldGradient(assignment, out_format, tuple(inputs[1 + count:]), guard, entry[1])
 
 
 def _zeros(operand, read: bool) -> torch.Tensor | None:
@@ -471,8 +535,6 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     node): ``grad_out`` and ``result`` shaped as the call's result; ``read_result``: a
     pointwise statement's derivative reads its value from ``result`` instead of
     computing it again (:func:`_gradient_assignment`)."""
-    from .runtime.evaluate import evaluate
-
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     spec = _Spec(assignment, templates, out_format, evaluate)
     with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
@@ -523,6 +585,18 @@ def differentiable_evaluate(evaluate, assignment: Assignment, operands: Sequence
         else:
             return evaluate(assignment, operands, out_format)  # raises the usual TypeError
     spec = _Spec(assignment, templates, out_format, evaluate)
+    values = _apply(_SparseEinsum, spec, *tensors)
+    return values if spec.result is None else _operand(spec.result, values)
+
+
+def held_evaluate(assignment: Assignment, operands: Sequence, out_format, run: Run,
+                  held: dict[int, HeldGradient]):
+    """``run(operands)``, the held signature of a call site's ``assignment`` (no
+    epilogue), recorded for autograd as :func:`differentiable_evaluate` records it; its
+    backward's gradient calls are held in ``held`` (:class:`HeldGradient`)."""
+    tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
+    templates = [op if isinstance(op, SparseTensor) else None for op in operands]
+    spec = _Spec(assignment, templates, out_format, evaluate, run, held)
     values = _apply(_SparseEinsum, spec, *tensors)
     return values if spec.result is None else _operand(spec.result, values)
 

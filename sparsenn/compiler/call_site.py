@@ -2,14 +2,15 @@
 
 Such a site mostly sees one signature of operands from call to call (the same weight,
 inputs of one shape). :class:`CallSite` keeps the guard and run function of the
-signature it saw last (:func:`.runtime.evaluate.guarded_run`), so a repeated plain call costs
+signature it saw last (:func:`.runtime.evaluate.guarded_run`), so a repeated call costs
 that guard (every per-call check of :func:`.runtime.validate.call_guard`: types, shapes,
 strides, dtypes, unedited index arrays) and the run, without the entry point's dispatch
 or the shared cache's search among the expression's recent signatures (which several
-layers of one expression would take turns evicting). A call is plain when nothing but
-the kernel has to see it: no autograd recording, autocast, torch.func transform or
-tracer; any other call, and a call whose guard fails, goes through the expression as
-usual and leaves the site holding its signature. :func:`~.runtime.cache.clear_caches` (and
+layers of one expression would take turns evicting). A call autograd records runs the
+same way inside the recorded node (:func:`.autograd.held_evaluate`), and the site holds
+the gradient calls of its backward too. Calls under autocast, a torch.func transform or
+a tracer, and a call whose guard fails, go through the expression as usual and leave the
+site holding the signature of the last call that has none of these. :func:`~.runtime.cache.clear_caches` (and
 ``use_target``) empties every site.
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import is_autocast_enabled
 
 from .api import CompiledExpression, compile_expression
-from .autograd import recorded
+from .autograd import HeldGradient, held_evaluate, recorded
 from .runtime.cache import Guard, forget_with_caches
 from .runtime.evaluate import Run, guarded_run
 from .runtime.tracing import tracing
@@ -33,13 +34,15 @@ class CallSite:
     """``site(*operands)`` is ``expression(*operands)`` (see the module doc); the
     expression is a single-statement sum of products (:attr:`CompiledExpression.assignment`)."""
 
-    __slots__ = ("expression", "assignment", "out_format", "_held", "__weakref__")
+    __slots__ = ("expression", "assignment", "out_format", "_held", "_gradients", "_records", "__weakref__")
 
     def __init__(self, expression: CompiledExpression) -> None:
         if expression.assignment is None or expression.returns is not None:
             raise ValueError(f"a call site needs an expression of one statement, got {expression.text!r}")
         self.expression, self.assignment, self.out_format = expression, expression.assignment, expression.out_format
         self._held: tuple[Guard, Run] | None = None  # one object: a thread reads a guard with its own run
+        self._gradients: dict[int, HeldGradient] = {}
+        self._records = self.assignment.epilogue is None  # an epilogue is recorded as two calls
         forget_with_caches(self)
 
     @property
@@ -48,11 +51,15 @@ class CallSite:
         return self._held is not None
 
     def cached(self, operands: tuple):
-        """The result of a plain call over ``operands`` of the signature held, else None
+        """The result of a call over ``operands`` of the signature held, else None
         (nothing is run: call the site)."""
         held = self._held
-        if held is not None and _plain(operands) and held[0](operands, self.out_format):
+        if held is None or not _unobserved() or not held[0](operands, self.out_format):
+            return None
+        if not recorded(operands):
             return held[1](operands)
+        if self._records:
+            return held_evaluate(self.assignment, operands, self.out_format, held[1], self._gradients)
         return None
 
     def __call__(self, *operands):
@@ -61,15 +68,17 @@ class CallSite:
 
     def call(self, operands: tuple):
         """The call through the expression (no guard tried), the site then holding its
-        signature if it is plain."""
+        signature unless autocast, a transform or a tracer saw it."""
         result = self.expression(*operands)
-        if _plain(operands):
+        if _unobserved():
             self._held = guarded_run(self.assignment, operands, self.out_format)
+            self._gradients = {}  # the gradient calls of the signature held
         return result
 
     def clear(self) -> None:
-        """Forget the signature held (the caches it came from were cleared)."""
+        """Forget the signatures held (the caches they came from were cleared)."""
         self._held = None
+        self._gradients = {}
 
     def __reduce__(self):  # the guard and run are code made for this process: rebuilt on first call
         return _site, (self.expression.text, self.out_format)
@@ -82,7 +91,7 @@ def _site(text: str, out_format) -> CallSite:
     return CallSite(compile_expression(text, out_format))
 
 
-def _plain(operands: tuple) -> bool:
-    """Whether only the kernel needs to see a call over ``operands`` (see the module doc)."""
-    return (not recorded(operands) and not is_autocast_enabled(_CPU) and not tracing()
+def _unobserved() -> bool:
+    """Whether no autocast, torch.func transform or tracer sees the current call."""
+    return (not is_autocast_enabled(_CPU) and not tracing()
             and torch._C._functorch.peek_interpreter_stack() is None)

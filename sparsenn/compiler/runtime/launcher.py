@@ -132,7 +132,8 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
                 out = out.to(dtype)  # keeps the strides
             if anchor is None:
                 return out
-            result = operands[anchor].with_values(out)
+            pattern = operands[anchor]
+            result = pattern._share(pattern.shape, pattern.format, out)  # sized by its nnz when bound
         return result if final is None else result.asformat(final)
 
     return run

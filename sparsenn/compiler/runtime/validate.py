@@ -174,12 +174,15 @@ def call_key(assignment: Assignment, operands: Sequence, out_format) -> tuple | 
     return tuple(key)
 
 
-def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
+def call_guard(assignment: Assignment, operands: Sequence, out_format, fixed: frozenset[int] = frozenset()) -> Guard:
     """A test of ``(operands, out_format)`` that is true exactly when a call of
     ``assignment`` with them has the :func:`call_key` of this call (not None) and passes
     its per-call checks. Written out for these operands' kinds as one expression (as
     :func:`launcher._pointers` is), so a match costs attribute reads and comparisons
-    only: no tuple is built or hashed. The caller matches ``assignment`` by identity."""
+    only: no tuple is built or hashed. The caller matches ``assignment`` by identity.
+    ``fixed``: operands the caller vouches are those of this call's signature (the same
+    kinds, shapes, strides, dtypes and shared patterns); of these only a sparse
+    operand's unedited index arrays are tested."""
     constants: dict[str, object] = {"SparseTensor": SparseTensor, "Tensor": torch.Tensor, "strided": torch.strided,
                                     "shared_patterns": shared_patterns, "request": out_format,
                                     "request_type": type(out_format)}
@@ -187,7 +190,10 @@ def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
              "out_format is None" if out_format is None else
              "type(out_format) is request_type and out_format == request"]
     for n, op in enumerate(operands):
-        if isinstance(op, SparseTensor):
+        if n in fixed:
+            if isinstance(op, SparseTensor):
+                tests.append(f"type(op{n} := ops[{n}]) is SparseTensor and {_unmodified(f'op{n}', len(op._index_arrays))}")
+        elif isinstance(op, SparseTensor):
             constants[f"signature{n}"], constants[f"dtype{n}"] = op.signature, op.values.dtype
             constants[f"values{n}"] = op.values.shape
             tests.append(f"type(op{n} := ops[{n}]) is SparseTensor and op{n}.signature == signature{n} "
@@ -199,7 +205,8 @@ def call_guard(assignment: Assignment, operands: Sequence, out_format) -> Guard:
             tests.append(f"isinstance(op{n} := ops[{n}], Tensor) and op{n}.layout is strided "
                          f"and op{n}.shape == shape{n} and op{n}.dtype is dtype{n} and op{n}.is_cpu "
                          f"and op{n}.stride() == stride{n}")
-    if sum(isinstance(op, SparseTensor) for op in operands) >= 2:
+    sparse = [n for n, op in enumerate(operands) if isinstance(op, SparseTensor)]
+    if len(sparse) >= 2 and not fixed.issuperset(sparse):
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
     return eval(f"lambda ops, out_format: {' and '.join(tests)}", constants)
