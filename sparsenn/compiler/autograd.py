@@ -57,7 +57,7 @@ from .runtime.evaluate import Run, build_together, evaluate, guarded_run
 from .runtime.tracing import traced_evaluate, tracing, transforming
 from .runtime.validate import call_guard
 
-__all__ = ["differentiable_evaluate", "held_evaluate", "recorded", "differentiated", "HeldGradient"]
+__all__ = ["differentiable_evaluate", "gradient_call", "held_evaluate", "recorded", "differentiated", "HeldGradient"]
 
 _CPU = "cpu"
 
@@ -539,6 +539,20 @@ def operand_gradients(assignment: Assignment, operands: Sequence, out_format, gr
     spec = _Spec(assignment, templates, out_format, evaluate)
     with torch.no_grad():  # an op's kernel runs below autograd: nothing is recorded there
         return _gradients(spec, list(operands), grad_out, result, wanted, read_result)
+
+
+def gradient_call(assignment: Assignment, operand: int, operands: Sequence, grad_out, result
+                  ) -> tuple[Assignment, list, object]:
+    """The gradient einsum of ``operand`` of a call of ``assignment`` over ``operands``
+    (``grad_out`` and ``result`` as the call's result; a pointwise statement's derivative
+    reads ``result``): its assignment over ``(grad_out, *operands, *extras)``, the extras
+    (all-ones tensors, the operand's pattern, the result, a max's tie count: computed
+    here) and its out_format."""
+    templates = [op if isinstance(op, SparseTensor) else None for op in operands]
+    spec = _Spec(assignment, templates, None, evaluate)
+    with torch.no_grad():
+        gradient, inputs, out_format = _gradient_expression(spec, operand, list(operands), grad_out, result, True)
+    return gradient, inputs[1 + len(operands):], out_format
 
 
 def recorded(operands: Sequence) -> bool:

@@ -39,6 +39,7 @@ from sparsenn.formats import SparseTensor
 
 from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
 from .frontend.program import Program, StageResult, UserOperand, stage_inputs
+from .gradient_program import gradient_program, gradient_values
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
 from .runtime.tracing import tracing, transforming
@@ -163,7 +164,18 @@ class _ProgramFunction(torch.autograd.Function):
 
 def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed: Sequence[bool]) -> list:
     """The gradients of the caller's operands given ``flowing`` (stage -> the gradient of
-    its result), the stages in reverse."""
+    its result): the gradient program, fused as the planner decides
+    (:mod:`.gradient_program`), or else the stages' gradients in reverse, one by one."""
+    incoming = {k: _operand(call.patterns.get(k), g.contiguous()) for k, g in flowing.items() if g is not None}
+    backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed)
+    if backward is None:
+        return _stage_by_stage(call, operands, results, flowing, needed)
+    computed = run_program(backward.program, backward.inputs, frozenset(o for o in backward.outputs if o is not None))
+    return [None if o is None else gradient_values(computed[o], tpl) for o, tpl in zip(backward.outputs, call.templates)]
+
+
+def _stage_by_stage(call: _Call, operands: list, results: dict, flowing: dict, needed: Sequence[bool]) -> list:
+    """:func:`_backward`'s gradients, each stage's gradient einsums run in reverse."""
     grads: list = [None] * len(operands)
     moving = call.reverse.moving
     for k in reversed(range(len(call.program.stages))):
