@@ -72,13 +72,14 @@ def _operand(template: SparseTensor | None, tensor: torch.Tensor):
 
 class HeldGradient(NamedTuple):
     """A gradient call of one operand, held for the next backward of the same signature:
-    its assignment and request, the inputs after ``(grad_out, *operands)`` (constants of
-    the signature: all-ones tensors, the operand's pattern), and the guard and run of the
-    cached resolution (:func:`~.runtime.evaluate.guarded_run`)."""
+    its assignment and request, the inputs after ``(grad_out, *operands)`` (all-ones
+    tensors, constants of the signature, or the number of the operand whose pattern the
+    input is), and the guard and run of the cached resolution
+    (:func:`~.runtime.evaluate.guarded_run`)."""
 
     assignment: Assignment
     out_format: object
-    extras: tuple
+    extras: tuple[torch.Tensor | int, ...]
     guard: Guard
     run: Run
 
@@ -110,8 +111,9 @@ class _Spec:
 
 
 # What a gradient expression reads besides ``(grad_out, *operands)``, in order: an
-# all-ones tensor over some of the operand's modes, the operand's pattern (ones), the
-# forward result, or the number of arg-max entries of each output element.
+# all-ones tensor over some of the operand's modes, the operand's pattern (the operand
+# itself: its values are not read), the forward result, or the number of arg-max entries
+# of each output element.
 Extra = tuple
 
 
@@ -129,8 +131,8 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, re
     for extra in extras:
         if extra[0] == "ones":
             inputs.append(torch.ones([shape[m] for m in extra[1]], dtype=_dtype_of(grad_out)))
-        elif extra[0] == "mask":
-            inputs.append(template.with_values(torch.ones_like(template.values)))
+        elif extra[0] == "mask":  # read for its stored positions only (a zero term's factors too)
+            inputs.append(operands[operand])
         elif extra[0] == "result":
             inputs.append(result)
         else:
@@ -400,7 +402,7 @@ def tangent(spec: _Spec, tensors: Sequence[torch.Tensor], tangents: Sequence[tor
     if spec.result is None:
         return spec.run(assignment, inputs, "dense")
     pattern = spec.result
-    inputs.append(_operand(pattern, torch.ones_like(pattern.values)))
+    inputs.append(pattern)  # read for its stored positions only
     return spec.run(assignment, inputs, pattern.format).values
 
 
@@ -494,7 +496,7 @@ def _held_gradients(held: dict[int, HeldGradient], operands: list, grad_out, wan
     for n in wanted:
         call = held.get(n)
         if call is not None:
-            inputs = [grad_out, *operands, *call.extras]
+            inputs = [grad_out, *operands, *(operands[x] if isinstance(x, int) else x for x in call.extras)]
             if call.guard(inputs, call.out_format):
                 found[n] = call.run(inputs)
     return found
@@ -509,7 +511,9 @@ def _hold(held: dict[int, HeldGradient], n: int, call: tuple, count: int) -> Non
     entry = guarded_run(assignment, inputs, out_format)
     if entry is not None:
         guard = call_guard(assignment, inputs, out_format, frozenset(range(1, len(inputs))))
-        held[n] = HeldGradient(assignment, out_format, tuple(inputs[1 + count:]), guard, entry[1])
+        operands = inputs[1:1 + count]
+        extras = tuple(next((m for m, op in enumerate(operands) if op is x), x) for x in inputs[1 + count:])
+        held[n] = HeldGradient(assignment, out_format, extras, guard, entry[1])
 
 
 def _zeros(operand, read: bool) -> torch.Tensor | None:

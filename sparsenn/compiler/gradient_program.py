@@ -5,10 +5,15 @@ last stage to the first, ``d(input n of stage k) += dR_k · ∂f_k/∂(input n)`
 gradient einsum per moving input (:func:`.autograd.gradient_call`). Instead of running
 them one by one, :func:`gradient_program` writes them down as the stages of a second
 program over the incoming gradients, the forward's operands and saved results and the
-gradients' extra inputs (all-ones tensors, patterns), with one stage summing the
-contributions to a result that several stages read (``dE = dE_P + dE_Z`` in a softmax).
-:func:`~.runtime.programs.run_program` then fuses its consecutive row-wise stages as it
-fuses a forward's: a softmax's gradient is one kernel passing over each row.
+gradients' extra inputs (all-ones tensors, patterns), which
+:func:`~.runtime.programs.run_program` then fuses as it fuses a forward.
+
+Gradients are kept as sums of *parts* (an assignment over sources, not yet a stage) as
+long as they are pointwise: a part that reduces nothing is substituted into the
+gradient einsums that read it (its terms multiply theirs), and only a part that reduces
+(a softmax's ``dZ[i] = sum_j dP E ...``), a gradient several einsums read, or a caller's
+operand's gradient becomes a stage. A softmax's backward is then two stages, the row
+sums and ``dS = (dP / Z + dZ) E`` on the pattern, which fuse into one pass per row.
 
 An operand or result stored in a dense format (its values in storage order, not on a
 pattern) has its gradient laid out apart: :func:`gradient_program` returns None, and the
@@ -25,7 +30,7 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from .autograd import differentiated, gradient_call
-from .frontend.notation import Access, Assignment, Term
+from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .frontend.program import Program, Source, Stage, StageResult, UserOperand, stage_inputs
 
 __all__ = ["GradientProgram", "gradient_program", "gradient_values"]
@@ -41,14 +46,36 @@ class GradientProgram:
     outputs: tuple[int | None, ...]
 
 
+@dataclass(frozen=True)
+class _Part:
+    """A term of a gradient not computed yet: ``assignment`` over ``sources``; its result
+    would be ``out_format``, standing in as ``like`` (pattern or shape only)."""
+
+    assignment: Assignment
+    sources: tuple[Source, ...]
+    out_format: object
+    like: object
+
+    @property
+    def pointwise(self) -> bool:
+        """Whether it reduces nothing (every index of every term is an output index)."""
+        output = set(self.assignment.output)
+        return self.assignment.reduction == "sum" and all(
+            set(a.indices) <= output for t in self.assignment.terms for a in t.factors)
+
+
 class _Builder:
     """The stages and operands of a gradient program as they are written down."""
 
     def __init__(self) -> None:
         self.stages: list[Stage] = []
+        self.likes: list = []  # per stage, what its result stands for
         self.inputs: list = []
-        self.results: list = []  # per stage: a stand-in with its result's kind, format and pattern
         self._slots: dict[int, int] = {}
+
+    def value(self, source: Source):
+        """The operand, or the stand-in of the stage's result, that ``source`` names."""
+        return self.inputs[source.n] if isinstance(source, UserOperand) else self.likes[source.stage]
 
     def operand(self, value) -> UserOperand:
         """``value`` as an operand of the program (each object once)."""
@@ -58,25 +85,20 @@ class _Builder:
             self.inputs.append(value)
         return UserOperand(slot)
 
-    def value(self, source: Source):
-        """The input, or the stand-in of the stage result, ``source`` names."""
-        return self.inputs[source.n] if isinstance(source, UserOperand) else self.results[source.stage]
+    def identity(self, source: Source, like) -> _Part:
+        """The part that is ``source`` as it is."""
+        indices = tuple(f"@{m}" for m in range(len(like.shape)))
+        assignment = Assignment(indices, (Term(1.0, (Access(0, indices),)),), ("d",))
+        return _Part(assignment, (source,), _format_of(like), like)
 
-    def add(self, assignment: Assignment, out_format, inputs: Sequence[Source], stand_in) -> StageResult:
-        self.stages.append(Stage(assignment, out_format, tuple(inputs)))
-        self.results.append(stand_in)
-        return StageResult(len(self.stages) - 1)
-
-    def total(self, sources: list[Source]) -> Source:
-        """One source for the sum of ``sources`` (a stage adding them when there are several)."""
-        if len(sources) == 1:
-            return sources[0]
-        first = self.value(sources[0])
-        indices = tuple(f"@{m}" for m in range(len(first.shape)))
-        terms = tuple(Term(1.0, (Access(j, indices),)) for j in range(len(sources)))
-        names = tuple(f"d{j}" for j in range(len(sources)))
-        out_format = first.format if isinstance(first, SparseTensor) else "dense"
-        return self.add(Assignment(indices, terms, names), out_format, sources, first)
+    def stage(self, parts: Sequence[_Part]) -> _Part:
+        """The sum of ``parts`` computed by a stage, as the part reading its result."""
+        if len(parts) == 1 and _is_identity(parts[0]) and isinstance(parts[0].sources[0], StageResult):
+            return parts[0]
+        assignment, sources = _summed(parts)
+        self.stages.append(Stage(assignment, parts[0].out_format, sources))
+        self.likes.append(parts[0].like)
+        return self.identity(StageResult(len(self.stages) - 1), parts[0].like)
 
 
 def gradient_program(program: Program, moving: Sequence[bool], operands: Sequence, results: dict,
@@ -89,49 +111,155 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
     if any(isinstance(x, SparseTensor) and x.format.is_dense for x in (*operands, *results.values())):
         return None
     build = _Builder()
-    contributions: dict[Source, list[Source]] = {StageResult(k): [build.operand(g)] for k, g in flowing.items()}
+    gradients: dict[Source, list[_Part]] = {
+        StageResult(k): [build.identity(build.operand(g), g)] for k, g in flowing.items()}
     for k in reversed(range(len(program.stages))):
-        sources = contributions.pop(StageResult(k), None)
-        if sources is None or not moving[k]:
+        parts = gradients.pop(StageResult(k), None)
+        if parts is None or not moving[k]:
             continue
-        grad_out = build.total(sources)
         step = program.stages[k]
+        wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
+        parts = [p if p.pointwise else build.stage([p]) for p in parts]
+        if len(wanted) > 1 and not (len(parts) == 1 and _is_identity(parts[0])):
+            parts = [build.stage(parts)]  # read by several gradients: computed once
         inputs = stage_inputs(step, operands, results)
-        for n in sorted(differentiated(step.assignment)):
+        forward = tuple(build.operand(x) for x in inputs)
+        for n in wanted:
+            gradient, extras, out_format = gradient_call(step.assignment, n, inputs, parts[0].like, results[k])
+            sources = (None, *forward, *(build.operand(x) for x in extras))
+            one = _on_pattern(build, parts, parts[0].like)
+            part = _substituted(gradient, sources, parts, out_format, _like(inputs[n], out_format), one)
             source = step.inputs[n]
-            if isinstance(source, UserOperand) and not needed[source.n] or (
-                    isinstance(source, StageResult) and not moving[source.stage]):
-                continue
-            assignment, extras, out_format = gradient_call(step.assignment, n, inputs, build.value(grad_out),
-                                                           results[k])
-            stand_in = _stand_in(inputs[n], out_format)
-            stage_sources = [grad_out] + [_forward(build, s, operands, results) for s in step.inputs]
-            stage_sources += [build.operand(extra) for extra in extras]
-            made = build.add(assignment, out_format, stage_sources, stand_in)
-            contributions.setdefault(source if isinstance(source, StageResult) else UserOperand(source.n),
-                                     []).append(made)
+            gradients.setdefault(source if isinstance(source, StageResult) else UserOperand(source.n), []).append(part)
     outputs = []
     for n in range(len(operands)):
-        sources = contributions.get(UserOperand(n))
-        if sources is None:
-            outputs.append(None)
-            continue
-        outputs.append(build.total(sources).stage)  # contributions are stage results
+        parts = gradients.get(UserOperand(n))
+        outputs.append(None if parts is None else build.stage(parts).sources[0].stage)
     return GradientProgram(Program(tuple(build.stages)), tuple(build.inputs), tuple(outputs))
 
 
-def _stand_in(operand, out_format):
-    """What the gradient stage of ``operand`` stands for while the program is written:
-    values on its pattern (the pattern alone), or a dense tensor (its shape alone)."""
+def _moves(source: Source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:
+    return needed[source.n] if isinstance(source, UserOperand) else moving[source.stage]
+
+
+def _format_of(like) -> Format | str:
+    return like.format if isinstance(like, SparseTensor) else "dense"
+
+
+def _like(operand, out_format):
+    """What the gradient of ``operand`` stands for while the program is written: values
+    on its pattern (the pattern alone), or a dense tensor (its shape alone)."""
     if isinstance(out_format, Format):
         return operand._share(operand.shape, operand.format, torch.empty(0, dtype=operand.values.dtype))
     dtype = operand.values.dtype if isinstance(operand, SparseTensor) else operand.dtype
     return torch.empty(operand.shape, dtype=dtype, device="meta")
 
 
-def _forward(build: _Builder, source: Source, operands: Sequence, results: dict) -> UserOperand:
-    """A forward stage's input as an operand of the gradient program."""
-    return build.operand(operands[source.n] if isinstance(source, UserOperand) else results[source.stage])
+def _is_identity(part: _Part) -> bool:
+    """Whether ``part`` is its one source as it is."""
+    if len(part.assignment.terms) != 1:
+        return False
+    (term,) = part.assignment.terms
+    return (term.coefficient == 1.0 and term.value is None and len(term.factors) == 1
+            and term.factors[0].indices == part.assignment.output)
+
+
+def _value(term: Term) -> Value:
+    """``term``'s value as a tree (a plain product of every factor when it has none)."""
+    if term.value is not None:
+        return term.value
+    value: Value = Factor(0)
+    for k in range(1, len(term.factors)):
+        value = Apply("mul", (value, Factor(k)))
+    return value
+
+
+def _renumbered(tree: Value, mapping) -> Value:
+    """``tree`` with each ``Factor(k)`` replaced by ``mapping(k)``."""
+    if isinstance(tree, Factor):
+        return mapping(tree.k)
+    if isinstance(tree, Apply):
+        return Apply(tree.function, tuple(_renumbered(a, mapping) for a in tree.args))
+    return tree
+
+
+def _on_pattern(build: _Builder, parts: Sequence[_Part], like) -> bool:
+    """Whether every sparse operand of ``parts`` has the pattern of ``like`` (the
+    gradient they sum; dense: none is sparse), so that their sum is nonzero where each
+    term of a product reading it is visited anyway."""
+    arrays = None if not isinstance(like, SparseTensor) else like.pos + like.crd
+    for part in parts:
+        for source in part.sources:
+            x = build.value(source)
+            if isinstance(x, SparseTensor) and (arrays is None or any(
+                    a is not b and (a is None or b is None or a.data_ptr() != b.data_ptr())
+                    for a, b in zip(x.pos + x.crd, arrays))):
+                return False
+    return True
+
+
+def _substituted(gradient: Assignment, sources: tuple, parts: Sequence[_Part], out_format, like,
+                 one_term: bool) -> _Part:
+    """``gradient`` (over ``sources``, whose operand 0, the output gradient, is the sum of
+    ``parts``, each pointwise) as one part: in each term reading operand 0, the parts'
+    factors in place of that access, and the sum of their terms' values in place of its
+    value. ``one_term``: the parts' terms are visited wherever the term is (they store
+    the gradient's pattern), so the term stays one term over all their factors; else it
+    becomes one term per term of the parts."""
+    if len(parts) == 1 and _is_identity(parts[0]):
+        return _Part(gradient, (parts[0].sources[0], *sources[1:]), out_format, like)
+    operands = list(sources[1:])  # the gradient's operand j >= 1 is operand j - 1 here
+    inner_terms = []  # (factors, value) of each term of the parts, numbered from 0
+    for part in parts:
+        offset = len(operands)
+        operands += part.sources
+        for inner in part.assignment.terms:
+            if inner.coefficient != 0.0:  # a zero term keeps a pattern: the gradient's own terms keep it
+                rename = dict(zip(part.assignment.output, range(len(part.assignment.output))))
+                factors = tuple((a.operand + offset, tuple(rename[i] for i in a.indices)) for a in inner.factors)
+                value = _value(inner)
+                if inner.coefficient != 1.0:
+                    value = Apply("mul", (Constant(inner.coefficient), value))
+                inner_terms.append((factors, value))
+    terms = []
+    for term in gradient.terms:
+        reads = [f for f, a in enumerate(term.factors) if a.operand == 0]
+        kept = [Access(a.operand - 1, a.indices) for a in term.factors if a.operand != 0]
+        if not reads:
+            terms.append(Term(term.coefficient, tuple(kept), term.value))
+            continue
+        (f0,) = reads
+        names = term.factors[f0].indices
+        outer = _renumbered(_value(term), lambda k: Factor(k if k < f0 else k - 1) if k != f0 else Factor(-1))
+        groups = [inner_terms] if one_term else [[t] for t in inner_terms]
+        for group in groups:
+            factors, total = list(kept), None
+            for inner_factors, value in group:
+                shift = len(factors)
+                factors += [Access(n, tuple(names[m] for m in modes)) for n, modes in inner_factors]
+                value = _renumbered(value, lambda j, shift=shift: Factor(j + shift))
+                total = value if total is None else Apply("add", (total, value))
+            terms.append(Term(term.coefficient, tuple(factors),
+                              _renumbered(outer, lambda k, total=total: total if k == -1 else Factor(k))))
+    names = tuple(f"operand{n}" for n in range(len(operands)))
+    return _Part(Assignment(gradient.output, tuple(terms), names), tuple(operands), out_format, like)
+
+
+def _summed(parts: Sequence[_Part]) -> tuple[Assignment, tuple[Source, ...]]:
+    """One assignment (and its sources) summing the terms of ``parts``, over the first's output indices."""
+    output = parts[0].assignment.output
+    terms, sources = [], []
+    for p, part in enumerate(parts):
+        offset = len(sources)
+        sources += part.sources
+        rename = dict(zip(part.assignment.output, output))
+        rename.update((i, f"{i}#{p}") for t in part.assignment.terms for a in t.factors for i in a.indices
+                      if i not in rename)  # each part's summed indices its own
+        for term in part.assignment.terms:
+            factors = tuple(Access(a.operand + offset, tuple(rename[i] for i in a.indices)) for a in term.factors)
+            terms.append(Term(term.coefficient, factors, term.value))
+    names = tuple(f"operand{n}" for n in range(len(sources)))
+    return Assignment(output, tuple(terms), names), tuple(sources)
 
 
 def gradient_values(gradient: torch.Tensor | SparseTensor, template: SparseTensor | None) -> torch.Tensor:

@@ -155,7 +155,8 @@ def initial_states(lo: Lowering, t: int, term: Term) -> list[FactorState]:
     states = []
     multiplied = term.multiplied
     for k, access in enumerate(term.factors):
-        valued = multiplied is None or k in multiplied
+        # a term of coefficient 0 (a pattern's positions kept in the result) reads none of its values
+        valued = (multiplied is None or k in multiplied) and term.coefficient != 0.0
         fmt = lo.formats[access.operand]
         order = lo.s.factor_mode_order(t, k)
         if fmt is None:

@@ -59,7 +59,16 @@ def co_iterate(
     if not sparse:
         _dense_loop(lo, index, states, new, body, bounds, reduction, independent, combine)
         return
-    cursors = [open_cursor(lo, k, states[k], bounds) for k in sparse]
+    followers = _followers(lo, states, sparse)
+    if followers:
+        inner, blocked = body, None  # a blocked loop reads the cursor's own factor only
+
+        def body(entered: list) -> None:
+            for k, leader in followers.items():
+                entered[k] = states[k].entered(entered[leader].pos, entered[leader].seg_end)
+            inner(entered)
+
+    cursors = [open_cursor(lo, k, states[k], bounds) for k in sparse if k not in followers]
     if len(cursors) > 1:
         merge(lo, index, [states], [cursors], lambda present: body(present[0][0]))
         return
@@ -79,6 +88,30 @@ def co_iterate(
         return
     flag, prefetch = prefetcher(cursor, st)
     lo.emit(ir.If(flag, fiber(prefetch), fiber(None)))
+
+
+def _followers(lo: Lowering, states: list, sparse: Sequence[int]) -> dict[int, int]:
+    """The factors of ``sparse`` that read a level another of them reads at the same
+    position (operands sharing index arrays, or one operand read twice, each as it is
+    stored): follower -> leader. A follower is entered where its leader is instead of
+    being co-iterated with it (merging equal coordinates)."""
+    patterns = lo.s.patterns
+    leaders: dict[tuple, int] = {}
+    followers: dict[int, int] = {}
+    for k in sparse:
+        st = states[k]
+        slot = lo.slots[st.slot]
+        if slot.fmt != lo.formats[slot.operand]:
+            continue  # a re-stored copy has arrays of its own
+        shared = patterns[slot.operand] if patterns else None
+        # The same arrays read over the same indices down to this level: every level above
+        # was entered at the same coordinates, so at the same positions.
+        key = (slot.operand if shared is None else shared, st.levels, st.depth)
+        if key in leaders:
+            followers[k] = leaders[key]
+        else:
+            leaders[key] = k
+    return followers
 
 
 def _fiber(lo: Lowering, index: str, states: list, cursor: Cursor, body: Body, prefetch=None) -> None:

@@ -118,6 +118,7 @@ class Schedule:
     target: Target = field(default_factory=Target)
     assembly: OutputAssembly | None = None  # how a sparse output is written
     union_by_points: bool = True  # a sum's shared loops: one per lattice point, or one loop
+    patterns: tuple[int | None, ...] = ()  # per operand, the earlier one whose index arrays it shares
 
 
     def describe(self) -> str:

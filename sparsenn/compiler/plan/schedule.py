@@ -201,7 +201,7 @@ def schedule(
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
-                   target=target)
+                   target=target, patterns=tuple(info.pattern for info in infos))
 
 
 def _bound_by_multiply_adds(sched: Schedule, itemsize: int, target: Target) -> str:

@@ -1,0 +1,59 @@
+"""A program's backward written as a program (compiler/gradient_program.py): pointwise
+gradients substituted into the einsums that read them, so a softmax's backward is two
+stages (the row sums, then the pattern) that the planner fuses into one kernel."""
+
+from __future__ import annotations
+
+import torch
+
+import sparsenn
+from sparsenn import SparseTensor
+from sparsenn.compiler.frontend.program import stage_inputs
+from sparsenn.compiler.gradient_program import gradient_program
+from sparsenn.compiler.runtime.programs import describe_program
+from sparsenn.compiler.runtime.evaluate import evaluate
+
+SOFTMAX = ("M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - detach(M[i])); Z[i] = sum[j](E[i,j]); "
+           "P<E>[i,j] = E[i,j] / Z[i]")
+
+
+def softmax_backward(fmt: str):
+    """The gradient program of SOFTMAX's stages on a random pattern, and its operands."""
+    g = torch.Generator().manual_seed(0)
+    dense = torch.randn(8, 12, generator=g, dtype=torch.float64)
+    S = sparsenn.from_dense(dense * (torch.rand(8, 12, generator=g) < 0.5), format=fmt)
+    program = sparsenn.compile(SOFTMAX).program([S])
+    results: list = []
+    with torch.no_grad():
+        for stage in program.stages:
+            results.append(evaluate(stage.assignment, stage_inputs(stage, [S], results), stage.out_format))
+    last = len(program.stages) - 1
+    incoming = results[last].with_values(torch.randn(S.nnz, dtype=torch.float64, generator=g))
+    moving = (False,) + (True,) * last  # the max is detached
+    backward = gradient_program(program, moving, [S], dict(enumerate(results)), {last: incoming}, [True])
+    return S, results, incoming, backward
+
+
+def test_a_softmax_backward_is_two_stages_fused_into_one_kernel():
+    S, results, incoming, backward = softmax_backward("csr")
+    assert len(backward.program.stages) == 2
+    reduction, pattern = backward.program.stages
+    assert len(reduction.assignment.output) == 1 and len(pattern.assignment.terms) == 1
+    assert backward.outputs == (1,)
+    lines = describe_program(backward.program, list(backward.inputs), frozenset({1}))
+    assert "fused kernel of stages 0, 1:" in lines
+
+
+def test_the_gradient_program_computes_softmax_s_gradient():
+    for fmt in ("csr", "bsr(4,4)"):
+        S, results, incoming, backward = softmax_backward(fmt)
+        with torch.no_grad():
+            computed = []
+            for stage in backward.program.stages:
+                computed.append(evaluate(stage.assignment, stage_inputs(stage, list(backward.inputs), computed),
+                                         stage.out_format))
+        P = results[-1].to_dense()
+        dP = incoming.to_dense()
+        expected = P * (dP - (dP * P).sum(1, keepdim=True))
+        torch.testing.assert_close(computed[backward.outputs[0]].to_dense(), expected, rtol=1e-12, atol=1e-13)
+        assert isinstance(computed[backward.outputs[0]], SparseTensor)
