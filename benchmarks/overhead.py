@@ -14,8 +14,9 @@ the figures are the cost of a call whose kernel, Python objects and operands are
 dispatch plus kernel. The cases: SpMV on a 4×4 CSR matrix (the call is all overhead),
 SpMV, SpMM and SpGEMM on the two smallest SuiteSparse matrices, a
 ``SparseLinear(16, 8, sparsity=0.5)`` forward on one input row against ``F.linear``
-with its dense weight, under ``torch.no_grad()`` and recording autograd (the layer's
-parameters require grad), and a ``SparseLinear(128, 7, sparsity=0.9)`` forward on 8
+with its dense weight, under ``torch.no_grad()``, recording autograd (the layer's
+parameters require grad) and with its backward pass (a training step's gradients of
+the weight and the bias, accumulated), and a ``SparseLinear(128, 7, sparsity=0.9)`` forward on 8
 rows under ``no_grad`` (its kernel reads the input feature-major: a copy per call). The table is printed and written to ``DIR/overhead.json``
 in the common schema of ``report.py``.
 """
@@ -76,6 +77,9 @@ def layer_cases(in_features: int = 16, out_features: int = 8, sparsity: float = 
     cases = {"forward, no_grad": (ours, theirs, torch.no_grad)}
     if autograd:
         cases["forward, autograd"] = (ours, theirs, torch.enable_grad)
+        grad = torch.randn(batch, out_features)
+        cases["forward+backward"] = ((lambda: layer(x).backward(grad)),
+                                     (lambda: F.linear(x, weight, bias).backward(grad)), torch.enable_grad)
     return cases
 
 
@@ -97,7 +101,7 @@ def write_results(out: Path, rows: list[list]) -> None:
               "torch": info["torch"], "commit": info["git"], "date": info["date"], "load": info["loadavg"][0],
               "command": " ".join(["python", *sys.argv]), "columns": COLUMNS, "rows": rows,
               "notes": ["Medians of alternating batches, in thread CPU time. The layer's torch column is F.linear with the dense "
-                        "weight; with autograd, both record the forward for a backward pass (not run)."]}
+                        "weight; with autograd, both record the forward for a backward pass (not run); forward+backward runs it."]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 

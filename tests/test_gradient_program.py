@@ -57,3 +57,16 @@ def test_the_gradient_program_computes_softmax_s_gradient():
         expected = P * (dP - (dP * P).sum(1, keepdim=True))
         torch.testing.assert_close(computed[backward.outputs[0]].to_dense(), expected, rtol=1e-12, atol=1e-13)
         assert isinstance(computed[backward.outputs[0]], SparseTensor)
+
+
+def test_factors_a_sum_does_not_vary_along_are_moved_into_its_epilogue():
+    g = torch.Generator().manual_seed(3)
+    A = sparsenn.from_dense(torch.randn(6, 9, generator=g, dtype=torch.float64).relu(), format="csr")
+    B = A.with_values(torch.randn(A.nnz, generator=g, dtype=torch.float64))
+    z = torch.rand(6, generator=g, dtype=torch.float64) + 0.5
+    expression = sparsenn.compile("Y[i] = sum[j](A[i,j] * B[i,j] * exp(z[i]) / z[i])")
+    expected = (A.to_dense() * B.to_dense()).sum(1) * z.exp() / z
+    torch.testing.assert_close(expression(A, B, z), expected)
+    text = expression.explain(A, B, z)
+    planned = next(line for line in text.splitlines() if "moved into the epilogue" in line)
+    assert "(sum_{j} (A[i,j] * B[i,j])) * (exp(z[i]) * (1 / z[i]))" in planned and "epilogue fused after loop" in text

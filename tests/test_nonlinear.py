@@ -370,7 +370,7 @@ def test_biases_fold_into_the_epilogue_of_a_dense_result():
     b = operand((40,), "dense-tensor", seed=2, empty_rows=())
     affine = sparsenn.compile("Y[i,k] = A[i,j] * X[j,k] + 2 * b[k]")
     text = affine.explain(A, X, b)
-    assert "biases folded into the epilogue" in text and "epilogue fused after loop j" in text
+    assert "moved into the epilogue" in text and "epilogue fused after loop j" in text
     torch.testing.assert_close(affine(A, X, b), A.to_dense() @ X + 2 * b)
     S = operand((6, 40), "csr", seed=3)
     sparse_sum = sparsenn.compile("Y[i,k] = A[i,j] * B[j,k] + S[i,k]")

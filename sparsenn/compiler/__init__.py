@@ -18,8 +18,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    and the call resolves to the same call over split indices when an operand is blocked
    or n:m (``frontend/blocks.py``: block and in-block coordinates, the operands viewed
    so), ``torch.einsum`` (a sum of products of dense operands), pairwise contractions
-   (``plan/contract.py``) or one kernel, biases folded into its epilogue
-   (``plan/bias.py``).
+   (``plan/contract.py``) or one kernel, biases and the factors a sum does not vary
+   along moved into its epilogue (``plan/bias.py``).
 4. ``plan/planner.py``: the result's format from the operands' formats and
    ``out_format`` (``plan/infer.py``; a result sampled on an operand's pattern takes it:
    ``plan/anchor.py``), then the schedule (``plan/schedule.py`` searches loop orders

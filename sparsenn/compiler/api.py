@@ -314,7 +314,8 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         routed = routed.shaped
     shown = replace(routed.plan, schedule=routed.schedule)
     if shown.assignment != assignment:
-        lines.append(f"biases folded into the epilogue: {shown.assignment}")
+        lines.append(f"as planned (biases and factors the sums do not vary along moved into the epilogue, terms "
+                     f"visiting the same points merged): {shown.assignment}")
     lines.append(f"output format: {'dense' if shown.output_format is None else shown.output_format}")
     if shown.anchor is not None:
         lines.append(

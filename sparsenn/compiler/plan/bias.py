@@ -1,10 +1,15 @@
-"""Biases folded into an epilogue, and an epilogue split off its reduction.
+"""Biases folded into an epilogue, invariant factors moved out of a sum, and an
+epilogue split off its reduction.
 
 A term whose factors are all dense and indexed by output indices only adds the same
 dense values to the output whatever the other terms do: ``Y[b,o] = X[b,i] W[o,i] +
 bias[o]``. As a term it is a second nest, a second pass over the output; folded into
 the epilogue (``Y = R + bias[o]``, :class:`~..frontend.notation.Epilogue`) it is added to each
-output slice right after the product that finishes it. :func:`split_epilogue` undoes
+output slice right after the product that finishes it. Likewise a reduced term's value
+that multiplies a function of dense factors indexed by output indices only
+(``dZ[i] = sum_j dP[i,j] E[i,j] (-1 / Z[i]^2)``, a derivative) varies along no summed
+index: :func:`hoist_invariant` computes it once per output element, in the epilogue
+(``dZ = R · (-1 / Z^2)``), leaving a plain product to sum. :func:`split_epilogue` undoes
 an epilogue into the reduction and one elementwise assignment over its result (training
 keeps the reduced values; a contraction path computes them apart).
 """
@@ -20,7 +25,7 @@ from ..frontend.functions import apply
 from ..frontend.notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .infer import result_format
 
-__all__ = ["fold_bias", "split_epilogue"]
+__all__ = ["fold_bias", "hoist_invariant", "split_epilogue"]
 
 
 def _is_bias(term: Term, output: tuple[str, ...], formats: Sequence[Format | None]) -> bool:
@@ -50,6 +55,69 @@ def fold_bias(assignment: Assignment, formats: Sequence[Format | None], request)
             factors.append(access)
         value = apply("add", value, product)
     return Assignment(output, tuple(kept), assignment.operand_names, "sum", Epilogue(tuple(factors), value))
+
+
+def hoist_invariant(assignment: Assignment, formats: Sequence[Format | None], request) -> Assignment:
+    """``assignment`` with the multiplicands of its one reduced term's value that read only
+    dense factors indexed by output indices moved into an epilogue (see the module doc);
+    itself when there are none, or when it is not such a sum with a dense result."""
+    if (assignment.reduction != "sum" or assignment.epilogue is not None or len(assignment.terms) != 1
+            or not (request == "dense" or (request is None and result_format(assignment, formats) is None))):
+        return assignment
+    (term,) = assignment.terms
+    output = set(assignment.output)
+    if term.value is None or set(term.indices) <= output:
+        return assignment
+    invariant = {k for k, a in enumerate(term.factors) if formats[a.operand] is None and set(a.indices) <= output}
+    moved, kept = [], []
+    for part in _multiplicands(term.value, invariant):
+        (moved if _factors_of(part) <= invariant and _factors_of(part) else kept).append(part)
+    if not moved or not kept:
+        return assignment
+    read_by_kept = set().union(*(_factors_of(p) for p in kept))
+    remaining = [k for k in range(len(term.factors)) if k in read_by_kept or k not in invariant]
+    hoisted = sorted(set().union(*(_factors_of(p) for p in moved)))
+    value = _product_of(kept, {k: n for n, k in enumerate(remaining)})
+    epilogue = apply("mul", Reduced(), _product_of(moved, {k: n for n, k in enumerate(hoisted)}))
+    reduced = Term(term.coefficient, tuple(term.factors[k] for k in remaining), value)
+    return Assignment(assignment.output, (reduced,), assignment.operand_names, "sum",
+                      Epilogue(tuple(term.factors[k] for k in hoisted), epilogue))
+
+
+def _multiplicands(value: Value, invariant: set[int]) -> list[Value]:
+    """The operands of ``value``'s top-level chain of products, a division by a function
+    of ``invariant`` factors read as a product with its reciprocal."""
+    if isinstance(value, Apply) and value.function == "mul":
+        return [m for arg in value.args for m in _multiplicands(arg, invariant)]
+    if isinstance(value, Apply) and value.function == "div" and _factors_of(value.args[1]) and (
+            _factors_of(value.args[1]) <= invariant):
+        return _multiplicands(value.args[0], invariant) + [Apply("div", (Constant(1.0), value.args[1]))]
+    return [value]
+
+
+def _factors_of(value: Value) -> set[int]:
+    if isinstance(value, Factor):
+        return {value.k}
+    if isinstance(value, Apply):
+        return set().union(*(_factors_of(a) for a in value.args))
+    return set()
+
+
+def _product_of(parts: Sequence[Value], numbers: dict[int, int]) -> Value:
+    """The product of ``parts``, factor ``k`` read as factor ``numbers[k]``."""
+    product: Value | None = None
+    for part in parts:
+        part = _renumbered(part, numbers)
+        product = part if product is None else apply("mul", product, part)
+    return product
+
+
+def _renumbered(value: Value, numbers: dict[int, int]) -> Value:
+    if isinstance(value, Factor):
+        return Factor(numbers[value.k])
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(_renumbered(a, numbers) for a in value.args))
+    return value
 
 
 @functools.lru_cache(maxsize=256)

@@ -35,7 +35,7 @@ from ..frontend import functions
 from ..frontend.blocks import Split, split_call
 from ..backend.precision import compute_dtype
 from ..frontend.notation import Access, Assignment, Term, parse_einsum
-from ..plan.bias import fold_bias, split_epilogue
+from ..plan.bias import fold_bias, hoist_invariant, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
 from ..plan.terms import merge_terms
@@ -129,7 +129,9 @@ def route(assignment: Assignment, checked: Checked
     if checked.all_dense and assignment.is_product_sum:
         return DenseCall(assignment, tuple(checked.sizes[i] for i in assignment.output), checked.request)
     infos = operand_infos(checked.operands)
-    folded = merge_terms(fold_bias(assignment, [i.format for i in infos], checked.request), infos)
+    formats = [i.format for i in infos]
+    folded = merge_terms(hoist_invariant(fold_bias(assignment, formats, checked.request), formats, checked.request),
+                         infos)
     path = path_call(folded, infos, checked)
     if path is not None:
         return path
