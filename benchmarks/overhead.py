@@ -100,8 +100,9 @@ def write_results(out: Path, rows: list[list]) -> None:
     record = {"benchmark": "overhead", "cpu": info["cpu"], "machine": f"{info['cores']} cores, L2 {info['l2']}",
               "torch": info["torch"], "commit": info["git"], "date": info["date"], "load": info["loadavg"][0],
               "command": " ".join(["python", *sys.argv]), "columns": COLUMNS, "rows": rows,
-              "notes": ["Medians of alternating batches, in thread CPU time. The layer's torch column is F.linear with the dense "
-                        "weight; with autograd, both record the forward for a backward pass (not run); forward+backward runs it."]}
+              "notes": ["Medians of alternating batches, in thread CPU time. The layer's torch column is F.linear with the "
+                        "dense weight; with autograd, both record the forward for a backward pass (not run); "
+                        "forward+backward runs it."]}
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
 

@@ -48,7 +48,7 @@ from sparsenn.formats import Format, SparseTensor
 
 from .backend import jit
 from .batching import batched_call
-from .frontend.functions import apply, derivative
+from .frontend.functions import apply, derivative, product
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .plan.anchor import sampled_operand
 from .plan.bias import split_epilogue
@@ -151,7 +151,7 @@ def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]
 def _reduced_value(term: Term) -> Value:
     """What the reduction combines: the term's value (its product by default) times its
     coefficient."""
-    value = _product(len(term.factors)) if term.value is None else term.value
+    value = product(len(term.factors)) if term.value is None else term.value
     return value if term.coefficient == 1.0 else apply("mul", Constant(term.coefficient), value)
 
 
@@ -276,7 +276,7 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int, sample
             covered = {i for f in factors for i in f.indices}
             if sampled:  # the mask's stored positions restrict the term; its values are not read
                 if local is None:
-                    local = _product(len(factors))
+                    local = product(len(factors))
                 factors.append(Access(input_of(("mask",)), target))
             else:
                 missing = tuple(i for i in target if i not in covered)
@@ -288,14 +288,6 @@ def _gradient_assignment(assignment: Assignment, operand: int, rank: int, sample
         terms.append(Term(0.0, (Access(input_of(("mask",)), target),)))
     names = tuple(f"operand{n}" for n in range(extra + len(extras)))
     return Assignment(target, tuple(terms), names), tuple(extras)
-
-
-def _product(count: int) -> Value:
-    """``F0 * F1 * ... * F(count-1)``: a term's product of its first ``count`` factors."""
-    value: Value = Factor(0)
-    for k in range(1, count):
-        value = apply("mul", value, Factor(k))
-    return value
 
 
 @functools.lru_cache(maxsize=1024)

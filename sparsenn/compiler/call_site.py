@@ -10,8 +10,8 @@ layers of one expression would take turns evicting). A call autograd records run
 same way inside the recorded node (:func:`.autograd.held_evaluate`), and the site holds
 the gradient calls of its backward too. Calls under autocast, a torch.func transform or
 a tracer, and a call whose guard fails, go through the expression as usual and leave the
-site holding the signature of the last call that has none of these. :func:`~.runtime.cache.clear_caches` (and
-``use_target``) empties every site.
+site holding the signature of the last call that has none of these.
+:func:`~.runtime.cache.clear_caches` (and ``use_target``) empties every site.
 """
 
 from __future__ import annotations

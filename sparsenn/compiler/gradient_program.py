@@ -30,10 +30,11 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from .autograd import differentiated, gradient_call
+from .frontend.functions import product, renumbered
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .frontend.program import Program, Source, Stage, StageResult, UserOperand, stage_inputs
 
-__all__ = ["GradientProgram", "gradient_program", "gradient_values"]
+__all__ = ["GradientProgram", "gradient_program", "gradient_values", "moves"]
 
 
 @dataclass(frozen=True)
@@ -118,16 +119,16 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
         if parts is None or not moving[k]:
             continue
         step = program.stages[k]
-        wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
+        wanted = [n for n in sorted(differentiated(step.assignment)) if moves(step.inputs[n], needed, moving)]
         parts = [p if p.pointwise else build.stage([p]) for p in parts]
         if len(wanted) > 1 and not (len(parts) == 1 and _is_identity(parts[0])):
             parts = [build.stage(parts)]  # read by several gradients: computed once
         inputs = stage_inputs(step, operands, results)
         forward = tuple(build.operand(x) for x in inputs)
+        one = _on_pattern(build, parts, parts[0].like)
         for n in wanted:
             gradient, extras, out_format = gradient_call(step.assignment, n, inputs, parts[0].like, results[k])
             sources = (None, *forward, *(build.operand(x) for x in extras))
-            one = _on_pattern(build, parts, parts[0].like)
             part = _substituted(gradient, sources, parts, out_format, _like(inputs[n], out_format), one)
             source = step.inputs[n]
             gradients.setdefault(source if isinstance(source, StageResult) else UserOperand(source.n), []).append(part)
@@ -138,7 +139,9 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
     return GradientProgram(Program(tuple(build.stages)), tuple(build.inputs), tuple(outputs))
 
 
-def _moves(source: Source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:
+def moves(source: Source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:
+    """Whether ``source`` moves with the caller's operands that are ``needed``: the operand
+    is one of them, or the stage result moves (``moving``)."""
     return needed[source.n] if isinstance(source, UserOperand) else moving[source.stage]
 
 
@@ -166,21 +169,7 @@ def _is_identity(part: _Part) -> bool:
 
 def _value(term: Term) -> Value:
     """``term``'s value as a tree (a plain product of every factor when it has none)."""
-    if term.value is not None:
-        return term.value
-    value: Value = Factor(0)
-    for k in range(1, len(term.factors)):
-        value = Apply("mul", (value, Factor(k)))
-    return value
-
-
-def _renumbered(tree: Value, mapping) -> Value:
-    """``tree`` with each ``Factor(k)`` replaced by ``mapping(k)``."""
-    if isinstance(tree, Factor):
-        return mapping(tree.k)
-    if isinstance(tree, Apply):
-        return Apply(tree.function, tuple(_renumbered(a, mapping) for a in tree.args))
-    return tree
+    return term.value if term.value is not None else product(len(term.factors))
 
 
 def _on_pattern(build: _Builder, parts: Sequence[_Part], like) -> bool:
@@ -230,17 +219,17 @@ def _substituted(gradient: Assignment, sources: tuple, parts: Sequence[_Part], o
             continue
         (f0,) = reads
         names = term.factors[f0].indices
-        outer = _renumbered(_value(term), lambda k: Factor(k if k < f0 else k - 1) if k != f0 else Factor(-1))
+        outer = renumbered(_value(term), lambda k: Factor(k if k < f0 else k - 1) if k != f0 else Factor(-1))
         groups = [inner_terms] if one_term else [[t] for t in inner_terms]
         for group in groups:
             factors, total = list(kept), None
             for inner_factors, value in group:
                 shift = len(factors)
                 factors += [Access(n, tuple(names[m] for m in modes)) for n, modes in inner_factors]
-                value = _renumbered(value, lambda j, shift=shift: Factor(j + shift))
+                value = renumbered(value, lambda j, shift=shift: Factor(j + shift))
                 total = value if total is None else Apply("add", (total, value))
             terms.append(Term(term.coefficient, tuple(factors),
-                              _renumbered(outer, lambda k, total=total: total if k == -1 else Factor(k))))
+                              renumbered(outer, lambda k, total=total: total if k == -1 else Factor(k))))
     names = tuple(f"operand{n}" for n in range(len(operands)))
     return _Part(Assignment(gradient.output, tuple(terms), names), tuple(operands), out_format, like)
 

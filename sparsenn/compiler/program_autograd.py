@@ -7,13 +7,14 @@ last stage to the first,
 
     d(input n of stage k) += dR_k · ∂f_k/∂(input n)
 
-each product being the compiler's gradient einsum of that stage
-(:func:`.autograd.operand_gradients`, reading the stage's saved result where its
-derivative is its value): an input is a caller's operand (its gradient is
-the node's) or an earlier result (its gradient flows on). Only the stages whose result
-moves with an operand that requires grad (:func:`.autograd.differentiated`: a factor
-under ``detach`` does not move it) are differentiated, and only the results reaching a
-returned one.
+each product being the compiler's gradient einsum of that stage (reading the stage's
+saved result where its derivative is its value): an input is a caller's operand (its
+gradient is the node's) or an earlier result (its gradient flows on). Only the stages
+whose result moves with an operand that requires grad (:func:`.autograd.differentiated`:
+a factor under ``detach`` does not move it) are differentiated, and only the results
+reaching a returned one. Those einsums form a program of their own, which the planner
+fuses (:mod:`.gradient_program`); one by one (:func:`.autograd.operand_gradients`) when
+an operand or result is stored in a dense format.
 
 Stage by stage instead, each stage its own :func:`.autograd.differentiable_evaluate`:
 
@@ -39,7 +40,7 @@ from sparsenn.formats import SparseTensor
 
 from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
 from .frontend.program import Program, StageResult, UserOperand, stage_inputs
-from .gradient_program import gradient_program, gradient_values
+from .gradient_program import gradient_program, gradient_values, moves
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
 from .runtime.tracing import tracing, transforming
@@ -95,15 +96,11 @@ def _reverse(program: Program, needed: tuple[bool, ...]) -> _Reverse:
     moving: list[bool] = []
     read: set[int] = set()
     for k, step in enumerate(program.stages):
-        moving.append(any(_moves(step.inputs[n], needed, moving) for n in differentiated(step.assignment)))
+        moving.append(any(moves(step.inputs[n], needed, moving) for n in differentiated(step.assignment)))
         if moving[-1]:
             read.update(s.stage for s in step.inputs if isinstance(s, StageResult))
             read.add(k)
     return _Reverse(tuple(moving), frozenset(read))
-
-
-def _moves(source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:
-    return needed[source.n] if isinstance(source, UserOperand) else moving[source.stage]
 
 
 @dataclass
@@ -170,8 +167,9 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
     backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed)
     if backward is None:
         return _stage_by_stage(call, operands, results, flowing, needed)
-    computed = run_program(backward.program, backward.inputs, frozenset(o for o in backward.outputs if o is not None))
-    return [None if o is None else gradient_values(computed[o], tpl) for o, tpl in zip(backward.outputs, call.templates)]
+    outputs = backward.outputs
+    computed = run_program(backward.program, backward.inputs, frozenset(o for o in outputs if o is not None))
+    return [None if o is None else gradient_values(computed[o], tpl) for o, tpl in zip(outputs, call.templates)]
 
 
 def _stage_by_stage(call: _Call, operands: list, results: dict, flowing: dict, needed: Sequence[bool]) -> list:
@@ -183,7 +181,7 @@ def _stage_by_stage(call: _Call, operands: list, results: dict, flowing: dict, n
         if grad is None or not moving[k]:
             continue
         step = call.program.stages[k]
-        wanted = [n for n in sorted(differentiated(step.assignment)) if _moves(step.inputs[n], needed, moving)]
+        wanted = [n for n in sorted(differentiated(step.assignment)) if moves(step.inputs[n], needed, moving)]
         inputs = stage_inputs(step, operands, results)
         grad_out = _operand(call.patterns.get(k), grad.contiguous())
         computed = operand_gradients(step.assignment, inputs, step.out_format, grad_out, results[k], wanted,

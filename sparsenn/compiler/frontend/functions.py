@@ -24,7 +24,7 @@ import torch
 from .notation import Apply, Constant, Factor, Reduced, Value
 
 __all__ = ["Function", "FUNCTIONS", "PUBLIC_FUNCTIONS", "evaluate", "evaluate_in_place", "derivative", "factors_of",
-           "vanishes_with", "apply", "IDENTITY"]
+           "product", "renumbered", "vanishes_with", "apply", "IDENTITY"]
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,23 @@ def derivative(value: Value, wrt: Value) -> Value:
         if inner != _ZERO:
             total = apply("add", total, apply("mul", partial, inner))
     return total
+
+
+def product(count: int) -> Value:
+    """``Factor(0) * ... * Factor(count - 1)``: a term's value when it has no tree."""
+    value: Value = Factor(0)
+    for k in range(1, count):
+        value = apply("mul", value, Factor(k))
+    return value
+
+
+def renumbered(value: Value, mapping: Callable[[int], Value]) -> Value:
+    """``value`` with each ``Factor(k)`` replaced by ``mapping(k)``."""
+    if isinstance(value, Factor):
+        return mapping(value.k)
+    if isinstance(value, Apply):
+        return Apply(value.function, tuple(renumbered(a, mapping) for a in value.args))
+    return value
 
 
 def factors_of(value: Value) -> set[int]:

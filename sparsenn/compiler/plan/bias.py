@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from sparsenn.formats import Format
 
-from ..frontend.functions import apply
+from ..frontend.functions import apply, factors_of, renumbered
 from ..frontend.notation import Access, Apply, Assignment, Constant, Epilogue, Factor, Reduced, Term, Value
 from .infer import result_format
 
@@ -71,12 +71,12 @@ def hoist_invariant(assignment: Assignment, formats: Sequence[Format | None], re
     invariant = {k for k, a in enumerate(term.factors) if formats[a.operand] is None and set(a.indices) <= output}
     moved, kept = [], []
     for part in _multiplicands(term.value, invariant):
-        (moved if _factors_of(part) <= invariant and _factors_of(part) else kept).append(part)
+        (moved if factors_of(part) <= invariant and factors_of(part) else kept).append(part)
     if not moved or not kept:
         return assignment
-    read_by_kept = set().union(*(_factors_of(p) for p in kept))
+    read_by_kept = set().union(*(factors_of(p) for p in kept))
     remaining = [k for k in range(len(term.factors)) if k in read_by_kept or k not in invariant]
-    hoisted = sorted(set().union(*(_factors_of(p) for p in moved)))
+    hoisted = sorted(set().union(*(factors_of(p) for p in moved)))
     value = _product_of(kept, {k: n for n, k in enumerate(remaining)})
     epilogue = apply("mul", Reduced(), _product_of(moved, {k: n for n, k in enumerate(hoisted)}))
     reduced = Term(term.coefficient, tuple(term.factors[k] for k in remaining), value)
@@ -89,35 +89,19 @@ def _multiplicands(value: Value, invariant: set[int]) -> list[Value]:
     of ``invariant`` factors read as a product with its reciprocal."""
     if isinstance(value, Apply) and value.function == "mul":
         return [m for arg in value.args for m in _multiplicands(arg, invariant)]
-    if isinstance(value, Apply) and value.function == "div" and _factors_of(value.args[1]) and (
-            _factors_of(value.args[1]) <= invariant):
+    if isinstance(value, Apply) and value.function == "div" and factors_of(value.args[1]) and (
+            factors_of(value.args[1]) <= invariant):
         return _multiplicands(value.args[0], invariant) + [Apply("div", (Constant(1.0), value.args[1]))]
     return [value]
-
-
-def _factors_of(value: Value) -> set[int]:
-    if isinstance(value, Factor):
-        return {value.k}
-    if isinstance(value, Apply):
-        return set().union(*(_factors_of(a) for a in value.args))
-    return set()
 
 
 def _product_of(parts: Sequence[Value], numbers: dict[int, int]) -> Value:
     """The product of ``parts``, factor ``k`` read as factor ``numbers[k]``."""
     product: Value | None = None
     for part in parts:
-        part = _renumbered(part, numbers)
+        part = renumbered(part, lambda k: Factor(numbers[k]))
         product = part if product is None else apply("mul", product, part)
     return product
-
-
-def _renumbered(value: Value, numbers: dict[int, int]) -> Value:
-    if isinstance(value, Factor):
-        return Factor(numbers[value.k])
-    if isinstance(value, Apply):
-        return Apply(value.function, tuple(_renumbered(a, numbers) for a in value.args))
-    return value
 
 
 @functools.lru_cache(maxsize=256)

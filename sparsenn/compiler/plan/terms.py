@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..frontend.functions import apply
-from ..frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
+from ..frontend.functions import apply, product, renumbered
+from ..frontend.notation import Access, Assignment, Constant, Factor, Term, Value
 from .cost import OperandInfo
 
 __all__ = ["merge_terms"]
@@ -66,26 +66,11 @@ def _merged(group: Sequence[Term]) -> Term:
             if access not in factors:
                 factors.append(access)
             numbers.append(factors.index(access))
-        value = _renumbered(term.value if term.value is not None else _product(len(term.factors)), numbers)
+        value = renumbered(term.value if term.value is not None else product(len(term.factors)),
+                           lambda k, numbers=numbers: Factor(numbers[k]))
         if term.coefficient != 1.0:
             value = apply("mul", Constant(term.coefficient), value)
         total = value if total is None else apply("add", total, value)
     for term in group:  # the factors of terms that only count their positions (a mask's zero term)
         factors += [a for a in term.factors if a not in factors]
     return Term(1.0, tuple(factors), Constant(0.0) if total is None else total)
-
-
-def _product(n: int) -> Value:
-    value: Value = Factor(0)
-    for k in range(1, n):
-        value = apply("mul", value, Factor(k))
-    return value
-
-
-def _renumbered(value: Value, numbers: Sequence[int]) -> Value:
-    """``value`` with factor ``k`` read as factor ``numbers[k]``."""
-    if isinstance(value, Factor):
-        return Factor(numbers[value.k])
-    if isinstance(value, Apply):
-        return Apply(value.function, tuple(_renumbered(a, numbers) for a in value.args))
-    return value
