@@ -1,4 +1,5 @@
-"""C++ generation: wraps a lowered loop nest into a translation unit.
+"""C++ generation: wraps a lowered loop nest into a translation unit (a long fused
+kernel into two, which the JIT may compile at once).
 
 The unit defines the kernel's value type, storage type (16-bit values: see
 :mod:`.precision`), index type and vector width, includes the runtime headers
