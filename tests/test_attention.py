@@ -155,6 +155,55 @@ def test_a_fixed_pattern_keeps_its_mask_between_calls():
     assert not all(a is b for a, b in zip(first.pos + first.crd, third.pos + third.crd))
 
 
+def test_a_padded_mask_is_kept_while_its_wholly_padded_key_blocks_repeat():
+    """With a key padding mask, the eval-mode mask is kept for the next call whose padding
+    leaves out the same key blocks (padding inside a block is the scores' bias): a new
+    padding gets a new mask, each matching SDPA under its own padding."""
+    torch.manual_seed(0)
+    m = layer().eval()
+    x = torch.randn(BATCH, 32, EMBED)
+    pad = padding_mask(32)
+    within = pad.clone()
+    within[0, 4 * BLOCK] = ~within[0, 4 * BLOCK]  # batch 0 has unpadded keys in every block either way
+    other = pad.clone()
+    other[0, :2 * BLOCK] = True  # batch 0's first two key blocks wholly padded
+    weights = {}
+    for name, p in (("pad", pad), ("again", pad.clone()), ("within", within), ("other", other), ("back", pad)):
+        out, weights[name] = m(x, key_padding_mask=p, need_weights=True, average_attn_weights=False)
+        mask = m.attention_mask(32, p)
+        has_key = rows_with_a_key(mask, 32)
+        torch.testing.assert_close(out[has_key], reference(m, x, mask)[has_key], rtol=1e-5, atol=1e-5)
+
+    def same(a, b):
+        return all(s is t for s, t in zip(a.pos + a.crd, b.pos + b.crd))
+
+    assert same(weights["pad"], weights["again"]) and same(weights["pad"], weights["within"])
+    assert not same(weights["pad"], weights["other"]) and not same(weights["other"], weights["back"])
+    assert weights["other"].nnz < weights["pad"].nnz
+
+
+def test_masks_share_one_buffer_of_ones():
+    """block_mask's values are ones, views of one buffer per dtype that a longer request
+    replaces; a traced mask op returns its own copy."""
+    from sparsenn.layers.bigbird import block_mask, shared_ones
+
+    pattern = bigbird_pattern(8, 2, 3, 1, torch.Generator().manual_seed(0))
+    pad = padding_mask(32)
+    masks = [block_mask(pattern, BATCH, HEADS, BLOCK, p, torch.float32) for p in (None, pad)]
+    for mask in masks:
+        assert torch.equal(mask.values, torch.ones(mask.nnz))
+    assert masks[0].values._base is masks[1].values._base is not None
+    keep = ~pad.view(BATCH, 8, BLOCK).all(2)[:, pattern.cols]
+    cols = torch.cat([pattern.cols[keep[b]].repeat(HEADS) for b in range(BATCH)])
+    assert torch.equal(masks[1].crd[3].long(), cols)
+    n = masks[0].values._base.numel() + 1
+    longer = shared_ones(n, torch.float32)
+    assert longer._base is not masks[0].values._base and torch.equal(longer, torch.ones(n))
+    assert shared_ones(3, torch.float64).dtype == torch.float64
+    op = torch.ops.sparsenn.bigbird_mask(8, 2, 3, 1, torch.tensor(0), BATCH, HEADS, BLOCK, None, torch.float32)
+    assert torch.equal(op[2], masks[0].values) and op[2]._base is None
+
+
 def test_training_pattern_matches_sdpa():
     m = layer().train()
     x = torch.randn(BATCH, 32, EMBED)

@@ -147,3 +147,33 @@ def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, 
     assert after_fused == fused + 1 and after_calls > calls  # the scores and softmax fused, the SpMM apart
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(weights.to_dense(), expected_weights.to_dense())
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_long_fused_kernel_is_two_translation_units_computing_the_same(monkeypatch, workers, avx2_host):
+    """A fused kernel longer than ``SPLIT_LINES`` prints its stages as functions in two
+    translation units (compiled at once with several cores, whole with one): the same
+    results, bit for bit, as with the stages inline."""
+    from sparsenn.compiler.backend import codegen, jit
+    from sparsenn.compiler.runtime.cache import clear_caches
+    from sparsenn.layers.attention import _attention
+
+    layer = sparsenn.BlockSparseAttention(64, 2, block_size=16, num_window_blocks=3, num_random_blocks=1, seed=0)
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 128, 32, generator=g) for _ in range(3))
+    padding = torch.zeros(2, 128, dtype=torch.bool)
+    padding[1, 70:] = True
+    mask = layer._mask_for(layer._forward_pattern(128), 2, padding, torch.float32)
+    bias = torch.zeros(2, 128).masked_fill_(padding, float("-inf"))
+    monkeypatch.setattr(jit, "build_workers", lambda: workers)
+    results = {}
+    for lines in (10**9, 0):
+        monkeypatch.setattr(codegen, "SPLIT_LINES", lines)
+        clear_caches()
+        program = _attention(layer._score_scale, True)
+        explained = program.explain(mask, q, k, bias, v)
+        assert (jit.PART_BREAK in explained) == (lines == 0)
+        assert ("sn_stage5(sn_at, arrays, dims, nthreads);" in explained) == (lines == 0)
+        with torch.no_grad():
+            results[lines] = program(mask, q, k, bias, v)
+    assert torch.equal(results[0], results[10**9])

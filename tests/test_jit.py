@@ -424,3 +424,49 @@ def test_a_warm_cache_needs_no_compiler(cache: pathlib.Path, monkeypatch: pytest
     monkeypatch.setenv("PATH", "")
     with pytest.raises(jit.CompilerNotFoundError):
         jit.load_library(sum_source(), "cold")
+
+
+def parts_source() -> str:
+    """A new kernel in two translation units: the sum's loop in the first, its entry
+    point in the second (each includes what it needs; together they are one unit too)."""
+    tag = uuid.uuid4().hex
+    first = textwrap.dedent(
+        f"""\
+        // test kernel {tag}, part 1
+        #include <cstdint>
+        __attribute__((visibility("hidden"))) double partial_sum(const double* x, std::int64_t n, int num_threads) {{
+            double total = 0.0;
+            #pragma omp parallel for reduction(+ : total) num_threads(num_threads)
+            for (std::int64_t i = 0; i < n; ++i) total += x[i];
+            return total;
+        }}
+        """
+    )
+    second = textwrap.dedent(
+        """\
+        #include <cstdint>
+        __attribute__((visibility("hidden"))) double partial_sum(const double* x, std::int64_t n, int num_threads);
+        extern "C" double sum(const double* x, std::int64_t n, int num_threads) { return partial_sum(x, n, num_threads); }
+        """
+    )
+    return first + jit.PART_BREAK + second
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_source_in_parts_builds_into_one_library(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
+                                                   workers: int) -> None:
+    """With several cores its parts compile at once and link; with one, whole."""
+    monkeypatch.setattr(jit, "build_workers", lambda: workers)
+    source = parts_source()
+    lib = jit.load_library(source, "sum")
+    assert call_sum(lib) == EXPECTED_SUM
+    assert only_so(cache).with_suffix(".cpp").read_text() == source
+    assert not list(cache.glob(".build-*"))
+
+
+def test_a_failing_part_reports_its_error(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jit, "build_workers", lambda: 2)
+    source = parts_source() + "this is not C++;\n"
+    with pytest.raises(jit.KernelBuildError, match="part1.cpp.*error"):
+        jit.load_library(source, "broken")
+    assert not list(cache.glob("*.so"))

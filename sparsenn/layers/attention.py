@@ -194,7 +194,7 @@ class BlockSparseAttention(nn.Module):
         self._patterns: dict[int, BlockPattern] = {}
         self._causal: tuple[BlockPattern, BlockPattern] | None = None  # (a pattern, its causal part)
         self._mask_format = mask_format(block_size)  # traced code reads it
-        self._last_mask: tuple | None = None  # (pattern, batch, dtype, causal, mask) of the last unpadded call
+        self._last_mask: tuple | None = None  # (pattern, batch, dtype, causal, padded key blocks, mask)
         self._warned_dense = False
 
     def reset_parameters(self) -> None:
@@ -271,21 +271,22 @@ class BlockSparseAttention(nn.Module):
 
     def _mask_for(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype,
                   causal: bool = False) -> SparseTensor:
-        """:meth:`_mask` (:func:`entry_mask` of a causal ``pattern``: its diagonal blocks'
-        element mask as the values), kept from the last call without padding when the
-        pattern (the eval-mode one, or a fixed one) and shapes repeat: the kernels then
-        also find its index arrays' plans and re-stored copies cached."""
-        if padding is not None:
-            return self._mask(pattern, batch, padding, dtype)
+        """:meth:`_mask` (:func:`entry_mask` of a causal ``pattern`` without padding: its
+        diagonal blocks' element mask as the values), kept from the last call when the
+        pattern (the eval-mode one, or a fixed one), shapes and wholly padded key blocks
+        (which decide the stored blocks) repeat: the kernels then also find its index
+        arrays' plans and re-stored copies cached."""
+        padded = None if padding is None else padding.view(batch, pattern.num_blocks, self.block_size).all(2)
         last = self._last_mask
-        if last is not None and last[0] is pattern and last[1:4] == (batch, dtype, causal):
-            return last[4]
+        if (last is not None and last[0] is pattern and last[1:4] == (batch, dtype, causal)
+                and (last[4] is None) == (padded is None) and (padded is None or torch.equal(last[4], padded))):
+            return last[5]
         if causal:  # without padding, every row keeps its diagonal: no closed rows
             mask = entry_mask(pattern, batch, self.num_heads, self.block_size, None, None, True, dtype)[0]
         else:
-            mask = self._mask(pattern, batch, None, dtype)
+            mask = self._mask(pattern, batch, padding, dtype)
         if not transforming():  # a torch.func transform's tensors must not outlive it
-            self._last_mask = (pattern, batch, dtype, causal, mask)
+            self._last_mask = (pattern, batch, dtype, causal, padded, mask)
         return mask
 
     def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:

@@ -4,7 +4,8 @@ built from them for :class:`~sparsenn.layers.attention.BlockSparseAttention`.
 * :func:`bigbird_pattern`: each block row holds the global blocks, a window around it
   and random blocks drawn from a generator; global block rows hold every block;
 * :func:`block_mask`: a blocked ``(batch, H, L', L')`` pattern of ones in
-  ``dddc(1,1,s,s)``, wholly padded key blocks left out; :func:`entry_mask`: the same with
+  ``dddc(1,1,s,s)``, wholly padded key blocks left out, its values views of one buffer
+  of ones (:func:`shared_ones`); :func:`entry_mask`: the same with
   an additive bias on each stored entry (an ``attn_mask``, the causal diagonal blocks,
   padded keys), and the rows with no allowed key;
 * ``sparsenn::bigbird_mask``: the mask drawn from a seed, as a traced module builds it;
@@ -13,6 +14,8 @@ built from them for :class:`~sparsenn.layers.attention.BlockSparseAttention`.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +25,7 @@ from sparsenn.compiler import einsum
 from sparsenn.formats import Format, SparseTensor, parse_format
 
 __all__ = ["BlockPattern", "bigbird_pattern", "causal_pattern", "block_mask", "entry_mask", "mask_format",
-           "head_mean", "bigbird_mask_constant", "at_key_blocks"]
+           "head_mean", "bigbird_mask_constant", "at_key_blocks", "shared_ones"]
 
 
 def mask_format(block_size: int) -> Format:
@@ -113,14 +116,34 @@ def block_mask(pattern: BlockPattern, batch: int, heads: int, block_size: int, p
         counts = pattern.rows.diff().repeat(batch * heads)
     else:
         keep = ~padding.view(batch, n, s).all(2)[:, pattern.cols]  # (batch, stored blocks)
-        cols = torch.cat([pattern.cols[keep[b]].repeat(heads) for b in range(batch)])
+        stored = pattern.cols.numel()
+        cols = pattern.cols.expand(batch, heads, stored)[keep[:, None].expand(batch, heads, stored)]
         per_row = torch.zeros(batch, n, dtype=torch.long).index_add_(1, row_of, keep.long())
         counts = per_row.repeat_interleave(heads, 0).flatten()
     index = _mask_index_dtype(batch, heads, n)
     pos = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(index)
     length = n * s
     return SparseTensor((batch, heads, length, length), f"dddc(1,1,{s},{s})", at_key_blocks(pos),
-                        at_key_blocks(cols.to(index)), torch.ones(cols.numel() * s * s, dtype=dtype), check=False)
+                        at_key_blocks(cols.to(index)), shared_ones(cols.numel() * s * s, dtype), check=False)
+
+
+_ones: dict[torch.dtype, weakref.ref] = {}  # dtype -> the buffer of shared_ones
+_ones_lock = threading.Lock()
+
+
+def shared_ones(n: int, dtype: torch.dtype) -> Tensor:
+    """``n`` ones of ``dtype``, as a view of one buffer per dtype (kept while a view of it
+    lives, replaced by a longer one when too short): a mask's values, which nothing
+    writes, cost no fill and no fresh pages per call. Never write into the result. While
+    traced, fresh ones."""
+    if torch.compiler.is_compiling():
+        return torch.ones(n, dtype=dtype)
+    with _ones_lock, torch.inference_mode(False):  # a normal tensor, usable in and out of inference mode
+        buffer = _ones[dtype]() if dtype in _ones else None
+        if buffer is None or buffer.numel() < n:
+            buffer = torch.ones(n, dtype=dtype)
+            _ones[dtype] = weakref.ref(buffer)
+        return buffer[:n]
 
 
 def causal_pattern(pattern: BlockPattern) -> BlockPattern:
@@ -199,7 +222,7 @@ def _bigbird_mask_op(num_blocks: int, num_global: int, num_window: int, num_rand
     generator = torch.Generator().manual_seed(int(seed))
     pattern = bigbird_pattern(num_blocks, num_global, num_window, num_random, generator)
     mask = block_mask(pattern, batch, heads, block_size, padding, dtype)
-    return mask.pos[3], mask.crd[3], mask.values
+    return mask.pos[3], mask.crd[3], mask.values.clone()  # an op's outputs are its own
 
 
 @_bigbird_mask_op.register_fake

@@ -49,6 +49,7 @@ _EFFECTS = {
     "ws_drain": "ws.drain(C, {0}, {1}, {2});",
     "declare_pack": "V* __restrict__ {0} = sn_scratch<{1}>({2});",
     "transpose_block": "sn_transpose_block({0}, {1}, {2}, {3});",
+    "run_stage": "sn_stage{0}(sn_at, arrays, dims, nthreads);",
 }
 _RUNTIME_CALLS = {
     "crd_count": "C.crd[{0}].size()",

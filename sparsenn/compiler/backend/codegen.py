@@ -1,4 +1,5 @@
-"""C++ generation: wraps a lowered loop nest into a translation unit.
+"""C++ generation: wraps a lowered loop nest into a translation unit (a long fused
+kernel into two, which the JIT may compile at once).
 
 The unit defines the kernel's value type, storage type (16-bit values: see
 :mod:`.precision`), index type and vector width, includes the runtime headers
@@ -14,8 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..loops import ir
+from ..loops.simplify import simplify
 from .abi import FINISH, RUN, slot_arrays
 from .c import array_name, print_block
+from .jit import PART_BREAK
 from .precision import c_types, stored_arrays
 
 if TYPE_CHECKING:
@@ -27,6 +30,9 @@ __all__ = ["generate_source", "generate_fused_source", "KERNEL_HEADER", "ASSEMBL
 KERNEL_HEADER = "sparsenn_kernel.h"
 ASSEMBLY_HEADER = "sparsenn_assembly.h"
 _INDEX_CTYPES = {"int32": "int32_t", "int64": "int64_t"}
+SPLIT_LINES = 250
+"""A fused kernel longer than this (lines of C++) is printed as two translation units:
+about 1.5 ms a line at -O3, so each half then builds in about half the time."""
 
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
@@ -58,8 +64,12 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
 
 
 def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: str, vector_bytes: int) -> str:
-    """The C++ translation unit of a fused kernel (``lower/fuse.py``): ``sn_run`` over its
-    parameters in order, values of ``value_dtype`` (32 or 64 bits)."""
+    """The C++ of a fused kernel (``lower/fuse.py``): ``sn_run`` over its parameters in
+    order, values of ``value_dtype`` (32 or 64 bits). A kernel of more than
+    :data:`SPLIT_LINES` lines in several stages is two translation units (the JIT's
+    ``PART_BREAK`` between them, so it may compile them at once): its stages as functions
+    ``sn_stage<k>``, in two groups of about equal length, and ``sn_run`` calling them at
+    each team coordinate; else one unit, the stages inline."""
     compute, storage = c_types(getattr(torch, value_dtype))
     assert storage is None, "fused kernels compute in their values' own type"
     unpack = []
@@ -70,9 +80,35 @@ def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: s
         else:
             ctype = "I" if array.kind in ("pos", "crd") else "V"
             unpack.append(f"    const {ctype}* __restrict__ {array_name(array)} = (const {ctype}*)arrays[{n}];")
-    unpack.append("    (void)handle;")
-    code = _run(unpack, print_block(fused.loops))
-    return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], code) + code
+    inline = print_block(fused.loops)
+    if len(fused.stages) < 2 or inline.count("\n") < SPLIT_LINES:
+        code = _run([*unpack, "    (void)handle;"], inline)
+        return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], code) + code
+    stages = [_stage_function(k, unpack, print_block(simplify(ir.Block((*fused.dims, stage))))) for k, stage in
+              enumerate(fused.stages)]
+    declarations = "".join(f"{_stage_declaration(k)};\n" for k in range(len(stages)))
+    calls = ir.Block(tuple(ir.Effect("run_stage", (ir.Const(k),)) for k in range(len(stages))))
+    run = _run(["    (void)handle;"], print_block(fused.team_loops(calls)))
+    cut = _balanced_cut([stage.count("\n") for stage in stages])
+    prelude = _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], "".join(stages))
+    return (prelude + "".join(stages[:cut]) + PART_BREAK
+            + prelude + "".join(stages[cut:]) + "\n" + declarations + run)
+
+
+def _stage_declaration(k: int) -> str:
+    return (f'__attribute__((visibility("hidden"))) void sn_stage{k}(const int64_t sn_at, void* const* arrays, '
+            f'const int64_t* dims, int nthreads)')
+
+
+def _stage_function(k: int, unpack: list[str], body: str) -> str:
+    """Stage ``k`` of a fused kernel at team coordinate ``sn_at``, its arrays unpacked."""
+    return f"\n{_stage_declaration(k)} {{\n" + "\n".join(unpack) + "\n    (void)nthreads;\n" + body + "\n}\n"
+
+
+def _balanced_cut(lengths: list[int]) -> int:
+    """Where to cut the stages (of these lengths) into two groups, each of at least one,
+    so that the longer group is as short as can be."""
+    return min(range(1, len(lengths)), key=lambda cut: max(sum(lengths[:cut]), sum(lengths[cut:])))
 
 
 def _prelude(compute: str, storage: str | None, index_dtype: str, vector_bytes: int, headers: list[str],

@@ -1,7 +1,8 @@
 """Compile generated C++ kernels to shared libraries, cache them on disk and load them.
 
 Kernels are C++17 sources with ``extern "C"`` entry points that may include the runtime
-headers shipped in ``runtime/`` (:data:`RUNTIME_HEADERS`). Each is built once per
+headers shipped in ``runtime/`` (:data:`RUNTIME_HEADERS`); a long one may come in parts
+(:data:`PART_BREAK`), translation units compiled at once and linked. Each is built once per
 (source, runtime headers, CPU) into a private cache directory, with a checksum beside
 it, and loaded with :class:`ctypes.CDLL` (which releases the GIL during calls). Loading
 a cached kernel never runs the compiler, so a cache warmed on a build machine (e.g. by
@@ -59,6 +60,9 @@ CXX_FLAGS = (
 GCC_FLAGS = ("-fvect-cost-model=very-cheap",)
 # Bump when the cache layout or build procedure changes, to invalidate old entries.
 FORMAT_VERSION = "3"
+PART_BREAK = "// sparsenn: next translation unit\n"
+"""Between the parts of a source that holds several translation units (each with its
+own includes; together they are one valid unit too)."""
 BUILD_TIMEOUT_S = 600
 NOTICE_AFTER_S = 1.0
 """A request still building after this long says so (see the module doc)."""
@@ -485,13 +489,31 @@ def _build(
 def _compile(
     compiler: tuple[str, ...], build_dir: pathlib.Path, src: str, out: str
 ) -> tuple[bool, str]:
-    """Compile ``build_dir/src`` to ``build_dir/out``; returns (success, compiler output)."""
+    """Compile ``build_dir/src`` to the library ``build_dir/out``; returns (success,
+    compiler output). A source of several parts (:data:`PART_BREAK`) has them compiled
+    at once, one compiler process each, and linked, when the process may use several
+    cores; else it is compiled whole."""
     flags = (*compiler_flags(_compiler_version(compiler)), "-I", str(build_dir / "include"))
+    parts = (build_dir / src).read_text().split(PART_BREAK)
+    if len(parts) == 1 or build_workers() == 1:
+        return _run_compiler([*compiler, *flags, src, "-o", out], build_dir)
+    objects = []
+    for n, part in enumerate(parts):
+        (build_dir / f"part{n}.cpp").write_text(part)
+        objects.append(f"part{n}.o")
+    unit_flags = [f for f in flags if f != "-shared"]
+    with ThreadPoolExecutor(len(parts), thread_name_prefix="sparsenn-compile") as pool:
+        done = list(pool.map(lambda n: _run_compiler([*compiler, *unit_flags, "-c", f"part{n}.cpp", "-o", objects[n]],
+                                                     build_dir), range(len(parts))))
+    if not all(ok for ok, _ in done):
+        return False, "\n".join(log for _, log in done)
+    return _run_compiler([*compiler, *flags, *objects, "-o", out], build_dir)
+
+
+def _run_compiler(command: list[str], build_dir: pathlib.Path) -> tuple[bool, str]:
+    """Run the compiler ``command`` in ``build_dir``; returns (success, its output)."""
     try:
-        result = subprocess.run(
-            [*compiler, *flags, src, "-o", out], cwd=build_dir, capture_output=True, text=True,
-            timeout=BUILD_TIMEOUT_S,
-        )
+        result = subprocess.run(command, cwd=build_dir, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return False, f"compilation timed out after {BUILD_TIMEOUT_S} s"
     return result.returncode == 0, (result.stdout + result.stderr).strip()

@@ -49,6 +49,7 @@ EFFECTS = {
     "declare_pack": "(pack, id, n): pack, the thread's buffer number id of at least n values V, kept across calls",
     "transpose_block": "(src, src_stride, dst, dst_stride): the lanes x lanes block at address src (rows src_stride "
                        "values apart) transposed into address dst (rows dst_stride apart)",
+    "run_stage": "(k): stage k of a fused kernel printed apart, at team coordinate sn_at (its own function)",
     "ws_drain": "(level, rank, dims): the workspace's entries, in key order, appended to the chunk as output "
                 "levels level.. rank - 1 (keys linear over dims); the workspace is left empty",
 }

@@ -68,12 +68,22 @@ class Parameter:
 
 @dataclass(frozen=True)
 class FusedLowering:
-    """A fused kernel: its statements and its array parameters in order (every operand
-    array a stage reads that is not an earlier stage's output, stage by stage, then the
-    outputs of the stages that write their own)."""
+    """A fused kernel: its statements (``loops``: every stage inline at each team
+    coordinate) and its array parameters in order (every operand array a stage reads that
+    is not an earlier stage's output, stage by stage, then the outputs of the stages that
+    write their own). For printing the stages apart: the extents every stage reads
+    (``dims``), each stage's statements at team coordinate ``sn_at`` (``stages``) and
+    :meth:`team_loops`."""
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
+    dims: tuple[ir.Decl, ...]
+    stages: tuple[ir.Block, ...]
+    extent: ir.Expr  # of the team coordinates
+
+    def team_loops(self, body: ir.Block) -> ir.Block:
+        """The kernel's statements with ``body`` in place of the stages at each team coordinate."""
+        return simplify(_team_loops(self.dims, self.extent, body))
 
 
 def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
@@ -102,16 +112,21 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
         slot_base += len(plan.kernel.slots)
         dims_base += len(lo.indices)
     parameters += [Parameter(ir.Array("out", k), k, None) for k, stage in enumerate(stages) if stage.into is None]
+    loops = simplify(_team_loops(dims_decls, extent, ir.Block(tuple(bodies))))
+    return FusedLowering(loops, tuple(parameters), tuple(dims_decls), tuple(bodies), extent)
+
+
+def _team_loops(dims: Sequence[ir.Decl], extent: ir.Expr, body: ir.Block) -> ir.Block:
+    """The extents, then a team sharing chunks of the ``extent`` team coordinates, running
+    ``body`` at each coordinate ``sn_at``."""
     chunk = ir.Var("sn_chunk")
-    per_coordinate = ir.For(ir.Decl(AT, "index", LO), ir.lt(AT, HI), ir.Incr(AT), ir.Block(tuple(bodies)))
-    bounds = _bounds(chunk)
+    per_coordinate = ir.For(ir.Decl(AT, "index", LO), ir.lt(AT, HI), ir.Incr(AT), body)
     chunks = ir.For(ir.Decl(chunk, "index", ir.Const(0)), ir.lt(chunk, NCHUNKS), ir.Incr(chunk),
-                    ir.Block((*bounds, per_coordinate)), "omp_for")
+                    ir.Block((*_bounds(chunk), per_coordinate)), "omp_for")
     extent_decl = ir.Decl(ir.Var("sn_extent"), "index", extent, const=True)
     nchunks = ir.Decl(NCHUNKS, "index", ir.min_(ir.Var("sn_extent"), ir.mul(
         ir.Cast("index", ir.Var("nthreads")), EVEN_RANGE_CHUNKS_PER_THREAD)), const=True)
-    loops = ir.Block((*dims_decls, ir.Parallel(ir.Block((extent_decl, nchunks, chunks)))), scoped=False)
-    return FusedLowering(simplify(loops), tuple(parameters))
+    return ir.Block((*dims, ir.Parallel(ir.Block((extent_decl, nchunks, chunks)))), scoped=False)
 
 
 def _bounds(chunk: ir.Var) -> tuple[ir.Stmt, ...]:

@@ -1,7 +1,8 @@
 /* What every generated sparsenn kernel needs: its value, storage and index types, SIMD
    vectors with unaligned loads and stores, horizontal sums, prefetch and a balanced
-   split of a compressed level. Standard library only (no PyTorch headers: kernels
-   build fast).
+   split of a compressed level. Standard library only, and not <cmath> or <algorithm>
+   (no PyTorch headers either): parsing them cost a kernel's build more than its code.
+   libm's functions are called through the compiler's builtins, as <cmath> does.
 
    The including translation unit defines first:
      SN_VALUE         the value type V every computation uses (float or double)
@@ -16,7 +17,6 @@
 #error "define SN_VALUE, SN_INDEX and SN_VECTOR_BYTES before including sparsenn_kernel.h"
 #endif
 
-#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -447,7 +447,7 @@ static inline int64_t sn_balanced_bound(const J* pos, int64_t n, int64_t target)
 /* The scalar functions of index notation (sparsenn/compiler/frontend/functions.py), each as
    torch computes it: NaN propagates through relu, max and min. */
 static inline V sn_neg(V x) { return -x; }
-static inline V sn_abs(V x) { return std::abs(x); }
+static inline V sn_abs(V x) { if constexpr (sizeof(V) == 4) return __builtin_fabsf(x); else return __builtin_fabs(x); }
 static inline V sn_relu(V x) { return x < V(0) ? V(0) : x; }
 /* exp(x) = 2^n e^r, n = round(x / ln 2) (adding and subtracting 1.5 * 2^mantissa bits:
    floor does not vectorise), r = x - n ln 2 (ln 2 in two parts), e^r by Cephes'
@@ -490,9 +490,9 @@ static inline double sn_exp_of(double x) {
 static inline V sn_exp(V x) { return sn_exp_of(x); }
 static inline V sn_sigmoid(V x) { return V(1) / (V(1) + sn_exp(-x)); }
 static inline V sn_silu(V x) { return x / (V(1) + sn_exp(-x)); }
-static inline V sn_tanh(V x) { return std::tanh(x); }
-static inline V sn_log(V x) { return std::log(x); }
-static inline V sn_sqrt(V x) { return std::sqrt(x); }
+static inline V sn_tanh(V x) { if constexpr (sizeof(V) == 4) return __builtin_tanhf(x); else return __builtin_tanh(x); }
+static inline V sn_log(V x) { if constexpr (sizeof(V) == 4) return __builtin_logf(x); else return __builtin_log(x); }
+static inline V sn_sqrt(V x) { if constexpr (sizeof(V) == 4) return __builtin_sqrtf(x); else return __builtin_sqrt(x); }
 static inline V sn_detach(V x) { return x; }  // the value; its derivative is 0 (functions.py)
 /* Phi(x) = erfc(-x / sqrt 2) / 2. In float, erfc(z) for z >= 0 is Numerical Recipes'
    Chebyshev fit t exp(-z^2 + P(t)), t = 1 / (1 + z / 2), within 1.2e-7 of erfc (relative)
@@ -509,12 +509,12 @@ static inline float sn_normal_cdf_of(float x) {
   // exp(p - a^2) with the argument's rounding errors (up to 1e-6 at a = 5) carried to
   // first order: a^2 = sq + sq_low exactly (fma), and p - sq = s + s_low exactly where
   // |p| <= sq (Fast2Sum; below, the rounding of s is too small to matter).
-  const float sq = a * a, sq_low = std::fma(a, a, -sq);
+  const float sq = a * a, sq_low = __builtin_fmaf(a, a, -sq);
   const float s = p - sq, s_low = p - (s + sq);
   const float tail = t * sn_exp_of(s) * (1.0f + (s_low - sq_low));
   return 0.5f * (z < 0.0f ? 2.0f - tail : tail);
 }
-static inline double sn_normal_cdf_of(double x) { return 0.5 * (1.0 + std::erf(x * 0.70710678118654752440)); }
+static inline double sn_normal_cdf_of(double x) { return 0.5 * (1.0 + __builtin_erf(x * 0.70710678118654752440)); }
 static inline V sn_normal_cdf(V x) { return sn_normal_cdf_of(x); }
 static inline V sn_normal_pdf(V x) { return sn_exp(V(-0.5) * x * x) * V(0.39894228040143267794); }
 static inline V sn_gelu(V x) { return x * sn_normal_cdf(x); }
