@@ -366,9 +366,10 @@ def _runtime_headers() -> dict[str, bytes]:
 
 
 def _cache_key(source: str, headers: dict[str, bytes]) -> str:
-    """What a built kernel depends on, all known without a compiler."""
+    """What a built kernel depends on (the cache format, the CPU, the flags, the source and
+    its headers), all known without a compiler."""
     digest = hashlib.sha256()
-    texts = [FORMAT_VERSION, _cpu_identity(), source]
+    texts = [FORMAT_VERSION, _cpu_identity(), " ".join(CXX_FLAGS + GCC_FLAGS), source]
     parts = [text.encode() for text in texts]
     for name, contents in headers.items():
         parts += [name.encode(), contents]
