@@ -151,7 +151,7 @@ def test_attention_inference_runs_its_spmm_in_the_fused_kernel(block, head_dim, 
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_long_fused_kernel_is_two_translation_units_computing_the_same(monkeypatch, workers, avx2_host):
-    """A fused kernel longer than ``SPLIT_LINES`` prints its stages as functions in two
+    """A fused kernel longer than ``$SPARSENN_SPLIT_LINES`` prints its stages as functions in two
     translation units (compiled at once with several cores, whole with one): the same
     results, bit for bit, as with the stages inline."""
     from sparsenn.compiler.backend import codegen, jit
@@ -165,10 +165,10 @@ def test_a_long_fused_kernel_is_two_translation_units_computing_the_same(monkeyp
     padding[1, 70:] = True
     mask = layer._mask_for(layer._forward_pattern(128), 2, padding, torch.float32)
     bias = torch.zeros(2, 128).masked_fill_(padding, float("-inf"))
-    monkeypatch.setattr(jit, "build_workers", lambda: workers)
+    monkeypatch.setenv(jit.WORKERS_ENV, str(workers))
     results = {}
     for lines in (10**9, 0):
-        monkeypatch.setattr(codegen, "SPLIT_LINES", lines)
+        monkeypatch.setenv(codegen.SPLIT_LINES_ENV, str(lines))
         clear_caches()
         program = _attention(layer._score_scale, True)
         explained = program.explain(mask, q, k, bias, v)

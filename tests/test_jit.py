@@ -456,7 +456,7 @@ def parts_source() -> str:
 def test_a_source_in_parts_builds_into_one_library(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch,
                                                    workers: int) -> None:
     """With several cores its parts compile at once and link; with one, whole."""
-    monkeypatch.setattr(jit, "build_workers", lambda: workers)
+    monkeypatch.setenv(jit.WORKERS_ENV, str(workers))
     source = parts_source()
     lib = jit.load_library(source, "sum")
     assert call_sum(lib) == EXPECTED_SUM
@@ -465,8 +465,16 @@ def test_a_source_in_parts_builds_into_one_library(cache: pathlib.Path, monkeypa
 
 
 def test_a_failing_part_reports_its_error(cache: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(jit, "build_workers", lambda: 2)
+    monkeypatch.setenv(jit.WORKERS_ENV, "2")
     source = parts_source() + "this is not C++;\n"
     with pytest.raises(jit.KernelBuildError, match="part1.cpp.*error"):
         jit.load_library(source, "broken")
     assert not list(cache.glob("*.so"))
+
+
+def test_a_bad_build_workers_setting_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(jit.WORKERS_ENV, "two")
+    with pytest.raises(ValueError, match="SPARSENN_BUILD_WORKERS"):
+        jit.build_workers()
+    monkeypatch.setenv(jit.WORKERS_ENV, "3")
+    assert jit.build_workers() == 3

@@ -57,7 +57,8 @@ from .runtime.evaluate import Run, build_together, evaluate, guarded_run
 from .runtime.tracing import traced_evaluate, tracing, transforming
 from .runtime.validate import call_guard
 
-__all__ = ["differentiable_evaluate", "gradient_call", "held_evaluate", "recorded", "differentiated", "HeldGradient"]
+__all__ = ["differentiable_evaluate", "gradient_call", "held_evaluate", "recorded", "differentiated", "unobserved",
+           "HeldGradient"]
 
 _CPU = "cpu"
 
@@ -443,7 +444,9 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
     kernel, the gradients' kernels are built together first."""
     moving = differentiated(spec.assignment)
     read = {a.operand for a in spec.assignment.accesses}
-    holds = spec.held is not None and _plain_backward() and spec.assignment.reduction == "sum" and not read_result
+    # held calls reach their kernels only: no graph recorded (create_graph), nothing observing
+    holds = (spec.held is not None and not is_grad_enabled() and unobserved() and spec.assignment.reduction == "sum"
+             and not read_result)
     found = _held_gradients(spec.held, operands, grad_out, wanted) if holds else {}
     calls = {n: _gradient_expression(spec, n, operands, grad_out, result, read_result)
              for n in wanted if n in moving and n not in found}
@@ -475,11 +478,10 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
     return grads
 
 
-def _plain_backward() -> bool:
-    """Whether gradient calls now reach their kernels only: no graph recorded
-    (``create_graph``), no torch.func transform, autocast or tracer."""
-    return not (is_grad_enabled() or is_autocast_enabled(_CPU) or tracing()
-                or torch._C._functorch.peek_interpreter_stack() is not None)
+def unobserved() -> bool:
+    """Whether no autocast, torch.func transform or tracer sees the current call."""
+    return (not is_autocast_enabled(_CPU) and not tracing()
+            and torch._C._functorch.peek_interpreter_stack() is None)
 
 
 def _held_gradients(held: dict[int, HeldGradient], operands: list, grad_out, wanted: Sequence[int]) -> dict:

@@ -16,18 +16,12 @@ site holding the signature of the last call that has none of these.
 
 from __future__ import annotations
 
-import torch
-from torch import is_autocast_enabled
-
 from .api import CompiledExpression, compile_expression
-from .autograd import HeldGradient, held_evaluate, recorded
+from .autograd import HeldGradient, held_evaluate, recorded, unobserved
 from .runtime.cache import Guard, forget_with_caches
 from .runtime.evaluate import Run, guarded_run
-from .runtime.tracing import tracing
 
 __all__ = ["CallSite"]
-
-_CPU = "cpu"
 
 
 class CallSite:
@@ -54,7 +48,7 @@ class CallSite:
         """The result of a call over ``operands`` of the signature held, else None
         (nothing is run: call the site)."""
         held = self._held
-        if held is None or not _unobserved() or not held[0](operands, self.out_format):
+        if held is None or not unobserved() or not held[0](operands, self.out_format):
             return None
         if not recorded(operands):
             return held[1](operands)
@@ -70,7 +64,7 @@ class CallSite:
         """The call through the expression (no guard tried), the site then holding its
         signature unless autocast, a transform or a tracer saw it."""
         result = self.expression(*operands)
-        if _unobserved():
+        if unobserved():
             self._held = guarded_run(self.assignment, operands, self.out_format)
             self._gradients = {}  # the gradient calls of the signature held
         return result
@@ -89,9 +83,3 @@ class CallSite:
 
 def _site(text: str, out_format) -> CallSite:
     return CallSite(compile_expression(text, out_format))
-
-
-def _unobserved() -> bool:
-    """Whether no autocast, torch.func transform or tracer sees the current call."""
-    return (not is_autocast_enabled(_CPU) and not tracing()
-            and torch._C._functorch.peek_interpreter_stack() is None)

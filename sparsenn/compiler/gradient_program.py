@@ -33,6 +33,7 @@ from .autograd import differentiated, gradient_call
 from .frontend.functions import product, renumbered
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .frontend.program import Program, Source, Stage, StageResult, UserOperand, stage_inputs
+from .plan.planner import shared_patterns
 
 __all__ = ["GradientProgram", "gradient_program", "gradient_values", "moves"]
 
@@ -176,15 +177,10 @@ def _on_pattern(build: _Builder, parts: Sequence[_Part], like) -> bool:
     """Whether every sparse operand of ``parts`` has the pattern of ``like`` (the
     gradient they sum; dense: none is sparse), so that their sum is nonzero where each
     term of a product reading it is visited anyway."""
-    arrays = None if not isinstance(like, SparseTensor) else like.pos + like.crd
-    for part in parts:
-        for source in part.sources:
-            x = build.value(source)
-            if isinstance(x, SparseTensor) and (arrays is None or any(
-                    a is not b and (a is None or b is None or a.data_ptr() != b.data_ptr())
-                    for a, b in zip(x.pos + x.crd, arrays))):
-                return False
-    return True
+    sparse = [x for part in parts for x in map(build.value, part.sources) if isinstance(x, SparseTensor)]
+    if not isinstance(like, SparseTensor):
+        return not sparse
+    return all(shared == 0 for shared in shared_patterns([like, *sparse])[1:])
 
 
 def _substituted(gradient: Assignment, sources: tuple, parts: Sequence[_Part], out_format, like,

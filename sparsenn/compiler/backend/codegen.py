@@ -10,6 +10,7 @@ entry points of :mod:`.abi` around the lowered body.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,8 +32,20 @@ KERNEL_HEADER = "sparsenn_kernel.h"
 ASSEMBLY_HEADER = "sparsenn_assembly.h"
 _INDEX_CTYPES = {"int32": "int32_t", "int64": "int64_t"}
 SPLIT_LINES = 250
-"""A fused kernel longer than this (lines of C++) is printed as two translation units:
-about 1.5 ms a line at -O3, so each half then builds in about half the time."""
+"""A fused kernel longer than this (lines of C++; ``$SPARSENN_SPLIT_LINES`` when set) is
+printed as two translation units: about 1.5 ms a line at -O3, so each half then builds in
+about half the time."""
+SPLIT_LINES_ENV = "SPARSENN_SPLIT_LINES"
+
+
+def split_lines() -> int:
+    """The length from which a fused kernel is two translation units (:data:`SPLIT_LINES`)."""
+    value = os.environ.get(SPLIT_LINES_ENV, "").strip()
+    if not value:
+        return SPLIT_LINES
+    if not value.isdigit():
+        raise ValueError(f"${SPLIT_LINES_ENV} must be a number of lines, got {value!r}")
+    return int(value)
 
 
 def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -> str:
@@ -66,7 +79,7 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
 def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: str, vector_bytes: int) -> str:
     """The C++ of a fused kernel (``lower/fuse.py``): ``sn_run`` over its parameters in
     order, values of ``value_dtype`` (32 or 64 bits). A kernel of more than
-    :data:`SPLIT_LINES` lines in several stages is two translation units (the JIT's
+    :func:`split_lines` lines in several stages is two translation units (the JIT's
     ``PART_BREAK`` between them, so it may compile them at once): its stages as functions
     ``sn_stage<k>``, in two groups of about equal length, and ``sn_run`` calling them at
     each team coordinate; else one unit, the stages inline."""
@@ -81,7 +94,7 @@ def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: s
             ctype = "I" if array.kind in ("pos", "crd") else "V"
             unpack.append(f"    const {ctype}* __restrict__ {array_name(array)} = (const {ctype}*)arrays[{n}];")
     inline = print_block(fused.loops)
-    if len(fused.stages) < 2 or inline.count("\n") < SPLIT_LINES:
+    if len(fused.stages) < 2 or inline.count("\n") < split_lines():
         code = _run([*unpack, "    (void)handle;"], inline)
         return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], code) + code
     stages = [_stage_function(k, unpack, print_block(simplify(ir.Block((*fused.dims, stage))))) for k, stage in

@@ -11,7 +11,8 @@ clear the cache to rebuild with the new one. When the cache directory cannot be 
 written, kernels go to a temporary directory of the process, removed when it exits.
 
 :func:`load_libraries` builds the kernels a caller needs together: one compiler process
-per kernel, as many at once as the process may use cores. A request whose builds run past
+per kernel, as many at once as the process may use cores, or ``$SPARSENN_BUILD_WORKERS``
+(1 also compiles a long kernel's parts as one unit). A request whose builds run past
 :data:`NOTICE_AFTER_S` says so once, on the ``sparsenn`` logger at WARNING (shown by
 Python's last-resort handler when logging is not configured): "sparsenn: building N
 kernel(s) for <what> (cached in DIR)". ``SPARSENN_QUIET_BUILDS=1`` or a logger level above
@@ -70,6 +71,7 @@ BUILD_TIMEOUT_S = 600
 NOTICE_AFTER_S = 1.0
 """A request still building after this long says so (see the module doc)."""
 QUIET_ENV = "SPARSENN_QUIET_BUILDS"
+WORKERS_ENV = "SPARSENN_BUILD_WORKERS"
 # The runtime headers (``*.h``) kernels may include, e.g. ``#include "sparsenn_kernel.h"``.
 RUNTIME_HEADERS = importlib.resources.files(__package__) / "runtime"
 _MAX_NAME_LEN = 40
@@ -139,7 +141,13 @@ def load_libraries(requests: Sequence[KernelRequest], what: str | None = None) -
 
 
 def build_workers() -> int:
-    """How many kernels build at once: the cores this process may run on."""
+    """How many compiler processes run at once: ``$SPARSENN_BUILD_WORKERS`` when set, else
+    the cores this process may run on."""
+    workers = os.environ.get(WORKERS_ENV, "").strip()
+    if workers:
+        if not workers.isdigit() or int(workers) < 1:
+            raise ValueError(f"${WORKERS_ENV} must be a positive integer, got {workers!r}")
+        return int(workers)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
