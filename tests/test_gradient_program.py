@@ -9,7 +9,8 @@ import torch
 import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.frontend.program import stage_inputs
-from sparsenn.compiler.gradient_program import gradient_program
+from sparsenn.compiler.frontend.program import StageResult
+from sparsenn.compiler.gradient_program import Rebuilt, gradient_program, rebuilt_results
 from sparsenn.compiler.runtime.programs import describe_program
 from sparsenn.compiler.runtime.evaluate import evaluate
 
@@ -17,8 +18,9 @@ SOFTMAX = ("M[i] = max[j](S[i,j]); E<S>[i,j] = exp(S[i,j] - detach(M[i])); Z[i] 
            "P<E>[i,j] = E[i,j] / Z[i]")
 
 
-def softmax_backward(fmt: str):
-    """The gradient program of SOFTMAX's stages on a random pattern, and its operands."""
+def softmax_backward(fmt: str, rebuild: bool = False):
+    """The gradient program of SOFTMAX's stages on a random pattern, and its operands;
+    ``rebuild``: ``E`` is not kept but rebuilt from ``P`` and ``Z``."""
     g = torch.Generator().manual_seed(0)
     dense = torch.randn(8, 12, generator=g, dtype=torch.float64)
     S = sparsenn.from_dense(dense * (torch.rand(8, 12, generator=g) < 0.5), format=fmt)
@@ -30,7 +32,11 @@ def softmax_backward(fmt: str):
     last = len(program.stages) - 1
     incoming = results[last].with_values(torch.randn(S.nnz, dtype=torch.float64, generator=g))
     moving = (False,) + (True,) * last  # the max is detached
-    backward = gradient_program(program, moving, [S], dict(enumerate(results)), {last: incoming}, [True])
+    read = dict(enumerate(results))
+    rebuilt = rebuilt_results(program, frozenset(range(1, last)), frozenset({last})) if rebuild else {}
+    for k in rebuilt:  # its pattern only
+        read[k] = results[k]._share(S.shape, S.format, torch.empty(0, dtype=torch.float64))
+    backward = gradient_program(program, moving, [S], read, {last: incoming}, [True], rebuilt)
     return S, results, incoming, backward
 
 
@@ -44,9 +50,20 @@ def test_a_softmax_backward_is_two_stages_fused_into_one_kernel():
     assert "fused kernel of stages 0, 1:" in lines
 
 
+def test_a_normalised_result_is_rebuilt_from_the_normalisation_not_kept():
+    program = sparsenn.compile(SOFTMAX).program([sparsenn.from_dense(torch.eye(3), format="csr")])
+    # E (stage 1) = P (stage 3) * Z (stage 2); M (stage 0) is a max, whose gradient compares values
+    assert rebuilt_results(program, frozenset({0, 1, 2}), frozenset({3})) == {1: Rebuilt(3, StageResult(2), (0,))}
+    assert rebuilt_results(program, frozenset({0, 1, 2}), frozenset()) == {}  # P is not kept either
+    maxed = sparsenn.compile("E<S>[i,j] = exp(S[i,j]); M[i] = max[j](E[i,j]); Z[i] = sum[j](E[i,j]); "
+                             "P<E>[i,j] = E[i,j] / Z[i]").program([sparsenn.from_dense(torch.eye(3), format="csr")])
+    assert rebuilt_results(maxed, frozenset({0, 1, 2}), frozenset({3})) == {}
+
+
 def test_the_gradient_program_computes_softmax_s_gradient():
-    for fmt in ("csr", "bsr(4,4)"):
-        S, results, incoming, backward = softmax_backward(fmt)
+    for fmt, rebuild in (("csr", False), ("bsr(4,4)", False), ("csr", True), ("bsr(4,4)", True)):
+        S, results, incoming, backward = softmax_backward(fmt, rebuild)
+        assert all(x is not results[1] for x in backward.inputs) or not rebuild
         with torch.no_grad():
             computed = []
             for stage in backward.program.stages:

@@ -15,6 +15,14 @@ gradient einsums that read it (its terms multiply theirs), and only a part that 
 operand's gradient becomes a stage. A softmax's backward is then two stages, the row
 sums and ``dS = (dP / Z + dZ) E`` on the pattern, which fuse into one pass per row.
 
+A result only the gradients read need not be kept when a later stage normalised it:
+``R<X> = X / Y`` (or ``X · (1 / Y)``) on ``X``'s pattern, with ``R`` kept, gives
+``X = R · Y`` (:func:`rebuilt_results`). The forward then writes ``R`` over ``X``'s array,
+and each gradient reading ``X``'s values reads ``R · Y`` instead (:func:`_rebuild_reads`):
+a softmax ``P<E> = E · (1 / Z)``'s backward reads ``P``, as one written by hand would.
+Exact wherever ``Y`` is finite and nonzero; elsewhere ``R`` is not finite, or 0 where
+``X`` is not.
+
 An operand or result stored in a dense format (its values in storage order, not on a
 pattern) has its gradient laid out apart: :func:`gradient_program` returns None, and the
 stages' gradients run one by one.
@@ -30,12 +38,13 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from .autograd import differentiated, gradient_call
-from .frontend.functions import product, renumbered
+from .frontend.functions import factors_of, product, renumbered
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .frontend.program import Program, Source, Stage, StageResult, UserOperand, stage_inputs
 from .plan.planner import shared_patterns
+from .runtime.cache import LRUCache
 
-__all__ = ["GradientProgram", "gradient_program", "gradient_values", "moves"]
+__all__ = ["GradientProgram", "Rebuilt", "gradient_program", "gradient_values", "moves", "rebuilt_results"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,61 @@ class GradientProgram:
     program: Program
     inputs: tuple
     outputs: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """A stage's result the backward computes as ``R · Y`` instead of the forward keeping
+    it: ``R`` the result of stage ``stage``, ``Y`` read at ``positions`` of its indices."""
+
+    stage: int
+    divisor: Source
+    positions: tuple[int, ...]
+
+
+def rebuilt_results(program: Program, read: frozenset[int], kept: frozenset[int]) -> dict[int, Rebuilt]:
+    """The results among ``read`` (results the gradients read, none of ``kept``) that a
+    later stage normalised (see the module doc): its result ``R<X> = X / Y`` on ``X``'s
+    pattern, in ``read`` or ``kept``, ``Y`` a dense earlier result. Not a result a max's
+    (or min's) gradient reads, which compares its values."""
+    rebuilt = {}
+    for k in sorted(read - kept):
+        step = program.stages[k]
+        if not isinstance(step.out_format, Format) or step.out_format.is_dense:
+            continue
+        readers = [j for j, s in enumerate(program.stages) if j == k or StageResult(k) in s.inputs]
+        if any(program.stages[j].assignment.reduction != "sum" for j in readers):
+            continue
+        for m in readers:
+            found = _normalisation(program, k, m)
+            if found is not None and (m in read or m in kept):
+                rebuilt[k] = found
+                break
+    return rebuilt
+
+
+def _normalisation(program: Program, k: int, m: int) -> Rebuilt | None:
+    """Stage ``m`` as ``R<X> = X / Y`` (or ``X · (1 / Y)``) of stage ``k``'s result ``X``,
+    ``Y`` an earlier dense result read at some of ``X``'s indices; else None."""
+    step = program.stages[m]
+    a = step.assignment
+    if m <= k or step.out_format != program.stages[k].out_format or a.reduction != "sum" or len(a.terms) != 1:
+        return None
+    (term,) = a.terms
+    if term.coefficient != 1.0 or len(term.factors) != 2:
+        return None
+    x, y = (0, 1) if step.inputs[term.factors[0].operand] == StageResult(k) else (1, 0)
+    ax, ay = term.factors[x], term.factors[y]
+    source = step.inputs[ay.operand]
+    if (step.inputs[ax.operand] != StageResult(k) or ax.indices != a.output or not set(ay.indices) <= set(a.output)
+            or not isinstance(source, StageResult) or program.stages[source.stage].out_format != "dense"
+            or source == StageResult(k)):
+        return None
+    fx, fy = Factor(x), Factor(y)
+    reciprocal = Apply("div", (Constant(1.0), fy))
+    if term.value not in (Apply("mul", (fx, reciprocal)), Apply("mul", (reciprocal, fx)), Apply("div", (fx, fy))):
+        return None
+    return Rebuilt(m, source, tuple(a.output.index(i) for i in ay.indices))
 
 
 @dataclass(frozen=True)
@@ -69,11 +133,12 @@ class _Part:
 class _Builder:
     """The stages and operands of a gradient program as they are written down."""
 
-    def __init__(self) -> None:
+    def __init__(self, rebuilt: dict[int, tuple]) -> None:
         self.stages: list[Stage] = []
         self.likes: list = []  # per stage, what its result stands for
         self.inputs: list = []
         self._slots: dict[int, int] = {}
+        self.rebuilt = rebuilt  # id of a rebuilt result's stand-in -> (R, Y, positions)
 
     def value(self, source: Source):
         """The operand, or the stand-in of the stage's result, that ``source`` names."""
@@ -86,6 +151,16 @@ class _Builder:
             slot = self._slots[id(value)] = len(self.inputs)
             self.inputs.append(value)
         return UserOperand(slot)
+
+    def program(self) -> tuple[Program, tuple]:
+        """The stages written down, over the operands they read (a rebuilt result's
+        stand-in is read no more)."""
+        used = sorted({s.n for stage in self.stages for s in stage.inputs if isinstance(s, UserOperand)})
+        number = {n: m for m, n in enumerate(used)}
+        stages = tuple(Stage(stage.assignment, stage.out_format, tuple(
+            UserOperand(number[s.n]) if isinstance(s, UserOperand) else s for s in stage.inputs))
+            for stage in self.stages)
+        return Program(stages), tuple(self.inputs[n] for n in used)
 
     def identity(self, source: Source, like) -> _Part:
         """The part that is ``source`` as it is."""
@@ -104,15 +179,67 @@ class _Builder:
 
 
 def gradient_program(program: Program, moving: Sequence[bool], operands: Sequence, results: dict,
-                     flowing: dict, needed: Sequence[bool]) -> GradientProgram | None:
+                     flowing: dict, needed: Sequence[bool], rebuilt: dict[int, Rebuilt]) -> GradientProgram | None:
     """The gradients of the caller's ``operands`` that are ``needed``, as a program (see
     the module doc): ``results`` the forward's results the gradients read (stage ->
-    result), ``flowing`` the incoming gradients (stage -> gradient of its result, laid
-    out as the result), ``moving`` per stage whether its result moves with the operands
-    needing gradients. None when an operand or result is stored in a dense format."""
+    result; a ``rebuilt`` one's pattern alone), ``flowing`` the incoming gradients
+    (stage -> gradient of its result, laid out as the result), ``moving`` per stage
+    whether its result moves with the operands needing gradients. None when an operand
+    or result is stored in a dense format.
+
+    Written once per signature of the call (formats, shapes, dtypes, shared index
+    arrays): its operands are then the call's own, found where they were found when it
+    was written, or constants (all-ones tensors). A moving max's gradient reads tie
+    counts computed from the call's values: that program is written per call."""
     if any(isinstance(x, SparseTensor) and x.format.is_dense for x in (*operands, *results.values())):
         return None
-    build = _Builder()
+    sources = {("operand", n): x for n, x in enumerate(operands)}
+    sources.update((("result", k), x) for k, x in results.items())
+    sources.update((("flowing", k), x) for k, x in flowing.items())
+    per_call = any(moving[k] and step.assignment.reduction != "sum" and _reached(program, moving, flowing, k)
+                   for k, step in enumerate(program.stages))
+    key = None if per_call else (program, tuple(moving), tuple(needed), tuple(rebuilt.items()), _signature(sources))
+    written = None if key is None else _written.get(key)
+    if written is None:
+        written = _write(program, moving, operands, results, flowing, needed, rebuilt, sources)
+        if key is not None:
+            _written.put(key, written)
+    program, places, outputs = written
+    return GradientProgram(program, tuple(sources[p] if isinstance(p, tuple) else p.value for p in places), outputs)
+
+
+def _reached(program: Program, moving: Sequence[bool], flowing: dict, k: int) -> bool:
+    """Whether a gradient reaches stage ``k``'s result: one flows into it, or a moving
+    stage is differentiated in it."""
+    return k in flowing or any(moving[j] and step.inputs[n] == StageResult(k)
+                               for j, step in enumerate(program.stages) for n in differentiated(step.assignment))
+
+
+@dataclass(frozen=True)
+class _Constant:
+    """An operand of a written gradient program that every call shares."""
+
+    value: object
+
+
+_written: LRUCache[tuple] = LRUCache("gradient programs", 256)
+
+
+def _signature(sources: dict) -> tuple:
+    """What writing a gradient program depends on besides the program: each source's
+    layout (format, shape, dtype) and which of them share index arrays."""
+    values = list(sources.values())
+    layouts = tuple((place, x.format if isinstance(x, SparseTensor) else None, tuple(x.shape),
+                     x.values.dtype if isinstance(x, SparseTensor) else x.dtype) for place, x in sources.items())
+    return layouts + (shared_patterns(values),)
+
+
+def _write(program: Program, moving: Sequence[bool], operands: Sequence, results: dict, flowing: dict,
+           needed: Sequence[bool], rebuilt: dict[int, Rebuilt], sources: dict) -> tuple:
+    """:func:`gradient_program`'s program, each of its operands' place in ``sources``
+    (or a :class:`_Constant`), and its outputs."""
+    build = _Builder({id(results[k]): (results[r.stage], _source_value(r.divisor, operands, results), r.positions)
+                      for k, r in rebuilt.items()})
     gradients: dict[Source, list[_Part]] = {
         StageResult(k): [build.identity(build.operand(g), g)] for k, g in flowing.items()}
     for k in reversed(range(len(program.stages))):
@@ -129,15 +256,61 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
         one = _on_pattern(build, parts, parts[0].like)
         for n in wanted:
             gradient, extras, out_format = gradient_call(step.assignment, n, inputs, parts[0].like, results[k])
-            sources = (None, *forward, *(build.operand(x) for x in extras))
-            part = _substituted(gradient, sources, parts, out_format, _like(inputs[n], out_format), one)
+            sources_n = (None, *forward, *(build.operand(x) for x in extras))
+            part = _substituted(gradient, sources_n, parts, out_format, _like(inputs[n], out_format), one)
+            part = _rebuild_reads(build, part)
             source = step.inputs[n]
             gradients.setdefault(source if isinstance(source, StageResult) else UserOperand(source.n), []).append(part)
     outputs = []
     for n in range(len(operands)):
         parts = gradients.get(UserOperand(n))
         outputs.append(None if parts is None else build.stage(parts).sources[0].stage)
-    return GradientProgram(Program(tuple(build.stages)), tuple(build.inputs), tuple(outputs))
+    written, inputs = build.program()
+    place = {id(x): p for p, x in sources.items()}
+    return written, tuple(place.get(id(x), _Constant(x)) for x in inputs), tuple(outputs)
+
+
+def _source_value(source: Source, operands: Sequence, results: dict):
+    return operands[source.n] if isinstance(source, UserOperand) else results[source.stage]
+
+
+def _rebuild_reads(build: _Builder, part: _Part) -> _Part:
+    """``part`` reading ``R`` in place of each rebuilt result ``X`` it reads, times ``Y``
+    where a term reads ``X``'s value (``X = R · Y``; ``R`` has ``X``'s pattern, so a
+    factor read for its positions only reads ``R``'s)."""
+    slots = {n: build.rebuilt[id(build.value(source))] for n, source in enumerate(part.sources)
+             if isinstance(source, UserOperand) and id(build.value(source)) in build.rebuilt}
+    if not slots:
+        return part
+    sources = list(part.sources)
+    terms = []
+    for term in part.assignment.terms:
+        factors, value = list(term.factors), term.value
+        read = factors_of(_value(term)) if term.coefficient != 0.0 else set()
+        for f, access in enumerate(term.factors):
+            if access.operand not in slots:
+                continue
+            normalised, divisor, positions = slots[access.operand]
+            factors[f] = Access(_slot(sources, build.operand(normalised)), access.indices)
+            if f in read:
+                factors.append(Access(_slot(sources, build.operand(divisor)), tuple(access.indices[p] for p in positions)))
+                value = renumbered(_value(Term(1.0, term.factors, value)), lambda k, f=f, y=len(factors) - 1: (
+                    Apply("mul", (Factor(k), Factor(y))) if k == f else Factor(k)))
+        terms.append(Term(term.coefficient, tuple(factors), value))
+    used = sorted({a.operand for t in terms for a in t.factors})  # the rebuilt results are read no more
+    number = {n: m for m, n in enumerate(used)}
+    terms = [Term(t.coefficient, tuple(Access(number[a.operand], a.indices) for a in t.factors), t.value)
+             for t in terms]
+    names = tuple(f"operand{n}" for n in range(len(used)))
+    assignment = Assignment(part.assignment.output, tuple(terms), names, part.assignment.reduction)
+    return _Part(assignment, tuple(sources[n] for n in used), part.out_format, part.like)
+
+
+def _slot(sources: list, source: Source) -> int:
+    """The operand number of ``source`` among ``sources`` (appended if new)."""
+    if source not in sources:
+        sources.append(source)
+    return sources.index(source)
 
 
 def moves(source: Source, needed: Sequence[bool], moving: Sequence[bool]) -> bool:

@@ -39,8 +39,9 @@ import torch
 from sparsenn.formats import SparseTensor
 
 from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
-from .frontend.program import Program, StageResult, UserOperand, stage_inputs
-from .gradient_program import gradient_program, gradient_values, moves
+from .frontend.notation import Access, Assignment, Term
+from .frontend.program import Program, Stage, StageResult, UserOperand, stage_inputs
+from .gradient_program import Rebuilt, gradient_program, gradient_values, moves, rebuilt_results
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
 from .runtime.tracing import tracing, transforming
@@ -82,17 +83,20 @@ def _one_node(program: Program, operands: Sequence) -> bool:
 @dataclass(frozen=True)
 class _Reverse:
     """What a program's backward runs, for the caller's operands that require grad:
-    per stage, whether its result moves with them; the results it reads."""
+    per stage, whether its result moves with them; the results it reads, kept by the
+    forward; those it rebuilds from others (:func:`.gradient_program.rebuilt_results`)."""
 
     moving: tuple[bool, ...]
     read: frozenset[int]
+    rebuilt: dict[int, Rebuilt]
 
 
 @functools.lru_cache(maxsize=256)
-def _reverse(program: Program, needed: tuple[bool, ...]) -> _Reverse:
+def _reverse(program: Program, needed: tuple[bool, ...], outputs: tuple[int, ...]) -> _Reverse:
     """A stage moves when an input it is differentiated in does; a moving stage's
     gradients read its inputs and its result (a max's, to find the entries equal to it;
-    a pointwise statement's, its value: ``d exp(x) = exp(x) dx``)."""
+    a pointwise statement's, its value: ``d exp(x) = exp(x) dx``), except the results
+    they can rebuild from the others and ``outputs``."""
     moving: list[bool] = []
     read: set[int] = set()
     for k, step in enumerate(program.stages):
@@ -100,7 +104,9 @@ def _reverse(program: Program, needed: tuple[bool, ...]) -> _Reverse:
         if moving[-1]:
             read.update(s.stage for s in step.inputs if isinstance(s, StageResult))
             read.add(k)
-    return _Reverse(tuple(moving), frozenset(read))
+    rebuilt = rebuilt_results(program, frozenset(read), frozenset(outputs))
+    read = (read - set(rebuilt)) | {r.divisor.stage for r in rebuilt.values()}
+    return _Reverse(tuple(moving), frozenset(read), rebuilt)
 
 
 @dataclass
@@ -121,8 +127,8 @@ class _Call:
 def _recorded(program: Program, operands: Sequence, kept: frozenset[int]) -> list:
     templates = [op if isinstance(op, SparseTensor) else None for op in operands]
     tensors = [op.values if isinstance(op, SparseTensor) else op for op in operands]
-    reverse = _reverse(program, tuple(t.requires_grad for t in tensors))
     outputs = tuple(sorted(kept | {len(program.stages) - 1}))
+    reverse = _reverse(program, tuple(t.requires_grad for t in tensors), outputs)
     call = _Call(program, templates, outputs, reverse)
     values = _ProgramFunction.apply(call, *tensors)
     results, call.results = call.results, None  # the node keeps no reference to its outputs
@@ -156,6 +162,7 @@ class _ProgramFunction(torch.autograd.Function):
             return (None, *_recomputed(call, tensors, grads, needed))
         results = dict(ctx.read)
         results.update((k, _operand(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
+        results.update((k, call.patterns[k]) for k in call.reverse.rebuilt)
         return (None, *_backward(call, call.rebuild(tensors), results, dict(zip(call.outputs, grads)), needed))
 
 
@@ -164,12 +171,24 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
     its result): the gradient program, fused as the planner decides
     (:mod:`.gradient_program`), or else the stages' gradients in reverse, one by one."""
     incoming = {k: _operand(call.patterns.get(k), g.contiguous()) for k, g in flowing.items() if g is not None}
-    backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed)
+    rebuilt = call.reverse.rebuilt
+    backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed, rebuilt)
     if backward is None:
+        results.update((k, _rebuilt_value(call.program, r, operands, results)) for k, r in rebuilt.items())
         return _stage_by_stage(call, operands, results, flowing, needed)
     outputs = backward.outputs
     computed = run_program(backward.program, backward.inputs, frozenset(o for o in outputs if o is not None))
     return [None if o is None else gradient_values(computed[o], tpl) for o, tpl in zip(outputs, call.templates)]
+
+
+def _rebuilt_value(program: Program, rebuilt: Rebuilt, operands: list, results: dict):
+    """The result ``X = R · Y`` that ``rebuilt`` describes, computed."""
+    normalised, divisor = results[rebuilt.stage], stage_inputs(Stage(None, None, (rebuilt.divisor,)), operands,
+                                                                results)[0]
+    output = tuple(f"i{m}" for m in range(normalised.ndim))
+    indices = tuple(output[p] for p in rebuilt.positions)
+    term = Term(1.0, (Access(0, output), Access(1, indices)))
+    return evaluate(Assignment(output, (term,), ("R", "Y")), [normalised, divisor], normalised.format)
 
 
 def _stage_by_stage(call: _Call, operands: list, results: dict, flowing: dict, needed: Sequence[bool]) -> list:

@@ -96,8 +96,8 @@ _TABLE = [
     Function("add", 2, False, True, torch.add, lambda a, out: (_ONE, _ONE), torch.Tensor.add_),
     Function("sub", 2, False, True, torch.sub, lambda a, out: (_ONE, Constant(-1.0)), torch.Tensor.sub_),
     Function("mul", 2, False, True, torch.mul, lambda a, out: (a[1], a[0]), torch.Tensor.mul_),
-    Function("div", 2, False, False, torch.div,
-             lambda a, out: (apply("div", _ONE, a[1]), apply("neg", apply("div", out, a[1]))), torch.Tensor.div_),
+    Function("div", 2, False, False, torch.div, lambda a, out: (apply("div", _ONE, a[1]), apply("neg", (
+        apply("mul", out, out) if a[0] == _ONE else apply("div", out, a[1])))), torch.Tensor.div_),
     Function("max", 2, True, True, torch.maximum,
              lambda a, out: (apply("pick", a[0], a[1]), apply("pick", a[1], a[0]))),
     Function("min", 2, True, True, torch.minimum,

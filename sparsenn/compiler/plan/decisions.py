@@ -310,17 +310,17 @@ def simd_loop(order: Sequence[str], output: Sequence[str], factors: Sequence[Nes
 
 def stores_once(
     order: Sequence[str], output: Sequence[str], factors: Sequence[NestFactor], tiles: Sequence[str],
-    blocked: bool, anchor_factor: int | None,
+    blocked: bool, anchors: frozenset[int] = frozenset(),
 ) -> bool:
     """Whether the nest stores every output element once (see the module doc), with
-    factor ``anchor_factor`` (if any) sampling the output."""
+    the factors ``anchors`` (if any) sampling the output at the same points."""
     if blocked:
         loops = (*order[: reductions_from(order, output, len(order) - 1)], order[-1])
     else:
         loops = order[: reductions_from(order, output, len(order))]
     if set(loops) != set(output) or any(t not in output for t in tiles):
         return False
-    return not any(f.filters(i) for k, f in enumerate(factors) if k != anchor_factor for i in output)
+    return not any(f.filters(i) for k, f in enumerate(factors) if k not in anchors for i in output)
 
 
 MAX_LATTICE_TERMS = 2

@@ -218,8 +218,10 @@ def _bound_by_multiply_adds(sched: Schedule, itemsize: int, target: Target) -> s
     return ""
 
 
-def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target) -> Nest:
-    """``nest`` (the ``n``-th) of a dense output with its code decisions."""
+def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target,
+                     patterns: Sequence[int | None]) -> Nest:
+    """``nest`` (the ``n``-th) of a dense output with its code decisions; ``patterns``:
+    per operand, the operand whose index arrays it shares (None: its own)."""
     output = assignment.output
     order, f = nest.order, [x.nest_factor() for x in factors]
     block = nest.register_block
@@ -239,15 +241,31 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     layered = nest.register_tile is not None and nest.register_tile.depth > 0  # its layers add partial sums
     if n == 0 and not layered:
         tiles = [t.index for t in nest.tiles]
-        fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None, None)
+        fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None)
         term = assignment.terms[nest.term]
         fields["stores_once_anchors"] = tuple(sorted({
             a.operand for k, a in enumerate(term.factors)
             if a.indices == output and f[k].sparse
             and k == next(j for j, b in enumerate(term.factors) if b.operand == a.operand and b.indices == output)
-            and decisions.stores_once(order, output, f, tiles, block is not None, k)
+            and decisions.stores_once(order, output, f, tiles, block is not None,
+                                      _followers(term, factors, output, patterns, k))
         }))
     return replace(nest, **fields)
+
+
+def _followers(term, factors: list[Factor], output: tuple[str, ...], patterns: Sequence[int | None],
+               anchor: int) -> frozenset[int]:
+    """Factor ``anchor`` of ``term`` and the factors read where it is (their operands share
+    its index arrays, read as stored at the output indices: the lowering's followers),
+    which visit no point the anchor does not."""
+    def leader(operand: int) -> int:
+        shared = patterns[operand] if patterns else None
+        return operand if shared is None else shared
+
+    home = leader(term.factors[anchor].operand)
+    return frozenset(k for k, a in enumerate(term.factors)
+                     if k == anchor or (factors[k].sparse and factors[k].in_place and a.indices == output
+                                        and leader(a.operand) == home))
 
 
 def _fiber(index: str, factors: list[Factor]) -> float:
@@ -369,7 +387,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
                                f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
         sums = microkernel.block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
         blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost))
-    nests = [_dense_decisions(nest, n, factors, assignment, target)
+    patterns = tuple(info.pattern for info in infos)
+    nests = [_dense_decisions(nest, n, factors, assignment, target, patterns)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:
         nests[0] = replace(nests[0], epilogue_at=_epilogue_at(nests[0], assignment.output, nest_factors[0]))
