@@ -17,39 +17,25 @@ planner fuses the statements when ``S``'s rows (or block rows) lead its storage 
 dense levels (``compiler/plan/fusion.py``): one kernel computes per row ``M``, ``E``,
 ``Z`` and ``P`` while the row is in cache.
 
-Backward, on ``S``'s pattern, programs too: ``G[r] = sum[j](dP[r,j] * P[r,j]);
-dS<P>[r,j] = P[r,j] * (dP[r,j] - G[r])`` for softmax (fused per row) and
-``G[r] = sum[j](dL[r,j]); dS<L>[r,j] = dL[r,j] - exp(L[r,j]) * G[r]`` for log-softmax.
-While traced, each program is one ``sparsenn::evaluate`` op. A slice with no stored
-entry stays empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
+Backward: the programs' gradients (``compiler/program_autograd.py``), programs too, fused
+per row as well. Softmax's reads ``P``, not ``E``: ``E = P · Z`` is rebuilt
+(``compiler/gradient_program.py``), so the forward keeps ``P`` and ``Z`` only, and
+``dS = (dP / Z + dZ) · P · Z`` with ``dZ = -(1/Z)² · Z · sum[j](dP · P)``. While traced,
+each statement is one ``sparsenn::evaluate`` op. A slice with no stored entry stays
+empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
 
 import torch
 
 from sparsenn.compiler import CompiledExpression, compile_expression
-from sparsenn.compiler.batching import batched_format
-from sparsenn.compiler.runtime.tracing import tracing
 from sparsenn.formats import SparseTensor
 
-__all__ = ["softmax", "log_softmax", "softmax_program", "softmax_gradient"]
-
-
-@dataclass(frozen=True)
-class _Programs:
-    """Softmax's programs along one mode of tensors of one rank (operands in the order
-    written)."""
-
-    softmax: CompiledExpression            # (S) -> P
-    log_softmax: CompiledExpression        # (S) -> L
-    softmax_grad: CompiledExpression       # (dP, P) -> dS
-    log_softmax_grad: CompiledExpression   # (dL, L) -> dS
-    log_softmax_tangent: CompiledExpression  # (dS, L) -> dL = dS - sum_j exp(L) dS
+__all__ = ["softmax", "log_softmax", "softmax_program"]
 
 
 def softmax_program(rank: int, dim: int, scores: str = "") -> str:
@@ -68,91 +54,16 @@ def _indices(rank: int, dim: int) -> tuple[str, str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _programs(rank: int, dim: int) -> _Programs:
+def _softmax(rank: int, dim: int) -> CompiledExpression:
+    return compile_expression(softmax_program(rank, dim))
+
+
+@functools.lru_cache(maxsize=None)
+def _log_softmax(rank: int, dim: int) -> CompiledExpression:
     full, rows, j = _indices(rank, dim)
-    return _Programs(
-        softmax=compile_expression(softmax_program(rank, dim)),
-        log_softmax=compile_expression(
-            f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - detach(M[{rows}]))); "
-            f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - detach(M[{rows}]) - W[{rows}]"),
-        softmax_grad=compile_expression(
-            f"G[{rows}] = sum[{j}](dP[{full}] * P[{full}]); dS<P>[{full}] = P[{full}] * (dP[{full}] - G[{rows}])"),
-        log_softmax_grad=compile_expression(
-            f"G[{rows}] = sum[{j}](dL[{full}]); dS<L>[{full}] = dL[{full}] - exp(L[{full}]) * G[{rows}]"),
-        log_softmax_tangent=compile_expression(
-            f"G[{rows}] = sum[{j}](T[{full}] * exp(L[{full}])); dL<L>[{full}] = T[{full}] - G[{rows}]"),
-    )
-
-
-class _Softmax(torch.autograd.Function):
-    """``values`` of ``pattern`` -> values of softmax (or log-softmax) along ``dim``, with
-    torch.func's ``vmap`` rule: the batched values as a dense level below ``pattern``'s,
-    softmax along ``dim + 1`` (one call; a blocked or n:m pattern runs once per batch
-    element). Traced by torch.compile as it is; eagerly, :class:`_SoftmaxWithJvp`."""
-
-    @staticmethod
-    def forward(values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool) -> torch.Tensor:
-        programs = _programs(pattern.ndim, dim)
-        return (programs.log_softmax if log else programs.softmax)(_on_pattern(pattern, values)).values
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _, pattern, dim, log = inputs
-        ctx.save_for_backward(output)
-        ctx.save_for_forward(output)
-        ctx.pattern, ctx.dim, ctx.log = pattern, dim, log
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (out,) = ctx.saved_tensors
-        if not ctx.log:
-            return softmax_gradient(ctx.pattern, ctx.dim, out, grad), None, None, None
-        d_out, result = _on_pattern(ctx.pattern, grad.contiguous()), _on_pattern(ctx.pattern, out)
-        return _programs(ctx.pattern.ndim, ctx.dim).log_softmax_grad(d_out, result).values, None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, values: torch.Tensor, pattern: SparseTensor, dim: int, log: bool):
-        fmt = batched_format(pattern.format)
-        if fmt is None:
-            function = _softmax_function()
-            out = [function.apply(values.select(in_dims[0], k), pattern, dim, log) for k in range(info.batch_size)]
-            return torch.stack(out), 0
-        batched = SparseTensor((info.batch_size, *pattern.shape), fmt, pattern.pos + (None,), pattern.crd + (None,),
-                               values.movedim(in_dims[0], -1).contiguous().reshape(-1), check=False,
-                               index_dtype=pattern.index_dtype)
-        return _softmax_function().apply(batched.values, batched, dim + 1, log).view(-1, info.batch_size), 1
-
-
-class _SoftmaxWithJvp(_Softmax):
-    """:class:`_Softmax` with forward mode (``jvp``, ``jacfwd``), which torch.compile
-    cannot trace: softmax's Jacobian is symmetric, so its tangent is its gradient's
-    expression; log-softmax's is ``dL = dS - sum_j P dS`` with ``P = exp(L)``."""
-
-    @staticmethod
-    def jvp(ctx, tangent: torch.Tensor, *_):
-        (out,) = ctx.saved_tensors
-        pattern, dim = ctx.pattern, ctx.dim
-        if not ctx.log:
-            return softmax_gradient(pattern, dim, out, tangent)
-        d_in, result = _on_pattern(pattern, tangent.contiguous()), _on_pattern(pattern, out)
-        return _programs(pattern.ndim, dim).log_softmax_tangent(d_in, result).values
-
-
-def _softmax_function() -> type[_Softmax]:
-    return _Softmax if tracing() else _SoftmaxWithJvp
-
-
-def softmax_gradient(pattern: SparseTensor, dim: int, probabilities: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """``dS = P * (dP - sum_j dP * P)`` along ``dim``: the values on ``pattern`` of the
-    gradient of ``P = softmax(S)`` (values ``probabilities``) given ``dP`` (``grad``)."""
-    d_out, result = _on_pattern(pattern, grad.contiguous()), _on_pattern(pattern, probabilities)
-    return _programs(pattern.ndim, dim).softmax_grad(d_out, result).values
-
-
-def _on_pattern(pattern: SparseTensor, values: torch.Tensor) -> SparseTensor:
-    """``values`` on ``pattern``: ``_share``, not ``with_values``, as a traced backward may
-    not inspect tensors as with_values' checks do."""
-    return pattern._share(pattern.shape, pattern.format, values)
+    return compile_expression(
+        f"M[{rows}] = max[{j}](S[{full}]); Z[{rows}] = sum[{j}](exp(S[{full}] - detach(M[{rows}]))); "
+        f"W[{rows}] = log(Z[{rows}]); L<S>[{full}] = S[{full}] - detach(M[{rows}]) - W[{rows}]")
 
 
 def _normalised_dim(S: object, dim: object, name: str) -> int:
@@ -182,7 +93,7 @@ def softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
     (unstored entries are ``-inf``, as ``torch.sparse.softmax``), on ``S``'s pattern.
     Differentiable with respect to ``S.values``."""
     d = _normalised_dim(S, dim, "softmax")
-    return S.with_values(_softmax_function().apply(S.values, S, d, False))
+    return S.with_values(_softmax(S.ndim, d)(S).values)
 
 
 def log_softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
@@ -190,4 +101,4 @@ def log_softmax(S: SparseTensor, dim: int = -1) -> SparseTensor:
     (as ``torch.sparse.log_softmax``), on ``S``'s pattern. Differentiable with respect
     to ``S.values``."""
     d = _normalised_dim(S, dim, "log_softmax")
-    return S.with_values(_softmax_function().apply(S.values, S, d, True))
+    return S.with_values(_log_softmax(S.ndim, d)(S).values)

@@ -62,7 +62,7 @@ class BatchedResult:
     or a sparse result's values), and for a sparse result its unbatched ``pattern``."""
 
     tensor: torch.Tensor
-    out_dim: int
+    out_dim: int | None  # None: the same for every element (no operand read is batched)
     pattern: SparseTensor | None
 
 
@@ -179,6 +179,14 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     one call of the batched assignment where it can be one (see the module's docs).
     ``templates[n]``: operand ``n``'s pattern (its values are ``tensors[n]``), or None if
     dense; ``in_dims[n]``: the batch dimension of ``tensors[n]``, or None."""
+    read = {a.operand for a in assignment.accesses}
+    if all(d is None or n not in read for n, d in enumerate(in_dims)):  # the same result for every element
+        elements = [x if d is None else x.select(d, 0) for x, d in zip(tensors, in_dims)]  # unread when batched
+        result = run(assignment, [x if t is None else t._share(t.shape, t.format, x)
+                                  for t, x in zip(templates, elements)], out_format)
+        if isinstance(result, SparseTensor):
+            return BatchedResult(result.values, None, result)
+        return BatchedResult(result, None, None)
     fmt = _unbatched_result_format(assignment, tuple(None if t is None else t.format for t in templates), out_format)
     if fmt == "loop" or any(t is not None and (batched_format(t.format) is None or fmt is not None and not _unique(t))
                             for t, d in zip(templates, in_dims) if d is not None):

@@ -63,16 +63,37 @@ def run_all(program: Program, operands: Sequence, kept: frozenset[int] = frozens
             return run_program(program, operands, kept)
         if _one_node(program, operands):
             return _recorded(program, operands, kept)
-    return _stagewise(program, operands)
+    return _stagewise(program, operands, kept)
 
 
-def _stagewise(program: Program, operands: Sequence) -> list:
-    """Every stage's result, each stage recorded for autograd on its own."""
+def _stagewise(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
+    """Every stage's result, each stage recorded for autograd on its own, except those
+    only read under ``detach`` (:func:`_constant_stages`): computed from detached
+    operands, with no derivative to define (a softmax's max has none in forward mode)."""
     results: list = []
-    for step in program.stages:
-        results.append(differentiable_evaluate(evaluate, step.assignment, stage_inputs(step, operands, results),
-                                               step.out_format))
+    constant = _constant_stages(program, kept)
+    for k, step in enumerate(program.stages):
+        inputs = stage_inputs(step, operands, results)
+        if k in constant:
+            inputs = [_detached(x) for x in inputs]
+        results.append(differentiable_evaluate(evaluate, step.assignment, inputs, step.out_format))
     return results
+
+
+@functools.lru_cache(maxsize=256)
+def _constant_stages(program: Program, kept: frozenset[int]) -> frozenset[int]:
+    """The stages, neither the last nor ``kept``, whose results no stage is
+    differentiated in (each reads them under ``detach``, or for their patterns only)."""
+    read = {step.inputs[n].stage for step in program.stages for n in differentiated(step.assignment)
+            if isinstance(step.inputs[n], StageResult)}
+    last = len(program.stages) - 1
+    return frozenset(k for k in range(last) if k not in read and k not in kept)
+
+
+def _detached(operand):
+    if isinstance(operand, SparseTensor):
+        return operand.with_values(operand.values.detach())
+    return operand.detach() if isinstance(operand, torch.Tensor) else operand
 
 
 def _one_node(program: Program, operands: Sequence) -> bool:
@@ -217,7 +238,7 @@ def _stage_by_stage(call: _Call, operands: list, results: dict, flowing: dict, n
 def _recomputed(call: _Call, tensors: Sequence[torch.Tensor], grads: Sequence, needed: Sequence[bool]) -> list:
     """The gradients as a differentiable graph (``create_graph=True``): the stages run
     again from ``tensors``, each recorded, and differentiated by torch's autograd."""
-    results = _stagewise(call.program, call.rebuild(tensors))
+    results = _stagewise(call.program, call.rebuild(tensors), frozenset(call.outputs))
     pairs = [(_values(results[k]), g) for k, g in zip(call.outputs, grads) if g is not None]
     wanted = [t for t, need in zip(tensors, needed) if need]
     computed = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,

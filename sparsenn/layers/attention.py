@@ -19,8 +19,9 @@ With ``x`` of shape ``(batch, L, E)``, ``H`` heads of ``d = E / H`` and blocks o
   without gradients (inference), the SpMM is one more statement of the program, fused
   too: each block row's ``P`` is multiplied by ``V`` while still in cache.
 
-Backward: softmax's gradient ``dS``, then ``dQ = dS K`` and ``dK = dSᵀ Q`` as compiled
-products over the mask's pattern. A query row with no unpadded key in its blocks is
+Backward: the program's gradient (``compiler/program_autograd.py``), a program too:
+softmax's gradient ``dS`` on the mask's pattern (from ``P``, which the forward keeps),
+then ``dQ = scale · dS K`` and ``dK = scale · dSᵀ Q``. A query row with no unpadded key in its blocks is
 empty: its output is zero.
 """
 
@@ -38,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import has_static_value
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
 from sparsenn.compiler.runtime.tracing import tracing, transforming
 from sparsenn.formats import SparseTensor, from_coo, from_dense
-from sparsenn.functional import softmax_gradient, softmax_program
+from sparsenn.functional import softmax_program
 from sparsenn.layers.arguments import checked_int
 from sparsenn.layers.bigbird import (BlockPattern, at_key_blocks, bigbird_mask_constant, bigbird_pattern, block_mask,
                                      causal_pattern, entry_mask, head_mean, mask_format)
@@ -72,56 +73,6 @@ def _attention(scale: float, padded: bool, entries: bool = False, weights: bool 
     text = softmax_program(4, 3, _scores(scale, padded, entries))
     return compile_expression(f"{text}; O[i0,i1,i2,d] = P[i0,i1,i2,i3] * V[i0,i1,i3,d]", "dense",
                               ("O", "P") if weights else None)
-
-
-# The scores' gradients without the scale (dense results); built at import, as traced
-# code calls existing compiled expressions.
-_QUERY_GRADIENT = compile_expression("dQ[b,h,i,d] = dS[b,h,i,j] * K[b,h,j,d]", "dense")
-_KEY_GRADIENT = compile_expression("dK[b,h,j,d] = dS[b,h,i,j] * Q[b,h,i,d]", "dense")
-
-
-class _Probabilities(torch.autograd.Function):
-    """The values on ``M``'s pattern of ``P = softmax(S)``, ``S<M> = scale * Q Kᵀ (+ bias)``
-    (:func:`_probabilities`). Backward: softmax's gradient ``dS``, then
-    ``dQ = scale * dS K`` and ``dK = scale * dSᵀ Q`` (the bias is a constant). ``bias``:
-    None, a ``(batch, L')`` key bias, or ``mask.values`` (an additive bias on the stored
-    entries, which the scores then read). The mask's values are a tensor input too, so
-    torch.func hands them over unwrapped. Under ``torch.func.vmap``, once per batch
-    element; forward mode (``jvp``) is not defined."""
-
-    @staticmethod
-    def forward(q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
-                scale: float) -> Tensor:
-        padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
-        mask = mask._share(mask.shape, mask.format, mask_values)
-        return _probabilities(scale, padded, entries)(mask, q, k, *([bias] if padded else [])).values
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        q, k, _, _, mask, scale = inputs
-        ctx.save_for_backward(q, k, output)
-        ctx.mask, ctx.scale = mask, scale
-
-    @staticmethod
-    def backward(ctx, d_values: Tensor):
-        q, k, values = ctx.saved_tensors
-        mask = ctx.mask
-        d_scores = mask._share(mask.shape, mask.format, softmax_gradient(mask, 3, values, d_values))
-        dq = _QUERY_GRADIENT(d_scores, k) * ctx.scale if ctx.needs_input_grad[0] else None
-        dk = _KEY_GRADIENT(d_scores, q) * ctx.scale if ctx.needs_input_grad[1] else None
-        return dq, dk, None, None, None, None
-
-    @staticmethod
-    def vmap(info, in_dims, q: Tensor, k: Tensor, bias: Tensor | None, mask_values: Tensor, mask: SparseTensor,
-             scale: float):
-        """Once per batch element (the mask's block format takes no batch level)."""
-        def element(t: Tensor | None, dim: int | None, n: int) -> Tensor | None:
-            return t if dim is None else t.select(dim, n)
-
-        out = [_Probabilities.apply(element(q, in_dims[0], n), element(k, in_dims[1], n),
-                                    element(bias, in_dims[2], n), element(mask_values, in_dims[3], n), mask, scale)
-               for n in range(info.batch_size)]
-        return torch.stack(out), 0
 
 
 class BlockSparseAttention(nn.Module):
@@ -459,17 +410,18 @@ class BlockSparseAttention(nn.Module):
                                     self.block_size, padding, bias, is_causal, q.dtype)
         else:
             mask = self._mask_for(self._forward_pattern(length, False), batch, padding, q.dtype)
+        padded = padding is not None and not entries  # a key bias: -inf at padded keys
         if entries:
             score_bias = mask.values
-        elif padding is not None:
+        elif padded:
             score_bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
         else:
             score_bias = None
-        out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, score_bias, mask,
-                                                                              need_weights)
+        bias_operand = [score_bias] if padded else []
+        out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, bias_operand, mask, padded,
+                                                                              entries, need_weights)
         if out is None:
-            probs = mask.with_values(
-                _Probabilities.apply(q, k, score_bias, mask.values, mask, self._score_scale))
+            probs = _probabilities(self._score_scale, padded, entries)(mask, q, k, *bias_operand)
             if rows is not None:  # rows whose every key is masked: zero attention
                 probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
@@ -486,16 +438,15 @@ class BlockSparseAttention(nn.Module):
         return out, from_coo(indices[:, inside], values[inside], probs.shape[:-2] + (length, length),
                              format="d" * (probs.ndim - 1) + "c")
 
-    def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, mask: SparseTensor,
-                      need_weights: bool) -> tuple[Tensor | None, SparseTensor | None]:
+    def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: list[Tensor], mask: SparseTensor, padded: bool,
+                      entries: bool, need_weights: bool) -> tuple[Tensor | None, SparseTensor | None]:
         """``(O, P or None)`` by :func:`_attention` when nothing needs ``P`` apart (no dropout,
-        no gradient; while traced, no weights either), else ``(None, None)``; ``bias`` as
-        :class:`_Probabilities` takes it."""
+        no gradient; while traced, no weights either), else ``(None, None)``; ``bias``: the
+        key bias if ``padded``, as :func:`_probabilities` takes it."""
         if (need_weights and tracing()) or (self.training and self.dropout > 0.0) or (
                 torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))):
             return None, None
-        padded, entries = bias is not None and bias.dim() == 2, bias is not None and bias.dim() == 1
-        operands = [mask, q, k] + ([bias] if padded else []) + [v]
+        operands = [mask, q, k, *bias, v]
         result = _attention(self._score_scale, padded, entries, need_weights)(*operands)
         return result if need_weights else (result, None)
 
