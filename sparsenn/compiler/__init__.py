@@ -59,8 +59,11 @@ before them and its SpMM after), decided from the stages' plans before anything 
 with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
 (``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
 are in cache, launched as in step 5; a stage alone runs as in steps 2-5. When gradients
-are needed ``program_autograd.py`` records the program as one autograd node, whose
-backward runs each stage's gradient einsums (``autograd.py``) in reverse.
+are needed ``program_autograd.py`` records the program as one autograd node (keeping
+the results its gradients read, not those it can rebuild), whose backward is a program
+too: ``gradient_program.py`` writes each stage's gradient einsums (``autograd.py``)
+down in reverse, pointwise ones substituted into those reading them, and it runs fused
+as above.
 
 Under ``torch.compile``, ``torch.export`` or ``torch.jit.trace``
 (``runtime/tracing.py``), step 2 records one ``sparsenn::evaluate`` op per call instead
