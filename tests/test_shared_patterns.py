@@ -60,3 +60,21 @@ def test_a_sampled_gradient_reads_no_value_of_its_operand():
     sparsenn.einsum("ij,jk->ik", A.with_values(values), X).backward(g)
     rows, cols = A.coords()[0]
     torch.testing.assert_close(values.grad, (g @ X.T)[rows, cols])
+
+
+@pytest.mark.parametrize("fmt", ["csr", "bsr(2,4)"])
+def test_a_result_sampled_by_operands_sharing_its_pattern_is_stored_once(fmt):
+    """``Out<P> = P * dP - P * g`` with ``dP`` on ``P``'s index arrays: each stored value
+    is written once (``=``), so the output is not filled first (poisoned memory shows it)."""
+    P = random_sparse((8, 12), fmt, seed=2)
+    dP = P.with_values(torch.randn(P.nnz, dtype=torch.float64))
+    g = torch.randn(8, dtype=torch.float64)
+    expression = sparsenn.compile("Out<P>[i,j] = P[i,j] * (dP[i,j] - g[i])")
+    assert "stores each sampled value once if operand(s) [0, 1] anchor the output" in expression.explain(P, dP, g)
+    previous = sparsenn.compiler.poison_outputs(True)
+    try:
+        result = expression(P, dP, g)
+    finally:
+        sparsenn.compiler.poison_outputs(previous)
+    expected = P.to_dense() * (dP.to_dense() - g[:, None])
+    torch.testing.assert_close(result.to_dense(), expected)
