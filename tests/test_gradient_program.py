@@ -87,3 +87,25 @@ def test_factors_a_sum_does_not_vary_along_are_moved_into_its_epilogue():
     text = expression.explain(A, B, z)
     planned = next(line for line in text.splitlines() if "moved into the epilogue" in line)
     assert "(sum_{j} (A[i,j] * B[i,j])) * (exp(z[i]) * (1 / z[i]))" in planned and "epilogue fused after loop" in text
+
+
+def test_a_written_gradient_program_is_reused_only_for_the_same_operands():
+    """Written once per call signature: one object passed twice is one operand of the
+    program, so a later call with two objects on one pattern needs a program of its own."""
+    g = torch.Generator().manual_seed(5)
+    A = sparsenn.from_dense(torch.randn(6, 7, generator=g, dtype=torch.float64).relu(), format="csr")
+    product = sparsenn.compile("T[i] = sum[j](A[i,j] * B[i,j]); Out[i] = exp(T[i])")
+    rows, cols = A.coords()[0]
+    a = A.values.clone().requires_grad_()
+    X = A.with_values(a)
+    product(X, X).sum().backward()
+    square = A.to_dense().clone().requires_grad_()
+    (square * square).sum(1).exp().sum().backward()
+    torch.testing.assert_close(a.grad, square.grad[rows, cols])
+    a.grad = None
+    b = torch.randn(A.nnz, generator=g, dtype=torch.float64).requires_grad_()
+    product(X, A.with_values(b)).sum().backward()
+    left, right = A.to_dense().clone().requires_grad_(), A.with_values(b.detach()).to_dense().requires_grad_()
+    (left * right).sum(1).exp().sum().backward()
+    torch.testing.assert_close(a.grad, left.grad[rows, cols])
+    torch.testing.assert_close(b.grad, right.grad[rows, cols])

@@ -227,11 +227,14 @@ _written: LRUCache[tuple] = LRUCache("gradient programs", 256)
 
 def _signature(sources: dict) -> tuple:
     """What writing a gradient program depends on besides the program: each source's
-    layout (format, shape, dtype) and which of them share index arrays."""
+    layout (format, shape, dtype), which of them are one object (read as one operand),
+    and which share index arrays."""
     values = list(sources.values())
     layouts = tuple((place, x.format if isinstance(x, SparseTensor) else None, tuple(x.shape),
                      x.values.dtype if isinstance(x, SparseTensor) else x.dtype) for place, x in sources.items())
-    return layouts + (shared_patterns(values),)
+    first: dict[int, int] = {}
+    objects = tuple(first.setdefault(id(x), n) for n, x in enumerate(values))
+    return layouts + (objects, shared_patterns(values))
 
 
 def _write(program: Program, moving: Sequence[bool], operands: Sequence, results: dict, flowing: dict,
