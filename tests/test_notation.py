@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparsenn.compiler.autograd import _gradient_assignment
+from sparsenn.compiler.derivatives import gradient_assignment
 from sparsenn.compiler.frontend.expression import parse_expression
 from sparsenn.compiler.frontend.notation import Access, Assignment, NotationError, Term, parse_einsum
 
@@ -40,7 +40,7 @@ def test_parsed_expressions_print_unit_coefficients_as_signs() -> None:
 def test_sampled_gradient_shows_its_zero_mask_term() -> None:
     """d/dA of ``ij,jk->ik`` for sparse A: the product sampled at A's pattern, plus
     ``0 * mask`` keeping every stored position (printed as ``+ M`` before)."""
-    gradient, _ = _gradient_assignment(parse_einsum("ij,jk->ik", 2), 0, 2, True)
+    gradient, _ = gradient_assignment(parse_einsum("ij,jk->ik", 2), 0, 2, True)
     assert str(gradient).endswith("+ 0 * operand3[@0,@1]")
 
 

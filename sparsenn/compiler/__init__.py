@@ -10,8 +10,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    (``frontend/notation.py``, cached; terms may apply the scalar functions of
    ``frontend/functions.py`` to their factors, reduce by max or min, and end in an
    epilogue) and hands it to ``autograd.py``, which records the call when gradients are
-   needed (backward passes are einsums too; ``gradients.py`` and ``batching.py`` under
-   torch.func transforms) and calls ``runtime/evaluate.py``.
+   needed (backward passes are einsums too, derived in ``derivatives.py``; ``gradients.py``
+   and ``batching.py`` under torch.func transforms) and calls ``runtime/evaluate.py``.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,

@@ -1,24 +1,10 @@
 """Autograd: every backward pass is itself a compiled sparse einsum.
 
-For ``Out = sum_t c_t prod_f T_f`` the gradient with respect to an operand ``X`` sums,
-over each factor ``f`` that reads ``X``, the product of the output gradient and the
-other factors of ``f``'s term, contracted onto ``f``'s indices:
-
-* ``X`` dense: ``dX[x] = sum_t c_t sum_{rest} dOut[o] prod_{g != f} T_g`` — an ordinary
-  (often sparse-times-dense) einsum with a dense result;
-* ``X`` sparse: the gradient lives on ``X``'s pattern only (its values are the leaf),
-  so the same product is *sampled* by a mask with ``X``'s pattern (read for its stored
-  positions only) — an SDDMM-like kernel that iterates the pattern — plus a zero-valued
-  copy of the pattern, so the result has exactly ``X``'s stored positions and its values
-  line up with ``X.values``; that copy is left out when nothing else narrows the
-  pattern (the kernel then writes at the mask's positions anyway).
-
-A term with a value tree ``v`` over its factors contributes ``dOut * dv/dT_f``, the
-derivative tree built by :func:`~.frontend.functions.derivative` and read at the same points
-(all the term's factors, so the term's pattern); under a max or min, only where ``v``
-equals the result, split equally between ties (as ``torch.amax``). An epilogue
+The gradient of a call with respect to each operand, and its tangent, are assignments
+(:mod:`.derivatives`) over the output gradient, the operands and a few extras (all-ones
+tensors, the operand's pattern, the result, tie counts of a max), made here. An epilogue
 ``Out = e(R)`` runs, when gradients are needed, as ``R`` and then ``e`` as an
-elementwise term over ``R``, so each has the gradient above.
+elementwise term over ``R``, so each has such a gradient.
 
 All contributions for one operand form one expression, compiled and scheduled like
 any other. Only the gradients that are needed are built and run. They are evaluated
@@ -26,16 +12,14 @@ as differentiable calls, so a backward with ``create_graph=True`` (or a nested
 ``torch.func`` transform) differentiates them again: higher-order gradients.
 
 torch.func (:class:`_SparseEinsum`, in ``forward`` + ``setup_context`` form): ``grad``,
-``vjp`` and ``jacrev`` use the backward above; ``jvp`` and ``jacfwd`` the tangent
-``dOut = sum_t sum_{f reads X} (T_f replaced by dT_f)`` of a multilinear term (a value
-tree contributes ``dv/dT_f * dT_f``), one einsum; ``vmap`` one batched einsum
+``vjp`` and ``jacrev`` use the backward above; ``jvp`` and ``jacfwd`` the tangent, one
+einsum; ``vmap`` one batched einsum
 (:mod:`.batching`). Under any transform every call goes through the Function, whose
 rules hand the kernels plain tensors.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,13 +28,12 @@ from torch import is_autocast_enabled, is_grad_enabled
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers
 
-from sparsenn.formats import Format, SparseTensor
+from sparsenn.formats import SparseTensor
 
 from .backend import jit
 from .batching import batched_call
-from .frontend.functions import apply, derivative, product
-from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
-from .plan.anchor import sampled_operand
+from .derivatives import differentiated, gradient_assignment, tangent_assignment, ties, without_zero_term
+from .frontend.notation import Assignment
 from .plan.bias import split_epilogue
 from .runtime.cache import Guard
 from .runtime.evaluate import Run, build_together, evaluate, guarded_run
@@ -111,13 +94,6 @@ class _Spec:
         return differentiable_evaluate(self.evaluate, assignment, operands, out_format)
 
 
-# What a gradient expression reads besides ``(grad_out, *operands)``, in order: an
-# all-ones tensor over some of the operand's modes, the operand's pattern (the operand
-# itself: its values are not read), the forward result, or the number of arg-max entries
-# of each output element.
-Extra = tuple
-
-
 def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, result,
                          read_result: bool = False) -> tuple[Assignment, list, object]:
     """The assignment, operand list and out_format computing d(loss)/d(operand)
@@ -126,7 +102,7 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, re
     if template is not None and template.format.is_dense:
         template = None  # stored densely: compute a dense gradient, then lay it out as values
     rank = len(operands[operand].shape)
-    assignment, extras = _gradient_assignment(spec.assignment, operand, rank, template is not None, read_result)
+    assignment, extras = gradient_assignment(spec.assignment, operand, rank, template is not None, read_result)
     inputs = [grad_out] + list(operands)
     shape = operands[operand].shape
     for extra in extras:
@@ -137,170 +113,12 @@ def _gradient_expression(spec: _Spec, operand: int, operands: list, grad_out, re
         elif extra[0] == "result":
             inputs.append(result)
         else:
-            inputs.append(spec.run(_ties(spec.assignment), list(operands) + [result], "dense"))
+            inputs.append(spec.run(ties(spec.assignment), list(operands) + [result], "dense"))
     if template is None:
         return assignment, inputs, "dense"
     formats = tuple(op.format if isinstance(op, SparseTensor) else None for op in inputs)
     mask = 1 + len(operands) + extras.index(("mask",))
-    return _without_zero_term(assignment, formats, _shared_patterns(inputs), mask), inputs, template.format
-
-
-def _rename(indices: tuple[str, ...], rename: dict[str, str]) -> tuple[str, ...]:
-    return tuple(rename.get(i, i) for i in indices)
-
-
-def _reduced_value(term: Term) -> Value:
-    """What the reduction combines: the term's value (its product by default) times its
-    coefficient."""
-    value = product(len(term.factors)) if term.value is None else term.value
-    return value if term.coefficient == 1.0 else apply("mul", Constant(term.coefficient), value)
-
-
-def _shifted(value: Value, by: int) -> Value:
-    """``value`` with every factor number moved on by ``by``."""
-    if isinstance(value, Factor):
-        return Factor(value.k + by)
-    if isinstance(value, Apply):
-        return Apply(value.function, tuple(_shifted(a, by) for a in value.args))
-    return value
-
-
-def _pointwise(assignment: Assignment) -> bool:
-    """Whether ``assignment`` is ``Out = v(T...)`` at each visited point: one term,
-    coefficient 1, every index an output index."""
-    if assignment.reduction != "sum" or len(assignment.terms) != 1:
-        return False
-    (term,) = assignment.terms
-    return term.coefficient == 1.0 and all(i in assignment.output for a in term.factors for i in a.indices)
-
-
-def _replaced(tree: Value, part: Value, by: Value) -> Value:
-    """``tree`` with every subtree equal to ``part`` replaced by ``by``."""
-    if tree == part:
-        return by
-    if isinstance(tree, Apply):
-        return Apply(tree.function, tuple(_replaced(a, part, by) for a in tree.args))
-    return tree
-
-
-@functools.lru_cache(maxsize=1024)
-def differentiated(assignment: Assignment) -> frozenset[int]:
-    """The operands the result moves with: those a term multiplies, or whose value tree's
-    derivative is not 0 (a factor read for its pattern only, or under ``detach``, has none)."""
-    operands = set()
-    for term in assignment.terms:
-        multiplied = term.multiplied if assignment.reduction == "sum" else None
-        value = _reduced_value(term)
-        for k, factor in enumerate(term.factors):
-            if (multiplied is not None and k in multiplied) or derivative(value, Factor(k)) != Constant(0.0):
-                operands.add(factor.operand)
-    return frozenset(operands)
-
-
-@functools.lru_cache(maxsize=256)
-def _ties(assignment: Assignment) -> Assignment:
-    """``count[o] = sum_r (value == Out[o])`` over ``(*operands, Out)``: how many entries
-    share each max (or min), which split its gradient equally (as torch.amax)."""
-    (term,) = assignment.terms
-    out = Access(assignment.num_operands, assignment.output)
-    value = apply("equal", _reduced_value(term), Factor(len(term.factors)))
-    names = assignment.operand_names + ("Out",)
-    return Assignment(assignment.output, (Term(1.0, term.factors + (out,), value),), names)
-
-
-@functools.lru_cache(maxsize=1024)
-def _gradient_assignment(assignment: Assignment, operand: int, rank: int, sampled: bool,
-                         read_result: bool = False) -> tuple[Assignment, tuple[Extra, ...]]:
-    """d(loss)/d(operand) as an assignment over ``(grad_out, *operands, *extras)``.
-
-    ``sampled``: the operand is sparse and an extra input is a mask with its pattern.
-    A product term contributes ``dOut * (the other factors)`` (those it reads for their
-    patterns only stay pattern-only: :attr:`~.frontend.notation.Term.multiplied`); a factor the
-    others do not cover gets an all-ones tensor over the operand's modes it lacks (the
-    gradient is constant along them). A term with another value tree, or a factor it
-    reads for its pattern only, contributes ``dOut * dvalue/dfactor``
-    over all its factors; under a max or min, only where the value equals the result,
-    divided by the number of such entries (the extras ``result`` and ``count``).
-    ``read_result``: in the derivative of a pointwise statement (``Out = v(T...)``, one
-    term, nothing reduced) ``v`` itself is read from the result (``d exp(x) = exp(x) dx``).
-    Cached: the same call's backward builds the same expression."""
-    used = set(assignment.output).union(*(a.indices for a in assignment.accesses))
-    primes = 0  # a gradient's own gradient renames its indices again: "@'0", ...
-    while any(f"@{chr(39) * primes}{m}" in used for m in range(rank)):
-        primes += 1
-    target = tuple(f"@{chr(39) * primes}{m}" for m in range(rank))  # user index names cannot start with @
-    extra = 1 + assignment.num_operands
-    extras: list[Extra] = []
-
-    def input_of(kind: Extra) -> int:
-        if kind not in extras:
-            extras.append(kind)
-        return extra + extras.index(kind)
-
-    stored = read_result and _pointwise(assignment)
-    terms = []
-    for term in assignment.terms:
-        multiplied = term.multiplied if assignment.reduction == "sum" else None
-        for k, factor in enumerate(term.factors):
-            if factor.operand != operand:
-                continue
-            rename = dict(zip(factor.indices, target))
-            factors = [Access(0, _rename(assignment.output, rename))]
-            if multiplied is None or k not in multiplied:
-                factors += [Access(1 + g.operand, _rename(g.indices, rename)) for g in term.factors]
-                value = _reduced_value(term)
-                local = apply("mul", Factor(0), _shifted(derivative(value, Factor(k)), 1))
-                if local == Constant(0.0):
-                    continue
-                if stored and term.value is not None:
-                    read = _replaced(local, _shifted(term.value, 1), Factor(len(factors)))
-                    if read != local:
-                        local = read
-                        factors.append(Access(input_of(("result",)), _rename(assignment.output, rename)))
-                if assignment.reduction != "sum":
-                    out = len(factors)
-                    factors += [Access(input_of(("result",)), _rename(assignment.output, rename)),
-                                Access(input_of(("count",)), _rename(assignment.output, rename))]
-                    local = apply("div", apply("mul", local, apply("equal", _shifted(value, 1), Factor(out))),
-                                  Factor(out + 1))
-                coefficient = 1.0
-            else:
-                others = [j for j in range(len(term.factors)) if j != k]
-                factors += [Access(1 + term.factors[j].operand, _rename(term.factors[j].indices, rename))
-                            for j in others]
-                local, coefficient = None, term.coefficient
-                if len(multiplied) < len(term.factors):  # dOut times the multiplied others; the rest filter
-                    local = Factor(0)
-                    for n, j in enumerate(others):
-                        if j in multiplied:
-                            local = apply("mul", local, Factor(n + 1))
-            covered = {i for f in factors for i in f.indices}
-            if sampled:  # the mask's stored positions restrict the term; its values are not read
-                if local is None:
-                    local = product(len(factors))
-                factors.append(Access(input_of(("mask",)), target))
-            else:
-                missing = tuple(i for i in target if i not in covered)
-                if missing:
-                    factors.append(Access(input_of(("ones", tuple(target.index(i) for i in missing))), missing))
-            terms.append(Term(coefficient, tuple(factors), local))
-    if sampled:
-        # 0 * mask keeps every stored position in the result, so values line up with X's.
-        terms.append(Term(0.0, (Access(input_of(("mask",)), target),)))
-    names = tuple(f"operand{n}" for n in range(extra + len(extras)))
-    return Assignment(target, tuple(terms), names), tuple(extras)
-
-
-@functools.lru_cache(maxsize=1024)
-def _without_zero_term(assignment: Assignment, formats: tuple[Format | None, ...],
-                       patterns: tuple[int | None, ...], mask: int) -> Assignment:
-    """A sampled gradient (:func:`_gradient_assignment`) without its ``0 * mask`` term when
-    its other terms alone have exactly the mask's pattern (the planner writes them at its
-    positions, :func:`~.plan.anchor.sampled_operand`; any anchor it finds is read where
-    the mask is, so has its pattern): one term, whose kernel need not add a second one
-    into its output. ``formats`` and ``patterns``: its inputs' (:func:`_shared_patterns`)."""
-    kept = Assignment(assignment.output, assignment.terms[:-1], assignment.operand_names)
-    return kept if sampled_operand(kept, formats, patterns, formats[mask]) is not None else assignment
+    return without_zero_term(assignment, formats, _shared_patterns(inputs), mask), inputs, template.format
 
 
 def _shared_patterns(inputs: Sequence) -> tuple[int | None, ...]:
@@ -390,48 +208,13 @@ def tangent(spec: _Spec, tensors: Sequence[torch.Tensor], tangents: Sequence[tor
     """The tangent of the call ``spec`` at ``tensors`` (its dense operands and sparse
     operands' values) given ``tangents`` of them (None: not moving), a compiled einsum."""
     moving = tuple(n for n, t in enumerate(tangents) if t is not None)
-    assignment = _tangent_assignment(spec.assignment, moving, spec.result is not None)
+    assignment = tangent_assignment(spec.assignment, moving, spec.result is not None)
     inputs = spec.rebuild(tensors) + [_operand(spec.templates[n], tangents[n]) for n in moving]
     if spec.result is None:
         return spec.run(assignment, inputs, "dense")
     pattern = spec.result
     inputs.append(pattern)  # read for its stored positions only
     return spec.run(assignment, inputs, pattern.format).values
-
-
-@functools.lru_cache(maxsize=1024)
-def _tangent_assignment(assignment: Assignment, moving: tuple[int, ...], sampled: bool) -> Assignment:
-    """The tangent of ``assignment`` given tangents of the operands ``moving``, over
-    ``(*operands, *their tangents, mask if sampled)``: per term and factor ``k`` of a
-    moving operand, the term with ``T_k`` replaced by its tangent ``dT_k`` where the term
-    multiplies it (multilinear), else ``dvalue/dT_k * dT_k`` read at all its factors.
-    ``sampled``: the result is sparse, and ``0 * mask`` (its pattern) keeps every stored
-    position, as for a sampled gradient. Max and min reductions have no tangent here."""
-    if assignment.reduction != "sum":
-        raise NotImplementedError(f"sparsenn: forward-mode derivatives (jvp, jacfwd) of a {assignment.reduction}-"
-                                  "reduction are not supported; use reverse mode (vjp, grad, jacrev)")
-    count = assignment.num_operands
-    slot = {n: count + j for j, n in enumerate(moving)}
-    terms = []
-    for term in assignment.terms:
-        multiplied = term.multiplied
-        for k, factor in enumerate(term.factors):
-            if factor.operand not in slot:
-                continue
-            tangent = Access(slot[factor.operand], factor.indices)
-            if multiplied is not None and k in multiplied:
-                terms.append(Term(term.coefficient, term.factors[:k] + (tangent,) + term.factors[k + 1:], term.value))
-                continue
-            partial = derivative(_reduced_value(term), Factor(k))
-            if partial != Constant(0.0):
-                terms.append(Term(1.0, term.factors + (tangent,), apply("mul", partial, Factor(len(term.factors)))))
-    names = assignment.operand_names + tuple(f"d{assignment.operand_names[n]}" for n in moving)
-    if sampled:
-        terms.append(Term(0.0, (Access(len(names), assignment.output),)))
-        names += ("mask",)
-    elif not terms:  # nothing moves: zeros of the result's shape
-        terms.append(Term(0.0, assignment.terms[0].factors, assignment.terms[0].value))
-    return Assignment(assignment.output, tuple(terms), names)
 
 
 def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[int],

@@ -37,7 +37,8 @@ import torch
 
 from sparsenn.formats import Format, SparseTensor
 
-from .autograd import differentiated, gradient_call
+from .autograd import gradient_call
+from .derivatives import differentiated
 from .frontend.functions import factors_of, product, renumbered
 from .frontend.notation import Access, Apply, Assignment, Constant, Factor, Term, Value
 from .frontend.program import Program, Source, Stage, StageResult, UserOperand, stage_inputs

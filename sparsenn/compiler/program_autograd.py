@@ -10,7 +10,7 @@ last stage to the first,
 each product being the compiler's gradient einsum of that stage (reading the stage's
 saved result where its derivative is its value): an input is a caller's operand (its
 gradient is the node's) or an earlier result (its gradient flows on). Only the stages
-whose result moves with an operand that requires grad (:func:`.autograd.differentiated`:
+whose result moves with an operand that requires grad (:func:`.derivatives.differentiated`:
 a factor under ``detach`` does not move it) are differentiated, and only the results
 reaching a returned one. Those einsums form a program of their own, which the planner
 fuses (:mod:`.gradient_program`); one by one (:func:`.autograd.operand_gradients`) when
@@ -38,7 +38,8 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import _operand, differentiable_evaluate, differentiated, operand_gradients, recorded
+from .autograd import _operand, differentiable_evaluate, operand_gradients, recorded
+from .derivatives import differentiated
 from .frontend.notation import Access, Assignment, Term
 from .frontend.program import Program, Stage, StageResult, UserOperand, stage_inputs
 from .gradient_program import Rebuilt, gradient_program, gradient_values, moves, rebuilt_results
