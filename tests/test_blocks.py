@@ -701,7 +701,7 @@ def test_cache_tiles_give_way_to_a_register_tile_on_the_same_loops():
     from sparsenn.layers.attention import _scores
 
     layer = sparsenn.BlockSparseAttention(64, 1, block_size=64, num_random_blocks=1, seed=0)
-    mask = layer._mask_for(layer._forward_pattern(4096), 1, None, torch.float32)
+    mask = layer._masks.mask(4096 // 64, 1, None, None, False, torch.float32, True)[0]
     q = torch.randn(1, 1, 4096, 64)
     text = sparsenn.compile(_scores(layer._score_scale, False)).explain(mask, q, q)
     assert "tiles: none" in text and "register tile: " in text

@@ -84,7 +84,7 @@ def test_attention_scores_and_softmax_fuse_and_equal_them_apart(block, head_dim,
     from sparsenn.layers.attention import _probabilities, _scores
 
     layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=block, seed=0)
-    mask = layer._mask_for(layer._forward_pattern(8 * block), 2, None, torch.float32)
+    mask = layer._masks.mask(8, 2, None, None, False, torch.float32, True)[0]
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, 2, 8 * block, head_dim, generator=g) for _ in range(2))
     operands = [mask, q, k]
@@ -166,7 +166,7 @@ def test_a_long_fused_kernel_is_two_translation_units_computing_the_same(monkeyp
     q, k, v = (torch.randn(2, 2, 128, 32, generator=g) for _ in range(3))
     padding = torch.zeros(2, 128, dtype=torch.bool)
     padding[1, 70:] = True
-    mask = layer._mask_for(layer._forward_pattern(128), 2, padding, torch.float32)
+    mask = layer._masks.mask(8, 2, padding, None, False, torch.float32, True)[0]
     bias = torch.zeros(2, 128).masked_fill_(padding, float("-inf"))
     monkeypatch.setenv(jit.WORKERS_ENV, str(workers))
     results = {}

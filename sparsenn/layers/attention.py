@@ -34,18 +34,19 @@ import warnings
 import torch
 from einops import rearrange
 from torch import Tensor, nn
-from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import CompiledExpression, compile_expression, einsum
-from sparsenn.compiler.runtime.tracing import tracing, transforming
-from sparsenn.formats import SparseTensor, from_coo, from_dense
+from sparsenn.compiler.runtime.tracing import tracing
+from sparsenn.formats import SparseTensor, from_dense
 from sparsenn.functional import softmax_program
 from sparsenn.layers.arguments import checked_int
-from sparsenn.layers.bigbird import (BlockPattern, at_key_blocks, bigbird_mask_constant, bigbird_pattern, block_mask,
-                                     causal_pattern, entry_mask, head_mean, mask_format)
+from sparsenn.layers.attention_inputs import attn_mask_bias, check_heads, check_inputs, check_padding
+from sparsenn.layers.bigbird import BigBirdMasks, BlockPattern, bigbird_pattern, head_mean, trimmed
 from sparsenn.layers.conventions import factory_kwargs, refuse_torchscript
+from sparsenn.layers.dense_attention import dense_attention
 
 __all__ = ["BlockSparseAttention", "BlockPattern", "bigbird_pattern"]
+
 
 def _scores(scale: float, padded: bool, entries: bool = False) -> str:
     """The scores on ``M``'s pattern, plus a key bias (``-inf`` at padded keys) when
@@ -141,11 +142,8 @@ class BlockSparseAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **kwargs)) if bias else None
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **kwargs)
         self._reset_projections()
-        self._training_generator = torch.Generator().manual_seed(self.seed)
-        self._patterns: dict[int, BlockPattern] = {}
-        self._causal: tuple[BlockPattern, BlockPattern] | None = None  # (a pattern, its causal part)
-        self._mask_format = mask_format(block_size)  # traced code reads it
-        self._last_mask: tuple | None = None  # (pattern, batch, dtype, causal, padded key blocks, mask)
+        self._masks = BigBirdMasks(num_heads, block_size, num_global_blocks, num_window_blocks, num_random_blocks,
+                                   self.seed)
         self._warned_dense = False
 
     def reset_parameters(self) -> None:
@@ -176,30 +174,9 @@ class BlockSparseAttention(nn.Module):
                 f"dropout={self.dropout}, seed={self.seed}, fixed_pattern={self.fixed_pattern}, "
                 f"dense attention for L <= {self.dense_up_to}")
 
-    # ------------------------------------------------------------------ pattern
     def pattern(self, seq_len: int) -> BlockPattern:
         """The fixed (eval-mode) block pattern for ``seq_len`` tokens, drawn from ``seed``."""
-        n = -(-checked_int("seq_len", seq_len, self.dense_up_to + 1) // self.block_size)
-        if n not in self._patterns:
-            generator = torch.Generator().manual_seed(self.seed)
-            self._patterns[n] = bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks,
-                                                self.num_random_blocks, generator)
-        return self._patterns[n]
-
-    def _forward_pattern(self, seq_len: int, is_causal: bool = False) -> BlockPattern:
-        """Redrawn in training (unless ``fixed_pattern``), else :meth:`pattern`; without
-        the blocks above the diagonal if ``is_causal`` (kept for the last pattern)."""
-        if self.training and not self.fixed_pattern:
-            n = -(-seq_len // self.block_size)
-            pattern = bigbird_pattern(n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks,
-                                      self._training_generator)
-        else:
-            pattern = self.pattern(seq_len)
-        if not is_causal:
-            return pattern
-        if self._causal is None or self._causal[0] is not pattern:
-            self._causal = (pattern, causal_pattern(pattern))
-        return self._causal[1]
+        return self._masks.pattern(-(-checked_int("seq_len", seq_len, self.dense_up_to + 1) // self.block_size))
 
     def attention_mask(self, seq_len: int, key_padding_mask: Tensor | None = None, is_causal: bool = False) -> Tensor:
         """Dense bool mask, True where a query may attend, of the eval-mode computation
@@ -216,105 +193,9 @@ class BlockSparseAttention(nn.Module):
             mask = mask.tril()
         if key_padding_mask is None:
             return mask[None, None]
-        padding = self._check_padding(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0,
-                                      seq_len)
+        padding = check_padding(key_padding_mask, key_padding_mask.shape[0] if key_padding_mask.dim() else 0,
+                                seq_len, self.batch_first)
         return mask[None, None] & ~padding[:, None, None, :]
-
-    def _mask_for(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype,
-                  causal: bool = False) -> SparseTensor:
-        """:meth:`_mask` (:func:`entry_mask` of a causal ``pattern`` without padding: its
-        diagonal blocks' element mask as the values), kept from the last call when the
-        pattern (the eval-mode one, or a fixed one), shapes and wholly padded key blocks
-        (which decide the stored blocks) repeat: the kernels then also find its index
-        arrays' plans and re-stored copies cached."""
-        padded = None if padding is None else padding.view(batch, pattern.num_blocks, self.block_size).all(2)
-        last = self._last_mask
-        if (last is not None and last[0] is pattern and last[1:4] == (batch, dtype, causal)
-                and (last[4] is None) == (padded is None) and (padded is None or torch.equal(last[4], padded))):
-            return last[5]
-        if causal:  # without padding, every row keeps its diagonal: no closed rows
-            mask = entry_mask(pattern, batch, self.num_heads, self.block_size, None, None, True, dtype)[0]
-        else:
-            mask = self._mask(pattern, batch, padding, dtype)
-        if not transforming():  # a torch.func transform's tensors must not outlive it
-            self._last_mask = (pattern, batch, dtype, causal, padded, mask)
-        return mask
-
-    def _mask(self, pattern: BlockPattern, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """:func:`block_mask` of ``pattern`` for this layer's heads and blocks."""
-        return block_mask(pattern, batch, self.num_heads, self.block_size, padding, dtype)
-
-    def _traced_mask(self, length: int, batch: int, padding: Tensor | None, dtype: torch.dtype) -> SparseTensor:
-        """The mask of :meth:`_mask_for` while traced: a ``sparsenn::bigbird_mask`` op
-        drawing the pattern from ``seed`` per call (from a fresh seed when random blocks
-        are redrawn in training), or, for a fixed pattern without padding at static sizes,
-        constants computed once while tracing (:func:`bigbird_mask_constant`; an
-        exported program keeps the op)."""
-        n = -(-length // self.block_size)
-        config = (n, self.num_global_blocks, self.num_window_blocks, self.num_random_blocks)
-        redrawn = self.training and not self.fixed_pattern
-        static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (n, batch))  # jit: sizes are tensors
-        if not redrawn and padding is None and static and not torch.compiler.is_exporting():
-            pos, crd, values = bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch),
-                                                      self.num_heads, self.block_size, dtype)
-        else:
-            seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
-            pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.num_heads, self.block_size,
-                                                               padding, dtype)
-        length = n * self.block_size
-        return SparseTensor((batch, self.num_heads, length, length), self._mask_format, at_key_blocks(pos),
-                            at_key_blocks(crd), values, check=False)
-
-    # ------------------------------------------------------------------ forward
-    @property
-    def _layout(self) -> str:
-        """The inputs' declared layout, for error messages."""
-        return f"{'(batch, L, E)' if self.batch_first else '(L, batch, E)'} (batch_first={self.batch_first})"
-
-    def _check_padding(self, key_padding_mask: object, batch: int, seq_len: int) -> Tensor:
-        """The (batch, L) bool key padding mask (TypeError/ValueError otherwise)."""
-        if not isinstance(key_padding_mask, Tensor):
-            raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore the key), "
-                            f"got dtype {key_padding_mask.dtype}")
-        if tuple(key_padding_mask.shape) != (batch, seq_len):
-            raise ValueError(f"key_padding_mask must have shape (batch, L) = {(batch, seq_len)}, got "
-                             f"{tuple(key_padding_mask.shape)}; the inputs are read as {self._layout}")
-        return key_padding_mask
-
-    def _check_attn_mask(self, attn_mask: object, batch: int, seq_len: int, dtype: torch.dtype) -> Tensor:
-        """``attn_mask`` as an additive float bias ``(1, 1, L, L)`` or ``(batch, heads, L, L)``
-        (``-inf`` where a bool mask is True); TypeError/ValueError otherwise."""
-        if not isinstance(attn_mask, Tensor) or attn_mask.layout != torch.strided:
-            raise TypeError(f"attn_mask must be a dense torch.Tensor, got "
-                            f"{attn_mask.layout if isinstance(attn_mask, Tensor) else type(attn_mask).__name__}")
-        if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
-            raise TypeError(f"attn_mask must be a bool tensor (True = not allowed to attend) or a float tensor "
-                            f"(added to the scores), got dtype {attn_mask.dtype}")
-        heads = self.num_heads
-        if tuple(attn_mask.shape) == (seq_len, seq_len):
-            mask = attn_mask[None, None]
-        elif tuple(attn_mask.shape) == (batch * heads, seq_len, seq_len):
-            mask = attn_mask.view(batch, heads, seq_len, seq_len)
-        else:
-            raise ValueError(f"attn_mask must have shape (L, L) = {(seq_len, seq_len)} or (batch * num_heads, L, L) "
-                             f"= {(batch * heads, seq_len, seq_len)}, got {tuple(attn_mask.shape)}; the inputs are "
-                             f"read as {self._layout}")
-        if mask.dtype == torch.bool:
-            return torch.zeros(mask.shape, dtype=dtype).masked_fill_(mask, float("-inf"))
-        return mask.to(dtype)
-
-    def _check_input(self, name: str, x: object) -> Tensor:
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if not x.is_floating_point():
-            raise TypeError(f"{name} must be a float tensor, got dtype {x.dtype}")
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            layout = "(batch, L, embed_dim)" if self.batch_first else "(L, batch, embed_dim)"
-            raise ValueError(f"{name} must have shape {layout} with embed_dim={self.embed_dim}, "
-                             f"got {tuple(x.shape)}")
-        return x if self.batch_first else x.transpose(0, 1)
 
     def _project(self, query: Tensor, key: Tensor | None, value: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """Q, K, V as (batch, heads, L, head_dim)."""
@@ -329,18 +210,7 @@ class BlockSparseAttention(nn.Module):
     def forward(self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None,
                 key_padding_mask: Tensor | None = None, need_weights: bool = True, attn_mask: Tensor | None = None,
                 average_attn_weights: bool = True, is_causal: bool = False) -> tuple[Tensor, SparseTensor | None]:
-        query = self._check_input("query", query)
-        if (key is None) != (value is None):
-            raise ValueError("give both key and value, or neither (self-attention)")
-        if key is not None:
-            key, value = self._check_input("key", key), self._check_input("value", value)
-            if key.shape[:2] != value.shape[:2]:
-                raise ValueError(f"key and value must have the same batch and length, got key "
-                                 f"{tuple(key.shape)} and value {tuple(value.shape)} (read as {self._layout})")
-            if key.shape[:2] != query.shape[:2]:
-                raise ValueError(f"key and value must have the query's batch and length (BigBird's pattern is "
-                                 f"square), got (batch, L) = {tuple(query.shape[:2])} for the query and "
-                                 f"{tuple(key.shape[:2])} for the key, read as {self._layout}")
+        query, key, value = check_inputs(query, key, value, self.embed_dim, self.batch_first)
         q, k, v = self._project(query, key, value)
         out, weights = self._attend(q, k, v, key_padding_mask, need_weights, attn_mask, is_causal,
                                     bool(average_attn_weights))
@@ -358,28 +228,28 @@ class BlockSparseAttention(nn.Module):
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, need_weights: bool,
                 attn_mask: Tensor | None, is_causal: bool, average: bool) -> tuple[Tensor, SparseTensor | None]:
         """:meth:`attend`, the weights averaged over heads if ``average``."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, Tensor) or t.dim() != 4 or t.shape != q.shape or t.shape[1] != self.num_heads:
-                raise ValueError(f"q, k and v must be tensors of one shape (batch, {self.num_heads}, L, head_dim); "
-                                 f"{name} is {tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__}")
-        if isinstance(is_causal, Tensor) and is_causal.dtype == torch.bool and is_causal.numel() == 1:
-            is_causal = bool(is_causal)  # torch.onnx.export hands default arguments on as tensors
-        if not isinstance(is_causal, bool):
-            raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+        is_causal = check_heads(q, k, v, self.num_heads, is_causal)
         batch, _, length, _ = q.shape
-        padding = None if key_padding_mask is None else self._check_padding(key_padding_mask, batch, length)
-        bias = None if attn_mask is None else self._check_attn_mask(attn_mask, batch, length, q.dtype)
+        padding = None if key_padding_mask is None else check_padding(key_padding_mask, batch, length,
+                                                                      self.batch_first)
+        bias = None if attn_mask is None else attn_mask_bias(attn_mask, batch, self.num_heads, length, q.dtype,
+                                                             self.batch_first)
         if length <= self.dense_up_to:
-            out, probs = self._dense(q, k, v, padding, bias, is_causal, need_weights)
-            return out, (None if probs is None else from_dense(probs.mean(1) if average else probs,
-                                                               format="ddc" if average else "dddc"))
+            if not self._warned_dense:
+                warnings.warn(f"BlockSparseAttention: a sequence of {length} tokens (at most {self.dense_up_to}) "
+                              f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=3)
+                self._warned_dense = True
+            out, probs = dense_attention(q, k, v, padding, bias, is_causal, self._score_scale, self.dropout,
+                                         self.training)
+            return out, (from_dense(probs.mean(1) if average else probs, format="ddc" if average else "dddc")
+                         if need_weights else None)
         return self._sparse(q, k, v, padding, bias, is_causal, need_weights, average)
 
     def _sparse(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
                 need_weights: bool, average: bool) -> tuple[Tensor, SparseTensor | None]:
-        """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length. An
-        ``attn_mask`` (``bias``) or ``is_causal`` makes the mask's values an additive bias
-        on its stored entries (:func:`entry_mask`), the key padding included."""
+        """Block SDDMM, sparse softmax, dropout, block SpMM over the padded length, on the
+        mask of :class:`BigBirdMasks`. An ``attn_mask`` (``bias``) or ``is_causal`` makes
+        the mask's values an additive bias on its stored entries, the key padding included."""
         batch, _, length, _ = q.shape
         traced = torch.compiler.is_compiling() or torch.jit.is_tracing()
         entries = bias is not None or is_causal
@@ -390,38 +260,28 @@ class BlockSparseAttention(nn.Module):
             raise NotImplementedError("a traced BlockSparseAttention with a key_padding_mask returns per-head weights "
                                       "only: pass average_attn_weights=False, or need_weights=False")
         uniform = padding is None  # every batch element stores as many blocks
-        extra = -(-length // self.block_size) * self.block_size - length
+        n = -(-length // self.block_size)
+        extra = n * self.block_size - length
         if extra:
             q, k, v = (nn.functional.pad(t, (0, 0, 0, extra)) for t in (q, k, v))
             tail = torch.ones(batch, extra, dtype=torch.bool)
             padding = torch.cat([torch.zeros(batch, length, dtype=torch.bool) if padding is None else padding, tail], 1)
             if bias is not None:
                 bias = nn.functional.pad(bias, (0, extra, 0, extra))
-        rows = None
+        redrawn = self.training and not self.fixed_pattern
         if traced:
             if need_weights and extra:
                 raise NotImplementedError("a traced BlockSparseAttention returns weights only for lengths that are "
                                           f"multiples of block_size ({self.block_size}), got {length}")
-            mask = self._traced_mask(length, batch, padding, q.dtype)
-        elif bias is None and padding is None:
-            mask = self._mask_for(self._forward_pattern(length, is_causal), batch, None, q.dtype, is_causal)
-        elif entries:
-            mask, rows = entry_mask(self._forward_pattern(length, is_causal), batch, self.num_heads,
-                                    self.block_size, padding, bias, is_causal, q.dtype)
+            mask, rows = self._masks.traced(n, batch, padding, q.dtype, redrawn), None
         else:
-            mask = self._mask_for(self._forward_pattern(length, False), batch, padding, q.dtype)
+            mask, rows = self._masks.mask(n, batch, padding, bias, is_causal, q.dtype, redrawn)
         padded = padding is not None and not entries  # a key bias: -inf at padded keys
-        if entries:
-            score_bias = mask.values
-        elif padded:
-            score_bias = torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))
-        else:
-            score_bias = None
-        bias_operand = [score_bias] if padded else []
-        out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, bias_operand, mask, padded,
+        key_bias = [torch.zeros(padding.shape, dtype=q.dtype).masked_fill_(padding, float("-inf"))] if padded else []
+        out, probs = (None, None) if rows is not None else self._fused_output(q, k, v, key_bias, mask, padded,
                                                                               entries, need_weights)
         if out is None:
-            probs = _probabilities(self._score_scale, padded, entries)(mask, q, k, *bias_operand)
+            probs = _probabilities(self._score_scale, padded, entries)(mask, q, k, *key_bias)
             if rows is not None:  # rows whose every key is masked: zero attention
                 probs = probs.with_values(probs.values * rows)
             probs = probs.with_values(nn.functional.dropout(probs.values, self.dropout, self.training))
@@ -431,12 +291,7 @@ class BlockSparseAttention(nn.Module):
             return out, None
         if average:
             probs = head_mean(probs, bias is None or bias.shape[1] == 1, uniform)
-        if not extra:
-            return out, probs
-        indices, values = probs.coords()
-        inside = (indices[-2] < length) & (indices[-1] < length)
-        return out, from_coo(indices[:, inside], values[inside], probs.shape[:-2] + (length, length),
-                             format="d" * (probs.ndim - 1) + "c")
+        return out, (trimmed(probs, length) if extra else probs)
 
     def _fused_output(self, q: Tensor, k: Tensor, v: Tensor, bias: list[Tensor], mask: SparseTensor, padded: bool,
                       entries: bool, need_weights: bool) -> tuple[Tensor | None, SparseTensor | None]:
@@ -449,27 +304,3 @@ class BlockSparseAttention(nn.Module):
         operands = [mask, q, k, *bias, v]
         result = _attention(self._score_scale, padded, entries, need_weights)(*operands)
         return result if need_weights else (result, None)
-
-    def _dense(self, q: Tensor, k: Tensor, v: Tensor, padding: Tensor | None, bias: Tensor | None, is_causal: bool,
-               need_weights: bool) -> tuple[Tensor, SparseTensor | None]:
-        """Exact dense attention, for sequences too short for a sparse pattern; a row with
-        no allowed key gives zero, as in the sparse path."""
-        if not self._warned_dense:
-            warnings.warn(f"BlockSparseAttention: a sequence of {q.shape[2]} tokens (at most {self.dense_up_to}) "
-                          f"has no sparse BigBird pattern; computing exact dense attention", stacklevel=4)
-            self._warned_dense = True
-        length = q.shape[2]
-        scores = (q * self._score_scale) @ k.transpose(-1, -2)
-        if bias is not None:
-            scores = scores + bias
-        if is_causal:
-            scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
-        if padding is not None:
-            scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-        if padding is not None or bias is not None:  # rows whose every key is masked: zero attention
-            closed = scores.amax(-1, keepdim=True) == float("-inf")
-            probs = torch.softmax(scores.masked_fill(closed, 0.0), -1).masked_fill(closed, 0.0)
-        else:
-            probs = torch.softmax(scores, -1)
-        probs = nn.functional.dropout(probs, self.dropout, self.training)
-        return probs @ v, (probs if need_weights else None)

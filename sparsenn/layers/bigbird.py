@@ -9,7 +9,10 @@ built from them for :class:`~sparsenn.layers.attention.BlockSparseAttention`.
   an additive bias on each stored entry (an ``attn_mask``, the causal diagonal blocks,
   padded keys), and the rows with no allowed key;
 * ``sparsenn::bigbird_mask``: the mask drawn from a seed, as a traced module builds it;
-* :func:`head_mean`: per-head attention weights averaged over heads.
+* :class:`BigBirdMasks`: a layer's patterns (fixed, or redrawn in training) and the
+  mask of each call, the last one kept for the next call that can reuse it;
+* :func:`head_mean`: per-head attention weights averaged over heads; :func:`trimmed`:
+  weights over the padded length cut to the sequence's.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import has_static_value
 
 from sparsenn.compiler import einsum
-from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.compiler.runtime.tracing import transforming
+from sparsenn.formats import Format, SparseTensor, from_coo, parse_format
 
 __all__ = ["BlockPattern", "bigbird_pattern", "causal_pattern", "block_mask", "entry_mask", "mask_format",
-           "head_mean", "bigbird_mask_constant", "at_key_blocks", "shared_ones"]
+           "head_mean", "bigbird_mask_constant", "at_key_blocks", "shared_ones", "BigBirdMasks",
+           "trimmed"]
 
 
 def mask_format(block_size: int) -> Format:
@@ -248,6 +254,83 @@ def bigbird_mask_constant(num_blocks: int, num_global: int, num_window: int, num
                             block_size, None, dtype)
 
 
+class BigBirdMasks:
+    """The patterns and masks of a layer with ``heads`` heads and blocks of ``block_size``:
+    the eval-mode pattern per number of blocks, drawn from ``seed``; patterns redrawn in
+    training from a generator seeded by ``seed``; the causal part of the last pattern; the
+    last mask, kept while its pattern, shapes and wholly padded key blocks (which decide
+    the stored blocks) repeat, so that the kernels also find its index arrays' plans and
+    re-stored copies cached."""
+
+    def __init__(self, heads: int, block_size: int, num_global: int, num_window: int, num_random: int,
+                 seed: int) -> None:
+        self.heads, self.block_size, self.seed = heads, block_size, seed
+        self.config = (num_global, num_window, num_random)
+        self.format = mask_format(block_size)  # traced code reads it
+        self._generator = torch.Generator().manual_seed(seed)
+        self._patterns: dict[int, BlockPattern] = {}
+        self._causal: tuple[BlockPattern, BlockPattern] | None = None  # (a pattern, its causal part)
+        self._last: tuple | None = None  # (pattern, batch, dtype, causal, padded key blocks, mask)
+
+    def pattern(self, num_blocks: int) -> BlockPattern:
+        """The eval-mode pattern of ``num_blocks`` blocks, drawn from ``seed``."""
+        if num_blocks not in self._patterns:
+            generator = torch.Generator().manual_seed(self.seed)
+            self._patterns[num_blocks] = bigbird_pattern(num_blocks, *self.config, generator)
+        return self._patterns[num_blocks]
+
+    def _call_pattern(self, num_blocks: int, redrawn: bool, causal: bool) -> BlockPattern:
+        """A redrawn pattern or :meth:`pattern`; without the blocks above the diagonal if
+        ``causal`` (kept for the last pattern)."""
+        pattern = bigbird_pattern(num_blocks, *self.config, self._generator) if redrawn else self.pattern(num_blocks)
+        if not causal:
+            return pattern
+        if self._causal is None or self._causal[0] is not pattern:
+            self._causal = (pattern, causal_pattern(pattern))
+        return self._causal[1]
+
+    def mask(self, num_blocks: int, batch: int, padding: Tensor | None, bias: Tensor | None, causal: bool,
+             dtype: torch.dtype, redrawn: bool) -> tuple[SparseTensor, Tensor | None]:
+        """The mask of an eager call over ``num_blocks`` blocks and the rows to keep, as
+        :func:`entry_mask` gives them: an :func:`entry_mask` with an ``attn_mask``
+        ``bias`` or with ``padding`` and ``causal``; else a :func:`block_mask` (causal:
+        the diagonal blocks' element mask as the values), kept for the next call."""
+        pattern = self._call_pattern(num_blocks, redrawn, causal)
+        if bias is not None or (causal and padding is not None):
+            return entry_mask(pattern, batch, self.heads, self.block_size, padding, bias, causal, dtype)
+        padded = None if padding is None else padding.view(batch, num_blocks, self.block_size).all(2)
+        last = self._last
+        if (last is not None and last[0] is pattern and last[1:4] == (batch, dtype, causal)
+                and (last[4] is None) == (padded is None) and (padded is None or torch.equal(last[4], padded))):
+            return last[5], None
+        if causal:  # without padding, every row keeps its diagonal: no closed rows
+            mask = entry_mask(pattern, batch, self.heads, self.block_size, None, None, True, dtype)[0]
+        else:
+            mask = block_mask(pattern, batch, self.heads, self.block_size, padding, dtype)
+        if not transforming():  # a torch.func transform's tensors must not outlive it
+            self._last = (pattern, batch, dtype, causal, padded, mask)
+        return mask, None
+
+    def traced(self, num_blocks: int, batch: int, padding: Tensor | None, dtype: torch.dtype,
+               redrawn: bool) -> SparseTensor:
+        """The mask while traced: a ``sparsenn::bigbird_mask`` op drawing the pattern from
+        ``seed`` per call (from a fresh seed when ``redrawn``), or, for a fixed pattern
+        without padding at static sizes, constants computed once while tracing
+        (:func:`bigbird_mask_constant`; an exported program keeps the op)."""
+        config = (num_blocks, *self.config)
+        static = all(not isinstance(k, Tensor) and has_static_value(k) for k in (num_blocks, batch))  # jit: tensors
+        if not redrawn and padding is None and static and not torch.compiler.is_exporting():
+            pos, crd, values = bigbird_mask_constant(*(int(k) for k in config), self.seed, int(batch), self.heads,
+                                                     self.block_size, dtype)
+        else:
+            seed = torch.randint(2**62, ()) if redrawn else torch.tensor(self.seed)
+            pos, crd, values = torch.ops.sparsenn.bigbird_mask(*config, seed, batch, self.heads, self.block_size,
+                                                               padding, dtype)
+        length = num_blocks * self.block_size
+        return SparseTensor((batch, self.heads, length, length), self.format, at_key_blocks(pos), at_key_blocks(crd),
+                            values, check=False)
+
+
 def head_mean(weights: SparseTensor, shared: bool, uniform: bool) -> SparseTensor:
     """``(batch, L', L')`` mean over heads of ``(batch, heads, L', L')`` blocked attention
     weights, when the heads ``shared`` one pattern: their values' mean, O(stored entries)
@@ -275,3 +358,12 @@ def head_mean(weights: SparseTensor, shared: bool, uniform: bool) -> SparseTenso
                         (None, None, torch.cat([pos.new_zeros(1), counts[:, 0].flatten().cumsum(0).to(pos.dtype)]),
                          None, None, None),
                         (None, None, first_crd, None, None, None), mean.flatten(), check=False)
+
+
+def trimmed(weights: SparseTensor, length: int) -> SparseTensor:
+    """Attention weights over the padded length ``L'``, element-wise ``d…dc`` trimmed to
+    ``(…, length, length)``."""
+    indices, values = weights.coords()
+    inside = (indices[-2] < length) & (indices[-1] < length)
+    return from_coo(indices[:, inside], values[inside], weights.shape[:-2] + (length, length),
+                    format="d" * (weights.ndim - 1) + "c")
