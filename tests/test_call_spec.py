@@ -16,7 +16,7 @@ from sparsenn.compiler.frontend.expression import parse_statement
 from sparsenn.compiler.frontend.notation import NotationError, parse_einsum
 from sparsenn.compiler.frontend.notation_text import read_assignment, write_assignment
 from sparsenn.compiler.plan.bias import split_epilogue
-from sparsenn.compiler.frontend.program import stage
+from sparsenn.compiler.frontend.staging import stage
 from sparsenn.compiler.runtime.callspec import SpecVersionError, decode, read_spec
 from sparsenn.formats import parse_format
 

@@ -15,7 +15,8 @@ from sparsenn import SparseTensor
 from sparsenn.compiler.frontend.expression import Call, Product, Reduction, Sum, Tensor, parse_expression, parse_statement
 from sparsenn.compiler.frontend.functions import FUNCTIONS, PUBLIC_FUNCTIONS
 from sparsenn.compiler.frontend.notation import NotationError
-from sparsenn.compiler.frontend.program import StageResult, UserOperand, plain, stage
+from sparsenn.compiler.frontend.program import StageResult, UserOperand
+from sparsenn.compiler.frontend.staging import plain, stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 

@@ -15,7 +15,8 @@ from sparsenn.compiler.frontend.notation import NotationError
 from sparsenn.compiler.plan.planner import operand_infos
 from sparsenn.compiler.runtime.cache import cache_stats
 from sparsenn.compiler.plan.terms import merge_terms
-from sparsenn.compiler.frontend.program import StageResult, UserOperand, stage
+from sparsenn.compiler.frontend.program import StageResult, UserOperand
+from sparsenn.compiler.frontend.staging import stage
 
 pytestmark = pytest.mark.usefixtures("avx2_host")
 

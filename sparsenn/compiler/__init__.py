@@ -50,8 +50,8 @@ E<S>[i,j] = exp(S[i,j] - M[i]); Z[i] = sum[j](E[i,j]); P<S>[i,j] = E[i,j] / Z[i]
 ``api.compile_expression`` parses the text once (``frontend/expression.py``: functions,
 explicit reductions, masks; statements separated by ``;`` or newlines, a later one
 reading earlier results by name) and, per formats signature of its operands,
-``frontend/program.py`` stages it into a program of assignments (a plain sum of products
-is one assignment, run as in steps 2-5). ``runtime/programs.py`` runs the program: when
+``frontend/staging.py`` stages it into a program of assignments (``frontend/program.py``;
+a plain sum of products is one assignment, run as in steps 2-5). ``runtime/programs.py`` runs the program: when
 nothing records it for autograd, ``plan/fusion.py`` groups its consecutive stages that
 share their team loops and read earlier results only at their own team coordinates (the
 row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM

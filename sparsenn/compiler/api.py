@@ -20,7 +20,8 @@ from .frontend.equation import broadcast_size_one, normalise
 from .frontend.equation import core_assignment as parse
 from .frontend.expression import Script, parse_script
 from .frontend.notation import Assignment
-from .frontend.program import Program, plain, signature, stage, stage_inputs
+from .frontend.program import Program, signature, stage_inputs
+from .frontend.staging import plain, stage
 from .plan.contract import describe_path
 from .plan.planner import Plan, ShapePlan
 from .plan.schedule import Schedule

@@ -9,7 +9,7 @@ reductions' cannot name tensors. Products are distributed over sums, so a parsed
 right-hand side is a :class:`Sum` of :class:`Product` s whose factors are tensors,
 calls and reductions; ``a / b`` is the call ``div(a, b)`` unless ``b`` is a number.
 
-The tree keeps the text's names; :mod:`.program` turns it into kernel assignments.
+The tree keeps the text's names; :mod:`.staging` turns it into kernel assignments.
 Every error is a :class:`~.notation.NotationError` quoting the text with a caret under
 the offending character (columns count from 0).
 """

@@ -10,7 +10,7 @@ derivative trees like any other value).
 ``zero_preserving``: ``f(0, ..., 0) == 0``. A function that keeps zeros applied to a
 product stays on the product's pattern; one that does not (``exp``, ``sigmoid``) gives
 values at unstored entries too, which the front end makes explicit (see
-:mod:`.program`).
+:mod:`.staging`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Two front ends build it:
   (:mod:`sparsenn.compiler.frontend.equation`);
 * :func:`~.expression.parse_expression` — index notation for sums of products,
   ``"D[i,j] = A[i,k] * B[k,j] + 0.5 * C[i,j]"`` (the plain case of the grammar of
-  :mod:`.expression`, whose other statements :mod:`.program` stages into several
+  :mod:`.expression`, whose other statements :mod:`.staging` stages into several
   assignments).
 
 Both are strict hand-written parsers: no ``eval``/``exec``, every error names the problem.

@@ -41,7 +41,8 @@ from ..frontend.notation_text import read_assignment, write_assignment
 from ..plan.anchor import sampled_operand
 from ..plan.bias import split_epilogue
 from ..plan.infer import result_format
-from ..frontend.program import Program, UserOperand, stage
+from ..frontend.program import Program, UserOperand
+from ..frontend.staging import stage
 from .cache import LRUCache
 
 __all__ = ["VERSION", "CallSpec", "Layout", "SpecVersionError", "anchor_of", "decode", "derived", "read_spec",
