@@ -135,7 +135,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--cases", nargs="+", default=None, metavar="CASE",
                         help="run only the cases whose 'section/name' contains one of these strings "
-                             "(e.g. 'mlp/batch' for the sparse MLP at batch 64 and 4096)")
+                             "(e.g. 'mlp/batch' for the sparse MLP at batch 64 and 4096); "
+                             "the report goes to OUT/partial, which BENCHMARKS.md does not read")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tracing")
     args = parser.parse_args()
     info = machine_info()
@@ -148,7 +149,8 @@ def main() -> None:
                      + ", ".join(f"'{s}/{n}'" for s, n, _ in specs({}, args.quick)))
     rows = [row for section, name, build in cases for row in run_case(section, name, build, args.threads, args.quick)]
     stem = "tracing_quick" if args.quick else "tracing" if args.cases is None else "tracing_cases"
-    write_report(args.out, stem, markdown(info, rows, compile_times, args.quick),
+    out = args.out if args.cases is None else args.out / "partial"
+    write_report(out, stem, markdown(info, rows, compile_times, args.quick),
                  {"machine": info, "command": sys.argv, "rows": rows, "compile_ms": compile_times})
 
 
