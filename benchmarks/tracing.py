@@ -2,7 +2,7 @@
 (every compiled assignment one ``sparsenn::evaluate`` op) against the same models run
 eagerly, fp32 inference.
 
-    python benchmarks/tracing.py [--quick] [--threads 1 2] [--out DIR]
+    python benchmarks/tracing.py [--quick] [--threads 1 2] [--cases mlp ...] [--out DIR]
 
 1. A sparse MLP: ``SparseLinear(784, 256)`` at 90 %, ReLU, ``SparseLinear(256, 784)`` at
    90 %, batch 64 and 4096; and, as the reference for what torch.compile itself costs a
@@ -133,15 +133,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: the small MLP only")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--cases", nargs="+", default=None, metavar="CASE",
+                        help="run only the cases whose 'section/name' contains one of these strings "
+                             "(e.g. 'mlp/batch' for the sparse MLP at batch 64 and 4096); "
+                             "the report goes to OUT/partial, which BENCHMARKS.md does not read")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tracing")
     args = parser.parse_args()
     info = machine_info()
     print(json.dumps(info), flush=True)
     compile_times: dict[str, float] = {}
-    rows = [row for section, name, build in specs(compile_times, args.quick)
-            for row in run_case(section, name, build, args.threads, args.quick)]
-    stem = "tracing_quick" if args.quick else "tracing"
-    write_report(args.out, stem, markdown(info, rows, compile_times, args.quick),
+    cases = [(section, name, build) for section, name, build in specs(compile_times, args.quick)
+             if args.cases is None or any(part in f"{section}/{name}" for part in args.cases)]
+    if not cases:
+        parser.error(f"no case matches {args.cases}: the cases are "
+                     + ", ".join(f"'{s}/{n}'" for s, n, _ in specs({}, args.quick)))
+    rows = [row for section, name, build in cases for row in run_case(section, name, build, args.threads, args.quick)]
+    stem = "tracing_quick" if args.quick else "tracing" if args.cases is None else "tracing_cases"
+    out = args.out if args.cases is None else args.out / "partial"
+    write_report(out, stem, markdown(info, rows, compile_times, args.quick),
                  {"machine": info, "command": sys.argv, "rows": rows, "compile_ms": compile_times})
 
 
