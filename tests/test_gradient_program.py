@@ -109,3 +109,22 @@ def test_a_written_gradient_program_is_reused_only_for_the_same_operands():
     (left * right).sum(1).exp().sum().backward()
     torch.testing.assert_close(a.grad, left.grad[rows, cols])
     torch.testing.assert_close(b.grad, right.grad[rows, cols])
+
+
+def test_a_rebuilt_result_is_computed_when_the_gradients_run_stage_by_stage():
+    """An operand stored in a dense format sends the backward stage by stage; the
+    normalised result the forward did not keep is then computed as ``R · Y``."""
+    g = torch.Generator().manual_seed(6)
+    S = sparsenn.from_dense(torch.randn(5, 8, generator=g, dtype=torch.float64)
+                            * (torch.rand(5, 8, generator=g) < 0.5), format="csr")
+    W = sparsenn.from_dense(torch.randn(5, 8, generator=g, dtype=torch.float64), format="dd")
+    weighted = sparsenn.compile(SOFTMAX + "; Q<P>[i,j] = P[i,j] * W[i,j]")
+    values = S.values.clone().requires_grad_()
+    d_out = torch.randn(S.nnz, generator=g, dtype=torch.float64)
+    computed, = torch.autograd.grad(weighted(S.with_values(values), W).values, values, d_out)
+    dense = S.with_values(values).to_dense().masked_fill(S.with_values(torch.ones_like(values)).to_dense() == 0,
+                                                          float("-inf"))
+    rows, cols = S.coords()[0]
+    weights = W.to_dense()[rows, cols]
+    expected, = torch.autograd.grad((torch.softmax(dense, 1)[rows, cols] * weights), values, d_out)
+    torch.testing.assert_close(computed, expected)

@@ -64,7 +64,7 @@ class Rebuilt:
     it: ``R`` the result of stage ``stage``, ``Y`` read at ``positions`` of its indices."""
 
     stage: int
-    divisor: Source
+    divisor: StageResult
     positions: tuple[int, ...]
 
 
@@ -242,7 +242,7 @@ def _write(program: Program, moving: Sequence[bool], operands: Sequence, results
            needed: Sequence[bool], rebuilt: dict[int, Rebuilt], sources: dict) -> tuple:
     """:func:`gradient_program`'s program, each of its operands' place in ``sources``
     (or a :class:`_Constant`), and its outputs."""
-    build = _Builder({id(results[k]): (results[r.stage], _source_value(r.divisor, operands, results), r.positions)
+    build = _Builder({id(results[k]): (results[r.stage], results[r.divisor.stage], r.positions)
                       for k, r in rebuilt.items()})
     gradients: dict[Source, list[_Part]] = {
         StageResult(k): [build.identity(build.operand(g), g)] for k, g in flowing.items()}
@@ -272,10 +272,6 @@ def _write(program: Program, moving: Sequence[bool], operands: Sequence, results
     written, inputs = build.program()
     place = {id(x): p for p, x in sources.items()}
     return written, tuple(place.get(id(x), _Constant(x)) for x in inputs), tuple(outputs)
-
-
-def _source_value(source: Source, operands: Sequence, results: dict):
-    return operands[source.n] if isinstance(source, UserOperand) else results[source.stage]
 
 
 def _rebuild_reads(build: _Builder, part: _Part) -> _Part:

@@ -41,7 +41,7 @@ from sparsenn.formats import SparseTensor
 from .autograd import _operand, differentiable_evaluate, operand_gradients, recorded
 from .derivatives import differentiated
 from .frontend.notation import Access, Assignment, Term
-from .frontend.program import Program, Stage, StageResult, UserOperand, stage_inputs
+from .frontend.program import Program, StageResult, UserOperand, stage_inputs
 from .gradient_program import Rebuilt, gradient_program, gradient_values, moves, rebuilt_results
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
@@ -196,17 +196,16 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
     rebuilt = call.reverse.rebuilt
     backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed, rebuilt)
     if backward is None:
-        results.update((k, _rebuilt_value(call.program, r, operands, results)) for k, r in rebuilt.items())
+        results.update((k, _rebuilt_value(r, results)) for k, r in rebuilt.items())
         return _stage_by_stage(call, operands, results, flowing, needed)
     outputs = backward.outputs
     computed = run_program(backward.program, backward.inputs, frozenset(o for o in outputs if o is not None))
     return [None if o is None else gradient_values(computed[o], tpl) for o, tpl in zip(outputs, call.templates)]
 
 
-def _rebuilt_value(program: Program, rebuilt: Rebuilt, operands: list, results: dict):
+def _rebuilt_value(rebuilt: Rebuilt, results: dict):
     """The result ``X = R · Y`` that ``rebuilt`` describes, computed."""
-    normalised, divisor = results[rebuilt.stage], stage_inputs(Stage(None, None, (rebuilt.divisor,)), operands,
-                                                                results)[0]
+    normalised, divisor = results[rebuilt.stage], results[rebuilt.divisor.stage]
     output = tuple(f"i{m}" for m in range(normalised.ndim))
     indices = tuple(output[p] for p in rebuilt.positions)
     term = Term(1.0, (Access(0, output), Access(1, indices)))
