@@ -262,7 +262,7 @@ def _write(program: Program, moving: Sequence[bool], operands: Sequence, results
             gradient, extras, out_format = gradient_call(step.assignment, n, inputs, parts[0].like, results[k])
             sources_n = (None, *forward, *(build.operand(x) for x in extras))
             part = _substituted(gradient, sources_n, parts, out_format, _like(inputs[n], out_format), one)
-            part = _rebuild_reads(build, part)
+            part = _pruned(_rebuild_reads(build, part))
             source = step.inputs[n]
             gradients.setdefault(source if isinstance(source, StageResult) else UserOperand(source.n), []).append(part)
     outputs = []
@@ -297,13 +297,23 @@ def _rebuild_reads(build: _Builder, part: _Part) -> _Part:
                 value = renumbered(_value(Term(1.0, term.factors, value)), lambda k, f=f, y=len(factors) - 1: (
                     Apply("mul", (Factor(k), Factor(y))) if k == f else Factor(k)))
         terms.append(Term(term.coefficient, tuple(factors), value))
-    used = sorted({a.operand for t in terms for a in t.factors})  # the rebuilt results are read no more
+    assignment = Assignment(part.assignment.output, tuple(terms), part.assignment.operand_names,
+                            part.assignment.reduction)
+    return _Part(assignment, tuple(sources), part.out_format, part.like)
+
+
+def _pruned(part: _Part) -> _Part:
+    """``part`` over the sources its terms access (a forward result a gradient does not
+    read, or reads as rebuilt, may be its pattern alone: it must not reach a kernel)."""
+    used = sorted({a.operand for t in part.assignment.terms for a in t.factors})
+    if len(used) == len(part.sources):
+        return part
     number = {n: m for m, n in enumerate(used)}
-    terms = [Term(t.coefficient, tuple(Access(number[a.operand], a.indices) for a in t.factors), t.value)
-             for t in terms]
+    terms = tuple(Term(t.coefficient, tuple(Access(number[a.operand], a.indices) for a in t.factors), t.value)
+                  for t in part.assignment.terms)
     names = tuple(f"operand{n}" for n in range(len(used)))
-    assignment = Assignment(part.assignment.output, tuple(terms), names, part.assignment.reduction)
-    return _Part(assignment, tuple(sources[n] for n in used), part.out_format, part.like)
+    assignment = Assignment(part.assignment.output, terms, names, part.assignment.reduction)
+    return _Part(assignment, tuple(part.sources[n] for n in used), part.out_format, part.like)
 
 
 def _slot(sources: list, source: Source) -> int:

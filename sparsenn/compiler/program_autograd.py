@@ -36,12 +36,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsenn.formats import SparseTensor
+from sparsenn.formats import Format, SparseTensor
 
 from .autograd import _operand, differentiable_evaluate, operand_gradients, recorded
-from .derivatives import differentiated
+from .derivatives import differentiated, gradient_assignment
+from .frontend.functions import factors_of, product
 from .frontend.notation import Access, Assignment, Term
-from .frontend.program import Program, StageResult, UserOperand, stage_inputs
+from .frontend.program import Program, Stage, StageResult, UserOperand, stage_inputs
 from .gradient_program import Rebuilt, gradient_program, gradient_values, moves, rebuilt_results
 from .runtime.evaluate import evaluate
 from .runtime.programs import run_program
@@ -115,20 +116,55 @@ class _Reverse:
 
 @functools.lru_cache(maxsize=256)
 def _reverse(program: Program, needed: tuple[bool, ...], outputs: tuple[int, ...]) -> _Reverse:
-    """A stage moves when an input it is differentiated in does; a moving stage's
-    gradients read its inputs and its result (a max's, to find the entries equal to it;
-    a pointwise statement's, its value: ``d exp(x) = exp(x) dx``), except the results
-    they can rebuild from the others and ``outputs``."""
+    """A stage moves when an input it is differentiated in does. The gradients of a
+    moving stage that a gradient reaches read the stage results :func:`_read_by` names,
+    except those they can rebuild from the others and ``outputs``; a sparse result read
+    for its pattern only is not kept (its pattern is)."""
     moving: list[bool] = []
-    read: set[int] = set()
-    for k, step in enumerate(program.stages):
+    for step in program.stages:
         moving.append(any(moves(step.inputs[n], needed, moving) for n in differentiated(step.assignment)))
-        if moving[-1]:
-            read.update(s.stage for s in step.inputs if isinstance(s, StageResult))
-            read.add(k)
+    reached = set(outputs)
+    read: set[int] = set()
+    for k in reversed(range(len(program.stages))):
+        if k not in reached or not moving[k]:
+            continue
+        step = program.stages[k]
+        wanted = [n for n in differentiated(step.assignment) if moves(step.inputs[n], needed, moving)]
+        reached.update(step.inputs[n].stage for n in wanted if isinstance(step.inputs[n], StageResult))
+        read |= _read_by(program, k, tuple(wanted))
     rebuilt = rebuilt_results(program, frozenset(read), frozenset(outputs))
     read = (read - set(rebuilt)) | {r.divisor.stage for r in rebuilt.values()}
     return _Reverse(tuple(moving), frozenset(read), rebuilt)
+
+
+def _read_by(program: Program, k: int, wanted: tuple[int, ...]) -> set[int]:
+    """The stage results the gradients of stage ``k``'s operands ``wanted`` read: its
+    result where a derivative is its value, and its inputs that are earlier results,
+    except sparse ones a gradient reads for their stored positions only (or not at
+    all). A max's (or min's) reads them all (it compares values with the result)."""
+    step = program.stages[k]
+    assignment = step.assignment
+    earlier = [s.stage for s in step.inputs if isinstance(s, StageResult)]
+    if assignment.reduction != "sum":
+        return {k, *earlier}
+    read = {j for j in earlier if not _sparse(program.stages[j])}
+    for n in wanted:
+        rank = len(next(a for a in assignment.accesses if a.operand == n).indices)
+        gradient, extras = gradient_assignment(assignment, n, rank, False, True)
+        if ("result",) in extras:
+            read.add(k)
+        for term in gradient.terms:
+            values = factors_of(term.value if term.value is not None else product(len(term.factors)))
+            for f, access in enumerate(term.factors):
+                source = step.inputs[access.operand - 1] if 1 <= access.operand <= len(step.inputs) else None
+                if isinstance(source, StageResult) and f in values and term.coefficient != 0.0:
+                    read.add(source.stage)
+    return read
+
+
+def _sparse(step: Stage) -> bool:
+    """Whether ``step`` asks for a sparse result (its pattern is kept with the call)."""
+    return isinstance(step.out_format, Format) and not step.out_format.is_dense
 
 
 @dataclass
@@ -139,7 +175,7 @@ class _Call:
     templates: list  # per caller's operand: its SparseTensor, or None if dense
     outputs: tuple[int, ...]  # the stages whose results are the node's outputs
     reverse: _Reverse
-    patterns: dict[int, SparseTensor] | None = None  # stage -> its sparse result's pattern (no values)
+    patterns: dict[int, SparseTensor] | None = None  # stage -> its sparse result's pattern (values unwritten)
     results: list | None = None  # the forward's results, until the caller takes them
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
@@ -184,7 +220,8 @@ class _ProgramFunction(torch.autograd.Function):
             return (None, *_recomputed(call, tensors, grads, needed))
         results = dict(ctx.read)
         results.update((k, _operand(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
-        results.update((k, call.patterns[k]) for k in call.reverse.rebuilt)
+        for k, pattern in call.patterns.items():  # results not kept: read for their patterns, or rebuilt
+            results.setdefault(k, pattern)
         return (None, *_backward(call, call.rebuild(tensors), results, dict(zip(call.outputs, grads)), needed))
 
 
@@ -251,5 +288,6 @@ def _values(result) -> torch.Tensor:
 
 
 def _bare(result: SparseTensor) -> SparseTensor:
-    """``result``'s pattern, without its values."""
-    return result._share(result.shape, result.format, torch.empty(0, dtype=result.values.dtype))
+    """``result``'s pattern, its values never written (memory not touched): what a
+    gradient reading its stored positions only takes."""
+    return result._share(result.shape, result.format, torch.empty(result.values.shape, dtype=result.values.dtype))
