@@ -288,16 +288,23 @@ def target_text(rows: list[dict]) -> str:
     return "missed: " + "; ".join(parts) if parts else "all met"
 
 
-def rows_reader(script: str, subject: str = "sparsenn", extra: tuple[tuple[str, str], ...] = ()) -> Callable:
+def rows_reader(script: str, subject: str = "sparsenn", extra: tuple[tuple[str, str], ...] = (),
+                targeted: bool = False) -> Callable:
     """Reader of the scripts built on structured.py's run_case (one row per case and thread count,
     times in ``ms``, ``ratios`` to sparsenn's time, ``targets``): one row per case, thread counts as
-    'a / b'. ``subject``: what the script times as "sparsenn" (tracing.py: the compiled model)."""
+    'a / b'. ``subject``: what the script times as "sparsenn" (tracing.py: the compiled model);
+    ``targeted``: only the cases with targets (every case is in the run's own ``.md``)."""
     def read(data: dict, path: Path) -> Run:
         run = scripted_run(data, path, script)
         rows = data["rows"]
         groups: dict[tuple, list[dict]] = {}
         for r in rows:
-            groups.setdefault((r.get("section", ""), r["case"]), []).append(r)
+            if not targeted or r.get("targets") or "unavailable" in r:
+                groups.setdefault((r.get("section", ""), r["case"]), []).append(r)
+        if targeted:
+            every = path.with_suffix(".md")
+            every = every.relative_to(ROOT) if every.is_relative_to(ROOT) else every
+            run.notes.append(f"The cases with targets; every case: `{every.as_posix()}`.")
         alts = [list(r.get("ratios", {})) for r in rows if "unavailable" not in r]
         uniform = all(a == alts[0] for a in alts)
         sections = len({s for s, _ in groups}) > 1
@@ -385,7 +392,7 @@ SOURCES: dict[str, tuple[Callable[[dict, Path], Run], tuple[str, ...]]] = {
     "autograd": (read_autograd, ("autograd.json", "autograd_quick.json")),
     "layers": (read_layers, ("layers.json", "layers_quick.json")),
     "structured": (rows_reader("structured"), ("structured/*.json",)),
-    "attention": (rows_reader("attention"), ("attention/*.json", "attention/l4096/*.json")),
+    "attention": (rows_reader("attention", targeted=True), ("attention/*.json", "attention/l4096/*.json")),
     "nonlinear": (rows_reader("nonlinear"), ("nonlinear/*.json",)),
     "precision": (read_precision, ("precision.json", "precision_quick.json")),
     "tracing": (rows_reader("tracing", subject="compiled"), ("tracing/*.json",)),
