@@ -36,7 +36,7 @@ def softmax_backward(fmt: str, rebuild: bool = False):
     rebuilt = rebuilt_results(program, frozenset(range(1, last)), frozenset({last})) if rebuild else {}
     for k in rebuilt:  # its pattern only
         read[k] = results[k]._share(S.shape, S.format, torch.empty(0, dtype=torch.float64))
-    backward = gradient_program(program, moving, [S], read, {last: incoming}, [True], rebuilt)
+    backward = gradient_program(program, moving, [S], read, {last: incoming}, [True], rebuilt, False)
     return S, results, incoming, backward
 
 

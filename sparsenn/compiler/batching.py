@@ -182,8 +182,7 @@ def batched_call(run: Run, assignment: Assignment, templates: Sequence[SparseTen
     read = {a.operand for a in assignment.accesses}
     if all(d is None or n not in read for n, d in enumerate(in_dims)):  # the same result for every element
         elements = [x if d is None else x.select(d, 0) for x, d in zip(tensors, in_dims)]  # unread when batched
-        result = run(assignment, [x if t is None else t._share(t.shape, t.format, x)
-                                  for t, x in zip(templates, elements)], out_format)
+        result = run(assignment, [_batched_operand(t, x, None) for t, x in zip(templates, elements)], out_format)
         if isinstance(result, SparseTensor):
             return BatchedResult(result.values, None, result)
         return BatchedResult(result, None, None)

@@ -180,7 +180,8 @@ class _Builder:
 
 
 def gradient_program(program: Program, moving: Sequence[bool], operands: Sequence, results: dict,
-                     flowing: dict, needed: Sequence[bool], rebuilt: dict[int, Rebuilt]) -> GradientProgram | None:
+                     flowing: dict, needed: Sequence[bool], rebuilt: dict[int, Rebuilt],
+                     per_call: bool) -> GradientProgram | None:
     """The gradients of the caller's ``operands`` that are ``needed``, as a program (see
     the module doc): ``results`` the forward's results the gradients read (stage ->
     result; a ``rebuilt`` one's pattern alone), ``flowing`` the incoming gradients
@@ -190,15 +191,13 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
 
     Written once per signature of the call (formats, shapes, dtypes, shared index
     arrays): its operands are then the call's own, found where they were found when it
-    was written, or constants (all-ones tensors). A moving max's gradient reads tie
-    counts computed from the call's values: that program is written per call."""
+    was written, or constants (all-ones tensors); ``per_call``: a max's gradient reads tie
+    counts computed from the call's values, so the program is written for this call only."""
     if any(isinstance(x, SparseTensor) and x.format.is_dense for x in (*operands, *results.values())):
         return None
     sources = {("operand", n): x for n, x in enumerate(operands)}
     sources.update((("result", k), x) for k, x in results.items())
     sources.update((("flowing", k), x) for k, x in flowing.items())
-    per_call = any(moving[k] and step.assignment.reduction != "sum" and _reached(program, moving, flowing, k)
-                   for k, step in enumerate(program.stages))
     key = None if per_call else (program, tuple(moving), tuple(needed), tuple(rebuilt.items()), _signature(sources))
     written = None if key is None else _written.get(key)
     if written is None:
@@ -207,13 +206,6 @@ def gradient_program(program: Program, moving: Sequence[bool], operands: Sequenc
             _written.put(key, written)
     program, places, outputs = written
     return GradientProgram(program, tuple(sources[p] if isinstance(p, tuple) else p.value for p in places), outputs)
-
-
-def _reached(program: Program, moving: Sequence[bool], flowing: dict, k: int) -> bool:
-    """Whether a gradient reaches stage ``k``'s result: one flows into it, or a moving
-    stage is differentiated in it."""
-    return k in flowing or any(moving[j] and step.inputs[n] == StageResult(k)
-                               for j, step in enumerate(program.stages) for n in differentiated(step.assignment))
 
 
 @dataclass(frozen=True)

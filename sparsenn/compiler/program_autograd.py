@@ -39,8 +39,8 @@ import torch
 from sparsenn.formats import Format, SparseTensor
 
 from .autograd import _operand, differentiable_evaluate, operand_gradients, recorded
-from .derivatives import differentiated, gradient_assignment
-from .frontend.functions import factors_of, product
+from .derivatives import differentiated, gradient_assignment, reduced_value
+from .frontend.functions import factors_of
 from .frontend.notation import Access, Assignment, Term
 from .frontend.program import Program, Stage, StageResult, UserOperand, stage_inputs
 from .gradient_program import Rebuilt, gradient_program, gradient_values, moves, rebuilt_results
@@ -112,6 +112,7 @@ class _Reverse:
     moving: tuple[bool, ...]
     read: frozenset[int]
     rebuilt: dict[int, Rebuilt]
+    ties: bool  # a max (or min) a gradient reaches: its gradient counts ties in the call's values
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,7 +135,8 @@ def _reverse(program: Program, needed: tuple[bool, ...], outputs: tuple[int, ...
         read |= _read_by(program, k, tuple(wanted))
     rebuilt = rebuilt_results(program, frozenset(read), frozenset(outputs))
     read = (read - set(rebuilt)) | {r.divisor.stage for r in rebuilt.values()}
-    return _Reverse(tuple(moving), frozenset(read), rebuilt)
+    ties = any(moving[k] and program.stages[k].assignment.reduction != "sum" for k in reached)
+    return _Reverse(tuple(moving), frozenset(read), rebuilt, ties)
 
 
 def _read_by(program: Program, k: int, wanted: tuple[int, ...]) -> set[int]:
@@ -154,7 +156,7 @@ def _read_by(program: Program, k: int, wanted: tuple[int, ...]) -> set[int]:
         if ("result",) in extras:
             read.add(k)
         for term in gradient.terms:
-            values = factors_of(term.value if term.value is not None else product(len(term.factors)))
+            values = factors_of(reduced_value(term))
             for f, access in enumerate(term.factors):
                 source = step.inputs[access.operand - 1] if 1 <= access.operand <= len(step.inputs) else None
                 if isinstance(source, StageResult) and f in values and term.coefficient != 0.0:
@@ -175,7 +177,8 @@ class _Call:
     templates: list  # per caller's operand: its SparseTensor, or None if dense
     outputs: tuple[int, ...]  # the stages whose results are the node's outputs
     reverse: _Reverse
-    patterns: dict[int, SparseTensor] | None = None  # stage -> its sparse result's pattern (values unwritten)
+    patterns: dict[int, SparseTensor] | None = None  # stage -> its sparse result's pattern (no values)
+    counts: dict[int, int] | None = None  # stage -> its sparse result's number of values
     results: list | None = None  # the forward's results, until the caller takes them
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> list:
@@ -202,6 +205,7 @@ class _ProgramFunction(torch.autograd.Function):
     def forward(ctx, call: _Call, *tensors):
         results = run_program(call.program, call.rebuild(tensors), call.reverse.read | set(call.outputs))
         call.patterns = {k: _bare(r) for k, r in enumerate(results) if isinstance(r, SparseTensor)}
+        call.counts = {k: r.values.shape[0] for k, r in enumerate(results) if isinstance(r, SparseTensor)}
         call.results = results
         values = tuple(_values(results[k]) for k in call.outputs)
         ctx.call = call
@@ -220,8 +224,9 @@ class _ProgramFunction(torch.autograd.Function):
             return (None, *_recomputed(call, tensors, grads, needed))
         results = dict(ctx.read)
         results.update((k, _operand(call.patterns.get(k), v)) for k, v in zip(call.outputs, values))
-        for k, pattern in call.patterns.items():  # results not kept: read for their patterns, or rebuilt
-            results.setdefault(k, pattern)
+        for k, pattern in call.patterns.items():  # results not kept: rebuilt, or read for their patterns
+            if k not in results:
+                results[k] = pattern if k in call.reverse.rebuilt else _unread(pattern, call.counts[k])
         return (None, *_backward(call, call.rebuild(tensors), results, dict(zip(call.outputs, grads)), needed))
 
 
@@ -231,7 +236,8 @@ def _backward(call: _Call, operands: list, results: dict, flowing: dict, needed:
     (:mod:`.gradient_program`), or else the stages' gradients in reverse, one by one."""
     incoming = {k: _operand(call.patterns.get(k), g.contiguous()) for k, g in flowing.items() if g is not None}
     rebuilt = call.reverse.rebuilt
-    backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed, rebuilt)
+    backward = gradient_program(call.program, call.reverse.moving, operands, results, incoming, needed, rebuilt,
+                                call.reverse.ties)
     if backward is None:
         results.update((k, _rebuilt_value(r, results)) for k, r in rebuilt.items())
         return _stage_by_stage(call, operands, results, flowing, needed)
@@ -288,6 +294,11 @@ def _values(result) -> torch.Tensor:
 
 
 def _bare(result: SparseTensor) -> SparseTensor:
-    """``result``'s pattern, its values never written (memory not touched): what a
+    """``result``'s pattern, without its values."""
+    return result._share(result.shape, result.format, torch.empty(0, dtype=result.values.dtype))
+
+
+def _unread(pattern: SparseTensor, count: int) -> SparseTensor:
+    """``pattern`` with ``count`` values never written (memory not touched): what a
     gradient reading its stored positions only takes."""
-    return result._share(result.shape, result.format, torch.empty(result.values.shape, dtype=result.values.dtype))
+    return pattern._share(pattern.shape, pattern.format, torch.empty(count, dtype=pattern.values.dtype))
