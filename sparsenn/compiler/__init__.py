@@ -30,8 +30,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    store-once, ``omp simd``, the output's assembly, threads; the result's types in
    ``plan/nest.py``), all for an explicit machine model (``plan/target.py``: the host's,
    or one given with ``use_target``). The plan is looked up by those decisions, so every
-   batch size with the same decisions shares one kernel. A new plan is built by
-   ``planner.build_kernel``, the one function that calls the back end:
+   batch size with the same decisions shares one kernel. A new plan is lowered, then
+   built by ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
    (``lower/dense_output.py`` with ``lower/epilogue.py`` and its micro-kernels in
    ``lower/microkernel.py`` and ``lower/register_tile.py``, or ``lower/sparse_output.py``
@@ -56,9 +56,11 @@ nothing records it for autograd, ``plan/fusion.py`` groups its consecutive stage
 share their team loops and read earlier results only at their own team coordinates (the
 row max, the exponentials, their sum, the scaling; BlockSparseAttention's block SDDMM
 before them and its SpMM after), decided from the stages' plans before anything runs,
-with a reason for every boundary, and ``planner.build_fused_kernel`` lowers each group
+with a reason for every boundary. ``planner.fused_kernel`` lowers each group
 (``lower/fuse.py``) into one kernel that runs every stage per coordinate while its rows
-are in cache, launched as in step 5; a stage alone runs as in steps 2-5. When gradients
+are in cache and builds it through ``planner.build_kernel`` as in step 4; the launcher
+runs it as a ``FusedLaunch``, every stage's bound launch supplying its arguments to the
+one ``sn_run`` (step 5); a stage alone runs as in steps 2-5. When gradients
 are needed ``program_autograd.py`` records the program as one autograd node (keeping
 the results its gradients read, not those it can rebuild), whose backward is a program
 too: ``gradient_program.py`` writes each stage's gradient einsums (``autograd.py``)

@@ -73,13 +73,14 @@ class FusedLowering:
     is not an earlier stage's output, stage by stage, then the outputs of the stages that
     write their own). For printing the stages apart: the extents every stage reads
     (``dims``), each stage's statements at team coordinate ``sn_at`` (``stages``) and
-    :meth:`team_loops`."""
+    :meth:`team_loops`. Its vectors are the widest of its stages' (``vector_bytes``)."""
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
     dims: tuple[ir.Decl, ...]
     stages: tuple[ir.Block, ...]
     extent: ir.Expr  # of the team coordinates
+    vector_bytes: int
 
     def team_loops(self, body: ir.Block) -> ir.Block:
         """The kernel's statements with ``body`` in place of the stages at each team coordinate."""
@@ -113,7 +114,8 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
         dims_base += len(lo.indices)
     parameters += [Parameter(ir.Array("out", k), k, None) for k, stage in enumerate(stages) if stage.into is None]
     loops = simplify(_team_loops(dims_decls, extent, ir.Block(tuple(bodies))))
-    return FusedLowering(loops, tuple(parameters), tuple(dims_decls), tuple(bodies), extent)
+    return FusedLowering(loops, tuple(parameters), tuple(dims_decls), tuple(bodies), extent,
+                         max(stage.plan.kernel.vector_bytes for stage in stages))
 
 
 def _team_loops(dims: Sequence[ir.Decl], extent: ir.Expr, body: ir.Block) -> ir.Block:

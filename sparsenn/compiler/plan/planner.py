@@ -11,9 +11,9 @@ For a call it
 3. looks the plan up by the schedule's *decisions* (:func:`decisions`: orders, tiles,
    register blocks, workspace, transposes, output format and order; not the cost
    estimates), so every shape with the same decisions shares one plan and one kernel
-   (kernels read extents at run time), else builds it through :func:`build_kernel`;
-   :func:`build_fused_kernel` builds the kernel of a program's fused stages. They are
-   the functions that call the back end.
+   (kernels read extents at run time), else lowers and builds it. :func:`build_kernel`
+   is the one function that calls the back end: for a plan's kernel and for the kernel
+   of a program's fused stages (:func:`fused_kernel`).
 
 :func:`plan_call` returns a :class:`ShapePlan`: the shared plan and this shape's
 schedule (which also decides the thread count, :func:`runs_parallel`). Expressions
@@ -36,7 +36,7 @@ from sparsenn.formats import Format, SparseTensor, parse_format
 from ..backend import abi, jit
 from ..backend.codegen import generate_fused_source, generate_source
 from ..backend.precision import compute_dtype
-from ..lower.fuse import FusedStage, lower_fused
+from ..lower.fuse import FusedLowering, FusedStage, lower_fused
 from ..lower.kernel import LoweredKernel, lower
 from ..frontend.notation import Assignment
 from ..runtime.cache import LRUCache
@@ -45,15 +45,16 @@ from .contract import Step, best_path
 from .infer import densify_by_fill, result_format
 from .schedule import OperandInfo, Schedule, schedule
 
-__all__ = ["Argument", "Generated", "Plan", "ShapePlan", "Request", "DENSE", "AUTO",
-           "operand_info", "plan_call", "build_kernel", "build_fused_kernel", "build_plans", "runs_parallel", "decisions",
+__all__ = ["Argument", "Built", "Plan", "ShapePlan", "Request", "DENSE", "AUTO",
+           "operand_info", "plan_call", "build_kernel", "fused_kernel", "build_plans", "runs_parallel", "decisions",
            "contraction_path", "path_request"]
 
 DENSE = "dense"  # out_format: a dense torch.Tensor
 AUTO = "auto"  # out_format: the inferred format, dense when its estimated fill is high
 
 Request = Format | str | None  # None (inferred), DENSE, AUTO or a requested format
-KERNEL_NAME = "sparse_einsum"  # the kernels' file-name hint in the kernel cache
+KERNEL_NAME = "sparse_einsum"  # the kernels' file-name hints in the kernel cache
+FUSED_KERNEL_NAME = "fused_einsum"
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,6 @@ class Argument:
     slot: int
     kind: str
     level: int
-
-
-@dataclass(frozen=True)
-class Generated:
-    """What :func:`build_kernel` returns."""
-
-    kernel: LoweredKernel
-    source: str
-    arguments: tuple[Argument, ...]
-    finish_order: tuple[tuple[str, int], ...]
-    load: Callable[[], abi.EntryPoints]
 
 
 @dataclass(frozen=True)
@@ -131,7 +121,7 @@ class ShapePlan:
 
 _shape_plans: LRUCache[ShapePlan] = LRUCache("shape plans", 512)
 _plans: LRUCache[Plan] = LRUCache("plans", 256)
-_fused_kernels: LRUCache[FusedKernel] = LRUCache("fused kernels", 64)
+_fused_kernels: LRUCache[Built] = LRUCache("fused kernels", 64)
 _paths: LRUCache[tuple] = LRUCache("contraction paths", 256)
 
 
@@ -296,74 +286,72 @@ def plan_call(assignment: Assignment, infos: tuple[OperandInfo, ...], request: R
 @_collector_paused
 def _build_plan(assignment: Assignment, formats: tuple[Format | None, ...], output: Format | None,
                 anchor: int | None, sched: Schedule, dtype: torch.dtype, index_dtype: torch.dtype) -> Plan:
-    generated = build_kernel(assignment, sched, formats, anchor, dtype, index_dtype)
-    permutation = tuple(sched.output_order.index(i) for i in assignment.output)
-    identity = permutation == tuple(range(len(permutation)))
-    return Plan(assignment, formats, output, anchor, sched, generated.kernel, generated.source, generated.arguments,
-                None if identity else permutation, generated.finish_order, generated.load)
-
-
-def build_kernel(assignment: Assignment, sched: Schedule, formats: Sequence[Format | None], anchor: int | None,
-                 dtype: torch.dtype, index_dtype: torch.dtype) -> Generated:
-    """Everything the runtime asks of the back end: lower ``sched`` to a kernel, print
-    its C++, list its array arguments and (for an assembled output) ``sn_finish``'s
-    arrays in the ABI's order (``backend/abi.py``), and a loader that builds (or finds in
-    the kernel cache) the library and binds its entry points with their C signatures."""
+    """The plan of one assignment: its kernel lowered (``lower/kernel.py``), its array
+    arguments and (for an assembled output) ``sn_finish``'s arrays in the ABI's order
+    (``backend/abi.py``), and the kernel built through :func:`build_kernel`."""
     kernel = lower(assignment, sched, formats, anchor)
-    source = generate_source(kernel, str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch."))
     arguments = tuple(
         Argument(n, "dense" if slot.fmt is None else kind, level)
         for n, slot in enumerate(kernel.slots)
         for kind, level in abi.slot_arrays(slot)
     )
-
     finish_order = ()
     if not kernel.dense_output:
         fmt = sched.output_format
         finish_order = tuple(abi.finish_arrays(fmt.rank, fmt.dense_prefix))
-
-    def load() -> abi.EntryPoints:
-        library = jit.load_library(source, KERNEL_NAME, str(assignment))
-        return abi.bind(library, assembles_sparse_output=not kernel.dense_output)
-
-    return Generated(kernel, source, arguments, finish_order, load)
+    built = build_kernel(kernel, dtype, index_dtype, str(assignment))
+    permutation = tuple(sched.output_order.index(i) for i in assignment.output)
+    identity = permutation == tuple(range(len(permutation)))
+    return Plan(assignment, formats, output, anchor, sched, kernel, built.source, arguments,
+                None if identity else permutation, finish_order, built.load)
 
 
 @dataclass(frozen=True)
-class FusedKernel:
-    """What :func:`build_fused_kernel` returns: the C++ and a loader of its entry points."""
+class Built:
+    """What :func:`build_kernel` returns: the kernel's C++ and a loader of its entry points."""
 
     source: str
     load: Callable[[], abi.EntryPoints]
 
 
-def build_fused_kernel(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype,
-                       what: str) -> FusedKernel:
-    """The kernel of stages the planner fused (``plan/fusion.py``): lowered
-    (``lower/fuse.py``), printed at the widest of their vector widths, and a loader that
-    builds (or finds in the kernel cache) the library; ``sn_run`` takes every stage's
-    arguments that are not an earlier stage's output, stage by stage, then the outputs of
-    the stages that write their own (``FusedLowering.parameters``). Stages whose plans
-    make the same decisions share one kernel: lowered and printed once."""
+def build_kernel(lowered: LoweredKernel | FusedLowering, dtype: torch.dtype, index_dtype: torch.dtype,
+                 what: str) -> Built:
+    """The one function that calls the back end, for a plan's kernel and for a fused
+    group's alike: print ``lowered``'s C++ with values of ``dtype`` and indices of
+    ``index_dtype`` (``backend/codegen.py``), and a loader that builds it (or finds it in
+    the kernel cache, ``backend/jit.py``) and binds the entry points of
+    ``backend/abi.py`` with their C signatures. ``what`` says what the kernel computes,
+    for the build notice."""
+    value, index = str(dtype).removeprefix("torch."), str(index_dtype).removeprefix("torch.")
+    if isinstance(lowered, FusedLowering):
+        source, name, assembles = generate_fused_source(lowered, value, index), FUSED_KERNEL_NAME, False
+    else:
+        source, name, assembles = generate_source(lowered, value, index), KERNEL_NAME, not lowered.dense_output
+
+    def load() -> abi.EntryPoints:
+        return abi.bind(jit.load_library(source, name, what), assembles_sparse_output=assembles)
+
+    return Built(source, load)
+
+
+def fused_kernel(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype, what: str) -> Built:
+    """The kernel of stages the planner fused (``plan/fusion.py``), lowered into one
+    (``lower/fuse.py``) and built through :func:`build_kernel`; ``sn_run`` takes every
+    stage's arguments that are not an earlier stage's output, stage by stage, then the
+    outputs of the stages that write their own (``FusedLowering.parameters``). Stages
+    whose plans make the same decisions share one kernel: lowered and printed once."""
     key = (tuple((s.plan.assignment, s.plan.operand_formats, s.plan.output_format, s.plan.anchor, s.plan.schedule,
                   s.reads, s.into) for s in stages), dtype, index_dtype)
-    fused = _fused_kernels.get(key)
-    if fused is None:
-        source = _fused_source(stages, dtype, index_dtype)
-
-        def load() -> abi.EntryPoints:
-            return abi.bind(jit.load_library(source, "fused_einsum", what), assembles_sparse_output=False)
-
-        fused = FusedKernel(source, load)
-        _fused_kernels.put(key, fused)
-    return fused
+    built = _fused_kernels.get(key)
+    if built is None:
+        built = _build_fused(stages, dtype, index_dtype, what)
+        _fused_kernels.put(key, built)
+    return built
 
 
 @_collector_paused
-def _fused_source(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype) -> str:
-    return generate_fused_source(lower_fused(stages), str(dtype).removeprefix("torch."),
-                                 str(index_dtype).removeprefix("torch."),
-                                 max(stage.plan.kernel.vector_bytes for stage in stages))
+def _build_fused(stages: Sequence[FusedStage], dtype: torch.dtype, index_dtype: torch.dtype, what: str) -> Built:
+    return build_kernel(lower_fused(stages), dtype, index_dtype, what)
 
 
 def build_plans(plans: Sequence[Plan]) -> None:

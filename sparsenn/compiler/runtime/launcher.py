@@ -12,7 +12,9 @@ the dense result (allocated in the expression's index order, its memory in the k
 output order), the anchor's pattern with the computed values, or the sparse result the
 kernel assembled. A 16-bit kernel that
 accumulates in its dense output writes float32, rounded to the values' dtype after it
-(``backend/precision.py``).
+(``backend/precision.py``). A program's fused stages (``runtime/programs.py``) run as a
+:class:`FusedLaunch`: each stage's launch, bound without its own kernel, supplies its
+arguments and output to the one ``sn_run`` of the group.
 """
 
 from __future__ import annotations
@@ -36,18 +38,12 @@ from . import memory
 from .densified import RELAID
 from .restore import restored_as
 
-__all__ = ["Launch", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill", "run_stages"]
+__all__ = ["Launch", "FusedLaunch", "Member", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill",
+           "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
-
-
-def output_allocator(reduction: str, overwrites: bool) -> Callable[..., torch.Tensor]:
-    """How to allocate a dense output, ``allocate(shape, dtype=...)``: uninitialised
-    (:func:`memory.empty`) when the kernel stores every element, else filled with the
-    reduction's identity (see :func:`output_fill`)."""
-    fill = output_fill(reduction, overwrites)
-    return memory.empty if fill is None else functools.partial(memory.filled, fill)
+_OUT_OF_MEMORY = "sparsenn kernel ran out of memory"
 
 
 def output_fill(reduction: str, overwrites: bool) -> float | None:
@@ -117,7 +113,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     plan, final = launch.plan, launch.final_format
     assembles, anchor = plan.assembles, plan.anchor
     packed = None if assembles else _packed(launch.pack, launch.terms)
-    allocate = None if assembles else _output_allocator(launch)
+    allocate = None if assembles else output_allocator(launch)
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
         made = run_stages(stages, operands) if stages else None  # held until the kernel has read the staged copies
@@ -127,7 +123,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         else:
             out = allocate()
             if kernel_run(packed(operands, made, out.data_ptr()), dims, threads, None) != 0:
-                raise MemoryError("sparsenn kernel ran out of memory")
+                raise MemoryError(_OUT_OF_MEMORY)
             if rounded:
                 out = out.to(dtype)  # keeps the strides
             if anchor is None:
@@ -139,7 +135,59 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     return run
 
 
-def _output_allocator(launch: Launch) -> Callable[[], torch.Tensor]:
+@dataclass(frozen=True)
+class Member:
+    """A stage of a fused kernel as :class:`FusedLaunch` runs it: its launch (bound
+    without a kernel), its operands (``inputs(operands, results)``: from the program's
+    operands and the results so far), its result from the values it writes
+    (``result(operands, written)``), the arguments of its launch the kernel takes (the
+    others are earlier members' outputs, read in place) and the earlier member whose
+    array it writes into (None: its own)."""
+
+    launch: Launch
+    inputs: Callable[[Sequence, list], Sequence]
+    result: Callable[[Sequence, torch.Tensor], object]
+    kept: tuple[int, ...]
+    into: int | None
+
+
+class FusedLaunch:
+    """Stages that one fused kernel runs (``lower/fuse.py``): ``run(operands, results)``
+    allocates each member's output (or takes the array of the member it writes into),
+    appends its result to ``results`` before the next member reads it, collects every
+    member's kept argument pointers, then the outputs of the members that write their
+    own, and calls ``sn_run`` once. ``source``: the kernel's C++."""
+
+    def __init__(self, members: Sequence[Member], entry: EntryPoints, source: str):
+        self.members, self.entry, self.source = tuple(members), entry, source
+        self.parallel = any(m.launch.parallel for m in members)
+        dims = [d for m in members for d in m.launch.dims]
+        self.dims = (ctypes.c_int64 * len(dims))(*dims)
+        self.allocators = [output_allocator(m.launch) if m.into is None else None for m in members]
+        self.arrays = ctypes.c_void_p * sum(len(m.kept) + (m.into is None) for m in members)
+
+    def run(self, operands: Sequence, results: list) -> None:
+        pointers, written, outputs, staged = [], [], [], []
+        for member, allocate in zip(self.members, self.allocators):
+            inputs = member.inputs(operands, results)
+            if allocate is None:
+                out = written[member.into]
+            else:
+                out = allocate()
+                outputs.append(out)
+            written.append(out)
+            results.append(member.result(inputs, out))
+            made = run_stages(member.launch.stages, inputs)
+            staged.append(made)  # the staged copies live until the kernel has read them
+            every = member.launch.pointers(inputs, made)
+            pointers += [every[n] for n in member.kept]
+        pointers += [out.data_ptr() for out in outputs]
+        threads = torch.get_num_threads() if self.parallel else 1
+        if self.entry.run(self.arrays(*pointers), self.dims, threads, None) != 0:
+            raise MemoryError(_OUT_OF_MEMORY)
+
+
+def output_allocator(launch: Launch) -> Callable[[], torch.Tensor]:
     """The allocation of ``launch``'s dense output (or its anchor's values): in the
     expression's index order, laid out in memory in the kernel's ``output_order``."""
     plan = launch.plan
@@ -164,7 +212,7 @@ def _assembled(launch: Launch, pointers: list[int], threads: int) -> SparseTenso
     if entry.run(arguments, launch.dims, threads, ctypes.byref(handle)) != 0:
         if handle.value:
             entry.free(handle)
-        raise MemoryError("sparsenn kernel ran out of memory")
+        raise MemoryError(_OUT_OF_MEMORY)
     sizes = entry.output_sizes(handle, rank)
     wide = launch.index_dtype == torch.int64 or max([sizes.values, *layout.level_dims, 0]) >= 2**31 - 1
     idx = torch.int64 if wide else torch.int32

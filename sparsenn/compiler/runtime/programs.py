@@ -7,48 +7,35 @@ call) on stand-ins of the earlier results, binding its layouts without building 
 kernel; :func:`~..plan.fusion.fuse` then groups the stages from those plans, and each
 group of several is lowered into one kernel (``lower/fuse.py``) that runs its stages
 per team coordinate. A stage over dense operands alone, which runs in torch apart, is
-offered to fusion with its planned kernel and both costs (:func:`..plan.fusion.dense_stage`). Every call runs the groups: a group of one through :func:`evaluate`, a
-fused group by allocating its stages' results, collecting every stage's array pointers
-(an earlier result of the group is read in place, the fused kernel's own array) and
-running its kernel once. Recording a program for autograd is
+offered to fusion with its planned kernel and both costs (:func:`..plan.fusion.dense_stage`).
+Every call runs the groups: a group of one through :func:`evaluate`, a fused group as
+the launcher's :class:`~.launcher.FusedLaunch` of its kernel (built through
+``planner.build_kernel`` like any other), each stage's operands taken from the results
+so far. Recording a program for autograd is
 :mod:`..program_autograd`'s.
 """
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
-from ..backend import abi
 from ..frontend.blocks import Split
 from ..lower.fuse import FusedStage
 from ..backend.precision import compute_dtype
 from ..frontend.program import Program, Stage, StageResult, stage_inputs
 from ..plan.fusion import Candidate, Fusion, dense_stage, fuse
-from ..plan.planner import DENSE, ShapePlan, build_fused_kernel, operand_infos, plan_call
+from ..plan.planner import DENSE, ShapePlan, fused_kernel, operand_infos, plan_call
 from ..plan.target import Target
 from .cache import LRUCache
 from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
-from .launcher import Launch, bind, output_allocator, run_stages
+from .launcher import FusedLaunch, Launch, Member, bind
 from .validate import call_key, check_call
 
 __all__ = ["run_program", "describe_program"]
-
-
-@dataclass(frozen=True)
-class _Part:
-    """A stage as its fused kernel runs it: its launch (bound without a kernel), the
-    split it goes through (if any) and the launch's arguments the kernel takes (the
-    others are earlier outputs of the group, passed once)."""
-
-    stage: Stage
-    launch: Launch
-    split: Split | None
-    kept: tuple[int, ...]
-    into: int | None  # the part of the group whose array it writes into
 
 
 class _Single:
@@ -60,44 +47,6 @@ class _Single:
     def run(self, operands: Sequence, results: list) -> None:
         step = self.stage
         results.append(evaluate(step.assignment, stage_inputs(step, operands, results), step.out_format))
-
-
-class _Fused:
-    """Stages run by one kernel (see the module doc)."""
-
-    def __init__(self, parts: list[_Part], entry: abi.EntryPoints, parallel: bool, source: str):
-        self.parts, self.entry, self.parallel, self.source = parts, entry, parallel, source
-        dims = [d for part in parts for d in part.launch.dims]
-        self.dims = (ctypes.c_int64 * len(dims))(*dims)
-        self.array_type = ctypes.c_void_p * (sum(len(p.kept) + (p.into is None) for p in parts))
-
-    def run(self, operands: Sequence, results: list) -> None:
-        pointers, arrays, outputs, staged = [], [], [], []
-        for part in self.parts:
-            ops = stage_inputs(part.stage, operands, results)
-            inner = part.split.operands(ops) if part.split is not None else ops
-            launch = part.launch
-            plan = launch.plan
-            if part.into is None:
-                out = output_allocator(plan.assignment.reduction, plan.kernel.overwrites_output)(
-                    launch.allocation, dtype=launch.dtype)
-                outputs.append(out)
-            else:
-                out = arrays[part.into]
-            arrays.append(out)
-            result = out
-            if plan.anchor is not None:  # values of the anchor's length, allocated above: no checks
-                pattern = inner[plan.anchor]
-                result = pattern._share(pattern.shape, pattern.format, out)
-            results.append(part.split.result(result) if part.split is not None else result)
-            made = run_stages(launch.stages, inner)
-            staged.append(made)  # the staged copies live until the kernel has read them
-            every = launch.pointers(inner, made)
-            pointers += [every[n] for n in part.kept]
-        pointers += [out.data_ptr() for out in outputs]
-        threads = torch.get_num_threads() if self.parallel else 1
-        if self.entry.run(self.array_type(*pointers), self.dims, threads, None) != 0:
-            raise MemoryError("sparsenn kernel ran out of memory")
 
 
 class _Runner:
@@ -135,7 +84,7 @@ def describe_program(program: Program, operands: Sequence, kept: frozenset[int] 
     runner = _planned(program, operands, kept)
     lines = ["fusion:"] + [f"  {reason}" for reason in runner.fusion.reasons]
     for group, unit in zip(runner.fusion.groups, runner.units):
-        if isinstance(unit, _Fused):
+        if isinstance(unit, FusedLaunch):
             lines.append(f"fused kernel of stages {', '.join(str(k) for k in group)}:")
             lines.append(unit.source)
     return lines
@@ -236,10 +185,10 @@ def _source(step: Stage, operand: int) -> int | None:
 
 
 def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candidate], parts: Sequence,
-           into: Sequence[int | None]) -> _Fused:
-    """The kernel running the stages of ``group`` at each team coordinate."""
+           into: Sequence[int | None]) -> FusedLaunch:
+    """The kernel running the stages of ``group`` at each team coordinate, as the launcher runs it."""
     stages: list[FusedStage] = []
-    fused_parts: list[_Part] = []
+    members: list[Member] = []
     for k in group:
         launch, split = parts[k]
         plan = launch.plan
@@ -248,8 +197,26 @@ def _fused(program: Program, group: tuple[int, ...], candidates: Sequence[Candid
         kept = tuple(n for n, a in enumerate(plan.arguments) if reads[a.slot] is None or a.kind not in ("val", "dense"))
         local = None if into[k] is None else group.index(into[k])
         stages.append(FusedStage(plan, reads, local))
-        fused_parts.append(_Part(program.stages[k], launch, split, kept, local))
-    first = fused_parts[0].launch
+        members.append(Member(launch, _member_inputs(program.stages[k], split),
+                              functools.partial(_member_result, plan.anchor, split), kept, local))
+    first = members[0].launch
     what = f"{program.stages[group[0]].assignment} and {len(group) - 1} more fused stage(s)"
-    kernel = build_fused_kernel(stages, first.dtype, first.index_dtype, what)
-    return _Fused(fused_parts, kernel.load(), any(p.launch.parallel for p in fused_parts), kernel.source)
+    kernel = fused_kernel(stages, first.dtype, first.index_dtype, what)
+    return FusedLaunch(members, kernel.load(), kernel.source)
+
+
+def _member_inputs(stage: Stage, split: Split | None) -> Callable[[Sequence, list], Sequence]:
+    """A fused stage's kernel operands from the program's operands and the results so far."""
+    if split is None:
+        return functools.partial(stage_inputs, stage)
+    return lambda operands, results: split.operands(stage_inputs(stage, operands, results))
+
+
+def _member_result(anchor: int | None, split: Split | None, inputs: Sequence, written: torch.Tensor) -> object:
+    """A fused stage's result from the array it writes: the anchor's pattern with those
+    values (allocated at its length: no checks), through its split if it has one."""
+    result = written
+    if anchor is not None:
+        pattern = inputs[anchor]
+        result = pattern._share(pattern.shape, pattern.format, written)
+    return split.result(result) if split is not None else result
