@@ -164,7 +164,7 @@ class FusedLaunch:
         dims = [d for m in members for d in m.launch.dims]
         self.dims = (ctypes.c_int64 * len(dims))(*dims)
         self.allocators = [output_allocator(m.launch) if m.into is None else None for m in members]
-        self.arrays = ctypes.c_void_p * sum(len(m.kept) + (m.into is None) for m in members)
+        self.pack = argument_packer(sum(len(m.kept) + (m.into is None) for m in members))
 
     def run(self, operands: Sequence, results: list) -> None:
         pointers, written, outputs, staged = [], [], [], []
@@ -183,7 +183,7 @@ class FusedLaunch:
             pointers += [every[n] for n in member.kept]
         pointers += [out.data_ptr() for out in outputs]
         threads = torch.get_num_threads() if self.parallel else 1
-        if self.entry.run(self.arrays(*pointers), self.dims, threads, None) != 0:
+        if self.entry.run(self.pack(*pointers), self.dims, threads, None) != 0:
             raise MemoryError(_OUT_OF_MEMORY)
 
 
