@@ -98,11 +98,11 @@ def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: s
         code = _run([*unpack, "    (void)handle;"], inline)
         return _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], code) + code
     bodies = [print_block(simplify(ir.Block((*fused.dims, stage)))) for stage in fused.stages]
+    cut = _balanced_cut([body.count("\n") for body in bodies])  # the unpacking, alike in each, builds fast
     stages = [_stage_function(k, unpack, body) for k, body in enumerate(bodies)]
     declarations = "".join(f"{_stage_declaration(k)};\n" for k in range(len(stages)))
     calls = ir.Block(tuple(ir.Effect("run_stage", (ir.Const(k),)) for k in range(len(stages))))
     run = _run(["    (void)handle;"], print_block(fused.team_loops(calls)))
-    cut = _balanced_cut([body.count("\n") for body in bodies])  # the unpacking, alike in each, builds fast
     prelude = _prelude(compute, None, index_dtype, vector_bytes, [KERNEL_HEADER], "".join(stages))
     return (prelude + "".join(stages[:cut]) + PART_BREAK
             + prelude + "".join(stages[cut:]) + "\n" + declarations + run)
