@@ -9,7 +9,10 @@ Every measurement runs in a fresh process with a fresh ``SPARSENN_CACHE_DIR``:
   sparse autoencoder, 784-256 CSR at 90 % sparsity, batch 64; BigBird, batch 64 of 1024
   tokens) and a SparseMoE layer (d_model 512, d_hidden 2048, 8 experts, top-2, 4096
   tokens), eval mode, no grad; the model and its input are built first (not timed); the
-  second forward is timed too (what the first costs beyond building kernels and planning);
+  second forward is timed too (what the first costs beyond building kernels and planning),
+  and the compilers' CPU time (user and system, every compiler process of the first
+  forward) and the calling thread's CPU time of the first forward minus the second's
+  (planning, lowering and printing the kernels): what the first call costs whatever the load;
 * single kernel: every kernel those forwards built, each loaded into its own empty cache
   (``jit.load_library``, the compiler run included, Python imports not) by the checkout
   whose forwards generated it;
@@ -80,14 +83,24 @@ def forward_worker(case: str) -> dict:
 
     model, inputs = model_and_inputs(case)
     with torch.no_grad():
-        started = time.perf_counter()
+        started, compilers, thread = time.perf_counter(), _children_cpu(), time.thread_time()
         model(*inputs)
-        first = time.perf_counter() - started
-        started = time.perf_counter()
+        first, thread = time.perf_counter() - started, time.thread_time() - thread
+        compilers = _children_cpu() - compilers
+        started, again = time.perf_counter(), time.thread_time()
         model(*inputs)
-        second = time.perf_counter() - started
-    return {"first_s": first, "second_s": second, "builds": jit.builds,
+        second, again = time.perf_counter() - started, time.thread_time() - again
+    return {"first_s": first, "second_s": second, "builds": jit.builds, "compiler_cpu_s": compilers,
+            "first_cpu_extra_s": thread - again,
             "sources": [str(p) for p in Path(os.environ["SPARSENN_CACHE_DIR"]).glob("*.cpp")]}
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's finished child processes: the compilers."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def kernel_worker(source: str) -> dict:
@@ -166,7 +179,7 @@ def rows_of(runs: dict, before: bool) -> tuple[list[list], list[str]]:
         if not before or not runs_before:
             return ["", ""]
         value = statistics.median(runs_before)
-        return [round(value, 3), round(value / this, 2)]
+        return [round(value, 3), round(value / this, 2) if this else ""]
 
     for case, title in CASES.items():
         this = runs[case]["this"]
@@ -178,6 +191,11 @@ def rows_of(runs: dict, before: bool) -> tuple[list[list], list[str]]:
                      target])
         second = statistics.median(r["second_s"] for r in this)
         rows.append([f"{title}: second forward (s)", round(second, 3), "", "", "", ""])
+        for key, what in (("compiler_cpu_s", "compilers' CPU time in the first forward"),
+                          ("first_cpu_extra_s", "calling thread's CPU time, first forward minus second")):
+            value = statistics.median(r[key] for r in this)
+            rows.append([f"{title}: {what} (s)", round(value, 3), "",
+                         *compare(value, [r[key] for r in runs[case].get("before", [])]), ""])
         if case in REFERENCE_MODELS and first > FIRST_FORWARD_TARGET_S:
             notes.append(f"{title}: first forward {first:.2f} s, {first - FIRST_FORWARD_TARGET_S:.2f} s over the "
                          f"{FIRST_FORWARD_TARGET_S:g} s target (its second forward alone takes {second:.2f} s).")

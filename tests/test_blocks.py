@@ -43,6 +43,34 @@ def test_blocked_spmm_splits_both_indices_and_reads_blocks_as_unblocked_levels()
     assert split.converted == (None, None)
 
 
+def test_the_in_block_extents_of_split_indices_are_constants_of_the_kernel():
+    """A split index's in-block coordinate has its block's extent whatever the shapes: the
+    split expression fixes it, and its kernel declares it as a constant (the compiler then
+    drops the partial-tile code that never runs), the other extents read from ``dims``."""
+    split = split_of("ij,jk->ik", ["bsr(4,2)", None], [(8, 6), (6, 5)])
+    assert split.assignment.extents == (("i'", 4), ("j'", 2))
+    a = SparseTensor.from_dense(block_sparse((6, 10), (3, 5), dtype=torch.float32), format="bsr(3,5)")
+    text = sparsenn.explain("ij,jk->ik", a, torch.ones(10, 7))
+    assert "const int64_t N1 = 3;" in text and "const int64_t N3 = 5;" in text
+    assert "const int64_t N0 = dims[0];" in text and "const int64_t N4 = dims[4];" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("columns", [0, 1, 7])
+def test_blocks_of_other_sizes_run_their_own_kernels(dtype, columns):
+    """Calls whose split expressions and split formats are alike but whose blocks differ
+    (their constants) do not share a plan or a kernel; every one matches torch."""
+    g = torch.Generator().manual_seed(0)  # the global generator untouched: later tests draw from it
+    x = torch.randn(30, columns, dtype=dtype, generator=g)
+    for block in [(3, 5), (2, 5), (3, 3), (6, 10), (1, 5), (5, 1), (1, 1)]:
+        for rows in (0, 30):
+            dense = block_sparse((rows, 30), block, density=0.5, dtype=dtype, seed=sum(block))
+            a = SparseTensor.from_dense(dense, format=f"bsr({block[0]},{block[1]})")
+            y = torch.randn(rows, columns, dtype=dtype, generator=g)
+            torch.testing.assert_close(sparsenn.einsum("ij,jk->ik", a, x, out_format="dense"), dense @ x)
+            torch.testing.assert_close(sparsenn.einsum("ij,ik->jk", a, y, out_format="dense"), dense.T @ y)
+
+
 def test_a_compressed_reader_keeps_the_index_whole_and_the_blocked_operand_is_converted():
     split = split_of("ij,jk->ik", ["bsr(2,2)", "csc"], [(4, 4), (4, 4)])  # csc stores j compressed
     assert "j" not in dict(split.sizes)

@@ -180,3 +180,42 @@ def test_a_long_fused_kernel_is_two_translation_units_computing_the_same(monkeyp
         with torch.no_grad():
             results[lines] = program(mask, q, k, bias, v)
     assert torch.equal(results[0], results[10**9])
+
+
+def test_each_stage_of_a_long_fused_kernel_is_compiled_once(tmp_path):
+    """The stages printed as functions are neither inlined into ``sn_run``'s team and
+    single-thread loops nor cloned by the compiler's constant propagation: the library
+    holds one copy of each (what its build costs grows with the copies), whether its two
+    units are compiled whole (one worker) or apart. Fresh processes: the kernel is built."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from sparsenn.compiler.backend import codegen, jit
+
+    nm = shutil.which("nm")
+    if nm is None or "clang" in jit.compiler_info().lower():
+        pytest.skip("needs GCC and binutils' nm")
+    script = """if True:
+        import torch, sparsenn
+        from sparsenn.layers.attention import _attention
+        layer = sparsenn.BlockSparseAttention(64, 2, block_size=16, num_window_blocks=3, num_random_blocks=1, seed=0)
+        padding = torch.zeros(2, 128, dtype=torch.bool)
+        padding[1, 70:] = True
+        q, k, v = (torch.randn(2, 2, 128, 32) for _ in range(3))
+        mask = layer._masks.mask(8, 2, padding, None, False, torch.float32, True)[0]
+        bias = torch.zeros(2, 128).masked_fill_(padding, float("-inf"))
+        with torch.no_grad():
+            _attention(layer._score_scale, True)(mask, q, k, bias, v)
+    """
+    root = Path(__file__).resolve().parents[1]
+    for workers in ("1", "2"):
+        env = {**os.environ, "PYTHONPATH": str(root), "SPARSENN_CACHE_DIR": str(tmp_path / workers),
+               codegen.SPLIT_LINES_ENV: "0", jit.WORKERS_ENV: workers, jit.QUIET_ENV: "1"}
+        subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
+        (library,) = (tmp_path / workers).glob("fused_einsum_*.so")
+        symbols = subprocess.run([nm, str(library)], capture_output=True, text=True, check=True).stdout.split()
+        stages = sorted(symbol for symbol in symbols if "sn_stage" in symbol)
+        assert len(stages) >= 2 and stages == sorted(f"_Z9sn_stage{k}lPKPvPKli" for k in range(len(stages))), stages

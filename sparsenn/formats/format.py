@@ -16,6 +16,7 @@ offsets ``i_{r-1} % m``, padded with explicit zeros.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -129,14 +130,12 @@ class Format:
         may come to lie below a sparse one and store zeros where the tensor has no
         entry. ``exact``: such dense levels are compressed instead, so the copy stores
         exactly the tensor's entries (its pattern)."""
-        levels, sparse_above = [], False
-        for level in self.levels:
-            level = level.restored()
-            if exact and sparse_above and level.full:
-                level = Compressed()
-            sparse_above |= not level.full
-            levels.append(level)
-        return Format(tuple(levels), order, None)
+        return Format(self.restored_levels(exact), order, None)
+
+    def restored_levels(self, exact: bool = False) -> tuple[Level, ...]:
+        """The levels of :meth:`in_mode_order`'s format, which do not depend on the order
+        (made once per format: the scheduler asks for them for every loop order it costs)."""
+        return _restored_levels(self, exact)
 
     def mode_level(self, mode: int) -> Level:
         """The storage level that stores mode ``mode`` (its block coordinate, if blocked)."""
@@ -192,6 +191,18 @@ class Format:
                 return "csf"
             return outer
         return f"{outer}[{','.join(map(str, self.mode_order))}]"
+
+
+@functools.lru_cache(maxsize=1024)
+def _restored_levels(fmt: Format, exact: bool) -> tuple[Level, ...]:
+    levels, sparse_above = [], False
+    for level in fmt.levels:
+        level = level.restored()
+        if exact and sparse_above and level.full:
+            level = Compressed()
+        sparse_above |= not level.full
+        levels.append(level)
+    return Format(tuple(levels), tuple(range(len(levels))), None).levels  # with their unique flags
 
 
 def _from_letters(letters: str, mode_order: tuple[int, ...] | None = None,

@@ -79,10 +79,10 @@ def generate_source(kernel: LoweredKernel, value_dtype: str, index_dtype: str) -
 def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: str) -> str:
     """The C++ of a fused kernel (``lower/fuse.py``): ``sn_run`` over its parameters in
     order, values of ``value_dtype`` (32 or 64 bits), vectors of ``fused.vector_bytes``.
-    A kernel of more than :func:`split_lines` lines in several stages is two translation units (the JIT's
-    ``PART_BREAK`` between them, so it may compile them at once): its stages as functions
-    ``sn_stage<k>``, in two groups of about equal length, and ``sn_run`` calling them at
-    each team coordinate; else one unit, the stages inline."""
+    A kernel of more than :func:`split_lines` lines in several stages is two translation
+    units (the JIT's ``PART_BREAK`` between them, so it may compile them at once): its
+    stages as functions ``sn_stage<k>``, in two groups of about equal length, and
+    ``sn_run`` calling them at each team coordinate; else one unit, the stages inline."""
     compute, storage = c_types(getattr(torch, value_dtype))
     assert storage is None, "fused kernels compute in their values' own type"
     unpack = []
@@ -97,20 +97,19 @@ def generate_fused_source(fused: FusedLowering, value_dtype: str, index_dtype: s
     if len(fused.stages) < 2 or inline.count("\n") < split_lines():
         code = _run([*unpack, "    (void)handle;"], inline)
         return _prelude(compute, None, index_dtype, fused.vector_bytes, [KERNEL_HEADER], code) + code
-    stages = [_stage_function(k, unpack, print_block(simplify(ir.Block((*fused.dims, stage))))) for k, stage in
-              enumerate(fused.stages)]
+    bodies = [print_block(simplify(ir.Block((*fused.dims, stage)))) for stage in fused.stages]
+    cut = _balanced_cut([body.count("\n") for body in bodies])  # the unpacking, alike in each, builds fast
+    stages = [_stage_function(k, unpack, body) for k, body in enumerate(bodies)]
     declarations = "".join(f"{_stage_declaration(k)};\n" for k in range(len(stages)))
     calls = ir.Block(tuple(ir.Effect("run_stage", (ir.Const(k),)) for k in range(len(stages))))
     run = _run(["    (void)handle;"], print_block(fused.team_loops(calls)))
-    cut = _balanced_cut([stage.count("\n") for stage in stages])
     prelude = _prelude(compute, None, index_dtype, fused.vector_bytes, [KERNEL_HEADER], "".join(stages))
     return (prelude + "".join(stages[:cut]) + PART_BREAK
             + prelude + "".join(stages[cut:]) + "\n" + declarations + run)
 
 
 def _stage_declaration(k: int) -> str:
-    return (f'__attribute__((visibility("hidden"))) void sn_stage{k}(const int64_t sn_at, void* const* arrays, '
-            f'const int64_t* dims, int nthreads)')
+    return f"SN_STAGE void sn_stage{k}(const int64_t sn_at, void* const* arrays, const int64_t* dims, int nthreads)"
 
 
 def _stage_function(k: int, unpack: list[str], body: str) -> str:

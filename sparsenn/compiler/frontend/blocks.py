@@ -274,7 +274,7 @@ def split_call(assignment: Assignment, formats: Sequence[Format | None], shapes:
     if epilogue is not None:
         epilogue = Epilogue(split_accesses(epilogue.factors), epilogue.value)
     split = Assignment(_split_access(assignment.output, sizes), terms, assignment.operand_names,
-                       assignment.reduction, epilogue)
+                       assignment.reduction, epilogue, tuple(sorted((inner_name(i), s) for i, s in sizes.items())))
     out_sizes = {}
     for a in assignment.accesses:
         for m, i in enumerate(a.indices):

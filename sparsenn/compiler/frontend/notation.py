@@ -130,13 +130,16 @@ class Assignment:
     """``Out[output] = epilogue(reduce(terms))``: the terms' values combined by
     ``reduction`` (``"sum"``; ``"max"``/``"min"`` for a single term) over each term's
     indices absent from the output, then ``epilogue`` if given; ``operand_names`` are
-    for display only."""
+    for display only. ``extents``: ``(index, extent)`` of indices whose extent the
+    operands' formats fix (the in-block coordinate of an index split by blocks), which
+    kernels take as constants."""
 
     output: tuple[str, ...]
     terms: tuple[Term, ...]
     operand_names: tuple[str, ...]
     reduction: str = "sum"
     epilogue: Epilogue | None = None
+    extents: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.reduction not in REDUCTIONS:
@@ -150,13 +153,13 @@ class Assignment:
         try:
             return self.__dict__["_hash"]
         except KeyError:
-            value = hash((self.output, self.terms, self.operand_names, self.reduction, self.epilogue))
+            value = hash((self.output, self.terms, self.operand_names, self.reduction, self.epilogue, self.extents))
             object.__setattr__(self, "_hash", value)
             return value
 
     def __reduce__(self):
         """Pickle the fields only: the cached hash is per process (str hashes are salted)."""
-        return type(self), (self.output, self.terms, self.operand_names, self.reduction, self.epilogue)
+        return type(self), (self.output, self.terms, self.operand_names, self.reduction, self.epilogue, self.extents)
 
     @property
     def accesses(self) -> tuple[Access, ...]:

@@ -82,8 +82,12 @@ class Lowering:
         return self.slots.index(slot)
 
     def declare_dims(self) -> None:
-        for n, _ in enumerate(self.indices):
-            self.emit(ir.Decl(ir.Var(f"N{n}"), "index", ir.Load(ir.Array("dims"), ir.Const(n)), const=True))
+        """Each index's extent ``N<n>``: read from ``dims``, or the constant the
+        assignment fixes (the compiler then drops the loops and branches it never runs)."""
+        fixed = dict(self.a.extents)
+        for n, index in enumerate(self.indices):
+            extent = ir.Const(fixed[index]) if index in fixed else ir.Load(ir.Array("dims"), ir.Const(n))
+            self.emit(ir.Decl(ir.Var(f"N{n}"), "index", extent, const=True))
 
     # -- values ----------------------------------------------------------------
     def offset(self, indices: Sequence[str], at: dict[str, ir.Expr] | None = None) -> ir.Expr:

@@ -129,8 +129,7 @@ def read_in_order(access, info: OperandInfo, loop_rank: dict[str, int], term: Te
     if in_order:
         positions = list(info.positions)
     else:
-        order = tuple(access.indices.index(i) for i in wanted)
-        levels = fmt.in_mode_order(order, exact=term.value is not None).levels
+        levels = fmt.restored_levels(exact=term.value is not None)
         sizes = [info.shape[access.indices.index(i)] for i in wanted]
         positions = estimate_positions(levels, sizes, info.nnz)
     fibers, parent, storage = [], 1.0, 0.0

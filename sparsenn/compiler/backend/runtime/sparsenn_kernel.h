@@ -55,6 +55,16 @@ template <int Id> static inline V* sn_scratch(int64_t n) {
   return buffer.data;
 }
 
+/* A fused kernel's stage printed as its own function (called once per team coordinate
+   from sn_run, maybe in another translation unit): neither inlined into sn_run's team
+   and single-thread loops nor cloned by GCC's constant propagation, each of which would
+   compile the stage again. */
+#if defined(__clang__)
+#define SN_STAGE __attribute__((visibility("hidden"), noinline))
+#else
+#define SN_STAGE __attribute__((visibility("hidden"), noinline, noclone))
+#endif
+
 /* The smallest and largest of integer bounds (index arithmetic: sn_min and sn_max are
    the value functions), and the first of the sorted coordinates [first, last) not below
    value: std::min, std::max and std::lower_bound without <algorithm>, whose parsing cost
