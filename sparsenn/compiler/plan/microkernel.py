@@ -104,7 +104,7 @@ from .decisions import VectorReduction
 from .target import Target
 
 __all__ = ["Tile", "RegisterTile", "DotTile", "register_tiled_order", "registers", "block_sums", "dot_tile",
-           "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS"]
+           "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS", "PACKED_CHUNKS_PER_THREAD"]
 
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (module doc)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
@@ -112,6 +112,10 @@ MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 se
 # on an expert's weights, in layers: from 64 rows the packed tiles beat BLAS on the
 # padded panels by about 10 %).
 MIN_PACKED_ROWS = 64
+INDEX_BYTES = 4  # a stored coordinate (``SN_INDEX``)
+# A packed grouped tile copies its packs once per chunk of the parallel loop: few chunks
+# (the rows of an n:m weight all hold the same work).
+PACKED_CHUNKS_PER_THREAD = 2
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class RegisterTile:
     depth: int = 0  # ... and this much of the reduction (0: all of it)
     stepped_by: int | None = None
     grouped_by: int | None = None
+    row_block: int = 0  # a packed grouped tile's rows of ``a`` per pass over one block of ``k`` (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -285,11 +290,48 @@ def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[F
     if any(a in (i for i, _ in f.levels) or k not in (i for i, _ in f.levels)
            for n, f in enumerate(factors) if n != w):
         return None
+    lanes = target.lanes(itemsize)
+    vectors = min(2 * target.register_tile_vectors, dims[k] // lanes)
+    most = min(target.register_tile_rows, (target.vector_registers - 1) // max(vectors, 1))
+    if vectors >= 1 and most >= 2:  # packed: any width of k; the vectors are loaded by the FMAs
+        rows = _rows(most, dims[a])
+        packed, panel, depth, row_block = _grouped_blocking(order, r, factors, w, rows, vectors * lanes, dims,
+                                                            itemsize, target)
+        if packed:
+            return RegisterTile(a, rows, vectors, packed=packed, panel=panel, depth=depth, grouped_by=w,
+                                row_block=row_block)
     shape = _tile_shape(k, block, dims, itemsize, target)
-    if shape is None or dims[e] * shape[0] * target.lanes(itemsize) * itemsize > target.l1_bytes // 4:
+    if shape is None or dims[e] * shape[0] * lanes * itemsize > target.l1_bytes // 4:
         return None
     vectors, most = shape
     return RegisterTile(a, _rows(most, dims[a]), vectors, grouped_by=w)
+
+
+def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: int, rows: int, width: int,
+                      dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int, int]:
+    """(packed factors, panel along ``k``, depth along ``d`` (0: all of it), row block
+    along ``a``) of a grouped tile over ``order = P' + (a, d, e, k)`` whose vectors over
+    all of ``d`` overflow half the L1 (see the module doc), else ``((), 0, 0, 0)``: the
+    vector factors, dense and laid out ``[d][e][k]``, are packed by layers of ``d``
+    whose strip for one block of ``k`` (``depth x dims[e] x width`` values) fills at
+    most half the L1; a panel holds whole blocks and fills at most a quarter of the L2;
+    a row block's stored entries of ``W`` over one layer fill at most a quarter of the L2."""
+    none = (), 0, 0, 0
+    if len(order) - r != 3 or dims[order[r - 1]] < MIN_PACKED_ROWS * PACKED_CHUNKS_PER_THREAD:
+        return none
+    d, e, k = order[r:]
+    vectors = tuple(n for n in range(len(factors)) if n != w)
+    if not vectors or any([i for i, _ in factors[n].levels] != [d, e, k] for n in vectors):
+        return none
+    strip = len(vectors) * dims[e] * width * itemsize  # one group's vectors for one block of k
+    if dims[d] * strip <= target.l1_bytes // 2:
+        return none
+    layers = -(-dims[d] // max(target.l1_bytes // strip, 1))
+    depth = -(-dims[d] // layers)
+    panel = width * min(max(target.l2_bytes // 4 // (depth * strip), 1), -(-dims[k] // width))
+    entries = depth * max(factors[w].fibers[-1], 1) * (itemsize + INDEX_BYTES)  # one row's over a layer
+    row_block = rows * max(target.l2_bytes // 4 // (rows * entries), 1)
+    return vectors, panel, depth if layers > 1 else 0, int(row_block)
 
 
 def _rows(most: int, extent: int) -> int:
