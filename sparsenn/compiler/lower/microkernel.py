@@ -27,7 +27,10 @@ runs::
             for a in the rows left: the register block above
 
 (``W``'s position at row ``a + t`` is its position at ``a`` plus ``t`` times the extents
-of its dense levels between ``a`` and ``e``).
+of its dense levels between ``a`` and ``e``; each row's loop over its group is unrolled,
+every group holding the same number of entries). A packed grouped tile runs its whole
+blocks of ``k`` over layers, panels and row blocks (:class:`_GroupedPacks`), reading the
+vector factors from their packs, then the last, partial block of ``k`` as above.
 """
 
 from __future__ import annotations

@@ -68,7 +68,18 @@ registers and caches, never from an operation's or a format's name.
   cache tile of ``k`` narrower than the widest register tile (``register_tile_vectors``
   vectors) is widened to it: on AVX-512 a batch tile of 64 with 4 x 4 vectors instead
   of 32 with 8 x 2, each group entry loaded for twice the multiply-adds and the weight
-  read half as often.
+  read half as often. When the vector factors (laid out ``[d][e][k]`` under the one
+  dense reduction ``d`` above ``e``) overflow half the L2, every tile would read them
+  from the last-level cache: they are then *packed* by layers of ``d`` (GotoBLAS's
+  ``k_c``) into per-thread panels ``[block of k][d][e][lanes]``, and the tiles run in
+  *row blocks*: for each block of ``k``, every tile of a row block reads the same strip
+  (``depth x dims[e]`` vectors per block, filling the L1) while the row block's stored
+  entries of ``W`` over the layer stay in the L2. Layers add their partial sums into
+  the output. A row's vectors are loaded by its multiply-adds (one broadcast per
+  entry, no vector shared by rows), so a packed tile takes twice the
+  ``register_tile_vectors`` and the rows the other registers leave: 2 x 4 with AVX2.
+  Each chunk of the parallel loop copies its packs: the loop runs in
+  :data:`PACKED_CHUNKS_PER_THREAD` chunks per thread.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -310,12 +321,13 @@ def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[F
 def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: int, rows: int, width: int,
                       dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int, int]:
     """(packed factors, panel along ``k``, depth along ``d`` (0: all of it), row block
-    along ``a``) of a grouped tile over ``order = P' + (a, d, e, k)`` whose vectors over
-    all of ``d`` overflow half the L1 (see the module doc), else ``((), 0, 0, 0)``: the
-    vector factors, dense and laid out ``[d][e][k]``, are packed by layers of ``d``
-    whose strip for one block of ``k`` (``depth x dims[e] x width`` values) fills at
-    most half the L1; a panel holds whole blocks and fills at most a quarter of the L2;
-    a row block's stored entries of ``W`` over one layer fill at most a quarter of the L2."""
+    along ``a``) of a grouped tile over ``order = P' + (a, d, e, k)`` of at least
+    :data:`MIN_PACKED_ROWS` rows per chunk whose vector factors overflow half the L2
+    (see the module doc), else ``((), 0, 0, 0)``: the vector factors, dense and laid
+    out ``[d][e][k]``, are packed by layers of ``d`` whose strip for one block of ``k``
+    (``depth x dims[e] x width`` values per factor) fills at most the L1; a panel holds
+    whole blocks and fills at most a quarter of the L2; a row block's stored entries of
+    ``W`` over one layer fill at most a quarter of the L2."""
     none = (), 0, 0, 0
     if len(order) - r != 3 or dims[order[r - 1]] < MIN_PACKED_ROWS * PACKED_CHUNKS_PER_THREAD:
         return none
@@ -323,9 +335,9 @@ def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: in
     vectors = tuple(n for n in range(len(factors)) if n != w)
     if not vectors or any([i for i, _ in factors[n].levels] != [d, e, k] for n in vectors):
         return none
+    if len(vectors) * dims[d] * dims[e] * dims[k] * itemsize <= target.l2_bytes // 2:
+        return none  # every tile reads the vectors from the L2
     strip = len(vectors) * dims[e] * width * itemsize  # one group's vectors for one block of k
-    if dims[d] * strip <= target.l1_bytes // 2:
-        return none
     layers = -(-dims[d] // max(target.l1_bytes // strip, 1))
     depth = -(-dims[d] // layers)
     panel = width * min(max(target.l2_bytes // 4 // (depth * strip), 1), -(-dims[k] // width))
