@@ -115,3 +115,16 @@ def test_packed_grouped_tiles_on_two_threads_and_in_a_layer():
     expected.square().sum().backward()
     torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_layer_of_packs_stores_once_and_matches_torch(dtype):
+    # 32 inputs: every group's strip for a block fits the L1, so one layer; 300 rows of
+    # the batch overflow half the L2 and leave a partial block
+    w = nm_weight(259, 32, "nm(2,4)", dtype)
+    x = torch.randn(300, 32, dtype=dtype)
+    nest = nest_of(x, w, SMALL)
+    assert nest.register_tile.packed and nest.register_tile.depth == 0 and nest.stores_once
+    with use_target(SMALL):
+        got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    torch.testing.assert_close(got, torch.einsum("bi,oi->bo", x, w.to_dense()))
