@@ -21,6 +21,7 @@ import functools
 from ..frontend.functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import reductions_from
+from ..plan.microkernel import PACKED_CHUNKS_PER_THREAD
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
 from .context import Lowering, product_of
@@ -159,8 +160,11 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
     team = nest.order[:nest.team_loops]
     balance = balancing_pos(states, nest.order[0]) if len(team) == 1 else None
     target = lo.s.target
-    chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]),
-                   target.chunks_per_thread if balance is not None else target.even_range_chunks_per_thread)
+    per_thread = target.chunks_per_thread if balance is not None else target.even_range_chunks_per_thread
+    tile = nest.register_tile
+    if tile is not None and tile.packed and tile.grouped_by is not None:
+        per_thread = PACKED_CHUNKS_PER_THREAD  # each chunk copies its packs
+    chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]), per_thread)
 
     def body():
         chunk_bounds(lo, chunk, NCHUNKS, balance)

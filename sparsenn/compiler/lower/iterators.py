@@ -23,7 +23,7 @@ from ..frontend.notation import Term
 from .context import Lowering, Slot
 
 __all__ = ["initial_states", "FactorState", "LevelExprs", "Cursor", "open_cursor", "locate", "level_size", "segment_end",
-           "filtering", "enter_position"]
+           "filtering", "enter_position", "fiber_length"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,22 @@ class Cursor:
     q: ir.Var
     h: ir.Var
     crd: ir.Array
+
+
+class _Integers:
+    """Level arithmetic on Python ints (an :class:`IndexBuilder` without arrays)."""
+
+    def add(self, a, b):
+        return a + b
+
+    def mul(self, a, b):
+        return a * b
+
+
+def fiber_length(level) -> int:
+    """The positions of every fiber of a level with affine fibers (``affine_fibers``)."""
+    first, last = level.position_bounds(_Integers(), 0)
+    return last - first
 
 
 def filtering(index: str, states) -> list[int]:

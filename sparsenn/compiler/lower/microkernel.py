@@ -27,7 +27,10 @@ runs::
             for a in the rows left: the register block above
 
 (``W``'s position at row ``a + t`` is its position at ``a`` plus ``t`` times the extents
-of its dense levels between ``a`` and ``e``).
+of its dense levels between ``a`` and ``e``; each row's loop over its group is unrolled,
+every group holding the same number of entries). A packed grouped tile runs its whole
+blocks of ``k`` over layers, panels and row blocks (:class:`_GroupedPacks`), reading the
+vector factors from their packs, then the last, partial block of ``k`` as above.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from ..plan.decisions import reductions_from
 from ..plan.schedule import Nest
 from .context import Lowering, counted, product_of
 from .epilogue import fuse_epilogue, vector_epilogue
-from .iterators import locate
+from .iterators import LevelExprs, fiber_length, locate
 from .order import NestWalk, emit_order
 from .reductions import enter
 from .register_tile import RegisterTileLowering
@@ -153,13 +156,19 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
 
 def _blocks_of_k(lo: Lowering, kb: ir.Var, mask: ir.Var, size: int, k_range, one_block) -> None:
     """``one_block(False)`` for ``kb`` at each whole block of ``size`` in ``k_range``, then
-    ``one_block(True)`` for the last, partial block at ``kb``, whose vector ``v`` holds
-    the lanes ``mask[v]``."""
+    ``one_block(True)`` for the last, partial block (:func:`_last_block_of_k`)."""
+    k_lo, n_k = k_range
+    lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
+                   lo.block(lambda: one_block(False))))
+    _last_block_of_k(lo, kb, mask, size, k_range, one_block)
+
+
+def _last_block_of_k(lo: Lowering, kb: ir.Var, mask: ir.Var, size: int, k_range, one_block) -> None:
+    """``one_block(True)`` for ``kb`` at the last, partial block of ``size`` in
+    ``k_range`` if there is one, its vector ``v`` holding the lanes ``mask[v]``."""
     k_lo, n_k = k_range
     v, lane = ir.Var("v"), ir.mul(ir.Var("v"), ir.Lanes())
     rest = lo.fresh("krest")
-    lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
-                   lo.block(lambda: one_block(False))))
     lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
 
     def partial_block():
@@ -184,6 +193,7 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
     lane = ir.mul(v, ir.Lanes())
     nest_without_prefetch = dataclasses.replace(nest, prefetch=())
     partial = [False]
+    packs = _GroupedPacks(lo, nest, plain) if tile.packed else None
 
     def count() -> ir.Expr | None:
         return ir.Elem(mask, (v,)) if partial[0] else None
@@ -195,21 +205,33 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
         below = [lo.dim(i) for i in held[held.index(a) + 1:st.depth]]
         return ir.mul(ir.Const(t), product_of(below)) if below else ir.Const(t)
 
+    def vector(at, n: int) -> ir.Expr:
+        """Vector factor ``n`` at the current block of ``k``: from its pack while one is open."""
+        if packs is not None and packs.open:
+            return packs.load(n, kb)
+        return lo.vector_load(at[n], count=count())
+
     def rows_of_group(st):
-        """At the shared reductions' innermost point: each row's own loop over its group."""
+        """At the shared reductions' innermost point: each row's own loop over its
+        group, unrolled (every group holds the same number of entries)."""
         for t in range(tile.rows):
             def row(t=t):
-                shifted = list(st)
-                shifted[w] = dataclasses.replace(st[w], pos=ir.add(st[w].pos, row_shift(st[w], t)))
+                grouping = dataclasses.replace(st[w], pos=ir.add(st[w].pos, row_shift(st[w], t)))
+                first, _ = grouping.level.position_bounds(LevelExprs(grouping.slot, grouping.depth), grouping.pos)
+                entry, q = lo.fresh("g"), lo.fresh("q")
 
-                def fma(at):
+                def fma():
+                    lo.emit(ir.Decl(q, "index", ir.add(first, entry), const=True))
+                    lo.emit(ir.Decl(lo.var(order[-2]), "index", ir.Cast("index", ir.Load(grouping.crd(), q)),
+                                    const=True))
+                    at = list(st)
+                    at[w] = grouping.entered(q)
                     lo.emit(ir.Decl(var_k, "index", kb, const=True))
-                    loads = [lo.vector_load(at[n], count=count()) for n in with_k]
+                    loads = [vector(at, n) for n in with_k]
                     lo.emit(counted(v, vectors, ir.Assign(ir.Elem(acc, (ir.Const(t), v)),
                                                           product_of([lo.product(at, scalars), *loads]), "+=")))
 
-                walk = NestWalk(nest_without_prefetch, order[:-1], fma, dict(plain.bounds))
-                emit_order(lo, walk, shifted, len(order) - 2)
+                lo.emit(counted(entry, fiber_length(grouping.level), lo.block(fma)))
             lo.emit(lo.block(row))
 
     def block_pass(st):
@@ -223,28 +245,149 @@ def _grouped_tile(lo, nest, plain: NestWalk, coef, once, k_range, with_k, scalar
             value = scaled if once else ir.add(ir.VectorLoad(OUT, at, count()), scaled)
             lo.emit(counted(v, vectors, ir.VectorStore(OUT, at, value, count())))
 
+    def run_tile(st, blocks):
+        """The tile at row ``ab``: ``blocks(one_block)`` emits its blocks of ``k``."""
+        lo.emit(ir.Decl(var_a, "index", ab, const=True))
+        located = list(st)
+        locate(lo, a, st, located)
+
+        def one_block(last: bool):
+            partial[0] = last
+            block_pass(located)
+            partial[0] = False
+
+        blocks(one_block)
+
+    def tiles_over(st, rows_range, blocks):
+        lo.emit(ir.For(ir.Decl(ab, "index", rows_range[0]), ir.lt(ab, rows_range[1]),
+                       ir.Assign(ab, ir.Const(tile.rows), "+="), lo.block(lambda: run_tile(st, blocks))))
+
     def wrapper(st, inner):
         a_lo, a_hi = plain.bounds.get(a, (ir.Const(0), lo.dim(a)))
         lo.emit(ir.Decl(left, "index", ir.sub(a_hi, ir.Bin("%", ir.sub(a_hi, a_lo), ir.Const(tile.rows))),
                         const=True))
+        if packs is None:
+            tiles_over(st, (a_lo, left), lambda one_block: _blocks_of_k(lo, kb, mask, size, k_range, one_block))
+        else:
+            def panel_tiles(block_range):
+                def blocks(one_block):
+                    one_block(False)
 
-        def run_tile():
-            lo.emit(ir.Decl(var_a, "index", ab, const=True))
-            located = list(st)
-            locate(lo, a, st, located)
+                def each_block():
+                    tiles_over(st, block_range, blocks)
+                packs.each_block_of_panel(kb, each_block)
 
-            def one_block(last: bool):
-                partial[0] = last
-                block_pass(located)
-                partial[0] = False
-
-            _blocks_of_k(lo, kb, mask, size, k_range, one_block)
-
-        lo.emit(ir.For(ir.Decl(ab, "index", a_lo), ir.lt(ab, left), ir.Assign(ab, ir.Const(tile.rows), "+="),
-                       lo.block(run_tile)))
+            packs.each_panel(st, (a_lo, left), k_range, panel_tiles)
+            tiles_over(st, (a_lo, left), lambda one_block: _last_block_of_k(lo, kb, mask, size, k_range, one_block))
         rows_left(plain, a, (left, a_hi), inner)
 
     return wrapper
+
+
+class _GroupedPacks:
+    """The packs of a grouped tile's vector factors (``nest.register_tile.packed``,
+    each laid out ``[d][e][k]``), in the loops around its whole tiles::
+
+        for layers [dl, de) of d (one layer: all of d): for panels [pk, pe) of whole blocks of k:
+            if a has whole tiles: pack[(kb - pk) / B][d - dl][e][0:B] = factor[d, e, kb : kb + B]
+            for row blocks [ob, oe) of the whole tiles' rows: for kb in [pk, pe) step B:
+                for ab in [ob, oe) step the tile's rows: the tile over d in [dl, de), reading pack
+
+    so that one block's strip of the pack stays in the L1 for a row block's tiles, and
+    their stored entries of ``W`` over a layer in the L2 (``pack`` a per-thread buffer
+    kept across calls)."""
+
+    def __init__(self, lo: Lowering, nest: Nest, plain: NestWalk) -> None:
+        self.lo, self.tile, self.plain, self.size = lo, nest.register_tile, plain, nest.register_block.size
+        r = nest.order.index(self.tile.index) + 1
+        self.d, self.e, self.k = nest.order[r:]
+        self.open = False
+        self.panel_start: ir.Expr = ir.Const(0)
+        self.panel_end: ir.Expr = ir.Const(0)
+        self.layer: tuple[ir.Expr, ir.Expr] = (ir.Const(0), lo.dim(self.d))
+
+    def offset(self, block_start: ir.Expr, step: ir.Expr, entry: ir.Expr, lane: ir.Expr) -> ir.Expr:
+        """``[(block_start - panel start) / B][step - layer start][entry][lane]`` in a pack."""
+        lo, (start, end) = self.lo, self.layer
+        block = ir.Bin("/", ir.sub(block_start, self.panel_start), ir.Const(self.size))
+        row = ir.add(ir.mul(ir.add(ir.mul(block, ir.sub(end, start)), ir.sub(step, start)), lo.dim(self.e)), entry)
+        return ir.add(ir.mul(row, ir.Const(self.size)), lane)
+
+    def load(self, n: int, block_start: ir.Expr) -> ir.Expr:
+        """Factor ``n``'s vector at the current ``d``, ``e`` and block of ``k``."""
+        lo = self.lo
+        at = self.offset(block_start, lo.var(self.d), lo.var(self.e), ir.mul(ir.Var("v"), ir.Lanes()))
+        return ir.VectorLoad(ir.Array("pack", n), at)
+
+    def pack(self, st, panel_end: ir.Expr) -> None:
+        """Each packed factor's strip of the layer and panel into its pack, a row
+        ``(d, e)`` at a time."""
+        lo, d, e, k, size = self.lo, self.d, self.e, self.k, self.size
+        step, entry, block_start, v = lo.fresh("pd"), lo.fresh("pe"), lo.fresh("pb"), ir.Var("v")
+        lane = ir.mul(v, ir.Lanes())
+        copies = [ir.VectorStore(ir.Array("pack", n), self.offset(block_start, step, entry, lane),
+                                 lo.vector_load(st[n], {d: step, e: entry, k: block_start}, lane))
+                  for n in self.tile.packed]
+        blocks = ir.For(ir.Decl(block_start, "index", self.panel_start), ir.lt(block_start, panel_end),
+                        ir.Assign(block_start, ir.Const(size), "+="),
+                        ir.Block(tuple(counted(v, ir.Bin("/", ir.Const(size), ir.Lanes()), c) for c in copies)))
+        entries = ir.For(ir.Decl(entry, "index", ir.Const(0)), ir.lt(entry, lo.dim(e)), ir.Incr(entry),
+                         ir.Block((blocks,)))
+        lo.emit(ir.For(ir.Decl(step, "index", self.layer[0]), ir.lt(step, self.layer[1]), ir.Incr(step),
+                       ir.Block((entries,))))
+
+    def each_panel(self, st, rows: tuple[ir.Expr, ir.Expr], k_range, panel_tiles) -> None:
+        """``panel_tiles(row block)`` for each row block of ``rows`` in each panel of
+        each layer, the panel packed first; the tiles' loop ``d`` bounded by the layer."""
+        lo, tile, d, plain = self.lo, self.tile, self.d, self.plain
+        k_lo, n_k = k_range
+        for n in tile.packed:
+            values = ir.mul(ir.mul(ir.Const(tile.depth) if tile.depth else lo.dim(d), lo.dim(self.e)),
+                            ir.Const(tile.panel))
+            lo.emit(ir.Effect("declare_pack", (ir.Array("pack", n), ir.Const(n), values)))
+        whole_end, panel, panel_end = lo.fresh("kwhole"), lo.fresh("pk"), lo.fresh("pkend")
+        block, block_end = lo.fresh("ob"), lo.fresh("obend")
+        lo.emit(ir.Decl(whole_end, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(self.size))),
+                        const=True))
+
+        def row_block():
+            lo.emit(ir.Decl(block_end, "index", ir.min_(ir.add(block, tile.row_block), rows[1]), const=True))
+            panel_tiles((block, block_end))
+
+        def one_panel():
+            lo.emit(ir.Decl(panel_end, "index", ir.min_(ir.add(panel, tile.panel), whole_end), const=True))
+            self.panel_start, self.panel_end = panel, panel_end
+            lo.emit(ir.If(ir.lt(rows[0], rows[1]), lo.block(lambda: self.pack(st, panel_end))))
+            self.open = True
+            lo.emit(ir.For(ir.Decl(block, "index", rows[0]), ir.lt(block, rows[1]),
+                           ir.Assign(block, ir.Const(tile.row_block), "+="), lo.block(row_block)))
+            self.open = False
+
+        def panels():
+            lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
+                           ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(one_panel)))
+
+        if not tile.depth:
+            panels()
+            return
+        assert d not in plain.bounds, "a layered reduction is not tiled"
+        start, end = lo.fresh("layer"), lo.fresh("layerend")
+
+        def one_layer():
+            lo.emit(ir.Decl(end, "index", ir.min_(ir.add(start, tile.depth), lo.dim(d)), const=True))
+            self.layer = plain.bounds[d] = (start, end)
+            panels()
+            self.layer = (ir.Const(0), lo.dim(d))
+            del plain.bounds[d]
+
+        lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
+                       ir.Assign(start, ir.Const(tile.depth), "+="), lo.block(one_layer)))
+
+    def each_block_of_panel(self, kb: ir.Var, body) -> None:
+        """``body()`` for ``kb`` at each whole block of the open panel."""
+        lo = self.lo
+        lo.emit(ir.For(ir.Decl(kb, "index", self.panel_start), ir.lt(kb, self.panel_end),
+                       ir.Assign(kb, ir.Const(self.size), "+="), lo.block(body)))
 
 
 

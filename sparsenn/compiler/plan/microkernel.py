@@ -68,7 +68,18 @@ registers and caches, never from an operation's or a format's name.
   cache tile of ``k`` narrower than the widest register tile (``register_tile_vectors``
   vectors) is widened to it: on AVX-512 a batch tile of 64 with 4 x 4 vectors instead
   of 32 with 8 x 2, each group entry loaded for twice the multiply-adds and the weight
-  read half as often.
+  read half as often. When the vector factors (laid out ``[d][e][k]`` under the one
+  dense reduction ``d`` above ``e``) overflow half the L2, every tile would read them
+  from the last-level cache: they are then *packed* by layers of ``d`` (GotoBLAS's
+  ``k_c``) into per-thread panels ``[block of k][d][e][lanes]``, and the tiles run in
+  *row blocks*: for each block of ``k``, every tile of a row block reads the same strip
+  (``depth x dims[e]`` vectors per block, filling the L1) while the row block's stored
+  entries of ``W`` over the layer stay in the L2. Layers add their partial sums into
+  the output. A row's vectors are loaded by its multiply-adds (one broadcast per
+  entry, no vector shared by rows), so a packed tile takes twice the
+  ``register_tile_vectors`` and the rows the other registers leave: 2 x 4 with AVX2.
+  Each chunk of the parallel loop copies its packs: the loop runs in
+  :data:`PACKED_CHUNKS_PER_THREAD` chunks per thread.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -104,7 +115,7 @@ from .decisions import VectorReduction
 from .target import Target
 
 __all__ = ["Tile", "RegisterTile", "DotTile", "register_tiled_order", "registers", "block_sums", "dot_tile",
-           "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS"]
+           "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS", "PACKED_CHUNKS_PER_THREAD"]
 
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (module doc)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
@@ -112,6 +123,10 @@ MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 se
 # on an expert's weights, in layers: from 64 rows the packed tiles beat BLAS on the
 # padded panels by about 10 %).
 MIN_PACKED_ROWS = 64
+INDEX_BYTES = 4  # a stored coordinate (``SN_INDEX``)
+# A packed grouped tile copies its packs once per chunk of the parallel loop: few chunks
+# (the rows of an n:m weight all hold the same work).
+PACKED_CHUNKS_PER_THREAD = 2
 
 
 @dataclass(frozen=True)
@@ -140,6 +155,7 @@ class RegisterTile:
     depth: int = 0  # ... and this much of the reduction (0: all of it)
     stepped_by: int | None = None
     grouped_by: int | None = None
+    row_block: int = 0  # a packed grouped tile's rows of ``a`` per pass over one block of ``k`` (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -285,11 +301,49 @@ def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[F
     if any(a in (i for i, _ in f.levels) or k not in (i for i, _ in f.levels)
            for n, f in enumerate(factors) if n != w):
         return None
+    lanes = target.lanes(itemsize)
+    vectors = min(2 * target.register_tile_vectors, dims[k] // lanes)
+    most = min(target.register_tile_rows, (target.vector_registers - 1) // max(vectors, 1))
+    if vectors >= 1 and most >= 2:  # packed: any width of k; the vectors are loaded by the FMAs
+        rows = _rows(most, dims[a])
+        packed, panel, depth, row_block = _grouped_blocking(order, r, factors, w, rows, vectors * lanes, dims,
+                                                            itemsize, target)
+        if packed:
+            return RegisterTile(a, rows, vectors, packed=packed, panel=panel, depth=depth, grouped_by=w,
+                                row_block=row_block)
     shape = _tile_shape(k, block, dims, itemsize, target)
-    if shape is None or dims[e] * shape[0] * target.lanes(itemsize) * itemsize > target.l1_bytes // 4:
+    if shape is None or dims[e] * shape[0] * lanes * itemsize > target.l1_bytes // 4:
         return None
     vectors, most = shape
     return RegisterTile(a, _rows(most, dims[a]), vectors, grouped_by=w)
+
+
+def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: int, rows: int, width: int,
+                      dims: dict[str, int], itemsize: int, target: Target) -> tuple[tuple[int, ...], int, int, int]:
+    """(packed factors, panel along ``k``, depth along ``d`` (0: all of it), row block
+    along ``a``) of a grouped tile over ``order = P' + (a, d, e, k)`` of at least
+    :data:`MIN_PACKED_ROWS` rows per chunk whose vector factors overflow half the L2
+    (see the module doc), else ``((), 0, 0, 0)``: the vector factors, dense and laid
+    out ``[d][e][k]``, are packed by layers of ``d`` whose strip for one block of ``k``
+    (``depth x dims[e] x width`` values per factor) fills at most the L1; a panel holds
+    whole blocks and fills at most a quarter of the L2; a row block's stored entries of
+    ``W`` over one layer fill at most a quarter of the L2."""
+    none = (), 0, 0, 0
+    if len(order) - r != 3 or dims[order[r - 1]] < MIN_PACKED_ROWS * PACKED_CHUNKS_PER_THREAD:
+        return none
+    d, e, k = order[r:]
+    vectors = tuple(n for n in range(len(factors)) if n != w)
+    if not vectors or any([i for i, _ in factors[n].levels] != [d, e, k] for n in vectors):
+        return none
+    if len(vectors) * dims[d] * dims[e] * dims[k] * itemsize <= target.l2_bytes // 2:
+        return none  # every tile reads the vectors from the L2
+    strip = len(vectors) * dims[e] * width * itemsize  # one group's vectors for one block of k
+    layers = -(-dims[d] // max(target.l1_bytes // strip, 1))
+    depth = -(-dims[d] // layers)
+    panel = width * min(max(target.l2_bytes // 4 // (depth * strip), 1), -(-dims[k] // width))
+    entries = depth * max(factors[w].fibers[-1], 1) * (itemsize + INDEX_BYTES)  # one row's over a layer
+    row_block = rows * max(target.l2_bytes // 4 // (rows * entries), 1)
+    return vectors, panel, depth if layers > 1 else 0, int(row_block)
 
 
 def _rows(most: int, extent: int) -> int:

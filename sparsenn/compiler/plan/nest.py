@@ -61,8 +61,9 @@ class Nest:
             if t.packed:
                 depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
                 stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
+                rows = f", {t.row_block} rows of {t.index} per block" if t.row_block else ""
                 parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
-                             f"{self.register_block.index}{depth}{stepped}")
+                             f"{self.register_block.index}{depth}{stepped}{rows}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")

@@ -374,7 +374,10 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         if tile is not None:
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
-            if tile.packed:  # the panels replace a tile of k; the pack, and scalar loads, read any layout
+            if tile.packed and tile.grouped_by is not None:  # the panels replace a tile of k
+                tiles = tuple(t for t in nest.tiles if t.index != block.index)
+                nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
+            elif tile.packed:  # the panels replace a tile of k; the pack, and scalar loads, read any layout
                 in_place = {n for n, f in enumerate(factors)
                             if not f.sparse and (n in tile.packed or block.index not in (i for i, _ in f.levels))}
                 transposes = [((t, k), mode_order) for (t, k), mode_order in transposes

@@ -1,0 +1,130 @@
+"""Packed grouped tiles (``plan/microkernel.py``, ``lower/microkernel.py``): an n:m weight's
+grouped tile whose inputs overflow half the L2 packs them by layers of groups into
+per-thread panels and runs its tiles in row blocks over one block of the batch.
+
+Decisions are asserted on pinned machine models; results are compared with torch on
+machines with small caches (so that small problems take several layers, panels and row
+blocks), including rows past the last whole tile, a partial (masked) block of the batch,
+a batch of 1 and of 0, float64 and two threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _machines import AVX2, AVX512
+
+import sparsenn
+from sparsenn.compiler import use_target
+from sparsenn.compiler.api import plan
+from sparsenn.compiler.plan.microkernel import MIN_PACKED_ROWS, PACKED_CHUNKS_PER_THREAD
+from sparsenn.compiler.plan.target import Target
+
+# Caches small enough that a 512-input layer at a batch of 37 is packed in 16 layers.
+SMALL = Target(vector_bytes=32, vector_registers=16, l1_bytes=4 << 10, l2_bytes=64 << 10, llc_bytes=1 << 20)
+SMALL_WIDE = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l1_bytes=8 << 10,
+                    l2_bytes=64 << 10, llc_bytes=1 << 20)
+
+
+def nm_weight(rows: int, cols: int, fmt: str, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return sparsenn.from_dense(torch.randn(rows, cols, generator=g, dtype=dtype), format=fmt)
+
+
+def nest_of(x, w, machine):
+    with use_target(machine):
+        (nest,) = plan("bi,oi->bo", x, w, out_format="dense").schedule.nests
+    return nest
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("fmt", ["nm(2,4)", "nm(1,4)"])
+def test_inputs_past_half_the_l2_are_packed_by_layers(machine, fmt):
+    # 4096 inputs at a batch of 256: 4 MiB of inputs, every tile would read them from
+    # the last-level cache
+    nest = nest_of(torch.randn(256, 4096), nm_weight(256, 4096, fmt), machine)
+    tile = nest.register_tile
+    assert tile is not None and tile.grouped_by == 1 and tile.packed == (0,), nest
+    assert nest.order == ("o", "i", "i'", "b") and tile.index == "o"
+    lanes = machine.widest_vector_bytes // 4  # a tile bound by multiply-adds takes the widest vectors
+    width = nest.register_block.size
+    assert width == tile.vectors * lanes and tile.vectors == 2 * machine.register_tile_vectors
+    assert tile.rows >= 2 and tile.rows * tile.vectors < machine.vector_registers
+    # a layer's strip for one block fills at most the L1, a panel at most a quarter of
+    # the L2, and the layers split the 1024 groups evenly
+    assert 0 < tile.depth < 1024 and tile.depth * 4 * width * 4 <= machine.l1_bytes
+    assert tile.panel % width == 0 and tile.depth * 4 * tile.panel * 4 <= machine.l2_bytes // 4
+    assert tile.row_block % tile.rows == 0 and tile.row_block >= tile.rows
+    # the panels replace a tile of the batch; the layers add partial sums
+    assert not any(t.index == "b" for t in nest.tiles) and not nest.stores_once
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_inputs_in_half_the_l2_or_few_rows_are_not_packed(machine):
+    # a batch of 16 over 4096 inputs: 256 KiB, read from the L2 by every tile
+    nest = nest_of(torch.randn(16, 4096), nm_weight(256, 4096, "nm(2,4)"), machine)
+    assert nest.register_tile is not None and nest.register_tile.grouped_by == 1
+    assert not nest.register_tile.packed
+    # too few rows for a pack to serve MIN_PACKED_ROWS of them in each chunk of a thread
+    rows = MIN_PACKED_ROWS * PACKED_CHUNKS_PER_THREAD - 2
+    nest = nest_of(torch.randn(256, 4096), nm_weight(rows, 4096, "nm(2,4)"), machine)
+    assert nest.register_tile is not None and nest.register_tile.grouped_by == 1
+    assert not nest.register_tile.packed
+
+
+@pytest.mark.parametrize("machine", [SMALL, SMALL_WIDE], ids=["avx2", "avx512"])
+def test_small_caches_pack_in_layers_panels_and_row_blocks(machine):
+    nest = nest_of(torch.randn(37, 512), nm_weight(258, 512, "nm(2,4)"), machine)
+    tile = nest.register_tile
+    assert tile.packed == (0,) and tile.depth and tile.depth < 128
+    assert tile.row_block < 258
+
+
+@pytest.mark.parametrize("machine", [SMALL, SMALL_WIDE], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt", ["nm(2,4)", "nm(1,4)"])
+@pytest.mark.parametrize("batch", [37, 64, 1, 0])
+def test_packed_grouped_tiles_match_torch(machine, dtype, fmt, batch):
+    # 259 rows: whole tiles, then a row left; a batch of 37: whole blocks, then a
+    # masked one; batches of 1 and 0 take no pack
+    w = nm_weight(259, 512, fmt, dtype)
+    x = torch.randn(batch, 512, dtype=dtype)
+    with use_target(machine):
+        got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    expected = torch.einsum("bi,oi->bo", x.double(), w.to_dense().double())
+    torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_packed_grouped_tiles_on_two_threads_and_in_a_layer():
+    torch.manual_seed(0)
+    layer = sparsenn.SparseLinear(512, 300, format="nm(2,4)")
+    x = torch.randn(45, 512, requires_grad=True)
+    with use_target(SMALL):
+        nest = nest_of(x.detach(), layer.weight, SMALL)
+        assert nest.register_tile.packed
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            y = layer(x)
+        finally:
+            torch.set_num_threads(threads)
+        y.square().sum().backward()
+    dense = layer.weight.to_dense().detach().requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    expected = torch.nn.functional.linear(x2, dense, layer.bias)
+    expected.square().sum().backward()
+    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_one_layer_of_packs_stores_once_and_matches_torch(dtype):
+    # 32 inputs: every group's strip for a block fits the L1, so one layer; 300 rows of
+    # the batch overflow half the L2 and leave a partial block
+    w = nm_weight(259, 32, "nm(2,4)", dtype)
+    x = torch.randn(300, 32, dtype=dtype)
+    nest = nest_of(x, w, SMALL)
+    assert nest.register_tile.packed and nest.register_tile.depth == 0 and nest.stores_once
+    with use_target(SMALL):
+        got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+    torch.testing.assert_close(got, torch.einsum("bi,oi->bo", x, w.to_dense()))
