@@ -12,6 +12,7 @@ import sparsenn
 from sparsenn import SparseTensor
 from sparsenn.compiler.frontend.blocks import split_call
 from sparsenn.compiler.frontend.notation import parse_einsum
+from sparsenn.compiler.plan.anchor import sampled_operand
 from sparsenn.compiler.plan.planner import operand_info
 from sparsenn.compiler.plan.schedule import DotTile, RegisterTile, schedule
 from sparsenn.compiler.plan.target import Target
@@ -438,6 +439,31 @@ def test_an_nm_operand_read_unsplit_keeps_its_pattern():
         return sparsenn.einsum("ba,ab,a->", a.with_values(va), b.with_values(vb), c)
 
     assert torch.autograd.gradcheck(run, tuple(leaves))
+
+
+@pytest.mark.parametrize("seed", [26, 33, 41])
+def test_an_nm_factor_narrows_a_sampled_gradient(seed):
+    # An n:m operand's groups are sparse inside its blocks: a gradient sampled on b's full
+    # bsc pattern that multiplies by it keeps b's pattern, not the product's (these seeds
+    # store no entry in a's last two columns, so the product alone loses half of b's).
+    gen = torch.Generator().manual_seed(seed)
+    a = SparseTensor.from_dense(torch.randn(2, 4, dtype=torch.float64, generator=gen), format="nm(2,4)")
+    b = SparseTensor.from_dense(torch.randn(4, 2, dtype=torch.float64, generator=gen), format="bsc(2,2)")
+    c = torch.randn(4, dtype=torch.float64, generator=gen)
+    leaves = [op.values.clone().requires_grad_(True) for op in (a, b)]
+
+    def run(va, vb):
+        return sparsenn.einsum("ba,ab,a->", a.with_values(va), b.with_values(vb), c)
+
+    assert torch.autograd.gradcheck(run, tuple(leaves))
+
+
+def test_a_product_with_an_nm_factor_is_not_anchored_on_a_full_pattern():
+    full = parse_format("bsc(2,2)", 2)
+    product = parse_einsum("ab,ba->ab", 2)  # the second factor is n:m, read transposed
+    assert sampled_operand(product, (full, parse_format("nm(2,4)", 2)), (None, None), full) is None
+    assert sampled_operand(product, (full, parse_format("csr", 2)), (None, None), full) is None
+    assert sampled_operand(product, (full, None), (None, None), full) == 0
 
 
 def test_a_converted_operand_is_viewed_over_the_indices_the_others_split():

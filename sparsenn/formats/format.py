@@ -141,6 +141,11 @@ class Format:
         """The storage level that stores mode ``mode`` (its block coordinate, if blocked)."""
         return self.levels[self.mode_order.index(mode)]
 
+    def mode_full(self, mode: int) -> bool:
+        """Whether every coordinate of mode ``mode`` is stored under each parent: its level
+        is full and, if blocked, so is its in-block level (an n:m group's is not)."""
+        return self.mode_level(mode).full and (self.block is None or self.levels[self.rank + mode].full)
+
     @property
     def letters(self) -> str:
         """Level letters of every storage level, e.g. ``"dc"`` (``"dcdd"`` for BSR)."""

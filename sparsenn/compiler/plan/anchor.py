@@ -62,7 +62,7 @@ def _anchor(assignment: Assignment, formats: Sequence[Format | None], patterns: 
             return False
         if root(factor.operand) == root(anchor) and factor.indices == out:
             return False  # the anchor's own pattern, read at the same positions
-        return any(not fmt.mode_level(m).full for m, i in enumerate(factor.indices) if i in out)
+        return any(not fmt.mode_full(m) for m, i in enumerate(factor.indices) if i in out)
 
     for n, fmt in enumerate(formats):
         if fmt is None or (fmt.block is not None and not blocked) or (requested is not None and requested != fmt):
