@@ -178,8 +178,8 @@ class StepPath:
                  f"{self.dense_cycles:.3g} cycles")
         sparse = f"the sparse kernels of the call and its gradients: {self.sparse_cycles:.3g} cycles"
         if self.dense:
-            return f"training step: dense, through torch's autograd ({dense}), against {sparse}"
-        return f"training step: sparse ({sparse}), against dense ({dense})"
+            return f"training step (at a layer's call site): dense, through torch's autograd ({dense}), against {sparse}"
+        return f"training step (at a layer's call site): sparse ({sparse}), against dense ({dense})"
 
 
 def step_path(operand: int, sparse_calls: Sequence[float], dense_products: Sequence[float], nnz: int,
