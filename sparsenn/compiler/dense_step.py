@@ -28,7 +28,7 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import _gradient_expression, _Spec, gradient_call
+from .autograd import _gradient_expression, _Spec, differentiable_evaluate, gradient_call
 from .derivatives import gradient_assignment
 from .frontend.notation import Assignment, parse_einsum
 from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
@@ -133,6 +133,11 @@ class _Densified(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph: the sampling is recorded, a linear map of ``grad``
+            pattern = ctx.operand.detach()
+            sampling = ctx.sampling
+            sampled = differentiable_evaluate(evaluate, sampling.assignment, [grad, pattern, pattern], sampling.request)
+            return sampled.values, None, None
         with torch.no_grad():
             sampled = ctx.sampling(grad.contiguous(), ctx.operand)
         return sampled.values, None, None
