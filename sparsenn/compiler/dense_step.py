@@ -127,37 +127,29 @@ class _Densified(torch.autograd.Function):
     (:data:`COPIES`), and the gradient is the dense one sampled at its pattern."""
 
     @staticmethod
-    def forward(ctx, values: torch.Tensor, operand: SparseTensor, sampling: _Sampling):
-        ctx.operand, ctx.sampling = operand, sampling
-        return COPIES.copy_for(operand, _made_dense).detach()
+    def forward(ctx, values: torch.Tensor, operand: SparseTensor, conversions: _Conversions):
+        ctx.operand, ctx.conversions = operand, conversions
+        return COPIES.copy_for(operand, conversions.made_dense).detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        sample = ctx.conversions.sample
+        pattern = ctx.operand.detach()
+        inputs = [grad.contiguous(), pattern, pattern]  # the output gradient, the operand, its pattern as the mask
         if torch.is_grad_enabled():  # create_graph: the sampling is recorded, a linear map of ``grad``
-            pattern = ctx.operand.detach()
-            sampling = ctx.sampling
-            sampled = differentiable_evaluate(evaluate, sampling.assignment, [grad, pattern, pattern], sampling.request)
-            return sampled.values, None, None
-        with torch.no_grad():
-            sampled = ctx.sampling(grad.contiguous(), ctx.operand)
-        return sampled.values, None, None
+            return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
+        return sample(inputs).values, None, None
 
 
-class _Sampling:
-    """``sampling(dense, operand)``: ``dense`` at ``operand``'s stored positions, the
-    gradient of :class:`_Densified` (a compiled call; the guard and run of its last
-    signature held, as a call site holds its calls)."""
+class _HeldCall:
+    """``call(inputs)``: a compiled call of ``assignment``, the guard and run of its last
+    signature held (as a call site holds its calls)."""
 
-    def __init__(self, operand: SparseTensor) -> None:
-        letters = _LETTERS[: operand.ndim]
-        with torch.no_grad():
-            self.assignment, _, self.request = gradient_call(
-                parse_einsum(f"{letters}->{letters}", 1), 0, [operand],
-                torch.empty(operand.shape, dtype=operand.values.dtype), None)
+    def __init__(self, assignment: Assignment, request) -> None:
+        self.assignment, self.request = assignment, request
         self._held: tuple[Guard, Run] | None = None
 
-    def __call__(self, dense: torch.Tensor, operand: SparseTensor) -> SparseTensor:
-        inputs = [dense, operand, operand]  # the output gradient, the operand, its pattern as the mask
+    def __call__(self, inputs: list):
         held = self._held
         if held is not None and held[0](inputs, self.request):
             return held[1](inputs)
@@ -166,19 +158,31 @@ class _Sampling:
         return result
 
 
-def _made_dense(operand: SparseTensor) -> torch.Tensor:
-    """``operand`` as a strided tensor, by a compiled kernel (a scatter of its entries)."""
-    letters = _LETTERS[: operand.ndim]
-    with torch.no_grad():
-        return evaluate(parse_einsum(f"{letters}->{letters}", 1), [operand.detach()], DENSE)
+class _Conversions:
+    """A sparse operand's conversions in a dense step: made dense (a scatter of its
+    entries) and a dense gradient sampled at its stored positions (the derivative of
+    ``Out = A`` in ``A``), each a compiled call."""
+
+    def __init__(self, operand: SparseTensor) -> None:
+        letters = _LETTERS[: operand.ndim]
+        copy = parse_einsum(f"{letters}->{letters}", 1)
+        self.dense = _HeldCall(copy, DENSE)
+        with torch.no_grad():
+            sampling, _, request = gradient_call(copy, 0, [operand], torch.empty(operand.shape,
+                                                                                dtype=operand.values.dtype), None)
+        self.sample = _HeldCall(sampling, request)
+
+    def made_dense(self, operand: SparseTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.dense([operand.detach()])
 
 
 class DenseStep:
     """A call run as the dense step of :func:`plan_step`: its sparse operand ``operand``
     made dense (:class:`_Densified`), the product one BLAS call recorded by torch."""
 
-    def __init__(self, path: StepPath, form: BlasForm, sampling: _Sampling) -> None:
-        self.path, self.form, self.sampling = path, form, sampling
+    def __init__(self, path: StepPath, form: BlasForm, conversions: _Conversions) -> None:
+        self.path, self.form, self.conversions = path, form, conversions
 
     def run(self, operands: Sequence) -> torch.Tensor | None:
         """The call's result, recorded for torch's autograd; None when it is not finite
@@ -186,7 +190,7 @@ class DenseStep:
         k = self.path.operand
         op = operands[k]
         dense = list(operands)
-        dense[k] = _Densified.apply(op.values, op, self.sampling)
+        dense[k] = _Densified.apply(op.values, op, self.conversions)
         out = self.form.run(dense)
         return out if math.isfinite(float(out.detach().sum())) else None
 
@@ -197,4 +201,4 @@ def dense_step(assignment: Assignment, operands: Sequence, out_format) -> DenseS
     path = plan_step(assignment, operands, out_format)
     if path is None or not path.dense:
         return None
-    return DenseStep(path, blas_form(assignment), _Sampling(operands[path.operand].detach()))
+    return DenseStep(path, blas_form(assignment), _Conversions(operands[path.operand].detach()))

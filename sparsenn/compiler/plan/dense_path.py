@@ -224,11 +224,17 @@ def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Ope
                     target: Target) -> float:
     """Cycles of copying, at every call, each dense operand ``sched`` reads in another
     mode order into that order: ``elements · (line + itemsize) / bw`` (read across its
-    rows, see the module doc), ``bw`` for its bytes."""
+    rows, see the module doc), ``bw`` for its bytes; one laid out in panels (rows of a
+    panel's width read whole) ``elements · 2 · itemsize / bw``."""
     copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
-    per_element = target.cache_line_bytes + itemsize
-    return sum(math.prod(infos[n].shape) * per_element / _bandwidth(math.prod(infos[n].shape) * itemsize, target)
-               for n in copied if infos[n].format is None)
+    panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
+    cycles = 0.0
+    for n in copied | panelled:
+        if infos[n].format is None:
+            elements = math.prod(infos[n].shape)
+            per_element = 2 * itemsize if n in panelled else target.cache_line_bytes + itemsize
+            cycles += elements * per_element / _bandwidth(elements * itemsize, target)
+    return cycles
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:
