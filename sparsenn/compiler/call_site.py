@@ -88,6 +88,8 @@ class CallSite:
             self._held = guarded_run(self.assignment, operands, self.out_format)
             self._gradients = {}  # the gradient calls of the signature held
             self._step = None
+            if self._held is not None and self._records and recorded(operands):
+                self._dense_step(operands)  # decided with the signature, not at its next call
         return result
 
     def clear(self) -> None:

@@ -57,8 +57,9 @@ copy, the values being new at every step). The dense step (:class:`StepPath`) ma
 operand dense once per step (its values are new), runs every product by BLAS on it
 (:func:`dense_product_cycles` of the call and of each gradient, the sparse operand's
 gradient as the dense product ``dOut · X``), and samples that gradient at the stored
-positions (:func:`sampling_cycles`), a kernel launch and ``python_call_cycles`` for the
-autograd node holding the copy. The cheaper one runs the step.
+positions (:func:`sampling_cycles`), two kernel launches (the copy, the sampling) and
+``python_call_cycles`` for each of the forward and backward of the autograd node
+holding the copy. The cheaper one runs the step.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def step_path(operand: int, sparse_calls: Sequence[float], dense_products: Seque
     (:func:`dense_product_cycles`); see the module doc."""
     densify = densify_cycles(dense_bytes, nnz, target)
     sampling = sampling_cycles(nnz, dense_bytes, itemsize, target)
-    dense = (densify + sum(dense_products) + sampling + target.launch_cycles + target.python_call_cycles)
+    dense = densify + sum(dense_products) + sampling + 2 * (target.launch_cycles + target.python_call_cycles)
     return StepPath(operand, sum(sparse_calls), dense, densify, sampling)
 
 
@@ -224,17 +225,14 @@ def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Ope
                     target: Target) -> float:
     """Cycles of copying, at every call, each dense operand ``sched`` reads in another
     mode order into that order: ``elements · (line + itemsize) / bw`` (read across its
-    rows, see the module doc), ``bw`` for its bytes; one laid out in panels (rows of a
-    panel's width read whole) ``elements · 2 · itemsize / bw``."""
+    rows, see the module doc), ``bw`` for its bytes. An operand laid out in panels reads
+    its rows a panel's width at a time, streaming at the rate of the scheduler's
+    ``DENSE_COPY_COST``: its copy is in the schedule's cost already."""
     copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
     panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
-    cycles = 0.0
-    for n in copied | panelled:
-        if infos[n].format is None:
-            elements = math.prod(infos[n].shape)
-            per_element = 2 * itemsize if n in panelled else target.cache_line_bytes + itemsize
-            cycles += elements * per_element / _bandwidth(elements * itemsize, target)
-    return cycles
+    per_element = target.cache_line_bytes + itemsize
+    return sum(math.prod(infos[n].shape) * per_element / _bandwidth(math.prod(infos[n].shape) * itemsize, target)
+               for n in copied - panelled if infos[n].format is None)
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:
