@@ -18,9 +18,9 @@ site holding the signature of the last call that has none of these.
 
 from __future__ import annotations
 
-from .api import CompiledExpression, compile_expression
 from sparsenn.formats import SparseTensor
 
+from .api import CompiledExpression, compile_expression
 from .autograd import HeldGradient, held_evaluate, recorded, unobserved
 from .dense_step import DenseStep, dense_step
 from .runtime.cache import Guard, forget_with_caches

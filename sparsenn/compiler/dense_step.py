@@ -35,9 +35,9 @@ from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relay
                               step_path)
 from .plan.planner import DENSE, ShapePlan, operand_infos
 from .plan.target import Target
+from .runtime.cache import Guard
 from .runtime.dense_product import BlasForm, blas_form
 from .runtime.densified import COPIES
-from .runtime.cache import Guard
 from .runtime.evaluate import DenseCall, DensifiedCall, Run, evaluate, guarded_run, route
 from .runtime.validate import check_call
 
