@@ -15,7 +15,8 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import differentiable_evaluate
+from .autograd import differentiable_evaluate, recorded
+from .dense_step import plan_step
 from .frontend.equation import broadcast_size_one, normalise
 from .frontend.equation import core_assignment as parse
 from .frontend.expression import Script, parse_script
@@ -294,6 +295,9 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         else:
             desc = f"dense {tuple(op.shape)}"
         lines.append(f"  {describe_operand(assignment, n)}: {desc}")
+    step = plan_step(assignment, checked.operands, out_format) if recorded(checked.operands) else None
+    if step is not None:
+        lines.append(step.describe())
     routed = route(assignment, checked)
     if isinstance(routed, SplitCall):
         split = routed.split

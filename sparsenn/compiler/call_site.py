@@ -8,7 +8,9 @@ strides, dtypes, unedited index arrays) and the run, without the entry point's d
 or the shared cache's search among the expression's recent signatures (which several
 layers of one expression would take turns evicting). A call autograd records runs the
 same way inside the recorded node (:func:`.autograd.held_evaluate`), and the site holds
-the gradient calls of its backward too. Calls under autocast, a torch.func transform or
+the gradient calls of its backward too, unless the planner finds the training step
+cheaper dense (:mod:`.dense_step`): the site then holds that decision and runs the step
+through torch's autograd. Calls under autocast, a torch.func transform or
 a tracer, and a call whose guard fails, go through the expression as usual and leave the
 site holding the signature of the last call that has none of these.
 :func:`~.runtime.cache.clear_caches` (and ``use_target``) empties every site.
@@ -16,8 +18,11 @@ site holding the signature of the last call that has none of these.
 
 from __future__ import annotations
 
+from sparsenn.formats import SparseTensor
+
 from .api import CompiledExpression, compile_expression
 from .autograd import HeldGradient, held_evaluate, recorded, unobserved
+from .dense_step import DenseStep, dense_step
 from .runtime.cache import Guard, forget_with_caches
 from .runtime.evaluate import Run, guarded_run
 
@@ -28,7 +33,8 @@ class CallSite:
     """``site(*operands)`` is ``expression(*operands)`` (see the module doc); the
     expression is a single-statement sum of products (:attr:`CompiledExpression.assignment`)."""
 
-    __slots__ = ("expression", "assignment", "out_format", "_held", "_gradients", "_records", "__weakref__")
+    __slots__ = ("expression", "assignment", "out_format", "_held", "_gradients", "_records", "_step",
+                 "__weakref__")
 
     def __init__(self, expression: CompiledExpression) -> None:
         if expression.assignment is None or expression.returns is not None:
@@ -36,6 +42,7 @@ class CallSite:
         self.expression, self.assignment, self.out_format = expression, expression.assignment, expression.out_format
         self._held: tuple[Guard, Run] | None = None  # one object: a thread reads a guard with its own run
         self._gradients: dict[int, HeldGradient] = {}
+        self._step: tuple[tuple[bool, ...], DenseStep | None] | None = None  # (operands requiring grad, the step)
         self._records = self.assignment.epilogue is None  # an epilogue is recorded as two calls
         forget_with_caches(self)
 
@@ -52,9 +59,22 @@ class CallSite:
             return None
         if not recorded(operands):
             return held[1](operands)
-        if self._records:
-            return held_evaluate(self.assignment, operands, self.out_format, held[1], self._gradients)
-        return None
+        if not self._records:
+            return None
+        step = self._dense_step(operands)
+        result = None if step is None else step.run(operands)
+        if result is not None:
+            return result
+        return held_evaluate(self.assignment, operands, self.out_format, held[1], self._gradients)
+
+    def _dense_step(self, operands: tuple) -> DenseStep | None:
+        """The dense step of the held signature with these operands requiring grad
+        (decided once for them, :func:`.dense_step.dense_step`), else None."""
+        requires = tuple((op.values if isinstance(op, SparseTensor) else op).requires_grad for op in operands)
+        decided = self._step
+        if decided is None or decided[0] != requires:
+            decided = self._step = (requires, dense_step(self.assignment, operands, self.out_format))
+        return decided[1]
 
     def __call__(self, *operands):
         result = self.cached(operands)
@@ -67,12 +87,16 @@ class CallSite:
         if unobserved():
             self._held = guarded_run(self.assignment, operands, self.out_format)
             self._gradients = {}  # the gradient calls of the signature held
+            self._step = None
+            if self._held is not None and self._records and recorded(operands):
+                self._dense_step(operands)  # decided with the signature, not at its next call
         return result
 
     def clear(self) -> None:
         """Forget the signatures held (the caches they came from were cleared)."""
         self._held = None
         self._gradients = {}
+        self._step = None
 
     def __reduce__(self):  # the guard and run are code made for this process: rebuilt on first call
         return _site, (self.expression.text, self.out_format)

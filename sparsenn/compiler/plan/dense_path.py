@@ -36,7 +36,10 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   ``nnz · (line + 8 + itemsize) / bw``, ``bw`` for the values' bytes. The scheduler
   counts a transpose in its relative units (``TRANSPOSE_COST`` per entry) to compare loop
   orders; in cycles it is bound by these reads, and it is part of the sparse schedule's
-  cost here.
+  cost here. A dense operand the schedule copies into its loop order in another mode
+  order (``X[b, i]`` read feature-major) is read across its rows in the same way:
+  ``elements · (line + itemsize) / bw`` per call (:func:`relayout_cycles`); the
+  scheduler's ``DENSE_COPY_COST`` compares loop orders and is far below this.
 
 The dense path is taken when the dense product and half the copy cost less than the
 sparse kernel: every set of values is used at least twice (a training step's forward and
@@ -46,6 +49,17 @@ so a call gives the same result whether or not its copy was kept. It applies to 
 sum of products of one sparse operand, unblocked and whose copy (with the snapshot of its
 values the runtime checks it by) fits the runtime's budget for copies, and dense ones,
 with a dense result.
+
+**A training step.** A call whose sparse operand's values require a gradient runs the
+call and its gradient calls: the sparse step costs each of them as routed (a kernel:
+:func:`call_cycles` plus ``launch_cycles``; a per-call dense path: its product and a
+copy, the values being new at every step). The dense step (:class:`StepPath`) makes the
+operand dense once per step (its values are new), runs every product by BLAS on it
+(:func:`dense_product_cycles` of the call and of each gradient, the sparse operand's
+gradient as the dense product ``dOut · X``), and samples that gradient at the stored
+positions (:func:`sampling_cycles`), two kernel launches (the copy, the sampling) and
+``python_call_cycles`` for each of the forward and backward of the autograd node
+holding the copy. The cheaper one runs the step.
 """
 
 from __future__ import annotations
@@ -59,8 +73,9 @@ from .cost import SPARSE_ITERATION_COST, OperandInfo
 from .schedule import Schedule
 from .target import Target
 
-__all__ = ["DensePath", "dense_path", "dense_product_cycles", "gather_cycles", "kernel_cycles", "restore_cycles",
-           "schedule_cycles"]
+__all__ = ["DensePath", "StepPath", "call_cycles", "dense_path", "dense_product_cycles", "densify_cycles",
+           "gather_cycles", "kernel_cycles", "relayout_cycles", "restore_cycles", "sampling_cycles", "schedule_cycles",
+           "step_path"]
 
 _POSITION_BYTES = 8  # an int64 entry of a re-store's permutation
 
@@ -74,10 +89,13 @@ class DensePath:
     dense_cycles: float
     densify_cycles: float
     restore_cycles: float = 0.0  # of sparse_cycles: re-storing operands in the schedule's mode order
+    relayout_cycles: float = 0.0  # of sparse_cycles: copying dense operands into the schedule's mode order
 
     def describe(self) -> str:
         restore = (f", of which {self.restore_cycles:.3g} re-storing operands in its loop order"
                    if self.restore_cycles else "")
+        if self.relayout_cycles:
+            restore += f", {self.relayout_cycles:.3g} copying dense operands into it"
         return (f"dense path: operand {self.operand} made dense ({self.densify_cycles:.3g} cycles, kept while its "
                 f"values are unchanged), then BLAS ({self.dense_cycles:.3g} cycles), against the sparse kernel "
                 f"({self.sparse_cycles:.3g} cycles{restore})")
@@ -102,23 +120,90 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
     checked = 2 * nnz * itemsize
     dense_cycles = (dense_product_cycles(assignment, [info.shape for info in infos], itemsize, target)
                     + checked / _bandwidth(checked, target) + target.python_call_cycles)
-    densify_cycles = (dense_bytes / _bandwidth(dense_bytes, target)
-                      + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
+    densify = densify_cycles(dense_bytes, nnz, target)
     restore = restore_cycles(assignment, sched, stored, itemsize, target)
-    sparse_cycles = kernel_cycles(assignment, sched, [info.shape for info in infos], k, nnz / max(infos[k].nnz, 1),
-                                  itemsize, target) + restore
-    if dense_cycles + densify_cycles / 2 >= sparse_cycles:
+    relayout = relayout_cycles(assignment, sched, infos, itemsize, target)
+    sparse_cycles = call_cycles(assignment, sched, infos, stored, itemsize, target)
+    if dense_cycles + densify / 2 >= sparse_cycles:
         return None
-    return DensePath(k, sparse_cycles, dense_cycles, densify_cycles, restore)
+    return DensePath(k, sparse_cycles, dense_cycles, densify, restore, relayout)
+
+
+def call_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[OperandInfo], stored: Sequence[int],
+                itemsize: int, target: Target) -> float:
+    """Cycles of a call of one sparse operand by the sparse kernel of ``sched``: the
+    kernel (:func:`kernel_cycles`, scaled to the operand's stored entries), re-storing
+    sparse operands (:func:`restore_cycles`) and copying dense ones
+    (:func:`relayout_cycles`) into its mode order."""
+    (k,) = [n for n, info in enumerate(infos) if info.format is not None]
+    kernel = kernel_cycles(assignment, sched, [info.shape for info in infos], k, stored[k] / max(infos[k].nnz, 1),
+                           itemsize, target)
+    return (kernel + restore_cycles(assignment, sched, stored, itemsize, target)
+            + relayout_cycles(assignment, sched, infos, itemsize, target))
+
+
+def densify_cycles(dense_bytes: int, nnz: int, target: Target) -> float:
+    """Cycles of making a sparse operand of ``nnz`` entries dense (``dense_bytes``):
+    writing the dense array and scattering the entries into it."""
+    return dense_bytes / _bandwidth(dense_bytes, target) + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit
+
+
+def sampling_cycles(nnz: int, dense_bytes: int, itemsize: int, target: Target) -> float:
+    """Cycles of reading a dense array of ``dense_bytes`` at ``nnz`` stored positions in
+    storage order (a gradient sampled at a pattern): a cache line per entry, at most the
+    whole array, its index and value written, one iteration step each."""
+    read = min(nnz * target.cache_line_bytes, dense_bytes)
+    return ((read + nnz * (itemsize + 4)) / _bandwidth(dense_bytes, target)
+            + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
+
+
+@dataclass(frozen=True)
+class StepPath:
+    """A training step of a call with sparse ``operand`` (the call and its gradient
+    calls, see the module doc) weighed sparse against dense, in cycles: ``dense`` when
+    the dense step is cheaper."""
+
+    operand: int
+    sparse_cycles: float
+    dense_cycles: float
+    densify_cycles: float
+    sampling_cycles: float
+
+    @property
+    def dense(self) -> bool:
+        return self.dense_cycles < self.sparse_cycles
+
+    def describe(self) -> str:
+        dense = (f"operand {self.operand} made dense once per step ({self.densify_cycles:.3g} cycles), every product "
+                 f"by BLAS, its gradient sampled at its pattern ({self.sampling_cycles:.3g} cycles): "
+                 f"{self.dense_cycles:.3g} cycles")
+        sparse = f"the sparse kernels of the call and its gradients: {self.sparse_cycles:.3g} cycles"
+        if self.dense:
+            return f"training step (at a layer's call site): dense, through torch's autograd ({dense}), against {sparse}"
+        return f"training step (at a layer's call site): sparse ({sparse}), against dense ({dense})"
+
+
+def step_path(operand: int, sparse_calls: Sequence[float], dense_products: Sequence[float], nnz: int,
+              dense_bytes: int, itemsize: int, target: Target) -> StepPath:
+    """The training step of a call over sparse ``operand`` (``nnz`` entries, ``dense_bytes``
+    dense): ``sparse_calls`` the cycles of the call and its gradient calls as routed
+    (each with ``launch_cycles``), ``dense_products`` those of the same products by BLAS
+    (:func:`dense_product_cycles`); see the module doc."""
+    densify = densify_cycles(dense_bytes, nnz, target)
+    sampling = sampling_cycles(nnz, dense_bytes, itemsize, target)
+    dense = densify + sum(dense_products) + sampling + 2 * (target.launch_cycles + target.python_call_cycles)
+    return StepPath(operand, sum(sparse_calls), dense, densify, sampling)
 
 
 def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...]], itemsize: int,
                          target: Target) -> float:
     """Cycles of BLAS computing the sum of products ``assignment`` over dense operands of
-    ``shapes`` (see the module doc: compute- or bandwidth-bound)."""
+    ``shapes`` (see the module doc: compute- or bandwidth-bound; the bytes of the
+    operands its factors read and of its result)."""
     sizes = {i: shapes[a.operand][m] for t in assignment.terms for a in t.factors for m, i in enumerate(a.indices)}
     flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
-    touched = (sum(math.prod(shape) for shape in shapes) + math.prod(sizes[i] for i in assignment.output)) * itemsize
+    read = {a.operand for t in assignment.terms for a in t.factors}
+    touched = (sum(math.prod(shapes[n]) for n in read) + math.prod(sizes[i] for i in assignment.output)) * itemsize
     lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
     return max(compute, touched / _bandwidth(touched, target))
@@ -134,6 +219,20 @@ def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int
     restored = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
     per_value = target.cache_line_bytes + _POSITION_BYTES + itemsize
     return sum(stored[n] * per_value / _bandwidth(stored[n] * itemsize, target) for n in restored)
+
+
+def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[OperandInfo], itemsize: int,
+                    target: Target) -> float:
+    """Cycles of copying, at every call, each dense operand ``sched`` reads in another
+    mode order into that order: ``elements · (line + itemsize) / bw`` (read across its
+    rows, see the module doc), ``bw`` for its bytes. An operand laid out in panels reads
+    its rows a panel's width at a time, streaming at the rate of the scheduler's
+    ``DENSE_COPY_COST``: its copy is in the schedule's cost already."""
+    copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
+    panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
+    per_element = target.cache_line_bytes + itemsize
+    return sum(math.prod(infos[n].shape) * per_element / _bandwidth(math.prod(infos[n].shape) * itemsize, target)
+               for n in copied - panelled if infos[n].format is None)
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:

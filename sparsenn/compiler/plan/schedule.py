@@ -219,11 +219,14 @@ def _bound_by_multiply_adds(sched: Schedule, itemsize: int, target: Target) -> s
 
 
 def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target,
-                     patterns: Sequence[int | None]) -> Nest:
+                     patterns: Sequence[int | None], units: frozenset[str] = frozenset()) -> Nest:
     """``nest`` (the ``n``-th) of a dense output with its code decisions; ``patterns``:
-    per operand, the operand whose index arrays it shares (None: its own)."""
+    per operand, the operand whose index arrays it shares (None: its own); ``units``:
+    reduction indices of extent 1: a loop over one that no factor filters runs once, so
+    it makes no element stored twice (nor skipped) wherever it is."""
     output = assignment.output
     order, f = nest.order, [x.nest_factor() for x in factors]
+    stored = tuple(i for i in order if i not in units or any(x.filters(i) for x in f))
     block = nest.register_block
     bounded = {t.index for t in nest.tiles if not order or t.index != order[0]}
     fields = {"prefetch": decisions.prefetch_loops(
@@ -241,13 +244,13 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
     layered = nest.register_tile is not None and nest.register_tile.depth > 0  # its layers add partial sums
     if n == 0 and not layered:
         tiles = [t.index for t in nest.tiles]
-        fields["stores_once"] = decisions.stores_once(order, output, f, tiles, block is not None)
+        fields["stores_once"] = decisions.stores_once(stored, output, f, tiles, block is not None)
         term = assignment.terms[nest.term]
         fields["stores_once_anchors"] = tuple(sorted({
             a.operand for k, a in enumerate(term.factors)
             if a.indices == output and f[k].sparse
             and k == next(j for j, b in enumerate(term.factors) if b.operand == a.operand and b.indices == output)
-            and decisions.stores_once(order, output, f, tiles, block is not None,
+            and decisions.stores_once(stored, output, f, tiles, block is not None,
                                       _followers(term, factors, output, patterns, k))
         }))
     return replace(nest, **fields)
@@ -391,7 +394,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
         sums = microkernel.block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
         blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost))
     patterns = tuple(info.pattern for info in infos)
-    nests = [_dense_decisions(nest, n, factors, assignment, target, patterns)
+    units = frozenset(i for i, size in dims.items() if size == 1 and i not in assignment.output)
+    nests = [_dense_decisions(nest, n, factors, assignment, target, patterns, units)
              for n, (nest, factors) in enumerate(zip(blocked, nest_factors))]
     if assignment.epilogue is not None and len(nests) == 1:
         nests[0] = replace(nests[0], epilogue_at=_epilogue_at(nests[0], assignment.output, nest_factors[0]))

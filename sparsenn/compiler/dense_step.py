@@ -1,0 +1,204 @@
+"""A training step run densely, when the planner's cost model finds it cheaper.
+
+A recorded call ``Out = A · X (+ bias)`` of one sparse operand ``A`` whose values require
+a gradient runs, in a training step, the call and its gradient calls (``dX = dOut · A``,
+``dA = (dOutᵀ X)`` sampled at ``A``'s pattern). At moderate sparsity or on small layers
+each of these sparse kernels is slower than BLAS on the dense matrix, and every call pays
+a launch. :func:`plan_step` weighs the step both ways
+(:func:`~.plan.dense_path.step_path`: each call as the planner routes it, against one
+copy of ``A`` made dense per step and BLAS products); :class:`DenseStep` runs the dense
+one: ``A`` made dense by :class:`_Densified` (the copy kept while its values are
+unchanged, :data:`.runtime.densified.COPIES`), the product as one BLAS call
+(:mod:`.runtime.dense_product`) recorded by torch's autograd, whose backward runs every
+product by BLAS and hands :class:`_Densified` the dense ``dA``, sampled at ``A``'s
+stored positions by a compiled kernel.
+
+It applies to a plain sum of products of one unblocked sparse operand with values
+requiring a gradient, and dense ones, in one BLAS call's form, with a dense result in
+float32 or float64. A step whose result is not finite runs sparse (``0 · inf``: see
+:class:`~.runtime.evaluate.DensifiedCall`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from sparsenn.formats import SparseTensor
+
+from .autograd import _gradient_expression, _Spec, differentiable_evaluate, gradient_call
+from .derivatives import gradient_assignment
+from .frontend.notation import Assignment, parse_einsum
+from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
+                              step_path)
+from .plan.planner import DENSE, ShapePlan, operand_infos
+from .plan.target import Target
+from .runtime.cache import Guard
+from .runtime.dense_product import BlasForm, blas_form
+from .runtime.densified import COPIES
+from .runtime.evaluate import DenseCall, DensifiedCall, Run, evaluate, guarded_run, route
+from .runtime.validate import check_call
+
+__all__ = ["DenseStep", "plan_step", "dense_step"]
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_DTYPES = (torch.float32, torch.float64)
+
+
+def _sparse_operand(assignment: Assignment, operands: Sequence, out_format) -> int | None:
+    """The number of the one sparse operand of a call the dense step may run, else None."""
+    if (out_format not in (None, DENSE) or assignment.epilogue is not None or not assignment.is_product_sum
+            or blas_form(assignment) is None):
+        return None
+    sparse = [n for n, op in enumerate(operands) if isinstance(op, SparseTensor)]
+    if len(sparse) != 1 or not all(isinstance(op, (SparseTensor, torch.Tensor)) for op in operands):
+        return None
+    (k,) = sparse
+    op = operands[k]
+    if op.format.block is not None or op.format.is_dense or op.values.dtype not in _DTYPES \
+            or not op.values.requires_grad:
+        return None
+    return k
+
+
+def _routed_cycles(assignment: Assignment, operands: Sequence, out_format, target: Target) -> float | None:
+    """Cycles of one call as the planner routes it (a kernel, or the per-call dense path
+    with a copy: the values are new at every step), its launch not counted; None for a
+    call routed otherwise (a contraction path, split blocks)."""
+    checked = check_call(assignment, operands, out_format)
+    routed = route(assignment, checked)
+    itemsize = checked.dtype.itemsize
+    if isinstance(routed, DensifiedCall):
+        return routed.dense.dense_cycles + routed.dense.densify_cycles
+    if isinstance(routed, DenseCall):
+        return dense_product_cycles(assignment, [tuple(op.shape) for op in checked.operands], itemsize, target)
+    if not isinstance(routed, ShapePlan) or (routed.output_format is not None and routed.anchor is None):
+        return None
+    sched, infos = routed.schedule, operand_infos(checked.operands)
+    stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
+    sparse = [n for n, info in enumerate(infos) if info.format is not None]
+    if len(sparse) == 1:
+        return call_cycles(routed.plan.assignment, sched, infos, stored, itemsize, target)
+    # a sampled gradient reads one pattern twice, as the operand and as its output's mask
+    return (schedule_cycles(sched, target) * stored[sparse[0]] / max(infos[sparse[0]].nnz, 1)
+            + relayout_cycles(routed.plan.assignment, sched, infos, itemsize, target))
+
+
+def plan_step(assignment: Assignment, operands: Sequence, out_format) -> StepPath | None:
+    """The training step of a recorded call weighed sparse against dense
+    (:func:`~.plan.dense_path.step_path`), or None when the dense step does not apply
+    (see the module doc). The gradients costed are those of the operands requiring one."""
+    k = _sparse_operand(assignment, operands, out_format)
+    if k is None:
+        return None
+    target = Target.current()
+    op = operands[k]
+    itemsize = op.values.dtype.itemsize
+    wanted = [n for n, x in enumerate(operands) if (x.values if isinstance(x, SparseTensor) else x).requires_grad]
+    with torch.no_grad():
+        operands = [x.detach() for x in operands]
+        shapes = [tuple(x.shape) for x in operands]
+        checked = check_call(assignment, operands, out_format)
+        out_shape = tuple(checked.sizes[i] for i in assignment.output)
+        grad_out = torch.empty(out_shape, dtype=op.values.dtype)
+        spec = _Spec(assignment, [x if isinstance(x, SparseTensor) else None for x in operands], out_format, evaluate)
+        sparse_calls = [_routed_cycles(assignment, operands, out_format, target)]
+        dense_products = [dense_product_cycles(assignment, shapes, itemsize, target)]
+        for n in wanted:
+            gradient, inputs, request = _gradient_expression(spec, n, operands, grad_out, None)
+            sparse_calls.append(_routed_cycles(gradient, inputs, request, target))
+            dense_gradient, extras = gradient_assignment(assignment, n, len(shapes[n]), False)
+            if any(extra[0] != "ones" for extra in extras):
+                return None
+            extra_shapes = [tuple(shapes[n][m] for m in extra[1]) for extra in extras]
+            dense_products.append(dense_product_cycles(dense_gradient, [out_shape, *shapes, *extra_shapes],
+                                                       itemsize, target))
+    if None in sparse_calls:
+        return None
+    return step_path(k, [c + target.launch_cycles for c in sparse_calls], dense_products, op.nnz,
+                     math.prod(op.shape) * itemsize, itemsize, target)
+
+
+class _Densified(torch.autograd.Function):
+    """``operand`` (a SparseTensor whose values are ``values``) as a strided tensor,
+    differentiable in its values: the copy is kept while they are unchanged
+    (:data:`COPIES`), and the gradient is the dense one sampled at its pattern."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, operand: SparseTensor, conversions: _Conversions):
+        ctx.operand, ctx.conversions = operand, conversions
+        return COPIES.copy_for(operand, conversions.made_dense).detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sample = ctx.conversions.sample
+        pattern = ctx.operand.detach()
+        inputs = [grad.contiguous(), pattern, pattern]  # the output gradient, the operand, its pattern as the mask
+        if torch.is_grad_enabled():  # create_graph: the sampling is recorded, a linear map of ``grad``
+            return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
+        return sample(inputs).values, None, None
+
+
+class _HeldCall:
+    """``call(inputs)``: a compiled call of ``assignment``, the guard and run of its last
+    signature held (as a call site holds its calls)."""
+
+    def __init__(self, assignment: Assignment, request) -> None:
+        self.assignment, self.request = assignment, request
+        self._held: tuple[Guard, Run] | None = None
+
+    def __call__(self, inputs: list):
+        held = self._held
+        if held is not None and held[0](inputs, self.request):
+            return held[1](inputs)
+        result = evaluate(self.assignment, inputs, self.request)
+        self._held = guarded_run(self.assignment, inputs, self.request)
+        return result
+
+
+class _Conversions:
+    """A sparse operand's conversions in a dense step: made dense (a scatter of its
+    entries) and a dense gradient sampled at its stored positions (the derivative of
+    ``Out = A`` in ``A``), each a compiled call."""
+
+    def __init__(self, operand: SparseTensor) -> None:
+        letters = _LETTERS[: operand.ndim]
+        copy = parse_einsum(f"{letters}->{letters}", 1)
+        self.dense = _HeldCall(copy, DENSE)
+        with torch.no_grad():
+            sampling, _, request = gradient_call(copy, 0, [operand], torch.empty(operand.shape,
+                                                                                dtype=operand.values.dtype), None)
+        self.sample = _HeldCall(sampling, request)
+
+    def made_dense(self, operand: SparseTensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.dense([operand.detach()])
+
+
+class DenseStep:
+    """A call run as the dense step of :func:`plan_step`: its sparse operand ``operand``
+    made dense (:class:`_Densified`), the product one BLAS call recorded by torch."""
+
+    def __init__(self, path: StepPath, form: BlasForm, conversions: _Conversions) -> None:
+        self.path, self.form, self.conversions = path, form, conversions
+
+    def run(self, operands: Sequence) -> torch.Tensor | None:
+        """The call's result, recorded for torch's autograd; None when it is not finite
+        (the caller then runs the sparse kernels)."""
+        k = self.path.operand
+        op = operands[k]
+        dense = list(operands)
+        dense[k] = _Densified.apply(op.values, op, self.conversions)
+        out = self.form.run(dense)
+        return out if math.isfinite(float(out.detach().sum())) else None
+
+
+def dense_step(assignment: Assignment, operands: Sequence, out_format) -> DenseStep | None:
+    """The :class:`DenseStep` of a recorded call when :func:`plan_step` finds it cheaper,
+    else None."""
+    path = plan_step(assignment, operands, out_format)
+    if path is None or not path.dense:
+        return None
+    return DenseStep(path, blas_form(assignment), _Conversions(operands[path.operand].detach()))
