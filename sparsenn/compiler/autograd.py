@@ -25,6 +25,10 @@ from typing import NamedTuple
 
 import torch
 from torch import is_autocast_enabled, is_grad_enabled
+from torch._C import _are_functorch_transforms_active as _transforms_active
+from torch._C import _is_any_autocast_enabled as _any_autocast
+from torch._C import _is_tracing as _jit_tracing
+from torch.compiler import is_compiling
 from torch._functorch.autograd_function import custom_function_call
 from torch._functorch.utils import unwrap_dead_wrappers
 
@@ -41,7 +45,7 @@ from .runtime.tracing import traced_evaluate, tracing, transforming
 from .runtime.validate import call_guard
 
 __all__ = ["differentiable_evaluate", "gradient_call", "held_evaluate", "recorded", "differentiated", "unobserved",
-           "HeldGradient"]
+           "unobserved_call", "HeldGradient"]
 
 _CPU = "cpu"
 
@@ -265,6 +269,13 @@ def unobserved() -> bool:
     """Whether no autocast, torch.func transform or tracer sees the current call."""
     return (not is_autocast_enabled(_CPU) and not tracing()
             and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def unobserved_call(operands: Sequence) -> bool:
+    """Whether nothing but evaluation sees a call over ``operands``: no autocast (on any
+    device), torch.func transform or tracer, and autograd does not record it. Five C
+    queries and the scan of :func:`recorded` under grad mode: a cached call's entry test."""
+    return not (is_compiling() or _jit_tracing() or _any_autocast() or _transforms_active()) and not recorded(operands)
 
 
 def _held_gradients(held: dict[int, HeldGradient], operands: list, grad_out, wanted: Sequence[int]) -> dict:

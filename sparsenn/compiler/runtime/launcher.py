@@ -112,7 +112,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     A dense output is allocated in the expression's index order with its memory in the
     kernel's (:func:`memory.allocator`'s ``layout``): returned as it is."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
-    kernel_run, dtype, num_threads = launch.entry.run, launch.dtype, torch.get_num_threads
+    kernel_run, dtype, num_threads = _unconverted(launch.entry.run), launch.dtype, torch.get_num_threads
     rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
     assembles, anchor = plan.assembles, plan.anchor
@@ -137,6 +137,15 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         return result if final is None else result.asformat(final)
 
     return run
+
+
+def _unconverted(function) -> Callable[..., int]:
+    """``sn_run`` (a ctypes function with ``argtypes``) as a function pointer without
+    them, for callers passing exactly the C types (the packed ``bytes`` as ``void* const*``,
+    the ``dims`` array, an ``int``, None as a null handle): ctypes then passes each as it is
+    instead of converting it through its argtype (0.35 µs of a 0.8 µs call). It still
+    releases the GIL. ``function`` keeps its library loaded; the launch holds it."""
+    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(function, ctypes.c_void_p).value)
 
 
 def _output_allocator(launch: Launch) -> Callable[[], torch.Tensor]:
