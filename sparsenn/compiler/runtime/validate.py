@@ -256,7 +256,7 @@ def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: 
                 constants[f"signature{n}"] = op.signature
                 tests.append(f"op{n}.signature == signature{n}")
                 checked.append(f"op{n}.values")
-            unmodified.append(_unmodified(f"op{n}", len(op._index_arrays)))
+            unmodified.append(_unmodified(f"op{n}", len(op._index_arrays), versioned=_versioned(op)))
         elif n not in fixed:
             checked.append(f"ops[{n}]")
     tests += [f"layouts({', '.join(checked)})", *unmodified]
@@ -264,15 +264,28 @@ def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: 
     if len(sparse) >= 2 and not fixed.issuperset(sparse):
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
-    return eval(f"lambda ops, out_format: ({' and '.join(tests)}) or exact(ops, out_format)", constants)
+    source = (f"def guard(ops, out_format):\n"
+              f"    try:\n"
+              f"        return ({' and '.join(tests)}) or exact(ops, out_format)\n"
+              f"    except RuntimeError:  # an inference tensor's version read\n"
+              f"        return exact(ops, out_format)\n")
+    exec(source, constants)
+    return constants["guard"]
 
 
-def _unmodified(name: str, count: int) -> str:
+def _versioned(op: SparseTensor) -> bool:
+    """Whether every index array of ``op`` has a version counter (none is an inference tensor)."""
+    return all(version[1] is not None for version in op._versions)
+
+
+def _unmodified(name: str, count: int, versioned: bool = False) -> str:
     """:meth:`SparseTensor.index_arrays_unmodified` of the operand ``name`` with ``count``
     index arrays (its signature fixes how many), written out: each array's data address
     and version counter (None for an inference tensor) against those recorded when the
-    operand was built."""
+    operand was built. ``versioned``: read every array's counter without asking whether
+    it has one (reading an inference tensor's raises RuntimeError)."""
     arrays = f"{name}_arrays"
-    current = ", ".join(f"({arrays}[{j}].data_ptr(), None if {arrays}[{j}].is_inference() else {arrays}[{j}]._version)"
+    current = ", ".join(f"({arrays}[{j}].data_ptr(), {arrays}[{j}]._version)" if versioned else
+                        f"({arrays}[{j}].data_ptr(), None if {arrays}[{j}].is_inference() else {arrays}[{j}]._version)"
                         for j in range(count))
     return f"({arrays} := {name}._index_arrays) is not None and {name}._versions == ({current}{',' if count == 1 else ''})"
