@@ -165,12 +165,12 @@ def allocator(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = N
     small = bool(shape) and math.prod(shape) * dtype.itemsize < MIN_POOLED_BYTES
     if layout is not None:
         if small and fill is None:
-            return _strided_allocator(torch.empty(0, dtype=dtype, device="cpu"), shape, _permuted_strides(shape, layout))
+            return _strided_allocator(_template(dtype), shape, _permuted_strides(shape, layout))
         return functools.partial(empty_permuted, shape, layout, dtype) if fill is None else \
             functools.partial(_filled_permuted, fill, shape, layout, dtype)
     if not small:
         return functools.partial(empty, shape, dtype) if fill is None else functools.partial(filled, fill, shape, dtype)
-    template = torch.empty(0, dtype=dtype, device="cpu")
+    template = _template(dtype)
     if fill is None:
         new_empty = template.new_empty
 
@@ -182,6 +182,12 @@ def allocator(shape: tuple[int, ...], dtype: torch.dtype, fill: float | None = N
     if fill == 0:
         return functools.partial(template.new_zeros, *shape)
     return functools.partial(template.new_full, shape, fill)
+
+
+@functools.lru_cache(maxsize=None)
+def _template(dtype: torch.dtype) -> torch.Tensor:
+    """An empty CPU tensor of ``dtype``, whose ``new_*`` methods allocate outputs."""
+    return torch.empty(0, dtype=dtype, device="cpu")
 
 
 def _strided_allocator(template: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]

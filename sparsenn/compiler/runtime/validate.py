@@ -13,6 +13,7 @@ repeated call is recognised by its guard alone.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -231,7 +232,7 @@ def _exact_guard(operands: Sequence, out_format, fixed: frozenset[int]) -> Guard
     if len(sparse) >= 2 and not fixed.issuperset(sparse):
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
-    return eval(f"lambda ops, out_format: {' and '.join(tests)}", constants)
+    return _guard(f"def guard(ops, out_format):\n    return {' and '.join(tests)}\n", constants)
 
 
 def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: Guard) -> Guard | None:
@@ -264,13 +265,24 @@ def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: 
     if len(sparse) >= 2 and not fixed.issuperset(sparse):
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
-    source = (f"def guard(ops, out_format):\n"
-              f"    try:\n"
-              f"        return ({' and '.join(tests)}) or exact(ops, out_format)\n"
-              f"    except RuntimeError:  # an inference tensor's version read\n"
-              f"        return exact(ops, out_format)\n")
-    exec(source, constants)
-    return constants["guard"]
+    return _guard(f"def guard(ops, out_format):\n"
+                  f"    try:\n"
+                  f"        return ({' and '.join(tests)}) or exact(ops, out_format)\n"
+                  f"    except RuntimeError:  # an inference tensor's version read\n"
+                  f"        return exact(ops, out_format)\n", constants)
+
+
+def _guard(source: str, constants: dict[str, object]) -> Guard:
+    """The function ``guard`` that ``source`` defines over ``constants``. The source
+    depends on the operands' kinds only (their shapes, strides and signatures are
+    constants), so signatures of one kind share its compiled code."""
+    exec(_compiled(source), constants)
+    return constants.pop("guard")
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str):
+    return compile(source, "<sparsenn call guard>", "exec")
 
 
 def _versioned(op: SparseTensor) -> bool:
