@@ -299,6 +299,22 @@ def test_register_blocked_spmm_with_partial_blocks(dtype, k):
     check("ij,jk->ik", [a, torch.randn(29, k, dtype=dtype)], atol=1e-4 if dtype == torch.float32 else 1e-10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 7, 9])
+def test_spmm_of_narrow_rows(dtype, k, avx2_host):
+    # Rows narrower than a vector run masked vectors; rows 0 and 2 of the matrix are
+    # empty, 37 rows are odd.
+    dense = random_dense((37, 29), 0.3, torch.float64, 5)
+    dense[[0, 2]] = 0
+    a = sparsenn.from_dense(dense.to(dtype), format="csr")
+    b = torch.randn(29, k, dtype=torch.float64).to(dtype)
+    expected = torch.einsum("ij,jk->ik", dense.to(dtype).double(), b.double())
+    result = sparsenn.einsum("ij,jk->ik", a, b)
+    assert result.dtype == dtype and result.shape == (37, k)
+    atol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 5e-2}[dtype]
+    torch.testing.assert_close(result.double(), expected, atol=atol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_narrow_dense_loops_stay_vectorised(dtype, avx2_host):
     # GCC vectorises only what the code asks for (jit.GCC_FLAGS): the last, partial

@@ -197,3 +197,29 @@ def test_a_parameter_read_transposed_is_copied_once_while_unchanged(avx2_host):
     with torch.no_grad():  # a tensor that is not a parameter is not kept
         sparsenn.einsum("ik,jk->ij", x, w.detach().clone())
     assert relaid() == (5, 7)
+
+
+def test_a_guard_answers_as_the_key_whatever_its_tensor_check_sees():
+    """A call's guard checks its tensors through torch's tensor guards, which are stricter
+    than the key (requires_grad, a Parameter's type, inference tensors): such a call still passes by the exact test, and a call of
+    another key fails both."""
+    from sparsenn.compiler.runtime.validate import call_guard, call_key
+
+    a, x = sp((6, 5)), torch.randn(5, 3, dtype=torch.float64)
+    assignment = api.parse("ij,jk->ik", 2)
+    guard = call_guard(assignment, [a, x], None)
+
+    def same_key(*ops):
+        return call_key(assignment, list(ops), None) == call_key(assignment, [a, x], None)
+
+    with torch.inference_mode():
+        frozen = sparsenn.from_dense(a.to_dense(), format="csr")  # index arrays without version counters
+    cases = [(a, x), (a, x.clone().requires_grad_()), (a, torch.nn.Parameter(x.clone())), (frozen, x),
+             (a.with_values(a.values.clone().requires_grad_()), x),
+             (a, x.t().contiguous().t()), (a, x.float()), (a, torch.randn(5, 4, dtype=torch.float64)),
+             (sp((6, 5), seed=1), x), (a, x[:, :1]), (a, "x"), (a,)]
+    for ops in cases:
+        assert guard(ops, None) == same_key(*ops), ops
+    assert guard((a, x), "dense") is False
+    a.crd[1].add_(0)  # an in-place edit of an index array: the operand is rejected
+    assert not guard((a, x), None)

@@ -15,7 +15,7 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import differentiable_evaluate, recorded
+from .autograd import differentiable_evaluate, recorded, unobserved_call
 from .dense_step import plan_step
 from .frontend.equation import broadcast_size_one, normalise
 from .frontend.equation import core_assignment as parse
@@ -29,8 +29,9 @@ from .plan.schedule import Schedule
 from .plan.target import ACTIVE_TARGET, Target
 from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
-from .runtime.cache import clear_caches
-from .runtime.evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
+from .runtime.cache import clear_caches, forget_with_caches
+from .runtime.evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, resolved,
+                               route)
 from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
@@ -52,19 +53,55 @@ def einsum(equation: str, *operands, out_format=None):
     Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
     computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
+    if type(equation) is str and unobserved_call(operands):  # (a tracer's graph reads no cache)
+        plain = _PLAIN.get(equation)
+        run = None if plain is None else resolved(plain, operands, out_format)  # its guard counts the operands
+        if run is not None:
+            return run(operands)
     traced = tracing()
+    given = equation
     equation, operands = normalise(equation, operands, remember=not traced)
     operands = autocast_operands(operands)
     if traced:  # parsed by the op's call string, not in traced code
         return traced_evaluate(None, operands, out_format, ("einsum", equation, len(operands)))
+    assignment = parse(equation, len(operands))
     try:
-        return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
+        result = differentiable_evaluate(evaluate, assignment, operands, out_format)
     except ValueError:
         broadcast = broadcast_size_one(equation, operands)  # sizes 1 that torch broadcasts
         if broadcast is None:
             raise
+    else:
+        if equation is given:
+            _PLAIN.add(equation, assignment)
+        return result
     equation, operands = broadcast
     return differentiable_evaluate(evaluate, parse(equation, len(operands)), operands, out_format)
+
+
+class _PlainEquations:
+    """Equations :func:`einsum` ran as given (core form, no rewriting), with their
+    parsed assignments: a repeated call of one finds its assignment in one dictionary
+    read and, when no tracer, transform, autocast or autograd sees it, runs the cached
+    resolution its guard finds (:func:`.runtime.evaluate.resolved`) at once. At most
+    ``limit`` equations are kept (all forgotten beyond it); :func:`clear_caches` empties it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._assignments: dict[str, Assignment] = {}
+        self.get = self._assignments.get
+        forget_with_caches(self)
+
+    def add(self, equation: str, assignment: Assignment) -> None:
+        if len(self._assignments) >= self.limit:
+            self._assignments.clear()
+        self._assignments[equation] = assignment
+
+    def clear(self) -> None:
+        self._assignments.clear()
+
+
+_PLAIN = _PlainEquations(1024)
 
 
 class CompiledExpression:

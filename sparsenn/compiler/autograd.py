@@ -24,9 +24,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torch import is_autocast_enabled, is_grad_enabled
+from torch import is_grad_enabled
+from torch._C import _are_functorch_transforms_active as _transforms_active
+from torch._C import _is_any_autocast_enabled as _any_autocast
+from torch._C import _is_tracing as _jit_tracing
+from torch.compiler import is_compiling
 from torch._functorch.autograd_function import custom_function_call
-from torch._functorch.utils import unwrap_dead_wrappers
+from torch._C._functorch import unwrap_if_dead as _unwrap_if_dead
+from torch.autograd import forward_ad as _forward_ad
 
 from sparsenn.formats import SparseTensor
 
@@ -41,9 +46,7 @@ from .runtime.tracing import traced_evaluate, tracing, transforming
 from .runtime.validate import call_guard
 
 __all__ = ["differentiable_evaluate", "gradient_call", "held_evaluate", "recorded", "differentiated", "unobserved",
-           "HeldGradient"]
-
-_CPU = "cpu"
+           "unobserved_call", "HeldGradient"]
 
 
 def _operand(template: SparseTensor | None, tensor: torch.Tensor):
@@ -72,6 +75,8 @@ class _Spec:
     """Everything about a call that is not a tensor autograd tracks. ``forward``: the run
     of the call's held signature (else it is evaluated); ``held``: the gradient calls a
     call site holds for its signature, by operand number (else none are held)."""
+
+    __slots__ = ("assignment", "templates", "out_format", "evaluate", "forward", "held", "result", "built_kernels")
 
     def __init__(self, assignment: Assignment, templates: list, out_format, evaluate,
                  forward: Run | None = None, held: dict[int, HeldGradient] | None = None):
@@ -172,7 +177,8 @@ class _SparseEinsum(torch.autograd.Function):
             ctx.save_for_backward(*tensors, output)
         else:
             ctx.save_for_backward(*tensors)
-        ctx.save_for_forward(*tensors)
+        if _forward_ad._current_level >= 0 or _transforms_active():  # a tangent may be asked for (jvp)
+            ctx.save_for_forward(*tensors)
 
     @staticmethod
     def backward(ctx, grad):
@@ -262,9 +268,17 @@ def _gradients(spec: _Spec, operands: list, grad_out, result, wanted: Sequence[i
 
 
 def unobserved() -> bool:
-    """Whether no autocast, torch.func transform or tracer sees the current call."""
-    return (not is_autocast_enabled(_CPU) and not tracing()
-            and torch._C._functorch.peek_interpreter_stack() is None)
+    """Whether no autocast (on any device), torch.func transform or tracer sees the
+    current call: four queries of torch's thread state (``torch.compile``'s first: its
+    trace reads no other)."""
+    return not (is_compiling() or _jit_tracing() or _any_autocast() or _transforms_active())
+
+
+def unobserved_call(operands: Sequence) -> bool:
+    """Whether nothing but evaluation sees a call over ``operands``: no autocast (on any
+    device), torch.func transform or tracer, and autograd does not record it: a cached
+    call's entry test."""
+    return unobserved() and not recorded(operands)
 
 
 def _held_gradients(held: dict[int, HeldGradient], operands: list, grad_out, wanted: Sequence[int]) -> dict:
@@ -396,12 +410,18 @@ def held_evaluate(assignment: Assignment, operands: Sequence, out_format, run: R
     return values if spec.result is None else _operand(spec.result, values)
 
 
-def _apply(function: type[torch.autograd.Function], *args):
-    """``function.apply(*args)`` for a Function whose ``forward`` has no default
+def _apply(function: type[torch.autograd.Function], spec: _Spec, *tensors):
+    """``function.apply(spec, *tensors)`` for a Function whose ``forward`` has no default
     arguments: what ``Function.apply`` does (torch.func's dispatch under a transform, else
     dead functorch wrappers unwrapped and torch's C entry point) without the rest of its
     Python wrapper, which costs as much as a small call's kernel (binding the default
     arguments with ``inspect`` once ``setup_context`` is defined: several µs per call)."""
-    if torch._C._are_functorch_transforms_active():
-        return custom_function_call(function, *args)
-    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))
+    if _transforms_active():
+        return custom_function_call(function, spec, *tensors)
+    entry = _C_APPLY.get(function)
+    if entry is None:
+        entry = _C_APPLY[function] = super(torch.autograd.Function, function).apply
+    return entry(spec, *[_unwrap_if_dead(t) for t in tensors])
+
+
+_C_APPLY: dict[type, object] = {}  # per Function, torch's C entry point

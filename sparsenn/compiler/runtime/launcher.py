@@ -108,7 +108,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     A dense output is allocated in the expression's index order with its memory in the
     kernel's (:func:`memory.allocator`'s ``layout``): returned as it is."""
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
-    kernel_run, dtype, num_threads = launch.entry.run, launch.dtype, torch.get_num_threads
+    kernel_run, dtype, num_threads = _unconverted(launch.entry.run), launch.dtype, torch.get_num_threads
     rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
     assembles, anchor = plan.assembles, plan.anchor
@@ -165,6 +165,7 @@ class FusedLaunch:
         self.dims = (ctypes.c_int64 * len(dims))(*dims)
         self.allocators = [output_allocator(m.launch) if m.into is None else None for m in members]
         self.pack = argument_packer(sum(len(m.kept) + (m.into is None) for m in members))
+        self.kernel_run = _unconverted(entry.run)
 
     def run(self, operands: Sequence, results: list) -> None:
         pointers, written, outputs, staged = [], [], [], []
@@ -183,8 +184,17 @@ class FusedLaunch:
             pointers += [every[n] for n in member.kept]
         pointers += [out.data_ptr() for out in outputs]
         threads = torch.get_num_threads() if self.parallel else 1
-        if self.entry.run(self.pack(*pointers), self.dims, threads, None) != 0:
+        if self.kernel_run(self.pack(*pointers), self.dims, threads, None) != 0:
             raise MemoryError(_OUT_OF_MEMORY)
+
+
+def _unconverted(function) -> Callable[..., int]:
+    """``sn_run`` (a ctypes function with ``argtypes``) as a function pointer without
+    them, for callers passing exactly the C types (the packed ``bytes`` as ``void* const*``,
+    the ``dims`` array, an ``int``, None as a null handle): ctypes then passes each as it is
+    instead of converting it through its argtype (0.35 µs of a 0.8 µs call). It still
+    releases the GIL. ``function`` keeps its library loaded; the launch holds it."""
+    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(function, ctypes.c_void_p).value)
 
 
 def output_allocator(launch: Launch) -> Callable[[], torch.Tensor]:

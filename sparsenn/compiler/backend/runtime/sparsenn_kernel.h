@@ -195,17 +195,18 @@ typedef std::make_integer_sequence<int, SN_W> sn_lanes;
    SN_W]), and loads and stores of only those lanes, the others loaded as zero: nothing
    past them is read or written (a row narrower than a vector, or a row's last, partial
    vector). A mask register and one masked instruction where the CPU has them (AVX-512;
-   AVX2 for 32-byte vectors), else a loop over the lanes. Defined for kernels that use
+   AVX2 for 32-byte vectors, AVX for 16-byte ones), else a loop over the lanes. Defined for kernels that use
    them (SN_LANE_MASKS). */
 #ifdef SN_LANE_MASKS
-#if (defined(__AVX512F__) && SN_VECTOR_BYTES == 64) || (defined(__AVX512VL__) && SN_VECTOR_BYTES == 32)
+#if (defined(__AVX512F__) && SN_VECTOR_BYTES == 64) || \
+    (defined(__AVX512VL__) && (SN_VECTOR_BYTES == 32 || SN_VECTOR_BYTES == 16))
 #define SN_MASK_REGISTERS 1
 typedef unsigned sn_lane_mask;
 static inline sn_lane_mask sn_first_lanes(int64_t n) {
   return n <= 0 ? 0u : n >= SN_W ? (1u << SN_W) - 1 : (1u << n) - 1;
 }
 static inline bool sn_lane_on(sn_lane_mask m, int l) { return (m >> l) & 1u; }
-#elif defined(__AVX2__) && SN_VECTOR_BYTES == 32
+#elif (defined(__AVX2__) && SN_VECTOR_BYTES == 32) || (defined(__AVX__) && SN_VECTOR_BYTES == 16)
 #define SN_MASK_VECTORS 1
 typedef VI sn_lane_mask;
 static inline sn_lane_mask sn_first_lanes(int64_t n) {
@@ -229,6 +230,10 @@ typedef float sn_f32x8 __attribute__((vector_size(32)));
 typedef double sn_f64x4 __attribute__((vector_size(32)));
 typedef int sn_i32x8 __attribute__((vector_size(32)));
 typedef long long sn_i64x4 __attribute__((vector_size(32)));
+typedef float sn_f32x4 __attribute__((vector_size(16)));
+typedef double sn_f64x2 __attribute__((vector_size(16)));
+typedef int sn_i32x4 __attribute__((vector_size(16)));
+typedef long long sn_i64x2 __attribute__((vector_size(16)));
 #define SN_MASKZ_LOADU_PS512(m, p) __builtin_ia32_loadups512_mask((const float*)(p), sn_f32x16{}, (unsigned short)(m))
 #define SN_MASKZ_LOADU_PD512(m, p) __builtin_ia32_loadupd512_mask((const double*)(p), sn_f64x8{}, (unsigned char)(m))
 #define SN_MASKZ_LOADU_PS256(m, p) __builtin_ia32_loadups256_mask((const float*)(p), sn_f32x8{}, (unsigned char)(m))
@@ -241,6 +246,14 @@ typedef long long sn_i64x4 __attribute__((vector_size(32)));
 #define SN_MASKLOAD_PD256(p, m) __builtin_ia32_maskloadpd256((const sn_f64x4*)(p), (sn_i64x4)(m))
 #define SN_MASKSTORE_PS256(p, m, v) __builtin_ia32_maskstoreps256((sn_f32x8*)(p), (sn_i32x8)(m), (sn_f32x8)(v))
 #define SN_MASKSTORE_PD256(p, m, v) __builtin_ia32_maskstorepd256((sn_f64x4*)(p), (sn_i64x4)(m), (sn_f64x4)(v))
+#define SN_MASKZ_LOADU_PS128(m, p) __builtin_ia32_loadups128_mask((const float*)(p), sn_f32x4{}, (unsigned char)(m))
+#define SN_MASKZ_LOADU_PD128(m, p) __builtin_ia32_loadupd128_mask((const double*)(p), sn_f64x2{}, (unsigned char)(m))
+#define SN_MASK_STOREU_PS128(p, m, v) __builtin_ia32_storeups128_mask((float*)(p), (sn_f32x4)(v), (unsigned char)(m))
+#define SN_MASK_STOREU_PD128(p, m, v) __builtin_ia32_storeupd128_mask((double*)(p), (sn_f64x2)(v), (unsigned char)(m))
+#define SN_MASKLOAD_PS128(p, m) __builtin_ia32_maskloadps((const sn_f32x4*)(p), (sn_i32x4)(m))
+#define SN_MASKLOAD_PD128(p, m) __builtin_ia32_maskloadpd((const sn_f64x2*)(p), (sn_i64x2)(m))
+#define SN_MASKSTORE_PS128(p, m, v) __builtin_ia32_maskstoreps((sn_f32x4*)(p), (sn_i32x4)(m), (sn_f32x4)(v))
+#define SN_MASKSTORE_PD128(p, m, v) __builtin_ia32_maskstorepd((sn_f64x2*)(p), (sn_i64x2)(m), (sn_f64x2)(v))
 #else
 #include <immintrin.h>
 #define SN_MASKZ_LOADU_PS512(m, p) _mm512_maskz_loadu_ps((__mmask16)(m), (p))
@@ -255,15 +268,29 @@ typedef long long sn_i64x4 __attribute__((vector_size(32)));
 #define SN_MASKLOAD_PD256(p, m) _mm256_maskload_pd((const double*)(p), (__m256i)(m))
 #define SN_MASKSTORE_PS256(p, m, v) _mm256_maskstore_ps((float*)(p), (__m256i)(m), (__m256)(v))
 #define SN_MASKSTORE_PD256(p, m, v) _mm256_maskstore_pd((double*)(p), (__m256i)(m), (__m256d)(v))
+#define SN_MASKZ_LOADU_PS128(m, p) _mm_maskz_loadu_ps((__mmask8)(m), (p))
+#define SN_MASKZ_LOADU_PD128(m, p) _mm_maskz_loadu_pd((__mmask8)(m), (p))
+#define SN_MASK_STOREU_PS128(p, m, v) _mm_mask_storeu_ps((p), (__mmask8)(m), (__m128)(v))
+#define SN_MASK_STOREU_PD128(p, m, v) _mm_mask_storeu_pd((p), (__mmask8)(m), (__m128d)(v))
+#define SN_MASKLOAD_PS128(p, m) _mm_maskload_ps((const float*)(p), (__m128i)(m))
+#define SN_MASKLOAD_PD128(p, m) _mm_maskload_pd((const double*)(p), (__m128i)(m))
+#define SN_MASKSTORE_PS128(p, m, v) _mm_maskstore_ps((float*)(p), (__m128i)(m), (__m128)(v))
+#define SN_MASKSTORE_PD128(p, m, v) _mm_maskstore_pd((double*)(p), (__m128i)(m), (__m128d)(v))
 #endif
 #endif
 static inline VV sn_load_first(const V* p, sn_lane_mask m) {
 #if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
   if constexpr (sizeof(V) == 4) return (VV)SN_MASKZ_LOADU_PS512(m, p);
   else return (VV)SN_MASKZ_LOADU_PD512(m, p);
+#elif SN_MASK_REGISTERS && SN_VECTOR_BYTES == 16
+  if constexpr (sizeof(V) == 4) return (VV)SN_MASKZ_LOADU_PS128(m, p);
+  else return (VV)SN_MASKZ_LOADU_PD128(m, p);
 #elif SN_MASK_REGISTERS
   if constexpr (sizeof(V) == 4) return (VV)SN_MASKZ_LOADU_PS256(m, p);
   else return (VV)SN_MASKZ_LOADU_PD256(m, p);
+#elif SN_MASK_VECTORS && SN_VECTOR_BYTES == 16
+  if constexpr (sizeof(V) == 4) return (VV)SN_MASKLOAD_PS128(p, m);
+  else return (VV)SN_MASKLOAD_PD128(p, m);
 #elif SN_MASK_VECTORS
   if constexpr (sizeof(V) == 4) return (VV)SN_MASKLOAD_PS256(p, m);
   else return (VV)SN_MASKLOAD_PD256(p, m);
@@ -277,9 +304,15 @@ static inline void sn_store_first(V* p, VV v, sn_lane_mask m) {
 #if SN_MASK_REGISTERS && SN_VECTOR_BYTES == 64
   if constexpr (sizeof(V) == 4) SN_MASK_STOREU_PS512(p, m, v);
   else SN_MASK_STOREU_PD512(p, m, v);
+#elif SN_MASK_REGISTERS && SN_VECTOR_BYTES == 16
+  if constexpr (sizeof(V) == 4) SN_MASK_STOREU_PS128(p, m, v);
+  else SN_MASK_STOREU_PD128(p, m, v);
 #elif SN_MASK_REGISTERS
   if constexpr (sizeof(V) == 4) SN_MASK_STOREU_PS256(p, m, v);
   else SN_MASK_STOREU_PD256(p, m, v);
+#elif SN_MASK_VECTORS && SN_VECTOR_BYTES == 16
+  if constexpr (sizeof(V) == 4) SN_MASKSTORE_PS128(p, m, v);
+  else SN_MASKSTORE_PD128(p, m, v);
 #elif SN_MASK_VECTORS
   if constexpr (sizeof(V) == 4) SN_MASKSTORE_PS256(p, m, v);
   else SN_MASKSTORE_PD256(p, m, v);
