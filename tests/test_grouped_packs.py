@@ -16,7 +16,7 @@ from _machines import AVX2, AVX512
 
 import sparsenn
 from sparsenn.compiler import use_target
-from sparsenn.compiler.api import plan
+from sparsenn.compiler.api import kernel_schedule
 from sparsenn.compiler.plan.microkernel import MIN_PACKED_ROWS, PACKED_CHUNKS_PER_THREAD
 from sparsenn.compiler.plan.target import Target
 
@@ -32,8 +32,9 @@ def nm_weight(rows: int, cols: int, fmt: str, dtype=torch.float32, seed: int = 0
 
 
 def nest_of(x, w, machine):
+    """The kernel's nest (its design, whether or not the dense path runs BLAS instead)."""
     with use_target(machine):
-        (nest,) = plan("bi,oi->bo", x, w, out_format="dense").schedule.nests
+        (nest,) = kernel_schedule("bi,oi->bo", x, w, out_format="dense").nests
     return nest
 
 

@@ -12,6 +12,10 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    epilogue) and hands it to ``autograd.py``, which records the call when gradients are
    needed (backward passes are einsums too, derived in ``derivatives.py``; ``gradients.py``
    and ``batching.py`` under torch.func transforms) and calls ``runtime/evaluate.py``.
+   A layer's call site (``call_site.py``) holds its calls' launches; for a training call
+   it asks ``plan/dense_path.py`` once whether the whole step (forward and gradients) is
+   cheaper dense, and if so runs it as ``dense_step.py``'s BLAS products on a kept dense
+   copy of the weight, whose gradient is sampled back to its pattern.
 3. ``runtime/evaluate.py``: a call seen before (same expression, ``out_format``,
    shapes, strides, formats, stored positions: ``runtime/validate.py::call_key``) runs
    its cached launch at once. Otherwise ``validate.check_call`` checks the operands,

@@ -46,7 +46,7 @@ from .iterators import LevelExprs, fiber_length, locate
 from .order import NestWalk, emit_order
 from .reductions import enter
 from .register_tile import RegisterTileLowering
-from .tile_access import OUT, held, located, rows_left, shifted_pos, shifted_value, vector_at
+from .tile_access import OUT, by_layers, held, located, rows_left, shifted_pos, shifted_value, vector_at
 
 __all__ = ["register_blocked", "dot_tile"]
 
@@ -367,21 +367,10 @@ class _GroupedPacks:
             lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
                            ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(one_panel)))
 
-        if not tile.depth:
-            panels()
-            return
-        assert d not in plain.bounds, "a layered reduction is not tiled"
-        start, end = lo.fresh("layer"), lo.fresh("layerend")
+        by_layers(lo, plain, d, tile.depth, panels, self._at_layer)
 
-        def one_layer():
-            lo.emit(ir.Decl(end, "index", ir.min_(ir.add(start, tile.depth), lo.dim(d)), const=True))
-            self.layer = plain.bounds[d] = (start, end)
-            panels()
-            self.layer = (ir.Const(0), lo.dim(d))
-            del plain.bounds[d]
-
-        lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
-                       ir.Assign(start, ir.Const(tile.depth), "+="), lo.block(one_layer)))
+    def _at_layer(self, layer: tuple[ir.Expr, ir.Expr] | None) -> None:
+        self.layer = layer or (ir.Const(0), self.lo.dim(self.d))
 
     def each_block_of_panel(self, kb: ir.Var, body) -> None:
         """``body()`` for ``kb`` at each whole block of the open panel."""

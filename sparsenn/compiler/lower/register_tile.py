@@ -39,7 +39,7 @@ from ..plan.schedule import Nest
 from .context import Lowering, counted, product_of
 from .iterators import Cursor, locate, open_cursor
 from .order import NestWalk, emit_order
-from .tile_access import OUT, held, located, rows_left, shifted_pos, shifted_value, vector_at
+from .tile_access import OUT, by_layers, held, located, rows_left, shifted_pos, shifted_value, vector_at
 
 __all__ = ["RegisterTileLowering"]
 
@@ -206,21 +206,10 @@ class RegisterTileLowering:
             lo.emit(ir.For(ir.Decl(panel, "index", k_lo), ir.lt(panel, whole_end),
                            ir.Assign(panel, ir.Const(tile.panel), "+="), lo.block(body)))
 
-        if not tile.depth:
-            panels()
-            return
-        assert d not in plain.bounds, "a layered reduction is not tiled"
-        start, end = lo.fresh("layer"), lo.fresh("layerend")
+        by_layers(lo, plain, d, tile.depth, panels, self._at_layer)
 
-        def one_layer():
-            lo.emit(ir.Decl(end, "index", ir.min_(ir.add(start, tile.depth), lo.dim(d)), const=True))
-            self.layer = plain.bounds[d] = (start, end)
-            panels()
-            self.layer = None
-            del plain.bounds[d]
-
-        lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
-                       ir.Assign(start, ir.Const(tile.depth), "+="), lo.block(one_layer)))
+    def _at_layer(self, layer: tuple[ir.Expr, ir.Expr] | None) -> None:
+        self.layer = layer
 
     def vector_factor(self, st, n: int) -> ir.Expr:
         """Vector factor ``n`` at the current block of ``k``: from its pack if packed."""

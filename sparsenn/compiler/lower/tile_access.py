@@ -5,12 +5,14 @@ tile left."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..loops import ir
 from .context import ONES, Lowering, product_of
 from .iterators import locate
 from .order import NestWalk
 
-__all__ = ["OUT", "rows_left", "held", "located", "vector_at", "shifted_pos", "shifted_value"]
+__all__ = ["OUT", "rows_left", "by_layers", "held", "located", "vector_at", "shifted_pos", "shifted_value"]
 
 OUT = ir.Array("out")
 
@@ -26,6 +28,29 @@ def rows_left(plain: NestWalk, a: str, rows: tuple, inner) -> None:
         del plain.bounds[a]
     else:
         plain.bounds[a] = given
+
+
+def by_layers(lo: Lowering, plain: NestWalk, d: str, depth: int, body: Callable[[], None],
+              at_layer: Callable[[tuple[ir.Expr, ir.Expr] | None], None]) -> None:
+    """``body()`` over all of the reduction ``d`` (``depth`` 0), else once per layer of
+    ``depth`` steps of it (a packed tile's ``k_c``), with ``plain``'s bounds of ``d`` and
+    ``at_layer`` given the layer's ``(start, end)`` while it runs (None after)."""
+    if not depth:
+        body()
+        return
+    assert d not in plain.bounds, "a layered reduction is not tiled"
+    start, end = lo.fresh("layer"), lo.fresh("layerend")
+
+    def one_layer():
+        lo.emit(ir.Decl(end, "index", ir.min_(ir.add(start, depth), lo.dim(d)), const=True))
+        plain.bounds[d] = (start, end)
+        at_layer((start, end))
+        body()
+        at_layer(None)
+        del plain.bounds[d]
+
+    lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
+                   ir.Assign(start, ir.Const(depth), "+="), lo.block(one_layer)))
 
 
 def held(st) -> tuple[str, ...]:
