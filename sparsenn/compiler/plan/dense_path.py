@@ -121,9 +121,8 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
     dense_cycles = (dense_product_cycles(assignment, [info.shape for info in infos], itemsize, target)
                     + checked / _bandwidth(checked, target) + target.python_call_cycles)
     densify = densify_cycles(dense_bytes, nnz, target)
-    restore = restore_cycles(assignment, sched, stored, itemsize, target)
-    relayout = relayout_cycles(assignment, sched, infos, itemsize, target)
-    sparse_cycles = call_cycles(assignment, sched, infos, stored, itemsize, target)
+    kernel, restore, relayout = _call_parts(assignment, sched, infos, stored, itemsize, target)
+    sparse_cycles = kernel + restore + relayout
     if dense_cycles + densify / 2 >= sparse_cycles:
         return None
     return DensePath(k, sparse_cycles, dense_cycles, densify, restore, relayout)
@@ -135,11 +134,17 @@ def call_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Operand
     kernel (:func:`kernel_cycles`, scaled to the operand's stored entries), re-storing
     sparse operands (:func:`restore_cycles`) and copying dense ones
     (:func:`relayout_cycles`) into its mode order."""
+    return sum(_call_parts(assignment, sched, infos, stored, itemsize, target))
+
+
+def _call_parts(assignment: Assignment, sched: Schedule, infos: Sequence[OperandInfo], stored: Sequence[int],
+                itemsize: int, target: Target) -> tuple[float, float, float]:
+    """(kernel, re-stores, dense copies) of :func:`call_cycles`."""
     (k,) = [n for n, info in enumerate(infos) if info.format is not None]
     kernel = kernel_cycles(assignment, sched, [info.shape for info in infos], k, stored[k] / max(infos[k].nnz, 1),
                            itemsize, target)
-    return (kernel + restore_cycles(assignment, sched, stored, itemsize, target)
-            + relayout_cycles(assignment, sched, infos, itemsize, target))
+    return (kernel, restore_cycles(assignment, sched, stored, itemsize, target),
+            relayout_cycles(assignment, sched, infos, itemsize, target))
 
 
 def densify_cycles(dense_bytes: int, nnz: int, target: Target) -> float:

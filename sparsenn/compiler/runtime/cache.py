@@ -122,13 +122,8 @@ class GuardedCache(LRUCache[tuple[Guard, V]]):
     def find(self, expression: object, operands: object, detail: object) -> V | None:
         """The value of ``expression``'s first recent entry whose guard passes, or None
         (uncounted: look the key up next)."""
-        slot = self._recent.get(id(expression))
-        if slot is not None:
-            for guard, value in slot[1]:
-                if guard(operands, detail):
-                    self.hits += 1
-                    return value
-        return None
+        entry = self.find_entry(expression, operands, detail)
+        return None if entry is None else entry[1]
 
     def find_entry(self, expression: object, operands: object, detail: object) -> tuple[Guard, V] | None:
         """``expression``'s first recent entry ``(guard, value)`` whose guard passes, or None."""
