@@ -302,8 +302,8 @@ def test_register_blocked_spmm_with_partial_blocks(dtype, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("k", [0, 1, 2, 3, 4, 7, 9])
 def test_spmm_of_narrow_rows(dtype, k, avx2_host):
-    # Rows narrower than a vector run masked vectors; rows 0 and 2 of the matrix are
-    # empty, 37 rows are odd.
+    # Rows of at most 16 bytes run 16-byte vectors (masked below 4 floats or 2 doubles),
+    # wider ones the target's; rows 0 and 2 of the matrix are empty, 37 rows are odd.
     dense = random_dense((37, 29), 0.3, torch.float64, 5)
     dense[[0, 2]] = 0
     a = sparsenn.from_dense(dense.to(dtype), format="csr")
@@ -313,6 +313,8 @@ def test_spmm_of_narrow_rows(dtype, k, avx2_host):
     assert result.dtype == dtype and result.shape == (37, k)
     atol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 5e-2}[dtype]
     torch.testing.assert_close(result.double(), expected, atol=atol, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    if 1 < k and k * torch.finfo(dtype).bits <= 128 and dtype != torch.bfloat16:  # (one column: a dot product)
+        assert api.plan("ij,jk->ik", a, b).kernel.vector_bytes == 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

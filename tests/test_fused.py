@@ -100,6 +100,47 @@ def test_attention_scores_and_softmax_fuse_and_equal_them_apart(block, head_dim,
         torch.testing.assert_close(program(*operands).values, expected.values)
 
 
+def fused_vector_bytes(explained: str) -> list[int]:
+    """The vector width each fused kernel ``explain()`` prints is compiled at."""
+    widths = []
+    for part in explained.split("fused kernel of stages ")[1:]:
+        define = next(line for line in part.splitlines() if line.startswith("#define SN_VECTOR_BYTES "))
+        widths.append(int(define.split()[-1]))
+    return widths
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 4), (torch.float64, 2)], ids=["fp32", "fp64"])
+def test_a_stage_on_16_byte_vectors_fuses_only_at_its_width(machine, dtype, head_dim, host_target):
+    """Attention over heads of 16 bytes: ``O = P V``'s register blocks hold a row of ``V``
+    in one 16-byte vector. Fused after statements without register blocks (their loops
+    work at any width) the group is compiled at 16 bytes; after a register tile of wider
+    vectors (the fp64 scores' on AVX2) it stays apart. Either way it gives what the
+    statements give one by one."""
+    import _machines
+    from sparsenn.layers.attention import _attention
+
+    host_target(getattr(_machines, machine))
+    layer = sparsenn.BlockSparseAttention(2 * head_dim, 2, block_size=4, num_window_blocks=3, num_random_blocks=1,
+                                          seed=0).eval()
+    mask = layer._masks.mask(8, 2, None, None, False, dtype, True)[0]
+    g = torch.Generator().manual_seed(0)
+    operands = [mask, *(torch.randn(2, 2, 32, head_dim, generator=g, dtype=dtype) for _ in range(3))]
+    program = _attention(layer._score_scale, False, False, False)
+    explained = program.explain(*operands)
+    assert "vectors of 16 bytes (not 32): register blocks over rows of at most 16 bytes" in explained
+    if fused_stages(explained) == ["0, 1, 2, 3, 4, 5"]:
+        assert fused_vector_bytes(explained) == [16]
+    else:
+        assert fused_stages(explained) == ["0, 1, 2, 3, 4"] and fused_vector_bytes(explained) == [32]
+        assert "O (stage 5) not fused with P (stage 4): its register blocks are sized for another vector width" \
+            in explained
+    if dtype == torch.float32:
+        assert fused_stages(explained) == ["0, 1, 2, 3, 4, 5"]
+    if machine == "AVX2":  # runs on any host
+        torch.testing.assert_close(program(*operands), one_by_one(program, operands)[-1])
+
+
 @pytest.mark.parametrize("fmt", ["csr", "coo"])
 def test_traced_softmax_runs_the_steps_as_eager_does(fmt):
     """Under torch.compile the forward and backward steps are ``sparsenn::evaluate`` ops:

@@ -177,10 +177,10 @@ def test_spmm_register_blocks_the_dense_output_row():
 def test_narrow_rows_get_masked_vectors_and_interleaved_sums():
     a = sparse((N, N), "csr")
     # k narrower than a block: the vectors that cover it, the last masked (float32: 8
-    # lanes on AVX2 vectors; AVX-512's 16 once the row needs more than one 8-lane
-    # vector), their sums interleaved over the stored entries of a row until they make
+    # lanes on AVX2 vectors, 4 of a 16-byte vector for rows of at most 16 bytes;
+    # AVX-512's 16 once the row needs more than one 8-lane vector), their sums interleaved over the stored entries of a row until they make
     # the target's independent chains of adds.
-    for k, target, size, sums in ((3, AVX2, 8, 4), (7, AVX512, 8, 4), (16, AVX2, 16, 2), (20, AVX2, 24, 2),
+    for k, target, size, sums in ((3, AVX2, 4, 4), (7, AVX512, 8, 4), (16, AVX2, 16, 2), (20, AVX2, 24, 2),
                                   (20, AVX512, 32, 2), (40, AVX2, 32, 1)):
         s = dense_schedule("ij,jk->ik", a, torch.randn(N, k), target=target)
         (nest,) = s.nests
@@ -189,6 +189,33 @@ def test_narrow_rows_get_masked_vectors_and_interleaved_sums():
     # A dense reduction: no stored entries to interleave (its rows make a register tile).
     (nest,) = dense_schedule("ij,jk->ik", torch.randn(64, 64), torch.randn(64, 3)).nests
     assert nest.block_sums == 1
+
+
+@pytest.mark.parametrize("machine", ["AVX2", "AVX512"])
+def test_rows_of_at_most_16_bytes_take_16_byte_vectors(machine):
+    """SpMM with 1 to 4 float columns (1 or 2 doubles), a graph's last layer: one 16-byte
+    vector covers a row, unmasked when the row fills it, instead of a 32-byte vector
+    masked down to the row; wider rows keep the target's vectors."""
+    import _machines
+
+    target = getattr(_machines, machine)
+    for dtype, k, lanes in ((torch.float32, 2, 4), (torch.float32, 3, 4), (torch.float32, 4, 4),
+                            (torch.float64, 2, 2)):
+        a = sparse((N, N), "csr").to(dtype)
+        s = dense_schedule("ij,jk->ik", a, torch.randn(N, k, dtype=dtype), target=target)
+        (nest,) = s.nests
+        assert s.target.vector_bytes == 16 and nest.register_block.size == lanes, (dtype, k)
+        assert f"vectors of 16 bytes (not 32): register blocks over rows of at most {k * dtype.itemsize} bytes" \
+            in s.reasons[-1]
+        assert ("partial block masked" in "\n".join(s.reasons)) == (k != lanes)
+    for dtype, k in ((torch.float32, 5), (torch.float32, 7), (torch.float32, 9), (torch.float64, 3)):
+        a = sparse((N, N), "csr").to(dtype)
+        s = dense_schedule("ij,jk->ik", a, torch.randn(N, k, dtype=dtype), target=target)
+        assert s.target.vector_bytes >= 32 and not any("vectors of 16 bytes" in r for r in s.reasons), (dtype, k)
+    # Already 16-byte vectors (SSE, NEON): nothing to narrow.
+    sse = Target(vector_bytes=16)
+    s = dense_schedule("ij,jk->ik", sparse((N, N), "csr"), torch.randn(N, 3), target=sse)
+    assert s.nests[0].register_block.size == 4 and not any("not 16" in r for r in s.reasons)
 
 
 def test_no_register_block_without_a_reduction_or_over_a_sparse_index():

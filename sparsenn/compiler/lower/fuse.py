@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from ..loops import ir
 from ..loops.simplify import simplify
-from ..plan.fusion import team_of
+from ..plan.fusion import group_vector_bytes, team_of
 from .chunks import EVEN_RANGE_CHUNKS_PER_THREAD, HI, LO, NCHUNKS, chunk_bounds
 from .context import Lowering
 from .dense_output import lower_dense_output
@@ -73,7 +73,8 @@ class FusedLowering:
     is not an earlier stage's output, stage by stage, then the outputs of the stages that
     write their own). For printing the stages apart: the extents every stage reads
     (``dims``), each stage's statements at team coordinate ``sn_at`` (``stages``) and
-    :meth:`team_loops`. Its vectors are the widest of its stages' (``vector_bytes``)."""
+    :meth:`team_loops`. Its vectors (``vector_bytes``) are those of its register-blocked
+    stages, else the widest of its stages' (:func:`~..plan.fusion.group_vector_bytes`)."""
 
     loops: ir.Block
     parameters: tuple[Parameter, ...]
@@ -115,7 +116,7 @@ def lower_fused(stages: Sequence[FusedStage]) -> FusedLowering:
     parameters += [Parameter(ir.Array("out", k), k, None) for k, stage in enumerate(stages) if stage.into is None]
     loops = simplify(_team_loops(dims_decls, extent, ir.Block(tuple(bodies))))
     return FusedLowering(loops, tuple(parameters), tuple(dims_decls), tuple(bodies), extent,
-                         max(stage.plan.kernel.vector_bytes for stage in stages))
+                         group_vector_bytes([stage.plan for stage in stages]))
 
 
 def _team_loops(dims: Sequence[ir.Decl], extent: ir.Expr, body: ir.Block) -> ir.Block:

@@ -15,7 +15,8 @@ That is exact when, for every stage of the group,
   same team loops, an epilogue (``relu(... + b)``) run on each slice below them, its sparse operands with team indices storing
   those first over locatable levels;
 * its team loops have the group's extents (and a register-blocked stage the group's
-  vector width);
+  vector width: the group is compiled at its register-blocked stages' width, else at
+  its widest, :func:`group_vector_bytes`);
 * it reads an earlier result of its group only at its own team coordinates (that
   operand's leading indices in storage order are the team loops, and the writer lays
   its result out with its team loops leading), and in place: a dense result in the
@@ -44,7 +45,7 @@ from .target import Target
 if TYPE_CHECKING:
     from .planner import Plan
 
-__all__ = ["Candidate", "DenseStage", "Fusion", "dense_stage", "fuse", "team_of"]
+__all__ = ["Candidate", "DenseStage", "Fusion", "dense_stage", "fuse", "group_vector_bytes", "team_of"]
 
 
 @dataclass(frozen=True)
@@ -231,8 +232,17 @@ def _extents(stage: Candidate, team: tuple[str, ...]) -> tuple[int, ...]:
 
 def _blocked(plan: Plan) -> bool:
     """Whether ``plan`` has a register block, sized for its vector width; the loops of
-    other plans work at any width (the fused kernel takes the widest)."""
+    other plans work at any width."""
     return any(nest.register_block is not None for nest in plan.schedule.nests)
+
+
+def group_vector_bytes(plans: Sequence[Plan]) -> int:
+    """The vector width a fused group of ``plans`` is compiled at: that of its
+    register-blocked plans (one width, :func:`_joins`), else the widest: a block of 4
+    float lanes planned for 16-byte vectors (SpMM over rows of 16 bytes) stays 4 lanes
+    beside stages planned for wider ones."""
+    blocked = {plan.kernel.vector_bytes for plan in plans if _blocked(plan)}
+    return blocked.pop() if blocked else max(plan.kernel.vector_bytes for plan in plans)
 
 
 def _orders(plan: Plan, operand: int, slot) -> list[list[str]]:

@@ -70,6 +70,9 @@ SPARSE_ACCUMULATOR_COST = 4.0
 # How much faster BLAS (or a packed register tile) runs a dense product than the cost
 # model's accounting (in which vectorised loops already count 1/8) predicts.
 GEMM_SPEEDUP = 8.0
+# The narrowest SIMD vectors (SSE, NEON): the width of a schedule whose register blocks
+# cover rows this narrow (:func:`_narrow_rows`).
+NARROW_VECTOR_BYTES = 16
 
 
 def _orders(indices: Sequence[str], cost_of, leads: Sequence[Sequence[str]] = ()) -> list[tuple[str, ...]]:
@@ -198,6 +201,11 @@ def schedule(
             sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
             sched = replace(sched, reasons=(*sched.reasons, f"vectors of {target.vector_bytes} bytes (the target's "
                                             f"widest, not {narrow}): {bound}"))
+        elif narrow := _narrow_rows(sched, dims, itemsize, target):
+            wide, target = target.vector_bytes, replace(target, vector_bytes=NARROW_VECTOR_BYTES)
+            sched = _schedule_dense(assignment, infos, dims, itemsize, target, anchor)
+            sched = replace(sched, reasons=(*sched.reasons, f"vectors of {NARROW_VECTOR_BYTES} bytes (not {wide}): "
+                                            f"{narrow}"))
     else:
         sched = _schedule_sparse(assignment, infos, dims, output_format, target)
     return replace(sched, serial=sched.leaves < target.parallel_min_work, prefetch_policy=PrefetchPolicy.of(target),
@@ -216,6 +224,24 @@ def _bound_by_multiply_adds(sched: Schedule, itemsize: int, target: Target) -> s
         if nest.register_block is not None and nest.register_block.size > lanes:
             return f"a register block of {nest.register_block.size} values, wider than one vector"
     return ""
+
+
+def _narrow_rows(sched: Schedule, dims: dict[str, int], itemsize: int, target: Target) -> str:
+    """Why ``sched`` is made for :data:`NARROW_VECTOR_BYTES`-byte vectors, or "": its
+    register blocks (and no register or dot tile) cover rows of at most that many bytes,
+    narrower than the target's vectors (SpMM with 1 to 4 float columns, a graph's last
+    layer). One narrow vector then holds a row whole, unmasked when it fills the vector,
+    where a wide one would load and store it through a mask over lanes that carry
+    nothing (AVX2's masked moves cost several operations each)."""
+    if target.vector_bytes <= NARROW_VECTOR_BYTES:
+        return ""
+    blocks = [nest.register_block for nest in sched.nests if nest.register_block is not None]
+    if not blocks or any(nest.register_tile or nest.dot_tile for nest in sched.nests):
+        return ""
+    widest = max(dims[block.index] * itemsize for block in blocks)
+    if widest > NARROW_VECTOR_BYTES:
+        return ""
+    return f"register blocks over rows of at most {widest} bytes, which one such vector holds"
 
 
 def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assignment, target: Target,
