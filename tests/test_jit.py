@@ -370,6 +370,34 @@ def test_kernels_build_against_the_shipped_headers(cache: pathlib.Path) -> None:
     assert jit.load_library(source, "headers").lanes() == 4
 
 
+@pytest.mark.parametrize("value, vector_bytes", [("float", 32), ("double", 32), ("float", 16), ("double", 16)])
+@pytest.mark.parametrize("masks", ["native", "AVX vectors"])
+def test_masked_stores_write_exactly_the_first_lanes(value: str, vector_bytes: int, masks: str,
+                                                     cache: pathlib.Path) -> None:
+    """``sn_store_first(p, v, sn_first_lanes(n))`` writes lanes ``[0, n)`` and nothing else,
+    for every ``n``: through mask registers (AVX-512VL hosts), and through AVX's mask
+    vectors (stored by halves, quarters, ...; forced here by hiding AVX-512VL)."""
+    hide = "#undef __AVX512VL__\n#undef __AVX512F__\n" if masks == "AVX vectors" else ""
+    source = (
+        f"{hide}#define SN_VALUE {value}\n#define SN_INDEX int64_t\n#define SN_VECTOR_BYTES {vector_bytes}\n"
+        '#define SN_LANE_MASKS 1\n#include "sparsenn_kernel.h"\n'
+        'extern "C" int lanes() { return SN_W; }\n'
+        'extern "C" void store_first(V* p, int64_t n) {\n'
+        "  VV v; for (int l = 0; l < SN_W; ++l) v[l] = V(l + 1);\n"
+        "  sn_store_first(p, v, sn_first_lanes(n));\n}\n"
+    )
+    lib = jit.load_library(source, "masked_stores")
+    lanes = lib.lanes()
+    assert lanes == vector_bytes // (4 if value == "float" else 8)
+    dtype = torch.float32 if value == "float" else torch.float64
+    for n in range(lanes + 1):
+        buffer = torch.full((3 * lanes,), -7.0, dtype=dtype)
+        lib.store_first(ctypes.c_void_p(buffer[lanes:].data_ptr()), ctypes.c_int64(n))
+        expected = torch.full((3 * lanes,), -7.0, dtype=dtype)
+        expected[lanes:lanes + n] = torch.arange(1, n + 1, dtype=dtype)
+        assert torch.equal(buffer, expected), (n, buffer)
+
+
 def test_wheel_ships_the_runtime_headers(tmp_path: pathlib.Path) -> None:
     """A non-editable install has every header the JIT reads (package data), the typing
     marker and the license."""
