@@ -28,7 +28,9 @@ import torch
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import _gradient_expression, _Spec, differentiable_evaluate, gradient_call
+from torch.autograd import forward_ad as _forward_ad
+
+from .autograd import _apply, _gradient_expression, _Spec, differentiable_evaluate, gradient_call
 from .derivatives import gradient_assignment
 from .frontend.notation import Assignment, parse_einsum
 from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
@@ -39,7 +41,7 @@ from .runtime.cache import Guard
 from .runtime.dense_product import BlasForm, blas_form
 from .runtime.densified import COPIES
 from .runtime.evaluate import DenseCall, DensifiedCall, Run, evaluate, guarded_run, route
-from .runtime.validate import check_call
+from .runtime.validate import call_guard, check_call
 
 __all__ = ["DenseStep", "plan_step", "dense_step"]
 
@@ -123,8 +125,8 @@ def plan_step(assignment: Assignment, operands: Sequence, out_format) -> StepPat
 
 class _Densified(torch.autograd.Function):
     """``operand`` (a SparseTensor whose values are ``values``) as a strided tensor,
-    differentiable in its values: the copy is kept while they are unchanged
-    (:data:`COPIES`), and the gradient is the dense one sampled at its pattern."""
+    differentiable in its values (a step's gradients recorded for ``create_graph``):
+    the gradient is the dense one sampled at its pattern, itself recorded."""
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, operand: SparseTensor, conversions: _Conversions):
@@ -133,20 +135,71 @@ class _Densified(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sample = ctx.conversions.sample
         pattern = ctx.operand.detach()
+        sample = ctx.conversions.sample
         inputs = [grad.contiguous(), pattern, pattern]  # the output gradient, the operand, its pattern as the mask
-        if torch.is_grad_enabled():  # create_graph: the sampling is recorded, a linear map of ``grad``
-            return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
-        return sample(inputs).values, None, None
+        return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
+
+
+class _StepCall:
+    """One call of a :class:`DenseStep`: its operands, and whether its result is finite."""
+
+    __slots__ = ("step", "operands", "finite")
+
+    def __init__(self, step: DenseStep, operands: Sequence) -> None:
+        self.step, self.operands, self.finite = step, operands, True
+
+
+class _DenseStepFunction(torch.autograd.Function):
+    """A dense step's call as one autograd node, a function of the call's dense operands
+    and sparse operand's values: the forward one BLAS call over the sparse operand's
+    dense copy (kept while its values are unchanged, :data:`COPIES`); the backward the
+    BLAS gradients (:meth:`.BlasForm.gradients`), the sparse operand's sampled at its
+    stored positions by a compiled call. Under ``create_graph`` the backward records
+    the same gradients over :class:`_Densified` (each a differentiable function)."""
+
+    @staticmethod
+    def forward(ctx, call: _StepCall, *tensors: torch.Tensor) -> torch.Tensor:
+        step = call.step
+        k = step.path.operand
+        op = call.operands[k]
+        dense = list(tensors)
+        dense[k] = COPIES.copy_for(op, step.conversions.made_dense)
+        out = step.form.run(dense)
+        call.finite = math.isfinite(float(out.sum()))
+        ctx.call, ctx.dense = call, dense[k]
+        ctx.save_for_backward(*tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        call: _StepCall = ctx.call
+        step = call.step
+        k = step.path.operand
+        tensors = list(ctx.saved_tensors)
+        wanted = [n for n, needed in enumerate(ctx.needs_input_grad[1:]) if needed]
+        conversions = step.conversions
+        recording = torch.is_grad_enabled()  # create_graph
+        tensors[k] = _Densified.apply(tensors[k], call.operands[k], conversions) if recording else ctx.dense
+        grads = step.form.gradients(tensors, grad, wanted)
+        if k in grads:
+            pattern = conversions.pattern(call.operands[k])
+            inputs = [grads[k].contiguous(), pattern, pattern]  # the dense gradient, the operand, its pattern as the mask
+            sample = conversions.sample
+            grads[k] = (differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request) if recording
+                        else sample(inputs)).values
+        return (None, *(grads.get(n) for n in range(len(tensors))))
 
 
 class _HeldCall:
     """``call(inputs)``: a compiled call of ``assignment``, the guard and run of its last
-    signature held (as a call site holds its calls)."""
+    signature held (as a call site holds its calls). The inputs numbered in ``vouched``
+    are the held signature's sparse operand, which the caller's own guard passed (a
+    call site's): the held guard tests only that their index arrays are unedited
+    (:func:`~.runtime.validate.call_guard`'s ``fixed``)."""
 
-    def __init__(self, assignment: Assignment, request) -> None:
-        self.assignment, self.request = assignment, request
+    def __init__(self, assignment: Assignment, request, vouched: frozenset[int]) -> None:
+        self.assignment, self.request, self.vouched = assignment, request, vouched
         self._held: tuple[Guard, Run] | None = None
 
     def __call__(self, inputs: list):
@@ -154,7 +207,9 @@ class _HeldCall:
         if held is not None and held[0](inputs, self.request):
             return held[1](inputs)
         result = evaluate(self.assignment, inputs, self.request)
-        self._held = guarded_run(self.assignment, inputs, self.request)
+        entry = guarded_run(self.assignment, inputs, self.request)
+        if entry is not None:
+            self._held = (call_guard(self.assignment, inputs, self.request, self.vouched), entry[1])
         return result
 
 
@@ -166,11 +221,20 @@ class _Conversions:
     def __init__(self, operand: SparseTensor) -> None:
         letters = _LETTERS[: operand.ndim]
         copy = parse_einsum(f"{letters}->{letters}", 1)
-        self.dense = _HeldCall(copy, DENSE)
+        self.dense = _HeldCall(copy, DENSE, frozenset({0}))
         with torch.no_grad():
             sampling, _, request = gradient_call(copy, 0, [operand], torch.empty(operand.shape,
                                                                                 dtype=operand.values.dtype), None)
-        self.sample = _HeldCall(sampling, request)
+        self.sample = _HeldCall(sampling, request, frozenset({1, 2}))  # (dA, A, A's pattern)
+        self._pattern: tuple[SparseTensor, SparseTensor] | None = None  # (an operand, its pattern)
+
+    def pattern(self, operand: SparseTensor) -> SparseTensor:
+        """``operand`` detached (its values read as the sampling's pattern only), kept
+        for the operand last asked about (a layer's weight is one object while unchanged)."""
+        kept = self._pattern
+        if kept is None or kept[0] is not operand:
+            kept = self._pattern = (operand, operand.detach())
+        return kept[1]
 
     def made_dense(self, operand: SparseTensor) -> torch.Tensor:
         with torch.no_grad():
@@ -178,8 +242,8 @@ class _Conversions:
 
 
 class DenseStep:
-    """A call run as the dense step of :func:`plan_step`: its sparse operand ``operand``
-    made dense (:class:`_Densified`), the product one BLAS call recorded by torch."""
+    """A call run as the dense step of :func:`plan_step`: one autograd node
+    (:class:`_DenseStepFunction`) over the sparse operand made dense and BLAS."""
 
     def __init__(self, path: StepPath, form: BlasForm, conversions: _Conversions) -> None:
         self.path, self.form, self.conversions = path, form, conversions
@@ -187,12 +251,11 @@ class DenseStep:
     def run(self, operands: Sequence) -> torch.Tensor | None:
         """The call's result, recorded for torch's autograd; None when it is not finite
         (the caller then runs the sparse kernels)."""
-        k = self.path.operand
-        op = operands[k]
-        dense = list(operands)
-        dense[k] = _Densified.apply(op.values, op, self.conversions)
-        out = self.form.run(dense)
-        return out if math.isfinite(float(out.detach().sum())) else None
+        if _forward_ad._current_level >= 0:  # a tangent may be asked for: the sparse kernels' jvp
+            return None
+        call = _StepCall(self, operands)
+        out = _apply(_DenseStepFunction, call, *(op.values if isinstance(op, SparseTensor) else op for op in operands))
+        return out if call.finite else None
 
 
 def dense_step(assignment: Assignment, operands: Sequence, out_format) -> DenseStep | None:
