@@ -164,7 +164,7 @@ class _DenseStepFunction(torch.autograd.Function):
         k = step.path.operand
         op = call.operands[k]
         dense = list(tensors)
-        dense[k] = COPIES.copy_for(op, step.conversions.made_dense)
+        dense[k] = step.conversions.dense_copy(op)
         out = step.form.run(dense)
         call.finite = math.isfinite(float(out.sum()))
         ctx.call, ctx.dense = call, dense[k]
@@ -177,18 +177,18 @@ class _DenseStepFunction(torch.autograd.Function):
         step = call.step
         k = step.path.operand
         tensors = list(ctx.saved_tensors)
-        wanted = [n for n, needed in enumerate(ctx.needs_input_grad[1:]) if needed]
         conversions = step.conversions
         recording = torch.is_grad_enabled()  # create_graph
         tensors[k] = _Densified.apply(tensors[k], call.operands[k], conversions) if recording else ctx.dense
-        grads = step.form.gradients(tensors, grad, wanted)
-        if k in grads:
+        grads = step.form.gradients(tensors, grad, ctx.needs_input_grad[1:])
+        dense = grads[k]
+        if dense is not None:
             pattern = conversions.pattern(call.operands[k])
-            inputs = [grads[k].contiguous(), pattern, pattern]  # the dense gradient, the operand, its pattern as the mask
+            inputs = [dense.contiguous(), pattern, pattern]  # the dense gradient, the operand, its pattern as the mask
             sample = conversions.sample
             grads[k] = (differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request) if recording
                         else sample(inputs)).values
-        return (None, *(grads.get(n) for n in range(len(tensors))))
+        return (None, *grads)
 
 
 class _HeldCall:
@@ -227,6 +227,7 @@ class _Conversions:
                                                                                 dtype=operand.values.dtype), None)
         self.sample = _HeldCall(sampling, request, frozenset({1, 2}))  # (dA, A, A's pattern)
         self._pattern: tuple[SparseTensor, SparseTensor] | None = None  # (an operand, its pattern)
+        self._seen: tuple[int, int] | None = None  # (id, version) of the values last made dense
 
     def pattern(self, operand: SparseTensor) -> SparseTensor:
         """``operand`` detached (its values read as the sampling's pattern only), kept
@@ -236,9 +237,23 @@ class _Conversions:
             kept = self._pattern = (operand, operand.detach())
         return kept[1]
 
+    def dense_copy(self, operand: SparseTensor) -> torch.Tensor:
+        """``operand`` as a strided tensor: made now when its values' version moved since
+        the last call (an optimizer step: :data:`COPIES` keeps no copy of a trained
+        operand, and a new copy is right whatever the lookup finds), else the kept copy
+        if still valid (:meth:`~.runtime.densified.DenseCopies.copy_for`). Called in an
+        autograd Function's forward."""
+        values = operand.values
+        if not values.is_inference():
+            now = (id(values), values._version)
+            seen, self._seen = self._seen, now  # a false match only makes a copy
+            if seen is not None and seen[0] == now[0] and seen[1] != now[1]:
+                return self.dense([operand])
+        return COPIES.copy_for(operand, self.made_dense)
+
     def made_dense(self, operand: SparseTensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.dense([operand.detach()])
+        """``operand`` as a strided tensor; called in an autograd Function's forward (grad mode off)."""
+        return self.dense([operand])
 
 
 class DenseStep:

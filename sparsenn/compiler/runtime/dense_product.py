@@ -84,31 +84,33 @@ class BlasForm:
         return torch.addmm(bias, lhs, rhs, beta=beta, alpha=self.alpha)
 
     def gradients(self, operands: Sequence[torch.Tensor], grad: torch.Tensor,
-                  wanted: Sequence[int]) -> dict[int, torch.Tensor]:
-        """``d(loss)/d(operand)`` for each operand number in ``wanted`` that the form
-        reads, given ``grad = d(loss)/d(out)``, each in its operand's shape (see the
-        module doc); a factor's computed in its operand's own layout, as torch's ``mm``
-        backward does (``dOutᵀ · X`` for a weight read transposed: a 512×128 by 512×7
-        product 4x faster than its transpose). Recorded by autograd when grad mode is on
-        (``create_graph``)."""
-        grads: dict[int, torch.Tensor] = {}
-
-        def add(n: int, g: torch.Tensor, coefficient: float) -> None:
-            if coefficient != 1.0:
-                g = g * coefficient
-            grads[n] = g if n not in grads else grads[n] + g
-
-        lhs, rhs = self.lhs, self.rhs
-        if lhs.operand in wanted:  # dA' = dOut · B'ᵀ, or its transpose B' · dOutᵀ when A is A'ᵀ
+                  wanted: Sequence[bool]) -> list[torch.Tensor | None]:
+        """``d(loss)/d(operand)`` of each operand ``n`` with ``wanted[n]`` that the form
+        reads (else None), given ``grad = d(loss)/d(out)``, in its operand's shape (see
+        the module doc); a factor's computed in its operand's own layout, as torch's
+        ``mm`` backward does (``dOutᵀ · X`` for a weight read transposed: a 512×128 by
+        512×7 product 4x faster than its transpose). Recorded by autograd when grad mode
+        is on (``create_graph``)."""
+        grads: list[torch.Tensor | None] = [None] * len(operands)
+        lhs, rhs, alpha = self.lhs, self.rhs, self.alpha
+        if wanted[lhs.operand]:  # dA' = dOut · B'ᵀ, or its transpose B' · dOutᵀ when A is A'ᵀ
             right = rhs.of(operands)
-            add(lhs.operand, torch.mm(right, grad.T) if lhs.transposed else torch.mm(grad, right.T), self.alpha)
-        if rhs.operand in wanted:  # dB' = A'ᵀ · dOut, or its transpose dOutᵀ · A' when B is B'ᵀ
+            g = torch.mm(right, grad.T) if lhs.transposed else torch.mm(grad, right.T)
+            _add(grads, lhs.operand, g if alpha == 1.0 else g * alpha)
+        if wanted[rhs.operand]:  # dB' = A'ᵀ · dOut, or its transpose dOutᵀ · A' when B is B'ᵀ
             left = lhs.of(operands)
-            add(rhs.operand, torch.mm(grad.T, left) if rhs.transposed else torch.mm(left.T, grad), self.alpha)
+            g = torch.mm(grad.T, left) if rhs.transposed else torch.mm(left.T, grad)
+            _add(grads, rhs.operand, g if alpha == 1.0 else g * alpha)
         for bias in self.biases:
-            if bias.operand in wanted:
-                add(bias.operand, bias.gradient(operands[bias.operand].dim(), grad), bias.coefficient)
+            if wanted[bias.operand]:
+                g = bias.gradient(operands[bias.operand].dim(), grad)
+                _add(grads, bias.operand, g if bias.coefficient == 1.0 else g * bias.coefficient)
         return grads
+
+
+def _add(grads: list[torch.Tensor | None], n: int, g: torch.Tensor) -> None:
+    """Add ``g`` to operand ``n``'s gradient (an operand read by several terms)."""
+    grads[n] = g if grads[n] is None else grads[n] + g
 
 
 @functools.lru_cache(maxsize=256)
