@@ -167,20 +167,22 @@ class _DenseStepFunction(torch.autograd.Function):
         dense[k] = step.conversions.dense_copy(op)
         out = step.form.run(dense)
         call.finite = math.isfinite(float(out.sum()))
-        ctx.call, ctx.dense = call, dense[k]
-        ctx.save_for_backward(*tensors)
+        form = step.form
+        ctx.call, ctx.dense, ctx.tensors = call, dense[k], tensors
+        ctx.save_for_backward(tensors[form.lhs.operand], tensors[form.rhs.operand])  # what torch's mm saves
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         call: _StepCall = ctx.call
         step = call.step
-        k = step.path.operand
-        tensors = list(ctx.saved_tensors)
+        k, form = step.path.operand, step.form
+        tensors = list(ctx.tensors)
+        tensors[form.lhs.operand], tensors[form.rhs.operand] = ctx.saved_tensors  # raises if edited in place since
         conversions = step.conversions
         recording = torch.is_grad_enabled()  # create_graph
         tensors[k] = _Densified.apply(tensors[k], call.operands[k], conversions) if recording else ctx.dense
-        grads = step.form.gradients(tensors, grad, ctx.needs_input_grad[1:])
+        grads = form.gradients(tensors, grad, ctx.needs_input_grad[1:])
         dense = grads[k]
         if dense is not None:
             pattern = conversions.pattern(call.operands[k])
@@ -269,7 +271,10 @@ class DenseStep:
         if _forward_ad._current_level >= 0:  # a tangent may be asked for: the sparse kernels' jvp
             return None
         call = _StepCall(self, operands)
-        out = _apply(_DenseStepFunction, call, *(op.values if isinstance(op, SparseTensor) else op for op in operands))
+        tensors = list(operands)  # dense operands, and the sparse operand's values
+        k = self.path.operand
+        tensors[k] = operands[k].values
+        out = _apply(_DenseStepFunction, call, *tensors)
         return out if call.finite else None
 
 
