@@ -7,16 +7,21 @@ each of these sparse kernels is slower than BLAS on the dense matrix, and every 
 a launch. :func:`plan_step` weighs the step both ways
 (:func:`~.plan.dense_path.step_path`: each call as the planner routes it, against one
 copy of ``A`` made dense per step and BLAS products); :class:`DenseStep` runs the dense
-one: ``A`` made dense by :class:`_Densified` (the copy kept while its values are
-unchanged, :data:`.runtime.densified.COPIES`), the product as one BLAS call
-(:mod:`.runtime.dense_product`) recorded by torch's autograd, whose backward runs every
-product by BLAS and hands :class:`_Densified` the dense ``dA``, sampled at ``A``'s
-stored positions by a compiled kernel.
+one as one autograd node (:class:`_DenseStepFunction`): its forward makes ``A`` dense
+(made again after its values' version moved, else the copy kept while they are
+unchanged, :data:`.runtime.densified.COPIES`) and runs the product as one BLAS call
+(:mod:`.runtime.dense_product`); its backward runs each gradient product by BLAS in its
+operand's layout and samples the dense ``dA`` at ``A``'s stored positions by a compiled
+call. Under ``create_graph`` the backward records those gradients over
+:class:`_Densified` (``A`` made dense as a differentiable function of its values).
 
 It applies to a plain sum of products of one unblocked sparse operand with values
 requiring a gradient, and dense ones, in one BLAS call's form, with a dense result in
-float32 or float64. A step whose result is not finite runs sparse (``0 · inf``: see
-:class:`~.runtime.evaluate.DensifiedCall`).
+float32 or float64, outside a forward-mode AD level (the sparse call's node has the
+tangent rule). A step whose result is not finite runs sparse: BLAS multiplies every
+unstored zero, ``0 · inf`` where an input holds an infinity the sparse kernels never
+read (see :class:`~.runtime.evaluate.DensifiedCall`): the forward sums its result once
+(the weight's values cannot tell, the infinity being in the input).
 """
 
 from __future__ import annotations
@@ -25,10 +30,9 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from sparsenn.formats import SparseTensor
-
-from torch.autograd import forward_ad as _forward_ad
 
 from .autograd import _apply, _gradient_expression, _Spec, differentiable_evaluate, gradient_call
 from .derivatives import gradient_assignment
