@@ -165,13 +165,11 @@ class _DenseStepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _StepCall, *tensors: torch.Tensor) -> torch.Tensor:
         step = call.step
-        k = step.path.operand
-        op = call.operands[k]
+        k, form = step.path.operand, step.form
         dense = list(tensors)
-        dense[k] = step.conversions.dense_copy(op)
-        out = step.form.run(dense)
-        call.finite = math.isfinite(float(out.sum()))
-        form = step.form
+        dense[k] = step.conversions.dense_copy(call.operands[k])
+        out = form.run(dense)
+        call.finite = math.isfinite(float(out.sum()))  # grad mode is off in a forward: no detach
         ctx.call, ctx.dense, ctx.tensors = call, dense[k], tensors
         ctx.save_for_backward(tensors[form.lhs.operand], tensors[form.rhs.operand])  # what torch's mm saves
         return out
