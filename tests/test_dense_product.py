@@ -1,6 +1,6 @@
-"""A sum of products run as one BLAS call (``runtime/dense_product.py``): its result and
-its gradients (``BlasForm.gradients``, the dense step's backward) against torch's
-autograd on the same expression."""
+"""A sum of products run as one BLAS call (``runtime/dense_product.py``): its gradients
+(``BlasForm.gradients``, the dense step's backward) against torch's autograd of the
+call itself (``BlasForm.run``, torch ops)."""
 
 import pytest
 import torch
