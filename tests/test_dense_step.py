@@ -129,3 +129,64 @@ def test_second_order_gradients_through_a_dense_step(avx2_host):
     (rw,) = torch.autograd.grad(rx.pow(2).sum(), [w])
     torch.testing.assert_close(gx, rx)
     torch.testing.assert_close(gv, rw[mask])
+
+
+def held_dense_step(layer, batch):
+    """A layer whose call site holds its signature and runs the dense step."""
+    x = torch.randn(batch, layer.in_features, dtype=layer.weight_values.dtype, requires_grad=True)
+    for _ in range(2):
+        layer(x).sum().backward()
+    site = layer._call_sites[layer.bias is not None]
+    assert site._step is not None and site._step[1] is not None
+    return x
+
+
+def test_a_dense_step_is_one_autograd_node_over_the_leaves(avx2_host):
+    layer = sparsenn.SparseLinear(128, 7, sparsity=0.5)
+    x = held_dense_step(layer, 64)
+    node = layer(x).grad_fn
+    leaves = {next_node.variable for next_node, _ in node.next_functions if next_node is not None}
+    assert {id(t) for t in leaves} == {id(x), id(layer.weight_values), id(layer.bias)}
+
+
+@pytest.mark.parametrize("how", ["in place", "through .data"])
+def test_values_edited_between_steps_are_read_again(avx2_host, how):
+    torch.manual_seed(0)
+    layer = sparsenn.SparseLinear(128, 7, sparsity=0.5, dtype=torch.float64)
+    held_dense_step(layer, 16)
+    for _ in range(3):  # an edit the version counter sees, then steps without one (the kept copy), again
+        with torch.no_grad():
+            (layer.weight_values if how == "in place" else layer.weight_values.data).mul_(-1.5)
+        for _ in range(2):
+            x = torch.randn(16, 128, dtype=torch.float64, requires_grad=True)
+            grad = torch.randn(16, 7, dtype=torch.float64)
+            expected = reference(layer, x, grad)
+            layer.zero_grad()
+            y = layer(x)
+            y.backward(grad)
+            torch.testing.assert_close(y.detach(), expected[0])
+            torch.testing.assert_close(x.grad, expected[1])
+            torch.testing.assert_close(layer.weight_values.grad, expected[2])
+
+
+def test_values_edited_before_the_backward_raise_as_torch(avx2_host):
+    layer = sparsenn.SparseLinear(128, 7, sparsity=0.5)
+    x = held_dense_step(layer, 64)
+    y = layer(x)
+    with torch.no_grad():
+        layer.weight_values.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_a_dense_step_leaves_forward_mode_to_the_sparse_call(avx2_host):
+    import torch.autograd.forward_ad as fwad
+    layer = sparsenn.SparseLinear(128, 7, sparsity=0.5, dtype=torch.float64)
+    held_dense_step(layer, 8)
+    x, tangent = torch.randn(8, 128, dtype=torch.float64), torch.randn(8, 128, dtype=torch.float64)
+    w = layer.to_dense().weight.detach()
+    with fwad.dual_level():
+        out = layer(fwad.make_dual(x, tangent))
+        primal, jvp = fwad.unpack_dual(out)
+    torch.testing.assert_close(primal.detach(), torch.nn.functional.linear(x, w, layer.bias.detach()))
+    torch.testing.assert_close(jvp, tangent @ w.T)

@@ -7,16 +7,21 @@ each of these sparse kernels is slower than BLAS on the dense matrix, and every 
 a launch. :func:`plan_step` weighs the step both ways
 (:func:`~.plan.dense_path.step_path`: each call as the planner routes it, against one
 copy of ``A`` made dense per step and BLAS products); :class:`DenseStep` runs the dense
-one: ``A`` made dense by :class:`_Densified` (the copy kept while its values are
-unchanged, :data:`.runtime.densified.COPIES`), the product as one BLAS call
-(:mod:`.runtime.dense_product`) recorded by torch's autograd, whose backward runs every
-product by BLAS and hands :class:`_Densified` the dense ``dA``, sampled at ``A``'s
-stored positions by a compiled kernel.
+one as one autograd node (:class:`_DenseStepFunction`): its forward makes ``A`` dense
+(made again after its values' version moved, else the copy kept while they are
+unchanged, :data:`.runtime.densified.COPIES`) and runs the product as one BLAS call
+(:mod:`.runtime.dense_product`); its backward runs each gradient product by BLAS in its
+operand's layout and samples the dense ``dA`` at ``A``'s stored positions by a compiled
+call. Under ``create_graph`` the backward records those gradients over
+:class:`_Densified` (``A`` made dense as a differentiable function of its values).
 
 It applies to a plain sum of products of one unblocked sparse operand with values
 requiring a gradient, and dense ones, in one BLAS call's form, with a dense result in
-float32 or float64. A step whose result is not finite runs sparse (``0 · inf``: see
-:class:`~.runtime.evaluate.DensifiedCall`).
+float32 or float64, outside a forward-mode AD level (the sparse call's node has the
+tangent rule). A step whose result is not finite runs sparse: BLAS multiplies every
+unstored zero, ``0 · inf`` where an input holds an infinity the sparse kernels never
+read (see :class:`~.runtime.evaluate.DensifiedCall`): the forward sums its result once
+(the weight's values cannot tell, the infinity being in the input).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from sparsenn.formats import SparseTensor
 
-from .autograd import _gradient_expression, _Spec, differentiable_evaluate, gradient_call
+from .autograd import _apply, _gradient_expression, _Spec, differentiable_evaluate, gradient_call
 from .derivatives import gradient_assignment
 from .frontend.notation import Assignment, parse_einsum
 from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
@@ -39,7 +45,7 @@ from .runtime.cache import Guard
 from .runtime.dense_product import BlasForm, blas_form
 from .runtime.densified import COPIES
 from .runtime.evaluate import DenseCall, DensifiedCall, Run, evaluate, guarded_run, route
-from .runtime.validate import check_call
+from .runtime.validate import call_guard, check_call
 
 __all__ = ["DenseStep", "plan_step", "dense_step"]
 
@@ -123,8 +129,8 @@ def plan_step(assignment: Assignment, operands: Sequence, out_format) -> StepPat
 
 class _Densified(torch.autograd.Function):
     """``operand`` (a SparseTensor whose values are ``values``) as a strided tensor,
-    differentiable in its values: the copy is kept while they are unchanged
-    (:data:`COPIES`), and the gradient is the dense one sampled at its pattern."""
+    differentiable in its values (a step's gradients recorded for ``create_graph``):
+    the gradient is the dense one sampled at its pattern, itself recorded."""
 
     @staticmethod
     def forward(ctx, values: torch.Tensor, operand: SparseTensor, conversions: _Conversions):
@@ -133,20 +139,71 @@ class _Densified(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        sample = ctx.conversions.sample
         pattern = ctx.operand.detach()
+        sample = ctx.conversions.sample
         inputs = [grad.contiguous(), pattern, pattern]  # the output gradient, the operand, its pattern as the mask
-        if torch.is_grad_enabled():  # create_graph: the sampling is recorded, a linear map of ``grad``
-            return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
-        return sample(inputs).values, None, None
+        return differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request).values, None, None
+
+
+class _StepCall:
+    """One call of a :class:`DenseStep`: its operands, and whether its result is finite."""
+
+    __slots__ = ("step", "operands", "finite")
+
+    def __init__(self, step: DenseStep, operands: Sequence) -> None:
+        self.step, self.operands, self.finite = step, operands, True
+
+
+class _DenseStepFunction(torch.autograd.Function):
+    """A dense step's call as one autograd node, a function of the call's dense operands
+    and sparse operand's values: the forward one BLAS call over the sparse operand's
+    dense copy (kept while its values are unchanged, :data:`COPIES`); the backward the
+    BLAS gradients (:meth:`.BlasForm.gradients`), the sparse operand's sampled at its
+    stored positions by a compiled call. Under ``create_graph`` the backward records
+    the same gradients over :class:`_Densified` (each a differentiable function)."""
+
+    @staticmethod
+    def forward(ctx, call: _StepCall, *tensors: torch.Tensor) -> torch.Tensor:
+        step = call.step
+        k, form = step.path.operand, step.form
+        dense = list(tensors)
+        dense[k] = step.conversions.dense_copy(call.operands[k])
+        out = form.run(dense)
+        call.finite = math.isfinite(float(out.sum()))  # grad mode is off in a forward: no detach
+        ctx.call, ctx.dense, ctx.tensors = call, dense[k], tensors
+        ctx.save_for_backward(tensors[form.lhs.operand], tensors[form.rhs.operand])  # what torch's mm saves
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        call: _StepCall = ctx.call
+        step = call.step
+        k, form = step.path.operand, step.form
+        tensors = list(ctx.tensors)
+        tensors[form.lhs.operand], tensors[form.rhs.operand] = ctx.saved_tensors  # raises if edited in place since
+        conversions = step.conversions
+        recording = torch.is_grad_enabled()  # create_graph
+        tensors[k] = _Densified.apply(tensors[k], call.operands[k], conversions) if recording else ctx.dense
+        grads = form.gradients(tensors, grad, ctx.needs_input_grad[1:])
+        dense = grads[k]
+        if dense is not None:
+            pattern = conversions.pattern(call.operands[k])
+            inputs = [dense.contiguous(), pattern, pattern]  # the dense gradient, the operand, its pattern as the mask
+            sample = conversions.sample
+            grads[k] = (differentiable_evaluate(evaluate, sample.assignment, inputs, sample.request) if recording
+                        else sample(inputs)).values
+        return (None, *grads)
 
 
 class _HeldCall:
     """``call(inputs)``: a compiled call of ``assignment``, the guard and run of its last
-    signature held (as a call site holds its calls)."""
+    signature held (as a call site holds its calls). The inputs numbered in ``vouched``
+    are the held signature's sparse operand, which the caller's own guard passed (a
+    call site's): the held guard tests only that their index arrays are unedited
+    (:func:`~.runtime.validate.call_guard`'s ``fixed``)."""
 
-    def __init__(self, assignment: Assignment, request) -> None:
-        self.assignment, self.request = assignment, request
+    def __init__(self, assignment: Assignment, request, vouched: frozenset[int]) -> None:
+        self.assignment, self.request, self.vouched = assignment, request, vouched
         self._held: tuple[Guard, Run] | None = None
 
     def __call__(self, inputs: list):
@@ -154,7 +211,9 @@ class _HeldCall:
         if held is not None and held[0](inputs, self.request):
             return held[1](inputs)
         result = evaluate(self.assignment, inputs, self.request)
-        self._held = guarded_run(self.assignment, inputs, self.request)
+        entry = guarded_run(self.assignment, inputs, self.request)
+        if entry is not None:
+            self._held = (call_guard(self.assignment, inputs, self.request, self.vouched), entry[1])
         return result
 
 
@@ -166,20 +225,44 @@ class _Conversions:
     def __init__(self, operand: SparseTensor) -> None:
         letters = _LETTERS[: operand.ndim]
         copy = parse_einsum(f"{letters}->{letters}", 1)
-        self.dense = _HeldCall(copy, DENSE)
+        self.dense = _HeldCall(copy, DENSE, frozenset({0}))
         with torch.no_grad():
             sampling, _, request = gradient_call(copy, 0, [operand], torch.empty(operand.shape,
                                                                                 dtype=operand.values.dtype), None)
-        self.sample = _HeldCall(sampling, request)
+        self.sample = _HeldCall(sampling, request, frozenset({1, 2}))  # (dA, A, A's pattern)
+        self._pattern: tuple[SparseTensor, SparseTensor] | None = None  # (an operand, its pattern)
+        self._seen: tuple[int, int] | None = None  # (id, version) of the values last made dense
+
+    def pattern(self, operand: SparseTensor) -> SparseTensor:
+        """``operand`` detached (its values read as the sampling's pattern only), kept
+        for the operand last asked about (a layer's weight is one object while unchanged)."""
+        kept = self._pattern
+        if kept is None or kept[0] is not operand:
+            kept = self._pattern = (operand, operand.detach())
+        return kept[1]
+
+    def dense_copy(self, operand: SparseTensor) -> torch.Tensor:
+        """``operand`` as a strided tensor: made now when its values' version moved since
+        the last call (an optimizer step: :data:`COPIES` keeps no copy of a trained
+        operand, and a new copy is right whatever the lookup finds), else the kept copy
+        if still valid (:meth:`~.runtime.densified.DenseCopies.copy_for`). Called in an
+        autograd Function's forward."""
+        values = operand.values
+        if not values.is_inference():
+            now = (id(values), values._version)
+            seen, self._seen = self._seen, now  # a false match only makes a copy
+            if seen is not None and seen[0] == now[0] and seen[1] != now[1]:
+                return self.dense([operand])
+        return COPIES.copy_for(operand, self.made_dense)
 
     def made_dense(self, operand: SparseTensor) -> torch.Tensor:
-        with torch.no_grad():
-            return self.dense([operand.detach()])
+        """``operand`` as a strided tensor; called in an autograd Function's forward (grad mode off)."""
+        return self.dense([operand])
 
 
 class DenseStep:
-    """A call run as the dense step of :func:`plan_step`: its sparse operand ``operand``
-    made dense (:class:`_Densified`), the product one BLAS call recorded by torch."""
+    """A call run as the dense step of :func:`plan_step`: one autograd node
+    (:class:`_DenseStepFunction`) over the sparse operand made dense and BLAS."""
 
     def __init__(self, path: StepPath, form: BlasForm, conversions: _Conversions) -> None:
         self.path, self.form, self.conversions = path, form, conversions
@@ -187,12 +270,14 @@ class DenseStep:
     def run(self, operands: Sequence) -> torch.Tensor | None:
         """The call's result, recorded for torch's autograd; None when it is not finite
         (the caller then runs the sparse kernels)."""
+        if _forward_ad._current_level >= 0:  # a tangent may be asked for: the sparse kernels' jvp
+            return None
+        call = _StepCall(self, operands)
+        tensors = list(operands)  # dense operands, and the sparse operand's values
         k = self.path.operand
-        op = operands[k]
-        dense = list(operands)
-        dense[k] = _Densified.apply(op.values, op, self.conversions)
-        out = self.form.run(dense)
-        return out if math.isfinite(float(out.detach().sum())) else None
+        tensors[k] = operands[k].values
+        out = _apply(_DenseStepFunction, call, *tensors)
+        return out if call.finite else None
 
 
 def dense_step(assignment: Assignment, operands: Sequence, out_format) -> DenseStep | None:

@@ -6,7 +6,9 @@ beta=β, alpha=α)`` on views of the factors (BLAS reads a transposed view as it
 one call, the bias broadcast by BLAS's own ``C`` input, where one ``torch.einsum`` per
 term and an add make three passes and their dispatches (a SparseLinear layer's dense
 path at batch 1: 25 µs against 11 µs). The form is worked out once per assignment
-(:func:`blas_form`), so a call costs the views and the BLAS call.
+(:func:`blas_form`), so a call costs the views and the BLAS call. Its gradients
+(:meth:`BlasForm.gradients`) are BLAS calls and sums too: ``dA' = α · dOut · B'ᵀ``,
+``dB' = α · A'ᵀ · dOut``, ``dbias_t = β_t · dOut`` summed over the indices it lacks.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class _Bias:
             return tensor.unsqueeze(1)
         return tensor.T if self.transposed else tensor
 
+    def gradient(self, ndim: int, grad: torch.Tensor) -> torch.Tensor:
+        """``dOut`` summed over the output indices this term lacks, in its operand's
+        layout (``ndim`` its operand's order), the coefficient not applied."""
+        if self.over_rows:
+            return grad.sum(1)
+        if ndim == 1:
+            return grad.sum(0)
+        return grad.T if self.transposed else grad
+
 
 @dataclass(frozen=True)
 class BlasForm:
@@ -71,6 +82,35 @@ class BlasForm:
             bias = beta * bias + sum(b.coefficient * b.of(operands) for b in rest)
             beta = 1.0
         return torch.addmm(bias, lhs, rhs, beta=beta, alpha=self.alpha)
+
+    def gradients(self, operands: Sequence[torch.Tensor], grad: torch.Tensor,
+                  wanted: Sequence[bool]) -> list[torch.Tensor | None]:
+        """``d(loss)/d(operand)`` of each operand ``n`` with ``wanted[n]`` that the form
+        reads (else None), given ``grad = d(loss)/d(out)``, in its operand's shape (see
+        the module doc); a factor's computed in its operand's own layout, as torch's
+        ``mm`` backward does (``dOutᵀ · X`` for a weight read transposed: a 512×128 by
+        512×7 product 4x faster than its transpose). Recorded by autograd when grad mode
+        is on (``create_graph``)."""
+        grads: list[torch.Tensor | None] = [None] * len(operands)
+        lhs, rhs, alpha = self.lhs, self.rhs, self.alpha
+        if wanted[lhs.operand]:  # dA' = dOut · B'ᵀ, or its transpose B' · dOutᵀ when A is A'ᵀ
+            right = rhs.of(operands)
+            g = torch.mm(right, grad.T) if lhs.transposed else torch.mm(grad, right.T)
+            _add(grads, lhs.operand, g if alpha == 1.0 else g * alpha)
+        if wanted[rhs.operand]:  # dB' = A'ᵀ · dOut, or its transpose dOutᵀ · A' when B is B'ᵀ
+            left = lhs.of(operands)
+            g = torch.mm(grad.T, left) if rhs.transposed else torch.mm(left.T, grad)
+            _add(grads, rhs.operand, g if alpha == 1.0 else g * alpha)
+        for bias in self.biases:
+            if wanted[bias.operand]:
+                g = bias.gradient(operands[bias.operand].dim(), grad)
+                _add(grads, bias.operand, g if bias.coefficient == 1.0 else g * bias.coefficient)
+        return grads
+
+
+def _add(grads: list[torch.Tensor | None], n: int, g: torch.Tensor) -> None:
+    """Add ``g`` to operand ``n``'s gradient (an operand read by several terms)."""
+    grads[n] = g if grads[n] is None else grads[n] + g
 
 
 @functools.lru_cache(maxsize=256)
