@@ -9,7 +9,7 @@ eagerly, fp32 inference.
    small model, the same MLP of dense ``nn.Linear`` layers at batch 64.
 2. A two-layer ``SparseGCNConv`` network (128 -> 128 -> 16 features) on a seeded random
    graph of 20,000 nodes and 200,000 edges, adjacency cached by one eager call.
-3. ``BlockSparseAttention(256, 4 heads, blocks of 64)`` at sequence 2048, batch 1.
+3. ``BlockSparseAttention(256, 4 heads, blocks of 64)`` at sequence 2048 and 4096, batch 1.
 4. ``SparseMoE(512, 2048, 8 experts, k=2)`` on 4096 tokens (the routing's sizes unbacked
    symbolic sizes in the compiled graph).
 
@@ -43,7 +43,7 @@ import sparsenn
 from structured import compare, machine_info, run_case, sections_markdown, target, write_report
 
 SECTIONS = {"mlp": "1. Sparse MLP 784 -> 256 -> 784 (csr, 90 %)", "gcn": "2. Two-layer SparseGCNConv",
-            "attention": "3. BlockSparseAttention, L = 2048", "moe": "4. SparseMoE, 8 experts, top-2"}
+            "attention": "3. BlockSparseAttention, L = 2048 and 4096", "moe": "4. SparseMoE, 8 experts, top-2"}
 
 
 class _GCN(nn.Module):
@@ -98,11 +98,12 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
         inputs = (torch.randn(nodes, 128, generator=g), torch.randint(0, nodes, (2, 200_000), generator=g))
         return _case(_GCN(), inputs, compile_times, "gcn")
 
-    def attention() -> dict:
+    def attention(length: int) -> dict:
         torch.manual_seed(0)
         layer = sparsenn.BlockSparseAttention(256, 4, block_size=64, batch_first=True, seed=0)
         # (query, key, value, key_padding_mask, need_weights)
-        return _case(layer, (torch.randn(1, 2048, 256), None, None, None, False), compile_times, "attention")
+        return _case(layer, (torch.randn(1, length, 256), None, None, None, False), compile_times,
+                     f"attention L={length}")
 
     def moe() -> dict:
         torch.manual_seed(0)
@@ -111,7 +112,8 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
     out = [("mlp", "batch 64", lambda: mlp(64)), ("mlp", "dense nn.Linear MLP, batch 64 (torch only)", dense_mlp)]
     if not quick:
         out += [("mlp", "batch 4096", lambda: mlp(4096)), ("gcn", "20k nodes, 200k edges", gcn),
-                ("attention", "L=2048 b=1", attention), ("moe", "d 512, hidden 2048, 4096 tokens", moe)]
+                ("attention", "L=2048 b=1", lambda: attention(2048)), ("attention", "L=4096 b=1", lambda: attention(4096)),
+                ("moe", "d 512, hidden 2048, 4096 tokens", moe)]
     return out
 
 
