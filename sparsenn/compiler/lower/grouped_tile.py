@@ -186,7 +186,8 @@ class _GroupedPacks:
         """Factor ``n``, laid out ``[d][e][k]``: a row ``(d, e)`` of the strip at a time,
         the last, partial block's lanes past ``k`` loaded as zeros."""
         lo, d, e, k, size = self.lo, self.d, self.e, self.k, self.size
-        step, entry, block_start, rest, v = lo.fresh("pd"), lo.fresh("pe"), lo.fresh("pb"), lo.fresh("prest"), ir.Var("v")
+        step, entry, block_start, rest = (lo.fresh(x) for x in ("pd", "pe", "pb", "prest"))
+        v = ir.Var("v")
         lane = ir.mul(v, ir.Lanes())
         end = self.panel_end
         vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
@@ -243,8 +244,8 @@ class _GroupedPacks:
                           ir.Block((inner,)))
 
         present = ir.sub(self.panel_end, block_start)  # columns of k in this block, from 1 up
-        body = (ir.Decl(whole_columns, "index", ir.min_(ir.Const(size), ir.sub(present, ir.Bin("%", present, ir.Lanes()))),
-                        const=True),
+        whole = ir.min_(ir.Const(size), ir.sub(present, ir.Bin("%", present, ir.Lanes())))
+        body = (ir.Decl(whole_columns, "index", whole, const=True),
                 blocks,
                 elements((ir.Const(0), ir.Const(size)), (whole_rows, rows)),
                 elements((whole_columns, ir.Const(size)), (ir.Const(0), whole_rows)))
