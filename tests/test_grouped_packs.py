@@ -5,10 +5,13 @@ per-thread panels and runs its tiles in row blocks over one block of the batch.
 Decisions are asserted on pinned machine models; results are compared with torch on
 machines with small caches (so that small problems take several layers, panels and row
 blocks), including rows past the last whole tile, a partial (masked) block of the batch,
-a batch of 1 and of 0, float64 and two threads.
+a batch of 1 and of 0, float64 and two threads. A batch-major input is packed where it
+is, by blocks transposed in registers, unless re-laying it out costs fewer cycles.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -24,6 +27,12 @@ from sparsenn.compiler.plan.target import Target
 SMALL = Target(vector_bytes=32, vector_registers=16, l1_bytes=4 << 10, l2_bytes=64 << 10, llc_bytes=1 << 20)
 SMALL_WIDE = Target(vector_bytes=32, widest_vector_bytes=64, vector_registers=32, l1_bytes=8 << 10,
                     l2_bytes=64 << 10, llc_bytes=1 << 20)
+
+
+def cheap_copies(machine: Target) -> Target:
+    """``machine`` with copies (and reads past the L2) so cheap that re-laying the input
+    out costs fewer cycles than transposing it in the packs."""
+    return dataclasses.replace(machine, llc_bytes_per_cycle=1e4, dram_bytes_per_cycle=1e4, relayout_cycles=1.0)
 
 
 def nm_weight(rows: int, cols: int, fmt: str, dtype=torch.float32, seed: int = 0):
@@ -129,3 +138,77 @@ def test_one_layer_of_packs_stores_once_and_matches_torch(dtype):
     with use_target(SMALL):
         got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
     torch.testing.assert_close(got, torch.einsum("bi,oi->bo", x, w.to_dense()))
+
+
+def plan_of(x, w, machine):
+    with use_target(machine):
+        return kernel_schedule("bi,oi->bo", x, w, out_format="dense")
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("fmt", ["nm(2,4)", "nm(1,4)"])
+def test_a_batch_major_input_is_packed_where_it_is(machine, fmt):
+    # X[b, i] (4 MiB at a batch of 256) split into groups is laid out [b][i][i']: the
+    # packs transpose blocks of it in registers instead of a copy re-laid out
+    # [i][i'][b] at every call (a cache line per element, read across its rows)
+    x, w = torch.randn(256, 4096), nm_weight(256, 4096, fmt)
+    sched = plan_of(x, w, machine)
+    (nest,) = sched.nests
+    tile = nest.register_tile
+    assert tile.packed == (0,) and tile.transposed == (0,), nest
+    assert not sched.transposes
+    with use_target(machine):
+        text = sparsenn.explain("bi,oi->bo", x, w)
+    assert "factor 0 packed where it is: transposing blocks in its packs" in text
+    assert "re-stored in mode order" not in text
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_a_cheaper_copy_re_lays_the_input_out(machine):
+    x, w = torch.randn(256, 4096), nm_weight(256, 4096, "nm(2,4)")
+    sched = plan_of(x, w, cheap_copies(machine))
+    (nest,) = sched.nests
+    assert nest.register_tile.packed == (0,) and nest.register_tile.transposed == ()
+    assert sched.transposes == (((0, 0), (1, 2, 0)),)
+    with use_target(cheap_copies(machine)):
+        assert "factor 0 re-laid out: re-laying it out at every call" in sparsenn.explain("bi,oi->bo", x, w)
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_a_feature_major_input_is_packed_by_rows_in_place(machine):
+    # X stored [i][b] (the output of a layer laid out o,b): its split view is [i][i'][b],
+    # the packs' own order, read in place a row at a time
+    x, w = torch.randn(4096, 256).T, nm_weight(256, 4096, "nm(2,4)")
+    (nest,) = plan_of(x, w, machine).nests
+    assert nest.register_tile.packed == (0,) and nest.register_tile.transposed == ()
+    with use_target(machine):
+        assert "reads dense operand(s) [0] in place" in sparsenn.explain("bi,oi->bo", x, w)
+
+
+SOURCES = {"batch-major": lambda machine: machine, "copied": cheap_copies}
+
+
+@pytest.mark.parametrize("machine", [SMALL, SMALL_WIDE], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("source", ["batch-major", "copied", "feature-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["nm(2,4)", "nm(1,4)"])
+def test_packs_from_every_source_match_torch(machine, source, dtype, fmt):
+    # 259 rows (whole tiles and a row left per chunk), 129 groups (an uneven last
+    # layer); batches of 0, 1, 3 (a partial block only), 64 and 257 (whole blocks and a
+    # partial one), each packed from the input where it is, from a re-laid-out copy, or
+    # from an input stored feature-major
+    w = nm_weight(259, 516, fmt, dtype)
+    planned = SOURCES.get(source, lambda m: m)(machine)
+    g = torch.Generator().manual_seed(1)
+    for batch in (0, 1, 3, 64, 257):
+        x = torch.randn(batch, 516, generator=g).to(dtype)
+        if source == "feature-major":
+            x = x.T.contiguous().T
+        if batch == 257:
+            tile = plan_of(x, w, planned).nests[0].register_tile
+            assert tile.packed == (0,) and tile.transposed == ((0,) if source == "batch-major" else ())
+        with use_target(planned):
+            got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+        expected = torch.einsum("bi,oi->bo", x.double(), w.to_dense().double())
+        tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * 4)

@@ -38,8 +38,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    built by ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests
    (``lower/dense_output.py`` with ``lower/epilogue.py`` and its micro-kernels in
-   ``lower/microkernel.py`` and ``lower/register_tile.py``, or ``lower/sparse_output.py``
-   with ``lower/assembly.py`` for a sparse result), iterating each storage level through
+   ``lower/microkernel.py``, ``lower/register_tile.py`` and ``lower/grouped_tile.py``, or
+   ``lower/sparse_output.py`` with ``lower/assembly.py`` for a sparse result), iterating each storage level through
    its capabilities (``formats/level.py`` via ``lower/iterators.py``) and co-iterating
    levels in one routine (``lower/merge.py``); ``loops/simplify.py`` folds and hoists;
    ``backend/c.py`` prints the C++ and ``backend/codegen.py`` wraps it into a

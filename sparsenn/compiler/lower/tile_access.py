@@ -1,18 +1,19 @@
 """How a tile's rows read the factors: a factor's position and value with its indices
 moved on by a row's shift (its levels from the shifted index down are dense, so its
-position is affine in the index), SIMD vectors of factors, and the walk over the rows a
-tile left."""
+position is affine in the index), SIMD vectors of factors, the walk over the rows a
+tile left; the blocks of the register block's loop ``k``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..loops import ir
-from .context import ONES, Lowering, product_of
+from .context import ONES, Lowering, counted, product_of
 from .iterators import locate
 from .order import NestWalk
 
-__all__ = ["OUT", "rows_left", "by_layers", "held", "located", "vector_at", "shifted_pos", "shifted_value"]
+__all__ = ["OUT", "rows_left", "by_layers", "blocks_of_k", "last_block_of_k", "held", "located", "vector_at",
+           "shifted_pos", "shifted_value"]
 
 OUT = ir.Array("out")
 
@@ -51,6 +52,33 @@ def by_layers(lo: Lowering, plain: NestWalk, d: str, depth: int, body: Callable[
 
     lo.emit(ir.For(ir.Decl(start, "index", ir.Const(0)), ir.lt(start, lo.dim(d)),
                    ir.Assign(start, ir.Const(depth), "+="), lo.block(one_layer)))
+
+
+def blocks_of_k(lo: Lowering, kb: ir.Var, mask: ir.Var, size: int, k_range, one_block) -> None:
+    """``one_block(False)`` for ``kb`` at each whole block of ``size`` in ``k_range``, then
+    ``one_block(True)`` for the last, partial block (:func:`last_block_of_k`)."""
+    k_lo, n_k = k_range
+    lo.emit(ir.For(ir.Decl(kb, "index", k_lo), ir.le(ir.add(kb, size), n_k), ir.Assign(kb, ir.Const(size), "+="),
+                   lo.block(lambda: one_block(False))))
+    last_block_of_k(lo, kb, mask, size, k_range, one_block)
+
+
+def last_block_of_k(lo: Lowering, kb: ir.Var, mask: ir.Var, size: int, k_range, one_block) -> None:
+    """``one_block(True)`` for ``kb`` at the last, partial block of ``size`` in
+    ``k_range`` if there is one, its vector ``v`` holding the lanes ``mask[v]``."""
+    k_lo, n_k = k_range
+    v, lane = ir.Var("v"), ir.mul(ir.Var("v"), ir.Lanes())
+    rest = lo.fresh("krest")
+    lo.emit(ir.Decl(rest, "index", ir.sub(n_k, ir.Bin("%", ir.sub(n_k, k_lo), ir.Const(size))), const=True))
+
+    def partial_block():
+        vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
+        lo.emit(ir.Decl(kb, "index", rest, const=True), ir.Decl(mask, "lanes", None, shape=(vectors,)))
+        lo.emit(counted(v, vectors, ir.Assign(ir.Elem(mask, (v,)), ir.Call("first_lanes", (ir.sub(n_k, ir.add(
+            rest, lane)),)))))
+        one_block(True)
+
+    lo.emit(ir.If(ir.lt(rest, n_k), lo.block(partial_block)))
 
 
 def held(st) -> tuple[str, ...]:

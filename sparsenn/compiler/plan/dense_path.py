@@ -119,7 +119,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
         return None
     checked = 2 * nnz * itemsize
     dense_cycles = (dense_product_cycles(assignment, [info.shape for info in infos], itemsize, target)
-                    + checked / _bandwidth(checked, target) + target.python_call_cycles)
+                    + checked / target.bytes_per_cycle(checked) + target.python_call_cycles)
     densify = densify_cycles(dense_bytes, nnz, target)
     kernel, restore, relayout = _call_parts(assignment, sched, infos, stored, itemsize, target)
     sparse_cycles = kernel + restore + relayout
@@ -150,7 +150,7 @@ def _call_parts(assignment: Assignment, sched: Schedule, infos: Sequence[Operand
 def densify_cycles(dense_bytes: int, nnz: int, target: Target) -> float:
     """Cycles of making a sparse operand of ``nnz`` entries dense (``dense_bytes``):
     writing the dense array and scattering the entries into it."""
-    return dense_bytes / _bandwidth(dense_bytes, target) + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit
+    return dense_bytes / target.bytes_per_cycle(dense_bytes) + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit
 
 
 def sampling_cycles(nnz: int, dense_bytes: int, itemsize: int, target: Target) -> float:
@@ -158,7 +158,7 @@ def sampling_cycles(nnz: int, dense_bytes: int, itemsize: int, target: Target) -
     storage order (a gradient sampled at a pattern): a cache line per entry, at most the
     whole array, its index and value written, one iteration step each."""
     read = min(nnz * target.cache_line_bytes, dense_bytes)
-    return ((read + nnz * (itemsize + 4)) / _bandwidth(dense_bytes, target)
+    return ((read + nnz * (itemsize + 4)) / target.bytes_per_cycle(dense_bytes)
             + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
 
 
@@ -211,7 +211,7 @@ def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...
     touched = (sum(math.prod(shapes[n]) for n in read) + math.prod(sizes[i] for i in assignment.output)) * itemsize
     lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
-    return max(compute, touched / _bandwidth(touched, target))
+    return max(compute, touched / target.bytes_per_cycle(touched))
 
 
 def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int], itemsize: int,
@@ -223,7 +223,7 @@ def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int
     ``DENSE_COPY_COST`` in the schedule's cost)."""
     restored = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
     per_value = target.cache_line_bytes + _POSITION_BYTES + itemsize
-    return sum(stored[n] * per_value / _bandwidth(stored[n] * itemsize, target) for n in restored)
+    return sum(stored[n] * per_value / target.bytes_per_cycle(stored[n] * itemsize) for n in restored)
 
 
 def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[OperandInfo], itemsize: int,
@@ -236,7 +236,7 @@ def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Ope
     copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
     panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
     per_element = target.cache_line_bytes + itemsize
-    return sum(math.prod(infos[n].shape) * per_element / _bandwidth(math.prod(infos[n].shape) * itemsize, target)
+    return sum(math.prod(infos[n].shape) * per_element / target.bytes_per_cycle(math.prod(infos[n].shape) * itemsize)
                for n in copied - panelled if infos[n].format is None)
 
 
@@ -276,13 +276,5 @@ def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tupl
         if access.operand == sparse or nest.order[gathering] not in access.indices:
             continue
         working_set = math.prod(sizes[i] for i in access.indices if i in inner) * itemsize
-        cycles += sched.leaves * itemsize / _bandwidth(working_set, target)
+        cycles += sched.leaves * itemsize / target.bytes_per_cycle(working_set)
     return cycles
-
-
-def _bandwidth(nbytes: float, target: Target) -> float:
-    """Bytes per cycle one core reads ``nbytes`` at, from the nearest level they fit in."""
-    if nbytes <= target.l2_bytes:
-        return target.l2_bytes_per_cycle
-    in_llc = nbytes <= target.llc_share * target.llc_bytes
-    return target.llc_bytes_per_cycle if in_llc else target.dram_bytes_per_cycle

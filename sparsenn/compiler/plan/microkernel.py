@@ -79,7 +79,17 @@ registers and caches, never from an operation's or a format's name.
   entry, no vector shared by rows), so a packed tile takes twice the
   ``register_tile_vectors`` and the rows the other registers leave: 2 x 4 with AVX2.
   Each chunk of the parallel loop copies its packs: the loop runs in
-  :data:`PACKED_CHUNKS_PER_THREAD` chunks per thread.
+  :data:`PACKED_CHUNKS_PER_THREAD` chunks per thread. The packs cover the last, partial
+  block of ``k`` (lanes past ``k`` zero) and the rows past the last whole tile run as
+  tiles of one row, so the tiles read the vector factors only from their packs. A vector
+  factor laid out ``[k][d][e]`` (the batch-major input ``X[b, i]`` split into groups) is
+  either re-laid out ``[d][e][k]`` at every call, or packed from where it is by blocks of
+  ``lanes x lanes`` transposed in registers, whichever costs fewer cycles
+  (:func:`grouped_pack_sources`): the copy reads a cache line for each element across the
+  rows, ``E (line + itemsize) / bw`` plus the target's ``relayout_cycles``; the
+  transposing packs take ``log2(lanes)`` shuffles per vector of each chunk's packs,
+  ``PACKED_CHUNKS_PER_THREAD E log2(lanes) / lanes`` (one shuffle a cycle; both read the
+  same lines for the packs).
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -114,8 +124,8 @@ from .cost import Factor, NestCosts, outside_vector, register_blockable
 from .decisions import VectorReduction
 from .target import Target
 
-__all__ = ["Tile", "RegisterTile", "DotTile", "register_tiled_order", "registers", "block_sums", "dot_tile",
-           "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS", "PACKED_CHUNKS_PER_THREAD"]
+__all__ = ["Tile", "RegisterTile", "DotTile", "PackSource", "register_tiled_order", "registers", "block_sums",
+           "dot_tile", "grouped_pack_sources", "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS", "PACKED_CHUNKS_PER_THREAD"]
 
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (module doc)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
@@ -156,6 +166,27 @@ class RegisterTile:
     stepped_by: int | None = None
     grouped_by: int | None = None
     row_block: int = 0  # a packed grouped tile's rows of ``a`` per pass over one block of ``k`` (see the module doc)
+    transposed: tuple[int, ...] = ()  # packed factors read in place, laid out ``[k][d][e]`` (see the module doc)
+
+
+@dataclass(frozen=True)
+class PackSource:
+    """Where a packed grouped tile's packs of vector factor ``factor`` (laid out
+    ``[k][d][e]``) come from: the factor in place, blocks transposed in registers
+    (``in_place``), else a copy re-laid out ``[d][e][k]`` at every call; the cycles of
+    each way per call (see the module doc)."""
+
+    factor: int
+    in_place: bool
+    transposing_cycles: float
+    relayout_cycles: float
+
+    def describe(self) -> str:
+        transposing = f"transposing blocks in its packs ({self.transposing_cycles:.3g} cycles)"
+        relayout = f"re-laying it out at every call ({self.relayout_cycles:.3g} cycles)"
+        if self.in_place:
+            return f"factor {self.factor} packed where it is: {transposing} rather than {relayout}"
+        return f"factor {self.factor} re-laid out: {relayout} rather than {transposing}"
 
 
 @dataclass(frozen=True)
@@ -344,6 +375,25 @@ def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: in
     entries = depth * max(factors[w].fibers[-1], 1) * (itemsize + INDEX_BYTES)  # one row's over a layer
     row_block = rows * max(target.l2_bytes // 4 // (rows * entries), 1)
     return vectors, panel, depth if layers > 1 else 0, int(row_block)
+
+
+def grouped_pack_sources(tile: RegisterTile, order: Sequence[str], layouts: dict[int, tuple[str, ...]],
+                         dims: dict[str, int], itemsize: int, target: Target) -> tuple[PackSource, ...]:
+    """How a packed grouped tile over ``order = P' + (a, d, e, k)`` reads each packed
+    factor whose memory order (``layouts``) is ``[k][d][e]``: in place, or from a copy
+    re-laid out ``[d][e][k]``, whichever costs fewer cycles (see the module doc)."""
+    d, e, k = order[-3:]
+    lanes = target.lanes(itemsize)
+    sources = []
+    for n in tile.packed:
+        if layouts.get(n) != (k, d, e):
+            continue
+        elements = dims[d] * dims[e] * dims[k]
+        transposing = PACKED_CHUNKS_PER_THREAD * elements * math.log2(lanes) / lanes
+        relayout = (elements * (target.cache_line_bytes + itemsize) / target.bytes_per_cycle(elements * itemsize)
+                    + target.relayout_cycles)
+        sources.append(PackSource(n, transposing < relayout, transposing, relayout))
+    return tuple(sources)
 
 
 def _rows(most: int, extent: int) -> int:

@@ -62,7 +62,8 @@ class Nest:
                 depth = f" x {t.depth} {self.order[self.order.index(t.index) + 1]}" if t.depth else ""
                 stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
                 rows = f", {t.row_block} rows of {t.index} per block" if t.row_block else ""
-                parts.append(f"factor(s) {list(t.packed)} packed per thread in panels of {t.panel} "
+                transposed = f" ({list(t.transposed)} from its own layout)" if t.transposed else ""
+                parts.append(f"factor(s) {list(t.packed)} packed per thread{transposed} in panels of {t.panel} "
                              f"{self.register_block.index}{depth}{stepped}{rows}")
         if self.vector_reduction:
             v = self.vector_reduction

@@ -404,6 +404,12 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
             reasons.append(f"term {nest.term}: register tile of {tile.rows} rows of {tile.index} x {tile.vectors} "
                            f"vectors of {block.index} ({target.vector_registers} vector registers)")
             if tile.packed and tile.grouped_by is not None:  # the panels replace a tile of k
+                tile, in_place, change = _grouped_pack_sources(nest, tile, factors, assignment.terms[nest.term],
+                                                               infos, dims, itemsize, target, reasons)
+                transposes = [((t, k), mode_order) for (t, k), mode_order in transposes
+                              if t != nest.term or k not in in_place]
+                cost += change
+                total += change
                 tiles = tuple(t for t in nest.tiles if t.index != block.index)
                 nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
             elif tile.packed:  # the panels replace a tile of k; the pack, and scalar loads, read any layout
@@ -442,6 +448,30 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
     return Schedule(
         None, output_order, (), tuple(nests), None, tuple(transposes), total, tuple(reasons), leaf_total
     )
+
+
+def _grouped_pack_sources(nest: Nest, tile: RegisterTile, factors: list[Factor], term: Term,
+                          infos: Sequence[OperandInfo], dims: dict[str, int], itemsize: int, target: Target,
+                          reasons: list[str]) -> tuple[RegisterTile, tuple[int, ...], float]:
+    """(tile, factors read in place, change of the nest's cost) of a packed grouped tile
+    whose packs may read a copied vector factor where it is (``microkernel.grouped_pack_sources``):
+    each factor packed in place is read in its memory order, its copy's cost replaced by
+    its transposing packs'; ``reasons`` gets each choice."""
+    layouts = {n: term.factors[n].indices for n in tile.packed
+               if not factors[n].in_place and infos[term.factors[n].operand].layout is None}
+    sources = microkernel.grouped_pack_sources(tile, nest.order, layouts, dims, itemsize, target)
+    change = 0.0
+    for source in sources:
+        reasons.append(f"term {nest.term}: {source.describe()}")
+        if source.in_place:
+            f = factors[source.factor]
+            change += source.transposing_cycles / target.cycles_per_cost_unit - f.transpose_cost \
+                - target.relayout_cycles / target.cycles_per_cost_unit
+            memory = layouts[source.factor]
+            factors[source.factor] = replace(f, levels=sorted(f.levels, key=lambda level: memory.index(level[0])),
+                                             natural=True, in_place=True)
+    in_place = tuple(source.factor for source in sources if source.in_place)
+    return replace(tile, transposed=in_place), in_place, change
 
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Target) -> Schedule:

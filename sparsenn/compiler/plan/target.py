@@ -156,6 +156,13 @@ class Target:
         """(rows, columns) of a dot tile's sums: 4 x 4 with 32 vector registers, else 4 x 2."""
         return 4, self.register_tile_vectors
 
+    def bytes_per_cycle(self, nbytes: float) -> float:
+        """Bytes per cycle one core reads ``nbytes`` at, from the nearest level they fit in."""
+        if nbytes <= self.l2_bytes:
+            return self.l2_bytes_per_cycle
+        in_llc = nbytes <= self.llc_share * self.llc_bytes
+        return self.llc_bytes_per_cycle if in_llc else self.dram_bytes_per_cycle
+
     def lanes(self, itemsize: int) -> int:
         """Elements of ``itemsize`` bytes per SIMD vector."""
         return max(self.vector_bytes // itemsize, 1)
