@@ -159,7 +159,7 @@ def test_a_batch_major_input_is_packed_where_it_is(machine, fmt):
     assert not sched.transposes
     with use_target(machine):
         text = sparsenn.explain("bi,oi->bo", x, w)
-    assert "factor 0 packed where it is: transposing blocks in its packs" in text
+    assert "factor 0 packed where it is, not copied into loop order: transposing blocks in its packs" in text
     assert "re-stored in mode order" not in text
 
 

@@ -185,7 +185,8 @@ class PackSource:
         transposing = f"transposing blocks in its packs ({self.transposing_cycles:.3g} cycles)"
         relayout = f"re-laying it out at every call ({self.relayout_cycles:.3g} cycles)"
         if self.in_place:
-            return f"factor {self.factor} packed where it is: {transposing} rather than {relayout}"
+            return (f"factor {self.factor} packed where it is, not copied into loop order: {transposing} "
+                    f"rather than {relayout}")
         return f"factor {self.factor} re-laid out: {relayout} rather than {transposing}"
 
 
