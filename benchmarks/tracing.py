@@ -112,7 +112,8 @@ def specs(compile_times: dict, quick: bool) -> list[tuple[str, str, Callable[[],
     out = [("mlp", "batch 64", lambda: mlp(64)), ("mlp", "dense nn.Linear MLP, batch 64 (torch only)", dense_mlp)]
     if not quick:
         out += [("mlp", "batch 4096", lambda: mlp(4096)), ("gcn", "20k nodes, 200k edges", gcn),
-                ("attention", "L=2048 b=1", lambda: attention(2048)), ("attention", "L=4096 b=1", lambda: attention(4096)),
+                ("attention", "L=2048 b=1", lambda: attention(2048)),
+                ("attention", "L=4096 b=1", lambda: attention(4096)),
                 ("moe", "d 512, hidden 2048, 4096 tokens", moe)]
     return out
 

@@ -125,7 +125,8 @@ from .decisions import VectorReduction
 from .target import Target
 
 __all__ = ["Tile", "RegisterTile", "DotTile", "PackSource", "register_tiled_order", "registers", "block_sums",
-           "dot_tile", "grouped_pack_sources", "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS", "PACKED_CHUNKS_PER_THREAD"]
+           "dot_tile", "grouped_pack_sources", "REGISTER_TILE_MARGIN", "MIN_PACKED_REDUCTION", "MIN_PACKED_ROWS",
+           "PACKED_CHUNKS_PER_THREAD"]
 
 REGISTER_TILE_MARGIN = 1.5  # a register-tiled order may cost this much more than the cheapest (module doc)
 MIN_PACKED_REDUCTION = 16  # fewer steps of d: the strip's rows fit in the L1 sets they share
