@@ -27,12 +27,11 @@ empty (its ``M`` is ``-inf`` and ``Z`` is 0, but no kernel reads them there).
 
 from __future__ import annotations
 
-import functools
 import operator
 
 import torch
 
-from sparsenn.compiler import CompiledExpression, compile_expression
+from sparsenn.compiler import CompiledExpression, compile_expression, compiled_once
 from sparsenn.formats import SparseTensor
 
 __all__ = ["softmax", "log_softmax", "softmax_program"]
@@ -53,12 +52,12 @@ def _indices(rank: int, dim: int) -> tuple[str, str, str]:
     return ",".join(full), ",".join(full[:dim] + full[dim + 1:]), full[dim]
 
 
-@functools.lru_cache(maxsize=None)
+@compiled_once
 def _softmax(rank: int, dim: int) -> CompiledExpression:
     return compile_expression(softmax_program(rank, dim))
 
 
-@functools.lru_cache(maxsize=None)
+@compiled_once
 def _log_softmax(rank: int, dim: int) -> CompiledExpression:
     full, rows, j = _indices(rank, dim)
     return compile_expression(

@@ -5,6 +5,10 @@ mask."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -125,3 +129,30 @@ def test_compiled_call_with_a_dense_format_sparse_operand():
     product = torch.compile(lambda a, b: sparsenn.einsum("ij,jk->ik", a, b, out_format="dense"), fullgraph=True)
     with torch.no_grad():
         torch.testing.assert_close(product(a, b), a.to_dense() @ b.to_dense())
+
+
+_TRACED_PROGRAMS = textwrap.dedent("""
+    import warnings
+    import torch
+    import sparsenn
+    warnings.simplefilter("always")
+    layer = sparsenn.BlockSparseAttention(32, 2, block_size=16, batch_first=True, seed=0).eval()
+    S = sparsenn.from_dense(torch.randn(8, 8) * (torch.rand(8, 8) < 0.5), format="csr")
+    softmax = lambda v: sparsenn.softmax(S.with_values(v), -1).values
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        out = torch.compile(layer, fullgraph=True, backend="aot_eager")(torch.randn(2, 128, 32), need_weights=False)[0]
+        probs = torch.compile(softmax, fullgraph=True, backend="aot_eager")(S.values)
+    assert out.shape == (2, 128, 32) and probs.shape == S.values.shape
+    print(sum("lru_cache" in str(w.message) for w in caught))
+""")
+
+
+def test_traced_attention_and_softmax_find_their_programs_without_warnings():
+    """The programs of BlockSparseAttention and sparsenn.softmax are kept per
+    configuration in plain dicts (``compiled_once``), which a traced call reads: Dynamo
+    traces through an ``lru_cache`` wrapper instead and warns that it does (once per
+    process: hence a fresh one)."""
+    done = subprocess.run([sys.executable, "-c", _TRACED_PROGRAMS], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "0", done.stderr[-3000:]
+

@@ -97,7 +97,7 @@ from .backend.jit import CompilerNotFoundError, KernelBuildError
 from .frontend.notation import NotationError
 from .frontend.operators import ARITHMETIC
 from .plan.target import Target
-from .api import CompiledExpression, compile_expression, einsum, explain, use_target
+from .api import CompiledExpression, compile_expression, compiled_once, einsum, explain, use_target
 from .runtime.cache import cache_stats, clear_caches
 from .runtime.memory import poison_outputs, set_output_pool_limit
 from .runtime.ops import evaluate_op as _evaluate_op  # registers the sparsenn::evaluate ops that traces record
@@ -107,6 +107,7 @@ install_arithmetic(replace(ARITHMETIC, einsum=einsum))  # SparseTensor's + - * @
 __all__ = [
     "einsum",
     "compile_expression",
+    "compiled_once",
     "explain",
     "CompiledExpression",
     "NotationError",

@@ -7,7 +7,8 @@ operands are cast first (:mod:`.runtime.autocast`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -36,8 +37,8 @@ from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
 
-__all__ = ["einsum", "compile_expression", "explain", "plan", "kernel_schedule", "use_target", "parse",
-           "describe_schedule", "CompiledExpression"]
+__all__ = ["einsum", "compile_expression", "compiled_once", "explain", "plan", "kernel_schedule", "use_target",
+           "parse", "describe_schedule", "CompiledExpression"]
 
 def einsum(equation: str, *operands, out_format=None):
     """Einstein summation over dense ``torch.Tensor`` and :class:`SparseTensor` operands.
@@ -271,6 +272,22 @@ def compile_expression(text: str, out_format=None, returns: str | Sequence[str] 
     Errors in the text are :class:`NotationError` s with the column and a caret.
     """
     return CompiledExpression(text, out_format, returns)
+
+
+def compiled_once(build: Callable[..., CompiledExpression]) -> Callable[..., CompiledExpression]:
+    """``build`` (arguments -> a :class:`CompiledExpression`) run once per arguments,
+    kept in a plain dict: a call traced by ``torch.compile`` reads what an earlier call
+    built, where Dynamo would trace through a ``functools.lru_cache`` wrapper (and warn
+    that it does)."""
+    built: dict[tuple, CompiledExpression] = {}
+
+    @functools.wraps(build)
+    def once(*args) -> CompiledExpression:
+        expression = built.get(args)
+        if expression is None:
+            expression = built[args] = build(*args)
+        return expression
+    return once
 
 
 def plan(equation: str, *operands, out_format=None) -> Plan:

@@ -27,7 +27,6 @@ empty: its output is zero.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 
@@ -35,7 +34,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from sparsenn.compiler import CompiledExpression, compile_expression, einsum
+from sparsenn.compiler import CompiledExpression, compile_expression, compiled_once, einsum
 from sparsenn.compiler.runtime.tracing import tracing
 from sparsenn.formats import SparseTensor, from_dense
 from sparsenn.functional import softmax_program
@@ -59,7 +58,7 @@ def _scores(scale: float, padded: bool, entries: bool = False) -> str:
     return f"S<Mask>[i0,i1,i2,i3] = {scale!r} * Q[i0,i1,i2,d] * K[i0,i1,i3,d]{bias}"
 
 
-@functools.lru_cache(maxsize=None)
+@compiled_once
 def _probabilities(scale: float, padded: bool, entries: bool = False) -> CompiledExpression:
     """``P = softmax(S)`` of the scores :func:`_scores`, over ``(M, Q, K[, bias])``: one
     program, whose statements the planner fuses into one kernel (per block row: its
@@ -67,7 +66,7 @@ def _probabilities(scale: float, padded: bool, entries: bool = False) -> Compile
     return compile_expression(softmax_program(4, 3, _scores(scale, padded, entries)))
 
 
-@functools.lru_cache(maxsize=None)
+@compiled_once
 def _attention(scale: float, padded: bool, entries: bool = False, weights: bool = False) -> CompiledExpression:
     """``O = P V`` over ``(M, Q, K[, bias], V)``: :func:`_probabilities`, then the block
     SpMM of each block row of ``P`` by ``V``, fused with them; ``(O, P)`` with ``weights``."""
