@@ -235,8 +235,7 @@ def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Ope
     ``DENSE_COPY_COST``: its copy is in the schedule's cost already."""
     copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
     panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
-    per_element = target.cache_line_bytes + itemsize
-    return sum(math.prod(infos[n].shape) * per_element / target.bytes_per_cycle(math.prod(infos[n].shape) * itemsize)
+    return sum(target.across_rows_cycles(math.prod(infos[n].shape), itemsize)
                for n in copied - panelled if infos[n].format is None)
 
 

@@ -392,8 +392,7 @@ def grouped_pack_sources(tile: RegisterTile, order: Sequence[str], layouts: dict
             continue
         elements = dims[d] * dims[e] * dims[k]
         transposing = PACKED_CHUNKS_PER_THREAD * elements * math.log2(lanes) / lanes
-        relayout = (elements * (target.cache_line_bytes + itemsize) / target.bytes_per_cycle(elements * itemsize)
-                    + target.relayout_cycles)
+        relayout = target.across_rows_cycles(elements, itemsize) + target.relayout_cycles
         sources.append(PackSource(n, transposing < relayout, transposing, relayout))
     return tuple(sources)
 

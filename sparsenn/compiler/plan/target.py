@@ -163,6 +163,11 @@ class Target:
         in_llc = nbytes <= self.llc_share * self.llc_bytes
         return self.llc_bytes_per_cycle if in_llc else self.dram_bytes_per_cycle
 
+    def across_rows_cycles(self, elements: float, itemsize: int) -> float:
+        """Cycles of copying ``elements`` read across their rows (into another mode
+        order): a cache line per element, at the rate of the level their bytes fit in."""
+        return elements * (self.cache_line_bytes + itemsize) / self.bytes_per_cycle(elements * itemsize)
+
     def lanes(self, itemsize: int) -> int:
         """Elements of ``itemsize`` bytes per SIMD vector."""
         return max(self.vector_bytes // itemsize, 1)
