@@ -467,9 +467,49 @@ def band_matrix(cells: list[dict]) -> list[str]:
         for _, first, last in BATCH_BANDS:
             values = [speedup(c) for c in cells if in_band(sparsity_fraction(c["sparsity"]), low, high)
                       and first <= c["batch"] <= last]
-            row.append(f"{math.exp(statistics.fmean(map(math.log, values))):.2f} ({len(values)})" if values else "—")
+            row.append(f"{geometric_mean(values):.2f} ({len(values)})" if values else "—")
         rows.append(row)
     return markdown_table(["sparsity \\ batch", *(label for label, _, _ in BATCH_BANDS)], rows)
+
+
+def geometric_mean(values: list[float]) -> float | None:
+    return math.exp(statistics.fmean(map(math.log, values))) if values else None
+
+
+def ratio_over(cells: list[dict], alternative: str) -> float | None:
+    """Geometric mean of ``alternative``'s time over sparsenn's, over the cells measuring it."""
+    return geometric_mean([c[alternative] / c["sparsenn_ms"] for c in cells
+                           if isinstance(c.get(alternative), (int, float)) and c[alternative] > 0])
+
+
+def target_rows(cells: list[dict]) -> list[str]:
+    """Issue #33's targets over the fp32 cells, one column per thread count: the worst
+    cell (no cell below 0.9x the faster alternative), and forward geometric means for
+    sparsity >= 80 % at batch >= 8 and for batch 1 at 90 % on layers 1024 wide and wider."""
+    threads = sorted({c["threads"] for c in cells})
+
+    def row(label: str, value) -> list:
+        values = [value([c for c in cells if c["threads"] == t]) for t in threads]
+        return [label, *(f"{v:.2f}" if v is not None else "—" for v in values)]
+
+    def forward(mine: list[dict], sparsity: float, batch) -> list[dict]:
+        return [c for c in mine if c["pass"] == "forward" and batch(c["batch"])
+                and sparsity_fraction(c["sparsity"]) >= sparsity - 1e-9]
+
+    def wide_b1(mine: list[dict]) -> list[dict]:
+        return [c for c in forward(mine, 0.9, lambda b: b == 1) if in_band(sparsity_fraction(c["sparsity"]), 0.9, 0.9)
+                and min(int(n) for n in c["shape"].split("x")) >= 1024]
+
+    rows = [row("worst cell, every pass: faster / sparsenn (target ≥ 0.9)",
+                lambda mine: min(map(speedup, mine), default=None)),
+            row("sparsity ≥ 80 %, batch ≥ 8, forward: dense / sparsenn (target ≥ 2.65)",
+                lambda mine: ratio_over(forward(mine, 0.8, lambda b: b >= 8), "dense_ms")),
+            row("the same cells: torch.sparse / sparsenn (target ≥ 1.7)",
+                lambda mine: ratio_over(forward(mine, 0.8, lambda b: b >= 8), "torch_sparse_ms")),
+            row("batch 1 at 90 %, 1024 wide and wider, forward: dense / sparsenn (target ≥ 3)",
+                lambda mine: ratio_over(wide_b1(mine), "dense_ms"))]
+    return markdown_table(["fp32 target", *(f"{t} thread{'s' if t > 1 else ''}" for t in threads)],
+                          rows)
 
 
 def sweep_section(results: Path) -> list[str]:
@@ -506,7 +546,8 @@ def sweep_section(results: Path) -> list[str]:
                                c["threads"], c["pass"], float(c["sparsenn_ms"]), c.get("dense_ms"),
                                c.get("torch_sparse_ms"), f"{speedup(c):.2f}"] for c in worst]),
              "", "Geometric mean of faster / sparsenn over every cell of a band (cells in brackets):", "",
-             *band_matrix(cells)]
+             *band_matrix(cells), "", "Issue #33's targets:", "",
+             *target_rows([c for c in everything if c.get("dtype") == "float32"])]
     heatmap = (results / "sweep" / "heatmap.png").exists()
     return lines + ["", f"![faster alternative / sparsenn over the sweep]({HEATMAP})" if heatmap
                     else "No heat map yet (`benchmarks/results/sweep/heatmap.png`)."]

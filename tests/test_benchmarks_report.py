@@ -66,4 +66,9 @@ def test_the_sweep_lists_the_worst_cells_and_the_geometric_mean_per_band(tmp_pat
     assert [row.split(" | ")[-1] for row in worst] == ["0.50 |", "2.00 |", "3.00 |"]
     assert "| 80–90 % | 1.00 (2) | — | — | — |" in lines
     assert "| ≥ 95 % | — | — | — | 3.00 (1) |" in lines
+    targets = {line.split(" | ")[0]: line.split(" | ")[1:] for line in lines if "target ≥" in line}
+    assert targets["| worst cell, every pass: faster / sparsenn (target ≥ 0.9)"] == ["0.50 |"]
+    assert targets["| sparsity ≥ 80 %, batch ≥ 8, forward: dense / sparsenn (target ≥ 2.65)"] == ["3.00 |"]
+    assert targets["| the same cells: torch.sparse / sparsenn (target ≥ 1.7)"] == ["— |"]
+    assert targets["| batch 1 at 90 %, 1024 wide and wider, forward: dense / sparsenn (target ≥ 3)"] == ["2.00 |"]
     assert lines[-1].startswith("No heat map yet")
