@@ -46,7 +46,8 @@ depends on where the suite runs).
   output loops until they span ``team_coordinates`` coordinates.
 * **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
   against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
-  product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
+  product reaches ``gemm_efficiency`` (the host's measured from torch's GEMM:
+  ``plan/calibrate.py``); ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
   and ``dram_bytes_per_cycle`` one core reads from its L2, the last-level cache (of
   which it can count on ``llc_share``: the rest belongs to other cores, and on a VM to
   other tenants) and memory; ``cycles_per_cost_unit``
@@ -68,7 +69,7 @@ from __future__ import annotations
 import os
 import platform
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 __all__ = ["Target"]
@@ -168,6 +169,16 @@ class Target:
         order): a cache line per element, at the rate of the level their bytes fit in."""
         return elements * (self.cache_line_bytes + itemsize) / self.bytes_per_cycle(elements * itemsize)
 
+    def blocked_copy_cycles(self, elements: float, itemsize: int) -> float:
+        """Cycles of torch's blocked copy of ``elements`` read across their rows, which
+        uses every line it reads while a block of rows is in the L1: ``max(elements ·
+        (line + itemsize) / bw_L2, 2 · bytes / bw)``, a line per element at the L2's rate
+        wherever they live, at least their bytes read and written at the rate of the
+        level they fit in."""
+        nbytes = elements * itemsize
+        return max(elements * (self.cache_line_bytes + itemsize) / self.l2_bytes_per_cycle,
+                   2 * nbytes / self.bytes_per_cycle(nbytes))
+
     def lanes(self, itemsize: int) -> int:
         """Elements of ``itemsize`` bytes per SIMD vector."""
         return max(self.vector_bytes // itemsize, 1)
@@ -181,11 +192,16 @@ class Target:
     @lru_cache(maxsize=1)
     def host() -> Target:
         """The machine this process runs on: vector width from the architecture and
-        CPU flags, cache sizes from sysfs (defaults where they cannot be read)."""
+        CPU flags, cache sizes from sysfs (defaults where they cannot be read), BLAS's
+        efficiency measured once per host (``plan/calibrate.py``)."""
+        from .calibrate import host_gemm_efficiency  # imports torch and the back end: only when asked
+
         l1, l2, llc = _cache_sizes()
         vector_bytes, widest, registers = _host_vectors()
-        return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l1_bytes=l1,
-                      l2_bytes=l2, llc_bytes=llc)
+        target = Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers,
+                        l1_bytes=l1, l2_bytes=l2, llc_bytes=llc)
+        peak = 2 * (widest // 4) * target.fma_per_cycle  # fp32 flops a cycle, as dense_product_cycles counts them
+        return replace(target, gemm_efficiency=host_gemm_efficiency(peak, target.gemm_efficiency))
 
 
 ACTIVE_TARGET: ContextVar[Target | None] = ContextVar("sparsenn_target", default=None)
