@@ -6,8 +6,8 @@ FMA peak, ``2 · lanes · fma_per_cycle`` flops a cycle. On the host that fracti
 measured rather than assumed: torch's own product in a linear layer's form,
 ``x @ wᵀ`` with ``x`` of :data:`GEMM_SHAPE` ``(rows, inner)`` and ``w`` of ``(outer,
 inner)`` (a weight past the L2, as the dense path's are; a cube that fits the L2 runs
-faster than any layer does), fp32 on one thread, the fastest of :data:`REPEATS` runs after
-a warm-up (about 10 ms in all), gives
+faster than any layer does), fp32 on one thread, the fastest of :data:`REPEATS` runs in
+the thread's CPU time after a warm-up (about 10 ms in all), gives
 
     gemm_efficiency = flops / (seconds · clock_hz · peak_flops_per_cycle)
 
@@ -35,12 +35,12 @@ import torch
 
 from ..backend.jit import cache_dir, cpu_identity
 
-__all__ = ["GemmMeasurement", "host_gemm_efficiency", "measure_gemm", "read_measurement", "measurement_path",
+__all__ = ["GemmMeasurement", "host_gemm_efficiency", "host_key", "measure_gemm", "read_measurement", "measurement_path",
            "EFFICIENCY_ENV", "GEMM_SHAPE", "REPEATS", "NOMINAL_CLOCK_HZ"]
 
 EFFICIENCY_ENV = "SPARSENN_GEMM_EFFICIENCY"
 GEMM_SHAPE = (64, 1024, 1024)  # (rows, inner, outer): 134 Mflop, about 2 ms
-REPEATS = 4
+REPEATS = 5
 NOMINAL_CLOCK_HZ = 3.0e9
 _MAX_FREQ = "/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq"  # kHz
 
@@ -73,7 +73,7 @@ def host_gemm_efficiency(peak_flops_per_cycle: float, default: float) -> float:
         except ValueError:
             return default
         return value if 0 < value <= 1 else default
-    host = _host_key()
+    host = host_key()
     try:
         path = measurement_path(cache_dir(), host)
     except OSError:
@@ -91,7 +91,7 @@ def host_gemm_efficiency(peak_flops_per_cycle: float, default: float) -> float:
 
 
 def measurement_path(directory: pathlib.Path, host: str) -> pathlib.Path:
-    """Where the measurement of ``host`` (:func:`_host_key`'s text) is recorded."""
+    """Where the measurement of ``host`` (:func:`host_key`'s text) is recorded."""
     return directory / f"gemm-{hashlib.sha256(host.encode()).hexdigest()[:16]}.json"
 
 
@@ -113,12 +113,18 @@ def read_measurement(path: pathlib.Path, host: str, peak_flops_per_cycle: float)
 
 
 def measure_gemm(host: str, peak_flops_per_cycle: float) -> GemmMeasurement:
-    """Time torch's fp32 ``x @ wᵀ`` of :data:`GEMM_SHAPE` on one thread: the fastest of
-    :data:`REPEATS` runs after one warm-up."""
+    """Time torch's fp32 ``x @ wᵀ`` of :data:`GEMM_SHAPE` on one thread, in the thread's
+    CPU time (other processes on the core do not count): the fastest of :data:`REPEATS`
+    runs after one warm-up. RuntimeError while a tracer records torch's
+    ops or they make stand-ins (fake tensors): the host is then modelled by default."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        raise RuntimeError("a tracer records torch's ops: nothing to time")
     rows, inner, outer = GEMM_SHAPE
     generator = torch.Generator().manual_seed(0)
     x, w = torch.rand(rows, inner, generator=generator), torch.rand(outer, inner, generator=generator)
     out = torch.empty(rows, outer)
+    if type(out) is not torch.Tensor:  # a mode (fake tensors) makes stand-ins that take no time
+        raise RuntimeError("torch's ops make stand-ins here: nothing to time")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -126,9 +132,9 @@ def measure_gemm(host: str, peak_flops_per_cycle: float) -> GemmMeasurement:
             torch.mm(x, w.t(), out=out)
             best = math.inf
             for _ in range(REPEATS):
-                start = time.perf_counter()
+                start = time.thread_time()
                 torch.mm(x, w.t(), out=out)
-                best = min(best, time.perf_counter() - start)
+                best = min(best, time.thread_time() - start)
     finally:
         torch.set_num_threads(threads)
     if not 0 < best < math.inf:
@@ -146,7 +152,7 @@ def _record(path: pathlib.Path, measurement: GemmMeasurement) -> None:
         temporary.unlink(missing_ok=True)
 
 
-def _host_key() -> str:
+def host_key() -> str:
     """The CPU (model and flags, hashed) and torch version a measurement holds for."""
     return f"cpu {cpu_identity()}, torch {torch.__version__}"
 
