@@ -1,6 +1,8 @@
 """The dense path's weighing in cycles: the sparse kernel at least streams its operands,
-a dense operand's re-layout runs at a blocked copy's rate, BLAS at the machine's
-``gemm_efficiency``; ``explain`` shows both costs whichever wins."""
+a dense operand's re-layout runs at a blocked copy's rate, gathers from the share of
+their rows the L2 holds at its gather rate, BLAS at the machine's ``gemm_efficiency``
+over whole register tiles, the dense path's own work per call; ``explain`` shows both
+costs whichever wins."""
 
 import dataclasses
 import math
@@ -11,7 +13,8 @@ import torch
 import sparsenn
 from _machines import AVX2, AVX512
 from sparsenn.compiler.api import parse
-from sparsenn.compiler.plan.dense_path import relayout_cycles, schedule_cycles, stream_cycles
+from sparsenn.compiler.plan.dense_path import (dense_product_cycles, gather_cycles_per_byte, relayout_cycles,
+                                               schedule_cycles, stream_cycles)
 from sparsenn.compiler.plan.planner import operand_infos
 from sparsenn.compiler.runtime.evaluate import DensifiedCall, route, weighed_dense_path
 from sparsenn.compiler.runtime.validate import check_call
@@ -80,3 +83,56 @@ def test_an_input_copied_into_the_loop_order_costs_a_blocked_copy(target):
     assert copied == pytest.approx(128 * 3703 * (target.cache_line_bytes + 4) / target.l2_bytes_per_cycle)
     assert dense.relayout_cycles == pytest.approx(copied)
     assert math.prod(x.shape) * 4 > target.l2_bytes
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_a_narrow_blas_product_costs_whole_register_tiles_of_its_rows(target):
+    # Out[b, o] of 64 x 1024 inputs: BLAS computes its rows of o two widest vectors at a
+    # time, so 7 outputs cost as many flops as a whole tile (16 floats on AVX2, 32 on AVX-512)
+    tile = target.blas_tile_vectors * target.widest_vector_bytes // 4
+
+    def cycles(outputs):
+        return dense_product_cycles(LAYER, [(64, 1024), (outputs, 1024)], 4, target)
+
+    assert cycles(7) == cycles(1) == cycles(tile)
+    assert cycles(tile + 1) == pytest.approx(2 * cycles(tile))
+    assert cycles(4 * tile) == pytest.approx(4 * cycles(tile))
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("density", [0.5, 0.3])
+def test_the_dense_paths_own_work_keeps_a_narrow_layer_on_its_kernel(target, density):
+    # 128 -> 7 at batch 64: a BLAS near its peak computes it in a few thousand cycles,
+    # but the dense path's own work per call (finding and checking its copy, the BLAS
+    # call, the finite check) costs far more than the kernel
+    w, x = weight(7, 128, density), torch.randn(64, 128)
+    with sparsenn.compiler.use_target(dataclasses.replace(target, gemm_efficiency=0.9)):
+        routed, dense = weighed(x, w)
+    assert not isinstance(routed, DensifiedCall) and not dense.taken
+    assert dense.dense_cycles > target.dense_call_cycles > dense.sparse_cycles
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_gathers_are_costed_by_the_share_of_their_rows_the_l2_holds(target):
+    l2 = target.l2_bytes
+    assert gather_cycles_per_byte(target.l1_bytes, target) == 1 / target.l2_bytes_per_cycle
+    assert gather_cycles_per_byte(l2, target) == 1 / target.gather_bytes_per_cycle
+    assert gather_cycles_per_byte(4 * l2, target) == pytest.approx(
+        0.25 / target.gather_bytes_per_cycle + 0.75 / target.llc_bytes_per_cycle)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("inputs, outputs, dense", [(1024, 4096, False), (4096, 1024, True)],
+                         ids=["half-held", "past-the-l2"])
+def test_a_blas_near_its_peak_takes_a_layer_whose_gathered_input_the_l2_does_not_hold(target, inputs, outputs,
+                                                                                         dense):
+    # batch 256, 30 % of the weight stored, an L2 of 512 KiB, BLAS at 25.6 flops a cycle:
+    # the kernel gathers 1 KiB rows of X (inputs x 256 floats), half of them from the L2
+    # at 1024 inputs (the kernel is kept), an eighth at 4096 (BLAS takes it)
+    machine = dataclasses.replace(target, l2_bytes=512 << 10, gemm_efficiency=0.8 * 32 / target.widest_vector_bytes)
+    w, x = weight(outputs, inputs, 0.3), torch.randn(256, inputs)
+    with sparsenn.compiler.use_target(machine):
+        routed, weighing = weighed(x, w)
+    kernel = routed.shaped if isinstance(routed, DensifiedCall) else routed
+    assert "".join(kernel.schedule.nests[0].order) == "oib"
+    assert isinstance(routed, DensifiedCall) == dense == weighing.taken

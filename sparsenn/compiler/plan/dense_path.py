@@ -9,12 +9,16 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   scaled from the fill it was planned for (stored positions rounded to a power of two,
   so that plans are shared) to the operand's, or, when more, the time its gathers take
   to arrive (:func:`gather_cycles`): every leaf iteration reads an element of each dense
-  factor at the sparse operand's stored coordinates (``X[b, crd]``), from the level its
-  working set fits in; the working set being the factor's extents from the gathering
-  loop inwards (``o, i, b`` over ``X[b, i]``: all of ``X``, read again for every row;
-  ``b, o, i``: one row of ``X``). The cost model counts steps, not where their operands
-  come from: an SpMM whose gathered rows overflow the L2 runs at the last-level cache's
-  bandwidth. Nor does it count the bytes a kernel streams once: the kernel takes at least
+  factor at the sparse operand's stored coordinates (``X[b, crd]``), the working set
+  being the factor's extents from the gathering loop inwards (``o, i, b`` over
+  ``X[b, i]``: all of ``X``, read again for every row; ``b, o, i``: one row of ``X``).
+  Rows gathered at random coordinates give the prefetcher no stream to follow: the L2
+  delivers them at ``gather_bytes_per_cycle`` (17-20 bytes a cycle for rows of 256 B to
+  1 KiB on a Zen 3, where it streams 32), and of a working set past the L2 it holds the
+  share ``L2 / working set``, the rest coming from the level the working set fits in
+  (:func:`gather_cycles_per_byte`; measured on a Zen 3 at 1 KiB rows: 17-20 bytes a
+  cycle from a 1 MiB ``X``, 12 from 4 MiB). The cost model counts steps, not where
+  their operands come from. Nor does it count the bytes a kernel streams once: the kernel takes at least
   the time to read the sparse operand's values and index arrays, the dense operands,
   and to write the result, each from the level it fits in (:func:`stream_cycles`; a
   1024² weight at half its entries, 4 MiB with its int32 coordinates, read from the
@@ -24,10 +28,14 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   level they fit in (the L2, a core's share of the last-level cache, else memory):
   compute-bound with many rows, bound by reading the dense weight with few (a
   matrix-vector product); the host's ``gemm_efficiency`` is measured from torch's GEMM
-  (``plan/calibrate.py``);
-* the dense path's own calls beyond a kernel's launch: the target's
-  ``python_call_cycles`` (finding the copy, one BLAS call with the bias as its ``C``
-  input, the result's sum checked finite: about 7 µs, more than a small kernel takes);
+  (``plan/calibrate.py``). BLAS computes the result's rows (its innermost extent, as
+  BLAS sees it) in register tiles of ``blas_tile_vectors`` widest vectors, so ``F``
+  counts whole tiles: 7 outputs cost as many flops as 16 on AVX2 (``64 x 128 -> 7``
+  takes 11.5 µs, ``-> 16`` 9.9 µs on a Zen 3);
+* the dense path's own work per call beyond a kernel's launch: the target's
+  ``dense_call_cycles`` (finding the copy and comparing its snapshot, one BLAS call
+  with the bias as its ``C`` input, the result's sum checked finite, the Python around
+  them: about 37 µs, more than a small kernel takes);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
@@ -84,8 +92,8 @@ from .schedule import Schedule
 from .target import Target
 
 __all__ = ["DensePath", "StepPath", "call_cycles", "dense_path", "dense_product_cycles", "densify_cycles",
-           "gather_cycles", "kernel_cycles", "relayout_cycles", "restore_cycles", "sampling_cycles", "schedule_cycles",
-           "step_path", "stream_cycles"]
+           "gather_cycles", "gather_cycles_per_byte", "kernel_cycles", "relayout_cycles", "restore_cycles",
+           "sampling_cycles", "schedule_cycles", "step_path", "stream_cycles"]
 
 _POSITION_BYTES = 8  # an int64 entry of a re-store's permutation
 _INDEX_BYTES = 4  # an entry of a sparse operand's index arrays (int32, the formats' default)
@@ -140,7 +148,7 @@ def dense_path(assignment: Assignment, infos: Sequence[OperandInfo], stored: Seq
         return None
     checked = 2 * nnz * itemsize
     dense_cycles = (dense_product_cycles(assignment, [info.shape for info in infos], itemsize, target)
-                    + checked / target.bytes_per_cycle(checked) + target.python_call_cycles)
+                    + checked / target.bytes_per_cycle(checked) + target.dense_call_cycles)
     densify = densify_cycles(dense_bytes, nnz, target)
     kernel, restore, relayout = _call_parts(assignment, sched, infos, stored, itemsize, target)
     return DensePath(k, kernel + restore + relayout, dense_cycles, densify, restore, relayout)
@@ -220,15 +228,38 @@ def step_path(operand: int, sparse_calls: Sequence[float], dense_products: Seque
 def dense_product_cycles(assignment: Assignment, shapes: Sequence[tuple[int, ...]], itemsize: int,
                          target: Target) -> float:
     """Cycles of BLAS computing the sum of products ``assignment`` over dense operands of
-    ``shapes`` (see the module doc: compute- or bandwidth-bound; the bytes of the
-    operands its factors read and of its result)."""
+    ``shapes`` (see the module doc: compute- or bandwidth-bound; the flops over whole
+    register tiles of the result's rows; the bytes of the operands its factors read and
+    of its result)."""
     sizes = {i: shapes[a.operand][m] for t in assignment.terms for a in t.factors for m, i in enumerate(a.indices)}
-    flops = sum(2 * math.prod(sizes[i] for i in term.indices) for term in assignment.terms)
+    lanes = target.widest_vector_bytes // itemsize
+    row = _result_row(assignment)
+    extent = math.prod(sizes[i] for i in row)
+    tile = target.blas_tile_vectors * lanes
+    padded = -(-extent // tile) * tile / max(extent, 1)
+    flops = sum(2 * math.prod(sizes[i] for i in term.indices) * (padded if set(row) <= set(term.indices) else 1.0)
+                for term in assignment.terms)
     read = {a.operand for t in assignment.terms for a in t.factors}
     touched = (sum(math.prod(shapes[n]) for n in read) + math.prod(sizes[i] for i in assignment.output)) * itemsize
-    lanes = target.widest_vector_bytes // itemsize
     compute = flops / (2 * lanes * target.fma_per_cycle * target.gemm_efficiency)
     return max(compute, touched / target.bytes_per_cycle(touched))
+
+
+def _result_row(assignment: Assignment) -> tuple[str, ...]:
+    """The result's innermost indices BLAS sees as one extent: the last output index and
+    those before it read by the same factors of every term (``Out[b, i, i']`` of
+    ``dY[b, o] · W[o, i, i']``: ``i, i'``, one row of ``W``)."""
+    if not assignment.output:
+        return ()
+
+    def readers(i: str) -> tuple:
+        return tuple(tuple(n for n, a in enumerate(t.factors) if i in a.indices) for t in assignment.terms)
+
+    last = readers(assignment.output[-1])
+    row = 0
+    while row < len(assignment.output) and readers(assignment.output[-1 - row]) == last:
+        row += 1
+    return tuple(assignment.output[len(assignment.output) - row:])
 
 
 def restore_cycles(assignment: Assignment, sched: Schedule, stored: Sequence[int], itemsize: int,
@@ -305,9 +336,9 @@ def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tupl
                   itemsize: int, target: Target) -> float:
     """Cycles for the dense factors a one-nest schedule gathers at operand ``sparse``'s
     stored coordinates to arrive: its leaf iterations times ``itemsize`` per gathered
-    factor (one holding the innermost loop over the sparse operand's indices), at the
-    bandwidth of the level holding the factor's extents from that loop inwards (see the
-    module doc); 0 without such a factor."""
+    factor (one holding the innermost loop over the sparse operand's indices), at
+    :func:`gather_cycles_per_byte` of the factor's extents from that loop inwards (see
+    the module doc); 0 without such a factor."""
     if len(sched.nests) != 1:
         return 0.0
     nest = sched.nests[0]
@@ -323,5 +354,17 @@ def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tupl
         if access.operand == sparse or nest.order[gathering] not in access.indices:
             continue
         working_set = math.prod(sizes[i] for i in access.indices if i in inner) * itemsize
-        cycles += sched.leaves * itemsize / target.bytes_per_cycle(working_set)
+        cycles += sched.leaves * itemsize * gather_cycles_per_byte(working_set, target)
     return cycles
+
+
+def gather_cycles_per_byte(working_set: float, target: Target) -> float:
+    """Cycles per byte of rows gathered at random coordinates from ``working_set``
+    bytes: within the L1, at the L2's streaming rate (the schedule's cost bounds such a
+    kernel); past it, the share ``h = min(1, L2 / working_set)`` the L2 holds at
+    ``gather_bytes_per_cycle``, the rest at the rate of the level the working set fits
+    in: ``h / bw_gather + (1 - h) / bw``."""
+    if working_set <= target.l1_bytes:
+        return 1 / target.l2_bytes_per_cycle
+    held = min(1.0, target.l2_bytes / working_set)
+    return held / target.gather_bytes_per_cycle + (1 - held) / target.bytes_per_cycle(working_set)
