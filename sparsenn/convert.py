@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 from sparsenn.compiler import Target, use_target
 from sparsenn.compiler.frontend.notation import parse_einsum
 from sparsenn.compiler.plan.dense_path import dense_product_cycles, kernel_cycles, restore_cycles
-from sparsenn.compiler.plan.planner import operand_info
+from sparsenn.compiler.plan.planner import operand_info, operand_infos
 from sparsenn.compiler.api import kernel_schedule
 from sparsenn.formats import Format, SparseTensor
 from sparsenn.layers.linear import SparseLinear, check_weight_format, layer_nnz, resolve_sparsity, shape_problem
@@ -46,7 +46,7 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
     * sparse: the kernels the planner schedules for ``Y``, ``dX`` and ``dW`` sampled on
       the weight's pattern (the cost of their schedules or the arrival of their gathers,
       :func:`~sparsenn.compiler.plan.dense_path.kernel_cycles`, scaled from the fill they
-      were planned for to the weight's, plus re-storing the weight's values at every call when
+      were planned for to the weight's, at least the time their operands take to stream, plus re-storing the weight's values at every call when
       a kernel reads it in another mode order, ``dX``'s ``W[o, i]`` over ``i``:
       :func:`~sparsenn.compiler.plan.dense_path.restore_cycles`; one the planner runs as
       a contraction path, as its dense product), each call paying the target's
@@ -82,7 +82,7 @@ def predicted_speedup(weight: SparseTensor, batch: int = STEP_BATCH, target: Tar
                 stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in operands]
                 # the kernel's terms and factors are the equation's (over split indices for n:m)
                 called = parse_einsum(equation, len(operands))
-                sparse += (kernel_cycles(called, sched, [tuple(op.shape) for op in operands],
+                sparse += (kernel_cycles(called, sched, operand_infos(operands),
                                          [op is weight for op in operands].index(True), scale, itemsize, current)
                            + restore_cycles(called, sched, stored, itemsize, current))
             sparse += current.launch_cycles

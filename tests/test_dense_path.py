@@ -52,11 +52,11 @@ def test_moderate_sparsity_at_a_large_batch_runs_densely_and_high_sparsity_does_
 
 @pytest.mark.parametrize("target, dense", [(AVX2, False), (AVX512, True)], ids=["avx2", "avx512"])
 def test_the_dense_path_pays_where_blas_runs_wider_vectors_than_the_kernel(target, dense):
-    # 90 % of a 1024 x 1024 weight stored, batch 64: the kernel's register block of 64
+    # half of a 1024 x 1024 weight stored, batch 64: the kernel's register block of 64
     # runs 32-byte vectors; BLAS runs 64-byte ones on AVX-512 (the copy and its check
     # are then paid for), the same width on AVX2 (they are not).
     with sparsenn.compiler.use_target(target):
-        assert isinstance(routed("bi,oi->bo", torch.randn(64, 1024), weight(1024, 1024, 0.9)), DensifiedCall) == dense
+        assert isinstance(routed("bi,oi->bo", torch.randn(64, 1024), weight(1024, 1024, 0.5)), DensifiedCall) == dense
 
 
 @pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
@@ -208,13 +208,14 @@ def innermost_route(equation, *operands):
 
 
 @pytest.mark.parametrize("target, size, batch, dense", [
-    (AVX2, 1024, 64, False), (AVX2, 4096, 256, True), (AVX512, 1024, 64, True), (AVX512, 4096, 256, True),
+    (AVX2, 1024, 64, True), (AVX2, 4096, 256, True), (AVX512, 1024, 64, True), (AVX512, 4096, 256, True),
 ], ids=["avx2-1024-64", "avx2-4096-256", "avx512-1024-64", "avx512-4096-256"])
 def test_an_nm_input_gradient_weighs_re_storing_the_weight(target, size, batch, dense):
     # dX = dY · W reads the n:m weight across its rows: the kernel gathers W's values
-    # into the transposed order at every call, a cache line per value. With that cost,
-    # BLAS on 64-byte vectors beats the kernel; on 32-byte vectors it does at 4096²,
-    # where the rows of dY the kernel gathers no longer fit the L2, not at 1024².
+    # into the transposed order at every call, a cache line per value, and gathers the
+    # rows of dY at the L2's gather rate at best. With those costs BLAS beats the kernel
+    # on 64-byte vectors and on 32-byte ones (1024², batch 64, on a Zen 3: the kernel
+    # 4.3 ms, the dense path 2.1-2.4 ms).
     g = torch.Generator().manual_seed(0)
     w = sparsenn.from_dense(torch.randn(size, size, generator=g), format="nm(2,4)")
     dy = torch.randn(batch, size, generator=g)

@@ -47,10 +47,10 @@ def test_no_step_without_a_gradient_of_the_sparse_values(avx2_host):
 
 def test_explain_shows_the_step_and_both_costs(avx2_host):
     layer = sparsenn.SparseLinear(128, 7, sparsity=0.5)
-    text = sparsenn.explain("bi,oi->bo", torch.randn(64, 128), layer.weight)
+    text = sparsenn.explain("bi,oi->bo", torch.randn(256, 128), layer.weight)
     assert "training step (at a layer's call site): dense, through torch's autograd" in text
     assert "against the sparse kernels of the call and its gradients" in text
-    assert "training step" not in sparsenn.explain("bi,oi->bo", torch.randn(64, 128), layer.weight.detach())
+    assert "training step" not in sparsenn.explain("bi,oi->bo", torch.randn(256, 128), layer.weight.detach())
 
 
 def reference(layer, x, grad):

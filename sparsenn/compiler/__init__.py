@@ -33,7 +33,8 @@ One call, from ``SparseLinear.forward`` to the C++ it runs, read in module order
    ``plan/decisions.py``: vector and sparse reductions, row blocks, prefetching loops,
    store-once, ``omp simd``, the output's assembly, threads; the result's types in
    ``plan/nest.py``), all for an explicit machine model (``plan/target.py``: the host's,
-   or one given with ``use_target``). The plan is looked up by those decisions, so every
+   its BLAS efficiency timed once per host by ``plan/calibrate.py``, or one given with
+   ``use_target``). The plan is looked up by those decisions, so every
    batch size with the same decisions shares one kernel. A new plan is lowered, then
    built by ``planner.build_kernel``, the one function that calls the back end:
    ``lower/kernel.py`` builds the loop IR (``loops/ir.py``) of the nests

@@ -32,7 +32,7 @@ from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
 from .runtime.cache import clear_caches, forget_with_caches
 from .runtime.evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, resolved,
-                               route)
+                               route, weighed_dense_path)
 from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
@@ -371,6 +371,10 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         lines.append(routed.dense.describe())
         lines.append("the sparse kernel it was weighed against:")
         routed = routed.shaped
+    else:
+        weighed = weighed_dense_path(assignment, checked, routed)
+        if weighed is not None:
+            lines.append(weighed.describe())
     shown = replace(routed.plan, schedule=routed.schedule)
     if shown.assignment != assignment:
         lines.append(f"as planned (biases and factors the sums do not vary along moved into the epilogue, terms "

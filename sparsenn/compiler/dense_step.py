@@ -38,7 +38,7 @@ from .autograd import _apply, _gradient_expression, _Spec, differentiable_evalua
 from .derivatives import gradient_assignment
 from .frontend.notation import Assignment, parse_einsum
 from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
-                              step_path)
+                              step_path, stream_cycles)
 from .plan.planner import DENSE, ShapePlan, operand_infos
 from .plan.target import Target
 from .runtime.cache import Guard
@@ -88,8 +88,9 @@ def _routed_cycles(assignment: Assignment, operands: Sequence, out_format, targe
     if len(sparse) == 1:
         return call_cycles(routed.plan.assignment, sched, infos, stored, itemsize, target)
     # a sampled gradient reads one pattern twice, as the operand and as its output's mask
-    return (schedule_cycles(sched, target) * stored[sparse[0]] / max(infos[sparse[0]].nnz, 1)
-            + relayout_cycles(routed.plan.assignment, sched, infos, itemsize, target))
+    kernel = max(schedule_cycles(sched, target) * stored[sparse[0]] / max(infos[sparse[0]].nnz, 1),
+                 stream_cycles(routed.plan.assignment, infos, stored, itemsize, target, stored[sparse[0]]))
+    return kernel + relayout_cycles(routed.plan.assignment, sched, infos, itemsize, target)
 
 
 def plan_step(assignment: Assignment, operands: Sequence, out_format) -> StepPath | None:

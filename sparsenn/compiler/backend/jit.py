@@ -349,7 +349,7 @@ def _compiler_version(compiler: tuple[str, ...]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
     """Hash of the CPU model and feature flags, since kernels are built with -march=native."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -377,7 +377,7 @@ def _cache_key(source: str, headers: dict[str, bytes]) -> str:
     """What a built kernel depends on (the cache format, the CPU, the flags, the source and
     its headers), all known without a compiler."""
     digest = hashlib.sha256()
-    texts = [FORMAT_VERSION, _cpu_identity(), " ".join(CXX_FLAGS + GCC_FLAGS), source]
+    texts = [FORMAT_VERSION, cpu_identity(), " ".join(CXX_FLAGS + GCC_FLAGS), source]
     parts = [text.encode() for text in texts]
     for name, contents in headers.items():
         parts += [name.encode(), contents]

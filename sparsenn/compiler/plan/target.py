@@ -46,17 +46,25 @@ depends on where the suite runs).
   output loops until they span ``team_coordinates`` coordinates.
 * **Cycles.** What the dense path (``plan/dense_path.py``) weighs a sparse schedule
   against: ``fma_per_cycle`` vector multiply-adds issued per cycle, of which a BLAS
-  product reaches ``gemm_efficiency``; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
-  and ``dram_bytes_per_cycle`` one core reads from its L2, the last-level cache (of
+  product reaches ``gemm_efficiency`` (the host's measured from torch's GEMM:
+  ``plan/calibrate.py``) over whole register tiles of ``blas_tile_vectors`` widest
+  vectors along its result's rows; ``l2_bytes_per_cycle``, ``llc_bytes_per_cycle``
+  and ``dram_bytes_per_cycle`` one core streams from its L2, the last-level cache (of
   which it can count on ``llc_share``: the rest belongs to other cores, and on a VM to
-  other tenants) and memory; ``cycles_per_cost_unit``
+  other tenants) and memory, ``gather_bytes_per_cycle`` it gathers rows at random
+  coordinates from its L2 at (no stream for the prefetcher to follow: 17-20 for rows of
+  256 B to 1 KiB on a Zen 3, which streams 32); ``cycles_per_cost_unit``
   the cycles of one unit of the scheduler's cost model (``plan/cost.py``: an SpMV costs
   about 6 units per stored entry, 1.5 cycles), in which a vectorised loop does
   ``cost_vector_lanes`` values a step (the calibration's fp32 on 32-byte vectors, kept
   for every dtype and width: the costs it weighs against, BLAS and contraction paths,
-  do not see the width either); ``python_call_cycles`` the cycles of the
-  dense path's own calls in Python and torch (its dispatch and checks) beyond a
-  kernel's launch, ``launch_cycles`` those of a kernel's launch beyond a torch op's
+  do not see the width either); ``python_call_cycles`` the cycles of a torch call
+  made from Python (its dispatch and checks: an autograd node's forward or backward, a
+  BLAS call in place of a fused kernel) beyond a kernel's launch, ``dense_call_cycles``
+  those of the per-call dense path's own work beyond a kernel's launch (finding the
+  kept copy and comparing its snapshot, the BLAS call, the result checked finite, the
+  Python around them: 37 µs against a kernel's launch on a Zen 3, measured on a layer
+  of 8 inputs and 2 outputs), ``launch_cycles`` those of a kernel's launch beyond a torch op's
   (the call's guard, the launcher: what a sparse layer pays over ``F.linear``), and
   ``relayout_cycles`` those of copying a dense operand into a kernel's layout beyond
   its elements (an allocation and a torch copy call, or finding a parameter's kept
@@ -68,7 +76,7 @@ from __future__ import annotations
 import os
 import platform
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 __all__ = ["Target"]
@@ -104,13 +112,16 @@ class Target:
     llc_share: float = 0.25
     dram_bytes_per_cycle: float = 4.0
     cycles_per_cost_unit: float = 0.25
+    gather_bytes_per_cycle: float = 19.0
     python_call_cycles: float = 20_000.0
+    dense_call_cycles: float = 110_000.0
     launch_cycles: float = 16_000.0
     relayout_cycles: float = 5_000.0
     cost_vector_lanes: int = 8
     cache_line_bytes: int = 64
     register_tile_rows: int = 8
     gathered_vectors: int = 2
+    blas_tile_vectors: int = 2
     pack_prefetch_rows: int = 8
     chunks_per_thread: int = 8
     even_range_chunks_per_thread: int = 32
@@ -122,8 +133,8 @@ class Target:
         for name in ("vector_bytes", "widest_vector_bytes", "l1_bytes", "l2_bytes", "llc_bytes",
                      "register_block_vectors", "wide_register_block_vectors", "vector_registers",
                      "sparse_accumulators", "row_block", "row_block_vectors", "cache_line_bytes",
-                     "register_tile_rows", "gathered_vectors", "cost_vector_lanes", "pack_prefetch_rows", "chunks_per_thread",
-                     "even_range_chunks_per_thread", "team_coordinates"):
+                     "register_tile_rows", "gathered_vectors", "blas_tile_vectors", "cost_vector_lanes",
+                     "pack_prefetch_rows", "chunks_per_thread", "even_range_chunks_per_thread", "team_coordinates"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Target.{name} must be a positive int, got {value!r}")
@@ -132,8 +143,8 @@ class Target:
             if value & (value - 1):
                 raise ValueError(f"Target.{name} must be a power of two, got {value}")
         for name in ("fma_per_cycle", "gemm_efficiency", "l2_bytes_per_cycle", "llc_bytes_per_cycle", "llc_share",
-                     "dram_bytes_per_cycle", "cycles_per_cost_unit", "python_call_cycles",
-                     "launch_cycles", "relayout_cycles"):
+                     "dram_bytes_per_cycle", "gather_bytes_per_cycle", "cycles_per_cost_unit",
+                     "python_call_cycles", "dense_call_cycles", "launch_cycles", "relayout_cycles"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
                 raise ValueError(f"Target.{name} must be a positive number, got {value!r}")
@@ -168,6 +179,16 @@ class Target:
         order): a cache line per element, at the rate of the level their bytes fit in."""
         return elements * (self.cache_line_bytes + itemsize) / self.bytes_per_cycle(elements * itemsize)
 
+    def blocked_copy_cycles(self, elements: float, itemsize: int) -> float:
+        """Cycles of torch's blocked copy of ``elements`` read across their rows, which
+        uses every line it reads while a block of rows is in the L1: ``max(elements ·
+        (line + itemsize) / bw_L2, 2 · bytes / bw)``, a line per element at the L2's rate
+        wherever they live, at least their bytes read and written at the rate of the
+        level they fit in."""
+        nbytes = elements * itemsize
+        return max(elements * (self.cache_line_bytes + itemsize) / self.l2_bytes_per_cycle,
+                   2 * nbytes / self.bytes_per_cycle(nbytes))
+
     def lanes(self, itemsize: int) -> int:
         """Elements of ``itemsize`` bytes per SIMD vector."""
         return max(self.vector_bytes // itemsize, 1)
@@ -181,11 +202,16 @@ class Target:
     @lru_cache(maxsize=1)
     def host() -> Target:
         """The machine this process runs on: vector width from the architecture and
-        CPU flags, cache sizes from sysfs (defaults where they cannot be read)."""
+        CPU flags, cache sizes from sysfs (defaults where they cannot be read), BLAS's
+        efficiency measured once per host (``plan/calibrate.py``)."""
+        from .calibrate import host_gemm_efficiency  # imports torch and the back end: only when asked
+
         l1, l2, llc = _cache_sizes()
         vector_bytes, widest, registers = _host_vectors()
-        return Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers, l1_bytes=l1,
-                      l2_bytes=l2, llc_bytes=llc)
+        target = Target(vector_bytes=vector_bytes, widest_vector_bytes=widest, vector_registers=registers,
+                        l1_bytes=l1, l2_bytes=l2, llc_bytes=llc)
+        peak = 2 * (widest // 4) * target.fma_per_cycle  # fp32 flops a cycle, as dense_product_cycles counts them
+        return replace(target, gemm_efficiency=host_gemm_efficiency(peak, target.gemm_efficiency))
 
 
 ACTIVE_TARGET: ContextVar[Target | None] = ContextVar("sparsenn_target", default=None)

@@ -49,7 +49,7 @@ from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
 __all__ = ["evaluate", "build_together", "guarded_run", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
-           "DenseCall", "DensifiedCall"]
+           "DenseCall", "DensifiedCall", "weighed_dense_path"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
@@ -136,14 +136,21 @@ def route(assignment: Assignment, checked: Checked
     if path is not None:
         return path
     shaped = plan_call(folded, infos, checked.request, checked.dtype, checked.index_dtype)
-    if shaped.output_format is None and shaped.anchor is None and shaped.final_format is None:
-        stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
-        dense = dense_path(assignment, infos, stored, shaped.schedule, compute_dtype(checked.dtype).itemsize,
-                           shaped.schedule.target, COPIES.max_bytes)
-        if dense is not None:
-            return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
-                                 (checked.sizes, checked.dtype, checked.index_dtype))
+    dense = weighed_dense_path(assignment, checked, shaped)
+    if dense is not None and dense.taken:
+        return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
+                             (checked.sizes, checked.dtype, checked.index_dtype))
     return shaped
+
+
+def weighed_dense_path(assignment: Assignment, checked: Checked, shaped: ShapePlan) -> DensePath | None:
+    """The dense path of a call planned as ``shaped`` weighed against its kernel
+    (``plan/dense_path.py``), None where it does not apply."""
+    if shaped.output_format is not None or shaped.anchor is not None or shaped.final_format is not None:
+        return None
+    stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
+    return dense_path(assignment, operand_infos(checked.operands), stored, shaped.schedule,
+                      compute_dtype(checked.dtype).itemsize, shaped.schedule.target, COPIES.max_bytes)
 
 
 def path_call(assignment: Assignment, infos, checked: Checked) -> PathCall | EpiloguePathCall | None:
