@@ -244,7 +244,8 @@ class SparseTensor(Constructors):
     # ------------------------------------------------------------ views of storage
     def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:
         """A SparseTensor sharing this tensor's index arrays (and modification record)."""
-        if (fmt is self.format or fmt == self.format) and (shape is self.shape or shape == self.shape):  # new values only
+        # new values only (mostly this tensor's own format and shape: no dataclass comparison)
+        if (fmt is self.format or fmt == self.format) and (shape is self.shape or shape == self.shape):
             view = object.__new__(SparseTensor)
             view.__dict__.update(self.__dict__, values=values)
             return view

@@ -19,8 +19,9 @@ The other tensors are tested together by one call of torch's C++ tensor guards
 (``TensorGuards``, as :func:`.validate.call_guard` does: type, dispatch keys, dtype,
 device, sizes, strides, requires_grad), made at the first replay, in the dispatch state
 the op's calls run in; when that fails, one by one in Python as above. So a repeated
-call costs one guard, a SparseTensor view per sparse operand and the launch. Python is slower inside a compiled graph (Dynamo's frame hook sees every
-function call), which is why this path makes few calls.
+call costs one guard, a SparseTensor view per sparse operand and the launch. Python
+runs cache-cold inside a compiled graph (between Dynamo's and inductor's work), which
+is why this path makes few calls.
 """
 
 from __future__ import annotations
