@@ -156,3 +156,29 @@ def test_traced_attention_and_softmax_find_their_programs_without_warnings():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split()[-1] == "0", done.stderr[-3000:]
 
+
+
+def test_compiled_layers_of_one_expression_leave_no_python_guards():
+    """Two SparseLinears reach SparseTensor, Tensor and their shared expression through
+    one name each (``formats.tensor.is_sparse``, ``call_site._EXPRESSIONS``): Dynamo
+    guards them in C++, without the Python aliasing guards it otherwise evaluates on
+    every compiled call (``G[linear].SparseTensor is G[pattern].SparseTensor``, ...)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch.manual_seed(0)
+    model = nn.Sequential(sparsenn.SparseLinear(48, 32, sparsity=0.8), nn.ReLU(),
+                          sparsenn.SparseLinear(32, 40, sparsity=0.8)).eval()
+    x = torch.randn(8, 48)
+
+    def forward(x):
+        return model(x)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(x)
+        torch.testing.assert_close(torch.compile(forward, fullgraph=True, backend="eager")(x), expected)
+    (entry,) = _debug_get_cache_entry_list(forward.__code__)
+    guards = str(entry.guard_manager)
+    assert "TENSOR_MATCH" in guards
+    aliasing = [line.strip() for line in guards.splitlines() if "LAMBDA_GUARD" in line and " is " in line]
+    assert not aliasing, aliasing

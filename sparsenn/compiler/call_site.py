@@ -28,17 +28,25 @@ from .runtime.evaluate import Run, guarded_run
 
 __all__ = ["CallSite"]
 
+# The expression of each (text, out_format) that sites call: several layers of one
+# expression (each site holding it) then reach it through one name when traced, where a
+# reach through each site's attribute costs a Python guard, on every compiled call, that
+# the objects are one.
+_EXPRESSIONS: dict[tuple[str, str], CompiledExpression] = {}
+
 
 class CallSite:
     """``site(*operands)`` is ``expression(*operands)`` (see the module doc); the
     expression is a single-statement sum of products (:attr:`CompiledExpression.assignment`)."""
 
-    __slots__ = ("expression", "assignment", "out_format", "_held", "_gradients", "_records", "_step",
+    __slots__ = ("expression", "key", "assignment", "out_format", "_held", "_gradients", "_records", "_step",
                  "__weakref__")
 
     def __init__(self, expression: CompiledExpression) -> None:
         if expression.assignment is None or expression.returns is not None:
             raise ValueError(f"a call site needs an expression of one statement, got {expression.text!r}")
+        self.key = (expression.text, repr(expression.out_format))
+        expression = _EXPRESSIONS.setdefault(self.key, expression)
         self.expression, self.assignment, self.out_format = expression, expression.assignment, expression.out_format
         self._held: tuple[Guard, Run] | None = None  # one object: a thread reads a guard with its own run
         self._gradients: dict[int, HeldGradient] = {}
@@ -83,7 +91,7 @@ class CallSite:
     def call(self, operands: tuple):
         """The call through the expression (no guard tried), the site then holding its
         signature unless autocast, a transform or a tracer saw it."""
-        result = self.expression(*operands)
+        result = _EXPRESSIONS[self.key](*operands)
         if unobserved():
             self._held = guarded_run(self.assignment, operands, self.out_format)
             self._gradients = {}  # the gradient calls of the signature held

@@ -244,7 +244,8 @@ class SparseTensor(Constructors):
     # ------------------------------------------------------------ views of storage
     def _share(self, shape: tuple[int, ...], fmt: Format, values: Tensor) -> SparseTensor:
         """A SparseTensor sharing this tensor's index arrays (and modification record)."""
-        if fmt == self.format and shape == self.shape:  # new values only: copy the fields as they are
+        # new values only (mostly this tensor's own format and shape: no dataclass comparison)
+        if (fmt is self.format or fmt == self.format) and (shape is self.shape or shape == self.shape):
             view = object.__new__(SparseTensor)
             view.__dict__.update(self.__dict__, values=values)
             return view
@@ -422,6 +423,21 @@ class SparseTensor(Constructors):
         and ``bsr_array``; other formats give ``csr_array``.
         """
         return export.to_scipy(self)
+
+
+def is_sparse(x: object) -> bool:
+    """Whether ``x`` is a :class:`SparseTensor`. Code that ``torch.compile`` traces asks
+    here, and builds its unchecked tensors with :func:`unchecked_tensor`, so that the
+    tracer reaches the class through this module's name only (a class reached through
+    two modules' names costs a Python guard that they are one, on every compiled call)."""
+    return isinstance(x, SparseTensor)
+
+
+def unchecked_tensor(shape: Sequence[int], fmt: Format, pos: Sequence[Tensor | None], crd: Sequence[Tensor | None],
+                     values: Tensor) -> SparseTensor:
+    """``SparseTensor(shape, fmt, pos, crd, values, check=False)``, for traced code (see
+    :func:`is_sparse`)."""
+    return SparseTensor(shape, fmt, pos, crd, values, check=False)
 
 
 def _dimension(dim: object, ndim: int) -> int:

@@ -20,6 +20,7 @@ from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
 from sparsenn.compiler.call_site import CallSite
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.tensor import is_sparse
 from sparsenn.layers.conventions import FLOAT_DTYPES, factory_kwargs, refuse_onnx_export, refuse_torchscript
 from sparsenn.layers.pattern import PatternBuffers
 
@@ -395,7 +396,7 @@ class SparseLinear(nn.Module):
             if result is not None:
                 return result
         x = self._checked_input(x)
-        if isinstance(x, SparseTensor) or x.dim() == 2:
+        if is_sparse(x) or x.dim() == 2:
             return self._affine(site, x, bias)
         return self._affine(site, x.reshape(-1, self.in_features), bias).reshape(*x.shape[:-1], self.out_features)
 
@@ -416,7 +417,7 @@ class SparseLinear(nn.Module):
                 x = SparseTensor.from_torch(x)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"torch sparse input ({x.layout}) cannot be converted: {exc}") from None
-        if isinstance(x, SparseTensor):
+        if is_sparse(x):
             if x.ndim != 2 or x.shape[1] != self.in_features:
                 raise ValueError(f"sparse input must have shape (batch, {self.in_features}), got {x.shape}")
         elif isinstance(x, Tensor):

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.compiler import is_compiling
 
 from sparsenn.formats import Format, SparseTensor, parse_format
+from sparsenn.formats.tensor import unchecked_tensor
 from sparsenn.formats.tensor import array_version
 from sparsenn.layers.optimizer_state import watch_resized
 
@@ -120,7 +121,7 @@ class PatternBuffers:
         values = module._parameters.get(f"{self.name}_values")
         if is_compiling():  # fake arrays: the traced op validates the real ones (runtime/ops.py)
             pos, crd = self._arrays(module)
-            return SparseTensor(self.shape, self.format, pos, crd, values, check=False)
+            return unchecked_tensor(self.shape, self.format, pos, crd, values)
         checked, unchanged = self._checked, self._unchanged
         if (checked is not None and unchanged is not None and values is not None
                 and values.shape == checked.values.shape and unchanged(module._buffers)):

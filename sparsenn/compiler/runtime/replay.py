@@ -15,9 +15,13 @@ guard over the op's flat arguments and a run:
   (:func:`.evaluate.resolved`), returning the kernel's result when it already has the
   announced layout.
 
-So a repeated call costs one guard, a SparseTensor view per sparse operand and the
-launch. Python is slower inside a compiled graph (Dynamo's frame hook sees every
-function call), which is why this path makes few calls.
+The other tensors are tested together by one call of torch's C++ tensor guards
+(``TensorGuards``, as :func:`.validate.call_guard` does: type, dispatch keys, dtype,
+device, sizes, strides, requires_grad), made at the first replay, in the dispatch state
+the op's calls run in; when that fails, one by one in Python as above. So a repeated
+call costs one guard, a SparseTensor view per sparse operand and the launch. Python
+runs cache-cold inside a compiled graph (between Dynamo's and inductor's work), which
+is why this path makes few calls.
 """
 
 from __future__ import annotations
@@ -31,6 +35,11 @@ from torch import Tensor
 from sparsenn.formats import SparseTensor
 
 from .cache import Guard, LRUCache
+
+try:
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # a torch without them: the Python test alone
+    _TensorGuards = None
 
 __all__ = ["remember", "replay"]
 
@@ -87,15 +96,50 @@ def remember(call: str, tensors: list[Tensor], shapes: list, order: list[int], o
 
 def _guard(tensors: Sequence[Tensor], arrays: set[int], shapes: list, order: list[int]) -> Callable:
     """``guard(ts, (shapes, order))``: the module doc's test, written out for these
-    tensors as one expression (as :func:`.validate.call_guard` is)."""
+    tensors as one expression (as :func:`.validate.call_guard` is): the index arrays by
+    identity and version, the others by torch's tensor guards, else in Python (a pass
+    there makes the tensor guards if none are made yet)."""
     constants: dict[str, object] = {"strided": torch.strided, "shapes": list(shapes), "order": list(order)}
     tests = [f"len(ts) == {len(tensors)}", "detail[0] == shapes", "detail[1] == order"]
+    exact = []
     for k, t in enumerate(tensors):
         if k in arrays:
             constants[f"a{k}"], constants[f"p{k}"], constants[f"v{k}"] = t, t.data_ptr(), t._version
             tests.append(f"ts[{k}] is a{k} and a{k}.data_ptr() == p{k} and a{k}._version == v{k}")
         else:
             constants[f"s{k}"], constants[f"d{k}"], constants[f"st{k}"] = t.shape, t.dtype, t.stride()
-            tests.append(f"(t{k} := ts[{k}]).shape == s{k} and t{k}.dtype is d{k} and t{k}.stride() == st{k} "
+            exact.append(f"(t{k} := ts[{k}]).shape == s{k} and t{k}.dtype is d{k} and t{k}.stride() == st{k} "
                          f"and t{k}.is_cpu and t{k}.layout is strided")
-    return eval(f"lambda ts, detail: {' and '.join(tests)}", constants)
+    checked = ", ".join(f"ts[{k}]" for k in range(len(tensors)) if k not in arrays)
+    if _TensorGuards is None or not checked:
+        return eval(f"lambda ts, detail: {' and '.join(tests + exact)}", constants)
+    layouts = constants["layouts"] = _TensorLayouts()
+    return eval(f"lambda ts, detail: {' and '.join(tests)} and (layouts.check({checked}) "
+                f"or ({' and '.join(exact)} and layouts.make({checked})))", constants)
+
+
+class _TensorLayouts:
+    """torch's C++ guards of some tensors' type, dispatch keys, dtype, device, sizes,
+    strides and requires_grad, made once from tensors that passed the exact test (a
+    TensorGuards checks dispatch keys against the state it was made in)."""
+
+    __slots__ = ("check", "made")
+
+    def __init__(self) -> None:
+        self.check: Callable[..., bool] = _never
+        self.made = False
+
+    def make(self, *tensors: Tensor) -> bool:
+        """Make the guards from ``tensors`` unless made already (or they cannot be); True."""
+        if not self.made:
+            self.made = True
+            try:
+                self.check = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                           dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
+            except (TypeError, RuntimeError):  # tensors the guards cannot describe: the exact test alone
+                pass
+        return True
+
+
+def _never(*tensors: Tensor) -> bool:
+    return False

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from torch import Tensor
 
 from sparsenn.formats import Format, SparseTensor
-from sparsenn.formats.tensor import array_version
+from sparsenn.formats.tensor import array_version, is_sparse
 
 from .cache import LRUCache
 from .callspec import CallSpec, Layout
@@ -27,13 +27,13 @@ def describe(operands: Sequence) -> list:
     layout of a SparseTensor, never its arrays' contents)."""
     parts: list[tuple] = []
     for n, op in enumerate(operands):
-        if not isinstance(op, SparseTensor):
+        if not is_sparse(op):
             parts.append((None, None, None))
             continue
         shares = None
         for m in range(n):
             other = operands[m]
-            if isinstance(other, SparseTensor) and other.format == op.format and other.shape == op.shape and all(
+            if is_sparse(other) and other.format == op.format and other.shape == op.shape and all(
                     (a is None and b is None) or a is b for a, b in zip(op.pos + op.crd, other.pos + other.crd)):
                 shares = m if parts[m][2] is None else parts[m][2]
                 break
@@ -46,7 +46,7 @@ def flatten(operands: Sequence, shares: Sequence[int | None]) -> list[Tensor]:
     one's) and values."""
     tensors: list[Tensor] = []
     for op, shared in zip(operands, shares):
-        if not isinstance(op, SparseTensor):
+        if not is_sparse(op):
             tensors.append(op)
             continue
         if shared is None:
@@ -70,7 +70,7 @@ _patterns: LRUCache[SparseTensor] = LRUCache("traced patterns", 256)
 
 def sparse_shapes(operands: Sequence) -> list[int]:
     """The sparse operands' shapes, concatenated."""
-    return [n for op in operands if isinstance(op, SparseTensor) for n in op.shape]
+    return [n for op in operands if is_sparse(op) for n in op.shape]
 
 
 def split_shapes(spec: CallSpec, shapes: Sequence[int]) -> list[tuple[int, ...] | None]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
+from torch import SymInt, Tensor
 from torch.compiler import is_compiling
 from torch.jit import is_tracing
 from torch.onnx import is_in_onnx_export
@@ -79,11 +79,12 @@ def _static_layouts(call: str, tensors: Sequence[Tensor], shapes: Sequence
     """The ``order`` argument of a traced call and the order the kernel reads each
     tensor in (:func:`planned_layouts`) when every size is static, else contiguous and
     as given. Traced code: sizes are tested with ``has_static_value``, as Dynamo reports
-    a symbolic size's type as ``int`` (``torch.jit.trace`` records sizes as tensors)."""
+    a symbolic size's type as ``int``; ``torch.jit.trace`` records sizes as tensors.
+    Reads no class that the layers read too (see ``formats.tensor.is_sparse``)."""
     dims = [tuple(t.shape) for t in tensors]
     strides = [tuple(t.stride()) for t in tensors]
     sizes = [*shapes, *(n for d in dims for n in d), *(n for d in strides for n in d)]
-    if any(isinstance(n, Tensor) for n in sizes) or not all(has_static_value(n) for n in sizes):
+    if not all(isinstance(n, (int, SymInt)) and has_static_value(n) for n in sizes):
         return [], ((),) * len(tensors)
     order, reads = planned_layouts(call, tuple(t.dtype for t in tensors),
                                    tuple(tuple(int(n) for n in d) for d in dims), tuple(int(n) for n in shapes),
