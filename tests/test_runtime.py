@@ -397,7 +397,8 @@ def test_clear_caches_releases_the_kept_outputs():
     assert cache_stats()["output buffers"].size == 0
 
 
-@pytest.mark.parametrize("shape, layout", [((160, 129), (1, 0)), ((7, 3), (1, 0)), ((1, 1), (1, 0)), ((0, 5), (1, 0)),
+@pytest.mark.parametrize("shape, layout", [((160, 129), (1, 0)), ((160, 128), (1, 0)), ((129, 256), (1, 0)),
+                                           ((7, 3), (1, 0)), ((1, 1), (1, 0)), ((0, 5), (1, 0)),
                                            ((200, 97), (0, 1)), ((3, 5, 4), (2, 0, 1))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_relaid_copy_holds_the_operand_in_its_layout_order(shape, layout, dtype):
@@ -412,8 +413,8 @@ def test_a_relaid_copy_holds_the_operand_in_its_layout_order(shape, layout, dtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_batch_major_input_copied_by_blocks_gives_torchs_product(batch, dtype, host_target):
     host_target(dataclasses.replace(AVX2, python_call_cycles=1e12))  # the kernel, never the dense path
-    w = sp((7, 131), "csr", density=0.5, seed=3, dtype=dtype)
-    x = torch.randn(batch, 131, dtype=dtype)
+    w = sp((7, 128), "csr", density=0.5, seed=3, dtype=dtype)
+    x = torch.randn(batch, 128, dtype=dtype)  # rows 512 or 1024 bytes apart
     if batch >= 129:  # a copy of at least BLOCKED_TRANSPOSE_ELEMENTS, read feature-major by the kernel
         assert x.numel() >= launcher.BLOCKED_TRANSPOSE_ELEMENTS
         assert launch_of("bi,oi->bo", x, w, out_format="dense").stages != ()

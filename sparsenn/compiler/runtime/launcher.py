@@ -339,17 +339,21 @@ def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
 
 
 BLOCKED_TRANSPOSE_ELEMENTS = 1 << 14
+ALIASING_ROW_BYTES = 512
 
 
 def _relaid_copy(t: torch.Tensor, layout: tuple[int, ...] | None) -> torch.Tensor:
-    """``t`` copied into memory with its modes in ``layout`` order (None: as indexed).
-    A matrix of at least :data:`BLOCKED_TRANSPOSE_ELEMENTS` read across its rows is
-    written in the copy's own order from its transposed view: torch then transposes it
-    in cache blocks, where writing a permuted destination stores one scattered element
-    at a time (a 512 x 128 batch: 54 against 100 us; below 128 x 128 the blocks'
-    set-up costs more than they save). Other copies are written through the permuted
-    destination (:func:`memory.empty_permuted`: one copy, no permuted view)."""
-    if layout == (1, 0) and t.numel() >= BLOCKED_TRANSPOSE_ELEMENTS:
+    """``t`` copied into memory with its modes in ``layout`` order (None: as indexed),
+    through the permuted destination (:func:`memory.empty_permuted`: one copy, no
+    permuted view): torch then reads ``t`` down its columns. A matrix whose rows lie a
+    multiple of :data:`ALIASING_ROW_BYTES` apart would be read from a fraction of the
+    cache's sets that way (its rows map onto the same ones), so one of at least
+    :data:`BLOCKED_TRANSPOSE_ELEMENTS` is written in the copy's own order from its
+    transposed view, which torch transposes in cache blocks: 512 x 128 floats in 56
+    against 98 us, 64 x 1024 in 57 against 220 us (784 or 3703 columns: 10 % slower
+    blocked; below 128 x 128 the blocks' set-up costs more than they save)."""
+    if (layout == (1, 0) and t.numel() >= BLOCKED_TRANSPOSE_ELEMENTS and t.stride(1) == 1
+            and t.stride(0) * t.element_size() % ALIASING_ROW_BYTES == 0):
         return memory.empty((t.shape[1], t.shape[0]), t.dtype).copy_(t.T)
     return memory.empty_permuted(t.shape, tuple(range(t.dim())) if layout is None else layout, t.dtype).copy_(t)
 
