@@ -50,34 +50,3 @@ def test_gathered_sums_match_torch(machine, dtype, index_dtype):
         xt = torch.randn(80, 3, dtype=torch.float64).to(dtype)  # the coordinate strided: X[j, b], b outer
         torch.testing.assert_close(sparsenn.einsum("ij,jb->bi", a, xt, out_format="dense").double(),
                                    (dense.double() @ xt.double()).T, **tol)
-
-
-def long_rows(rows: int, cols: int, density: float, dtype=torch.float32) -> sparsenn.SparseTensor:
-    g = torch.Generator().manual_seed(1)
-    dense = torch.randn(rows, cols, generator=g, dtype=dtype) * (torch.rand(rows, cols, generator=g) < density)
-    return sparsenn.from_dense(dense, format="csr")
-
-
-@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
-@pytest.mark.parametrize("density", [0.5, 0.1])
-def test_a_few_long_rows_of_inputs_are_read_once_per_stored_entry_not_gathered_per_row(machine, density):
-    # X[b, crd[q]] gathered for each of 4 rows costs more than copying X feature-major
-    # once and reading each stored entry for the 4 rows at a time (2.2x faster measured)
-    w = long_rows(128, 3703, density)
-    with use_target(machine):
-        (nest,) = plan("bi,oi->bo", torch.randn(4, 3703), w, out_format="dense").schedule.nests
-        assert nest.order == ("o", "i", "b") and nest.sparse_reduction is None
-        (nest,) = plan("bi,oi->bo", torch.randn(1, 3703), w, out_format="dense").schedule.nests
-        assert nest.order[-1] == "i" and nest.sparse_reduction.gathered  # one row: an SpMV gathers
-
-
-@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("batch", [0, 1, 3, 4, 5])
-def test_long_rows_over_a_few_inputs_match_torch(machine, dtype, batch):
-    w = long_rows(127, 3701, 0.5, dtype)
-    x = torch.randn(batch, 3701, dtype=dtype)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}
-    with use_target(machine), torch.no_grad():
-        torch.testing.assert_close(sparsenn.einsum("bi,oi->bo", x, w, out_format="dense"),
-                                   torch.einsum("bi,oi->bo", x, w.to_dense()), **tol)

@@ -24,13 +24,8 @@ innermost sparse reduction that gathers its dense factors
 of ``G = gathered_vectors x lanes`` positions of each fiber ``lanes`` at a time: each
 position costs ``(SPARSE_ITERATION_COST + factors) / lanes`` plus ``GATHER_COST`` per
 gathered factor, the rest of the fiber (all of it when shorter than ``G``, else about
-``G / 2``) ``SPARSE_ITERATION_COST + factors`` as any scalar step. A gathered lane costs
-more than a unit-stride one: a Zen 3 core gathers a lane in 1.1-1.6 cycles (4-6 units)
-from rows in its L1 (``SparseLinear(3703, 128)`` at batch 4 gathering ``X[b, crd[q]]``:
-353 us, against 161 us for ``o, i, b`` over ``X`` copied feature-major), so
-``GATHER_COST`` is 2: below that measure, as the narrow register blocks such a
-copied order runs are themselves costed below theirs. Only level capabilities are
-used, never format names.
+``G / 2``) ``SPARSE_ITERATION_COST + factors`` as any scalar step. Only level
+capabilities are used, never format names.
 """
 
 from __future__ import annotations
@@ -54,7 +49,7 @@ SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
 DENSE_COPY_COST = 1.0  # per element, to re-lay a dense operand out in loop order
 RESTREAM_COST = 0.5  # per stored and index entry, for each extra full pass over a sparse operand
 SHORT_OUTPUT_LOOP_COST = 32.0  # per entry of a loop over fewer outputs than a vector, in memory
-GATHER_COST = 2.0  # per lane of a gathered load: one indexed element (see the module doc)
+GATHER_COST = 1.0  # per lane of a gathered load: one indexed element
 
 
 @dataclass(frozen=True)
