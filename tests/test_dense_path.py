@@ -9,6 +9,7 @@ import torch
 import sparsenn
 from _machines import AVX2, AVX512
 from sparsenn.compiler import cache_stats, clear_caches
+from sparsenn.compiler.runtime.densified import DenseCopies
 from sparsenn.compiler.runtime.evaluate import DensifiedCall, SplitCall, resolve, route
 from sparsenn.compiler.runtime.validate import check_call
 from sparsenn.compiler.api import parse
@@ -243,3 +244,32 @@ def test_an_nm_layer_backward_matches_torch(target):
     torch.testing.assert_close(x.grad, grad @ weight)
     torch.testing.assert_close(layer.weight_values.grad, (grad.T @ x.detach())[weight != 0])  # row-major order
     torch.testing.assert_close(layer.bias.grad, grad.sum(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_trained_operand_gets_a_new_copy_at_every_step_and_is_kept_once_its_values_rest(dtype):
+    copies = DenseCopies("test copies", 1 << 30, 8)
+    w = weight(33, 17, 0.5, dtype=dtype)
+    made = []
+
+    def make(operand):
+        made.append(operand)
+        return operand.to_dense()
+
+    def check(expected_made):
+        torch.testing.assert_close(copies.copy_for(w, make), w.to_dense(), rtol=0, atol=0)
+        assert len(made) == expected_made
+
+    check(1)
+    check(1)  # unchanged: the kept copy
+    for step in range(3):  # an optimizer step between calls: a copy made at each
+        with torch.no_grad():
+            w.values.add_(0.5)
+        check(2 + step)
+    check(5)  # the first call finding the values as the last left them: made, then kept
+    check(5)
+    w.values.data.mul_(-1)  # an edit no version counter sees: the snapshot tells
+    check(6)
+    with torch.no_grad():
+        w.values.copy_(torch.randn_like(w.values))  # as load_state_dict writes
+    check(7)

@@ -13,11 +13,13 @@ from sparsenn import SparseLinear, SparseTensor
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.plan.planner import decisions, operand_info, path_request
 from sparsenn.compiler import api
-from sparsenn.compiler.runtime import memory
+from sparsenn.compiler.runtime import launcher, memory
 from sparsenn.compiler.runtime.cache import LRUCache
 from sparsenn.compiler.runtime.evaluate import resolve
 from sparsenn.compiler.runtime.launcher import Launch
 from sparsenn.compiler.runtime.validate import check_call
+
+from _machines import AVX2
 
 
 def sp(shape, fmt, density=0.3, seed=0, dtype=torch.float64, index_dtype=None):
@@ -393,3 +395,29 @@ def test_clear_caches_releases_the_kept_outputs():
     assert cache_stats()["output buffers"].size >= 1
     clear_caches()
     assert cache_stats()["output buffers"].size == 0
+
+
+@pytest.mark.parametrize("shape, layout", [((160, 129), (1, 0)), ((160, 128), (1, 0)), ((129, 256), (1, 0)),
+                                           ((7, 3), (1, 0)), ((1, 1), (1, 0)), ((0, 5), (1, 0)),
+                                           ((200, 97), (0, 1)), ((3, 5, 4), (2, 0, 1))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_relaid_copy_holds_the_operand_in_its_layout_order(shape, layout, dtype):
+    x = torch.randn(shape, dtype=dtype)
+    copy = launcher._relaid_copy(x, layout)
+    assert copy.is_contiguous() or copy.permute(layout).is_contiguous()  # memory in layout order
+    flat = torch.empty(copy.numel(), dtype=dtype).set_(copy.untyped_storage(), copy.storage_offset(), (copy.numel(),))
+    torch.testing.assert_close(flat, x.permute(layout).reshape(-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch", [129, 160, 1, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_batch_major_input_copied_by_blocks_gives_torchs_product(batch, dtype, host_target):
+    host_target(dataclasses.replace(AVX2, python_call_cycles=1e12))  # the kernel, never the dense path
+    w = sp((7, 128), "csr", density=0.5, seed=3, dtype=dtype)
+    x = torch.randn(batch, 128, dtype=dtype)  # rows 512 or 1024 bytes apart
+    if batch >= 129:  # a copy of at least BLOCKED_TRANSPOSE_ELEMENTS, read feature-major by the kernel
+        assert x.numel() >= launcher.BLOCKED_TRANSPOSE_ELEMENTS
+        assert launch_of("bi,oi->bo", x, w, out_format="dense").stages != ()
+    with torch.no_grad():
+        result = sparsenn.einsum("bi,oi->bo", x, w)
+    torch.testing.assert_close(result, torch.einsum("bi,oi->bo", x, w.to_dense()))

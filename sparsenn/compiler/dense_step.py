@@ -232,7 +232,6 @@ class _Conversions:
                                                                                 dtype=operand.values.dtype), None)
         self.sample = _HeldCall(sampling, request, frozenset({1, 2}))  # (dA, A, A's pattern)
         self._pattern: tuple[SparseTensor, SparseTensor] | None = None  # (an operand, its pattern)
-        self._seen: tuple[int, int] | None = None  # (id, version) of the values last made dense
 
     def pattern(self, operand: SparseTensor) -> SparseTensor:
         """``operand`` detached (its values read as the sampling's pattern only), kept
@@ -243,17 +242,9 @@ class _Conversions:
         return kept[1]
 
     def dense_copy(self, operand: SparseTensor) -> torch.Tensor:
-        """``operand`` as a strided tensor: made now when its values' version moved since
-        the last call (an optimizer step: :data:`COPIES` keeps no copy of a trained
-        operand, and a new copy is right whatever the lookup finds), else the kept copy
-        if still valid (:meth:`~.runtime.densified.DenseCopies.copy_for`). Called in an
-        autograd Function's forward."""
-        values = operand.values
-        if not values.is_inference():
-            now = (id(values), values._version)
-            seen, self._seen = self._seen, now  # a false match only makes a copy
-            if seen is not None and seen[0] == now[0] and seen[1] != now[1]:
-                return self.dense([operand])
+        """``operand`` as a strided tensor: the kept copy while its values are unchanged,
+        else made now (not kept while they are trained, :meth:`~.runtime.densified.DenseCopies.copy_for`).
+        Called in an autograd Function's forward."""
         return COPIES.copy_for(operand, self.made_dense)
 
     def made_dense(self, operand: SparseTensor) -> torch.Tensor:

@@ -5,10 +5,14 @@ layout, the output in either order of ``p`` and ``q``) is ``torch.addmm(bias, A'
 beta=β, alpha=α)`` on views of the factors (BLAS reads a transposed view as it is):
 one call, the bias broadcast by BLAS's own ``C`` input, where one ``torch.einsum`` per
 term and an add make three passes and their dispatches (a SparseLinear layer's dense
-path at batch 1: 25 µs against 11 µs). The form is worked out once per assignment
-(:func:`blas_form`), so a call costs the views and the BLAS call. Its gradients
+path at batch 1: 25 µs against 11 µs). ``A · Wᵀ + bias[q]`` (the right factor read
+transposed, no coefficients) is ``F.linear(A, W, bias)``, which takes the transpose
+inside torch: a view made in Python costs about 2 µs. The form is worked out once per
+assignment (:func:`blas_form`), so a call costs the views and the BLAS call. Its gradients
 (:meth:`BlasForm.gradients`) are BLAS calls and sums too: ``dA' = α · dOut · B'ᵀ``,
-``dB' = α · A'ᵀ · dOut``, ``dbias_t = β_t · dOut`` summed over the indices it lacks.
+``dB' = α · A'ᵀ · dOut``, ``dbias_t = β_t · dOut`` summed over the indices it lacks,
+each factor read through one view at most (``B'ᵀ`` of a factor read transposed is the
+operand itself).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..frontend.notation import Access, Assignment, Term
 
@@ -35,6 +40,11 @@ class _Matrix:
         tensor = operands[self.operand]
         return tensor.T if self.transposed else tensor
 
+    def transposed_of(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The transpose of :meth:`of`."""
+        tensor = operands[self.operand]
+        return tensor if self.transposed else tensor.T
+
 
 @dataclass(frozen=True)
 class _Bias:
@@ -45,6 +55,7 @@ class _Bias:
     coefficient: float
     transposed: bool
     over_rows: bool
+    columns_only: bool  # it holds ``q`` alone: a vector over the columns
 
     def of(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
         tensor = operands[self.operand]
@@ -71,7 +82,17 @@ class BlasForm:
     alpha: float
     biases: tuple[_Bias, ...]
 
+    @functools.cached_property
+    def linear(self) -> bool:
+        """Whether the form is ``F.linear(A, W, bias)``: ``A · Wᵀ`` with at most one bias
+        over the columns alone, no coefficients."""
+        return (not self.lhs.transposed and self.rhs.transposed and self.alpha == 1.0 and len(self.biases) <= 1
+                and all(b.coefficient == 1.0 and b.columns_only for b in self.biases))
+
     def run(self, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.linear:
+            bias = operands[self.biases[0].operand] if self.biases else None
+            return F.linear(operands[self.lhs.operand], operands[self.rhs.operand], bias)
         lhs, rhs = self.lhs.of(operands), self.rhs.of(operands)
         if not self.biases:
             out = torch.mm(lhs, rhs)
@@ -94,12 +115,10 @@ class BlasForm:
         grads: list[torch.Tensor | None] = [None] * len(operands)
         lhs, rhs, alpha = self.lhs, self.rhs, self.alpha
         if wanted[lhs.operand]:  # dA' = dOut · B'ᵀ, or its transpose B' · dOutᵀ when A is A'ᵀ
-            right = rhs.of(operands)
-            g = torch.mm(right, grad.T) if lhs.transposed else torch.mm(grad, right.T)
+            g = torch.mm(rhs.of(operands), grad.T) if lhs.transposed else torch.mm(grad, rhs.transposed_of(operands))
             _add(grads, lhs.operand, g if alpha == 1.0 else g * alpha)
         if wanted[rhs.operand]:  # dB' = A'ᵀ · dOut, or its transpose dOutᵀ · A' when B is B'ᵀ
-            left = lhs.of(operands)
-            g = torch.mm(grad.T, left) if rhs.transposed else torch.mm(left.T, grad)
+            g = torch.mm(grad.T, lhs.of(operands)) if rhs.transposed else torch.mm(lhs.transposed_of(operands), grad)
             _add(grads, rhs.operand, g if alpha == 1.0 else g * alpha)
         for bias in self.biases:
             if wanted[bias.operand]:
@@ -158,4 +177,5 @@ def _bias(term: Term, output: tuple[str, ...]) -> _Bias | None:
     indices: tuple[str, ...] = access.indices if isinstance(access, Access) else ()
     if not indices or len(set(indices)) != len(indices) or not set(indices) <= set(output):
         return None
-    return _Bias(access.operand, term.coefficient, indices == output[::-1], indices == output[:1])
+    return _Bias(access.operand, term.coefficient, indices == output[::-1], indices == output[:1],
+                 indices == output[1:])

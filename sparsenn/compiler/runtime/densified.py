@@ -63,6 +63,17 @@ class _Operand:
     snapshot: torch.Tensor | None  # the values the copy was made from; None while the operand is trained
     copy: torch.Tensor | None
 
+    def defines(self, arrays: list[torch.Tensor]) -> bool:
+        """Whether ``arrays`` (values, then index arrays) are this operand's, the index
+        arrays unedited since."""
+        for ref, a in zip(self.arrays, arrays):
+            if ref() is not a:
+                return False
+        for state, a in zip(self.index_state, arrays[1:]):
+            if not (_same_bits(state, a) if isinstance(state, torch.Tensor) else state == a._version):
+                return False
+        return True
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.copy, self.snapshot) if t is not None)
@@ -80,28 +91,28 @@ class DenseCopies:
     def copy_for(self, operand: SparseTensor | torch.Tensor, make: Callable[[SparseTensor | torch.Tensor], torch.Tensor],
                  how: object = None) -> torch.Tensor:
         """The copy ``make(operand)`` made the way ``how`` names: the kept one if the
-        operand is unchanged since, else made now, then kept."""
+        operand is unchanged since, else made now, then kept. An operand whose values'
+        version moved since its last call (trained) gets a copy made now and not kept:
+        one test of its version, before its snapshot is compared."""
         key, arrays = _identity(operand, how)
-        version = None if arrays[0].is_inference() else arrays[0]._version
+        values = arrays[0]
+        version = None if values.is_inference() else values._version
         with self._lock:
             known = self._operands.get(key)
-            if known is not None and all(ref() is a for ref, a in zip(known.arrays, arrays)) \
-                    and _same_indices(known.index_state, arrays[1:]):
-                trained = known.version != version  # edited in place since its last call
-                if trained:
-                    known.version, known.snapshot, known.copy = version, None, None
-                elif known.copy is not None and _same_bits(known.snapshot, arrays[0]):
-                    self._operands.move_to_end(key)
-                    self.hits += 1
-                    return known.copy
-            else:
-                trained = False
+            defined = known is not None and known.defines(arrays)
+            trained = defined and known.version != version  # edited in place since its last call
+            if trained:
+                known.version, known.snapshot, known.copy = version, None, None
+            elif defined and known.copy is not None and _same_bits(known.snapshot, values):
+                self._operands.move_to_end(key)
+                self.hits += 1
+                return known.copy
             self.misses += 1
         copy = make(operand)
         if trained:
             return copy
         kept = _Operand(tuple(weakref.ref(a) for a in arrays), tuple(_index_state(a) for a in arrays[1:]), version,
-                        arrays[0].detach().clone(memory_format=torch.contiguous_format), copy)
+                        values.detach().clone(memory_format=torch.contiguous_format), copy)
         if kept.nbytes <= self.max_bytes:
             with self._lock:
                 self._operands[key] = kept
@@ -138,11 +149,6 @@ def _identity(operand: SparseTensor | torch.Tensor, how: object) -> tuple[tuple,
 def _index_state(t: torch.Tensor) -> int | torch.Tensor:
     """What tells an index array's later edits: its version, or a copy of its contents."""
     return t.clone(memory_format=torch.contiguous_format) if t.is_inference() else t._version
-
-
-def _same_indices(states: tuple, arrays: list[torch.Tensor]) -> bool:
-    return all(_same_bits(state, a) if isinstance(state, torch.Tensor) else state == a._version
-               for state, a in zip(states, arrays))
 
 
 COPIES = register(DenseCopies("dense copies", COPY_BYTES, MAX_OPERANDS))

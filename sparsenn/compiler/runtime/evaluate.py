@@ -268,20 +268,27 @@ class DensifiedCall:
     def __init__(self, assignment: Assignment, out_shape: tuple[int, ...], dense: DensePath, shaped: ShapePlan,
                  binding: tuple[dict[str, int], torch.dtype, torch.dtype]) -> None:
         self.assignment, self.out_shape, self.dense, self.shaped = assignment, out_shape, dense, shaped
+        self._form = blas_form(assignment)
         self._binding = binding  # the call's sizes, dtype and index dtype, to bind the kernel on first use
         self._launch: Launch | None = None
 
     def run(self, operands: Sequence) -> torch.Tensor:
         k = self.dense.operand
         copy = COPIES.copy_for(operands[k], _made_dense)
-        dense = [copy if n == k else op for n, op in enumerate(operands)]
-        form = blas_form(self.assignment)
-        out = _summed_products(self.assignment, dense, self.out_shape) if form is None else form.run(dense)
+        dense = list(operands)
+        dense[k] = copy
+        form = self._form
+        if form is not None:
+            out = form.run(dense)  # a new tensor: BLAS writes its own output
+        else:
+            out = _summed_products(self.assignment, dense, self.out_shape)
+            if out.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr():
+                out = out.clone()
         if not math.isfinite(float(out.sum())):
             if self._launch is None:
                 self._launch = bind(self.shaped, operands, *self._binding)
             return self._launch.run(operands)
-        return out.clone() if out.untyped_storage().data_ptr() == copy.untyped_storage().data_ptr() else out
+        return out
 
 
 def _made_dense(operand: SparseTensor) -> torch.Tensor:
