@@ -276,13 +276,16 @@ def compile_expression(text: str, out_format=None, returns: str | Sequence[str] 
 
 def compiled_once(build: Callable[..., CompiledExpression]) -> Callable[..., CompiledExpression]:
     """``build`` (arguments -> a :class:`CompiledExpression`) run once per arguments,
-    kept in a plain dict: a call traced by ``torch.compile`` reads what an earlier call
-    built, where Dynamo would trace through a ``functools.lru_cache`` wrapper (and warn
-    that it does)."""
+    kept in a plain dict. A traced call builds its own: Dynamo would guard on the dict
+    lacking the arguments while it traces the first call, and compile the model again
+    on its second (a ``functools.lru_cache`` wrapper it traces through, warning that it
+    does); the expression's plans and kernels are cached by its text either way."""
     built: dict[tuple, CompiledExpression] = {}
 
     @functools.wraps(build)
     def once(*args) -> CompiledExpression:
+        if tracing():
+            return build(*args)
         expression = built.get(args)
         if expression is None:
             expression = built[args] = build(*args)
