@@ -17,7 +17,8 @@ every group holding the same number of entries). A packed grouped tile reads the
 factors only from their packs (:class:`_GroupedPacks`): every block of ``k``, the last,
 partial one too (masked stores), and the rows left as tiles of one row. A tile with
 ``prefetch_next`` first prefetches the next tile's rows (the last row at most): their
-output at the block of ``k`` and their stored entries of ``W`` over the layer.
+output at the block of ``k`` and, at a panel's first block, their stored entries of ``W``
+over the layer (the later blocks find them in the L2, a row block's filling a quarter).
 """
 
 from __future__ import annotations
@@ -122,13 +123,17 @@ def grouped_tile(lo: Lowering, nest: Nest, plain: NestWalk, coef, once, k_range,
         last_row = ir.sub(lo.dim(a), ir.Const(1))
         grouping = st[w]
         crd = ir.Array("crd", grouping.slot, len(grouping.levels) - 1)
-        for t in range(rows):
-            row = ir.min_(ir.add(ab, ir.Const(rows + t)), last_row)
-            output = lo.offset(lo.s.output_order, {a: row, k: kb})
-            lo.emit(ir.Prefetch(OUT, output, ir.mul(ir.Const(size), value)))
-            first, positions = entries_of_row(grouping, row)
-            lo.emit(ir.Prefetch(ir.Array("val", grouping.slot), first, ir.mul(positions, value)))
-            lo.emit(ir.Prefetch(crd, first, ir.mul(positions, index)))
+        next_rows = [ir.min_(ir.add(ab, ir.Const(rows + t)), last_row) for t in range(rows)]
+        for row in next_rows:
+            lo.emit(ir.Prefetch(OUT, lo.offset(lo.s.output_order, {a: row, k: kb}), ir.mul(ir.Const(size), value)))
+
+        def entries():
+            for row in next_rows:
+                first, positions = entries_of_row(grouping, row)
+                lo.emit(ir.Prefetch(ir.Array("val", grouping.slot), first, ir.mul(positions, value)))
+                lo.emit(ir.Prefetch(crd, first, ir.mul(positions, index)))
+
+        lo.emit(ir.If(ir.eq(kb, packs.panel_start), lo.block(entries)))
 
     def tiles_over(st, rows_range, rows: int, blocks):
         """Tiles of ``rows`` rows over ``rows_range``; ``blocks(one_block)`` emits each
