@@ -212,3 +212,53 @@ def test_packs_from_every_source_match_torch(machine, source, dtype, fmt):
         expected = torch.einsum("bi,oi->bo", x.double(), w.to_dense().double())
         tolerance = 3e-2 if dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * 4)
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("fmt", ["nm(2,4)", "nm(1,4)", "nm(2,8)"])
+def test_tiles_streaming_past_the_l2_prefetch_the_next_tile(machine, fmt):
+    # 4096 rows: their stored entries over a layer and their output rows (2 MiB and
+    # more per block of the batch) overflow half the L2, read again at every layer
+    x, w = torch.randn(256, 4096), nm_weight(4096, 4096, fmt)
+    nest = nest_of(x, w, machine)
+    tile = nest.register_tile
+    assert tile.packed == (0,) and tile.depth and tile.prefetch_next, nest
+    with use_target(machine):
+        text = sparsenn.explain("bi,oi->bo", x, w)
+    assert "prefetching the next tile's stored entries and output rows" in text
+    assert "sn_prefetch(out + " in text and "sn_prefetch(s1_val + " in text and "sn_prefetch(s1_crd2 + " in text
+
+
+@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_tiles_streaming_within_half_the_l2_do_not_prefetch(machine):
+    # 128 rows over a layer: at most 256 KiB of entries and output rows per block
+    rows = MIN_PACKED_ROWS * PACKED_CHUNKS_PER_THREAD
+    x, w = torch.randn(256, 4096), nm_weight(rows, 4096, "nm(2,4)")
+    tile = nest_of(x, w, machine).register_tile
+    assert tile.packed == (0,) and not tile.prefetch_next
+    with use_target(machine):
+        assert "sn_prefetch" not in sparsenn.explain("bi,oi->bo", x, w)
+
+
+@pytest.mark.parametrize("machine", [SMALL, SMALL_WIDE], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fmt, inputs", [("nm(2,4)", 516), ("nm(1,4)", 516), ("nm(2,8)", 520)])
+def test_prefetching_tiles_match_torch(machine, dtype, fmt, inputs):
+    # 259 rows (whole tiles, then a row left: the last tile's prefetch stays on the last
+    # row), an odd number of groups (an uneven last layer), batches of 0, 1 and 37 (a
+    # partial block)
+    w = nm_weight(259, inputs, fmt, dtype, seed=2)
+    g = torch.Generator().manual_seed(3)
+    for batch in (0, 1, 37):
+        x = torch.randn(batch, inputs, generator=g, dtype=dtype)
+        if batch == 37:
+            tile = nest_of(x, w, machine).register_tile
+            assert tile.packed == (0,) and tile.depth and tile.prefetch_next
+        with use_target(machine):
+            got = sparsenn.einsum("bi,oi->bo", x, w, out_format="dense")
+            bias = torch.randn(259, generator=g, dtype=dtype)
+            affine = sparsenn.compile("Y[b,o] = X[b,i] * W[o,i] + bias[o]")(x, w, bias)
+        expected = torch.einsum("bi,oi->bo", x.double(), w.to_dense().double())
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)
+        linear = torch.nn.functional.linear(x.double(), w.to_dense().double(), bias.double())
+        torch.testing.assert_close(affine.double(), linear, rtol=1e-4, atol=1e-4)

@@ -147,6 +147,8 @@ def _call(e: ir.Call, stored: frozenset[str]) -> str:
         return f"sn_lower_bound({crd} + {lo}, {crd} + {hi}, (I)({value})) - {crd}"
     if e.name == "value_size":
         return "(int64_t)sizeof(S)" if stored else "(int64_t)sizeof(V)"
+    if e.name == "index_size":
+        return "(int64_t)sizeof(I)"
     return f"{_CALLS[e.name]}({', '.join(args)})"
 
 

@@ -152,7 +152,7 @@ class Call(Expr):
     """A pure helper: ``min``/``max`` (any number of arguments, int64), ``abs``,
     ``lower_bound(array, lo, hi, value)`` (the first position in ``[lo, hi)`` whose
     coordinate is not below ``value``), ``hsum(vector)`` (sum of its lanes),
-    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V),
+    ``balanced_bound(pos, extent, work)``, ``value_size`` (bytes of one V), ``index_size`` (of one I),
     ``first_lanes(n)`` (the mask of a vector's first ``n`` lanes, ``n`` clamped to
     ``[0, lanes]``; a ``lanes`` variable)."""
 

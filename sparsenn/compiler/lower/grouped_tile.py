@@ -15,7 +15,10 @@ a register tile, each row stepping through its own group of the innermost reduct
 of its dense levels between ``a`` and ``e``; each row's loop over its group is unrolled,
 every group holding the same number of entries). A packed grouped tile reads the vector
 factors only from their packs (:class:`_GroupedPacks`): every block of ``k``, the last,
-partial one too (masked stores), and the rows left as tiles of one row.
+partial one too (masked stores), and the rows left as tiles of one row. A tile with
+``prefetch_next`` first prefetches the next tile's rows (the last row at most): their
+output at the block of ``k`` and, at a panel's first block, their stored entries of ``W``
+over the layer (the later blocks find them in the L2, a row block's filling a quarter).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import dataclasses
 from ..loops import ir
 from ..plan.schedule import Nest
 from .context import Lowering, counted, product_of
-from .iterators import LevelExprs, fiber_length, locate
+from .iterators import FactorState, LevelExprs, fiber_length, locate
 from .order import NestWalk, emit_order
 from .tile_access import OUT, blocks_of_k, by_layers, rows_left
 
@@ -97,10 +100,47 @@ def grouped_tile(lo: Lowering, nest: Nest, plain: NestWalk, coef, once, k_range,
             value = scaled if once else ir.add(ir.VectorLoad(OUT, at, count()), scaled)
             lo.emit(counted(v, vectors, ir.VectorStore(OUT, at, value, count())))
 
+    def entries_of_row(state: FactorState, row: ir.Expr) -> tuple[ir.Expr, ir.Expr]:
+        """(first stored position, number of positions) of the grouping factor's row
+        ``row`` over the open layer of ``d``: ``state`` is the factor above its level
+        over ``a``, whose levels from there down to ``e`` are dense."""
+        d, e = order[r], order[-2]
+        start, end = packs.layer
+        positions: ir.Expr = ir.Const(fiber_length(state.levels[-1][1]))
+        while state.next_index() != e:
+            index = state.next_index()
+            at = {a: row, d: start}.get(index, ir.Const(0))
+            if index != a:
+                positions = ir.mul(positions, ir.sub(end, start) if index == d else lo.dim(index))
+            state = state.entered(state.level.locate(LevelExprs(state.slot, state.depth), state.pos, at,
+                                                     lo.dim(index)))
+        first, _ = state.level.position_bounds(LevelExprs(state.slot, state.depth), state.pos)
+        return first, positions
+
+    def prefetch_next_tile(st, rows: int) -> None:
+        """Prefetch the rows of the tile after the one at ``ab`` (see the module doc)."""
+        value, index = ir.Call("value_size", ()), ir.Call("index_size", ())
+        last_row = ir.sub(lo.dim(a), ir.Const(1))
+        grouping = st[w]
+        crd = ir.Array("crd", grouping.slot, len(grouping.levels) - 1)
+        next_rows = [ir.min_(ir.add(ab, ir.Const(rows + t)), last_row) for t in range(rows)]
+        for row in next_rows:
+            lo.emit(ir.Prefetch(OUT, lo.offset(lo.s.output_order, {a: row, k: kb}), ir.mul(ir.Const(size), value)))
+
+        def entries():
+            for row in next_rows:
+                first, positions = entries_of_row(grouping, row)
+                lo.emit(ir.Prefetch(ir.Array("val", grouping.slot), first, ir.mul(positions, value)))
+                lo.emit(ir.Prefetch(crd, first, ir.mul(positions, index)))
+
+        lo.emit(ir.If(ir.eq(kb, packs.panel_start), lo.block(entries)))
+
     def tiles_over(st, rows_range, rows: int, blocks):
         """Tiles of ``rows`` rows over ``rows_range``; ``blocks(one_block)`` emits each
         tile's blocks of ``k``, ``one_block(last)`` one block (the last, partial one masked)."""
         def run_tile():
+            if tile.prefetch_next and packs is not None:
+                prefetch_next_tile(st, rows)
             lo.emit(ir.Decl(var_a, "index", ab, const=True))
             at_a = list(st)
             locate(lo, a, st, at_a)

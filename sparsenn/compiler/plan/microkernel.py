@@ -89,7 +89,13 @@ registers and caches, never from an operation's or a format's name.
   rows, ``E (line + itemsize) / bw`` plus the target's ``relayout_cycles``; the
   transposing packs take ``log2(lanes)`` shuffles per vector of each chunk's packs,
   ``PACKED_CHUNKS_PER_THREAD E log2(lanes) / lanes`` (one shuffle a cycle; both read the
-  same lines for the packs).
+  same lines for the packs). A packed tile whose rows' stored entries of ``W`` over a
+  layer and output rows, ``dims[a] (depth count (itemsize + index) + dims[k] itemsize)``
+  bytes per pass of a block of ``k``, overflow half the L2 *prefetches the next tile's*
+  (:attr:`RegisterTile.prefetch_next`): its rows' entries over the layer (the first
+  block of ``k`` reads them from memory, short runs of a few lines per row that the
+  hardware's stream prefetcher does not catch in time) and its output rows (read and
+  written once per layer, from beyond the L2), while the tile's multiply-adds run.
 * **Register tiles for sampled products.** A nest whose innermost loop is a reduction
   ``d`` under an output loop ``k`` (SDDMM ``S[i,j] = M[i,j] sum_d Q[i,d] K[j,d]`` on a
   blocked pattern: ``k`` is ``j`` within a block) swaps the two when the swapped order
@@ -168,6 +174,7 @@ class RegisterTile:
     grouped_by: int | None = None
     row_block: int = 0  # a packed grouped tile's rows of ``a`` per pass over one block of ``k`` (see the module doc)
     transposed: tuple[int, ...] = ()  # packed factors read in place, laid out ``[k][d][e]`` (see the module doc)
+    prefetch_next: bool = False  # a packed grouped tile prefetches the next tile's entries and output rows (module doc)
 
 
 @dataclass(frozen=True)
@@ -342,8 +349,10 @@ def _grouped_tile(order: Sequence[str], output: tuple[str, ...], factors: list[F
         packed, panel, depth, row_block = _grouped_blocking(order, r, factors, w, rows, vectors * lanes, dims,
                                                             itemsize, target)
         if packed:
+            prefetch = _streams_past_l2(dims[a], depth or dims[order[r]], factors[w].fibers[-1], dims[k], itemsize,
+                                        target)
             return RegisterTile(a, rows, vectors, packed=packed, panel=panel, depth=depth, grouped_by=w,
-                                row_block=row_block)
+                                row_block=row_block, prefetch_next=prefetch)
     shape = _tile_shape(k, block, dims, itemsize, target)
     if shape is None or dims[e] * shape[0] * lanes * itemsize > target.l1_bytes // 4:
         return None
@@ -377,6 +386,15 @@ def _grouped_blocking(order: Sequence[str], r: int, factors: list[Factor], w: in
     entries = depth * max(factors[w].fibers[-1], 1) * (itemsize + INDEX_BYTES)  # one row's over a layer
     row_block = rows * max(target.l2_bytes // 4 // (rows * entries), 1)
     return vectors, panel, depth if layers > 1 else 0, int(row_block)
+
+
+def _streams_past_l2(rows: int, depth: int, count: float, width: int, itemsize: int, target: Target) -> bool:
+    """Whether a packed grouped tile's ``rows`` stream their stored entries over a layer
+    of ``depth`` groups of ``count`` entries and their output rows of ``width`` values
+    through more than half the L2 per pass of a block of ``k``: the next tile's are then
+    read from beyond it, and are prefetched (see the module doc)."""
+    entries = depth * max(count, 1) * (itemsize + INDEX_BYTES)
+    return rows * (entries + width * itemsize) > target.l2_bytes // 2
 
 
 def grouped_pack_sources(tile: RegisterTile, order: Sequence[str], layouts: dict[int, tuple[str, ...]],

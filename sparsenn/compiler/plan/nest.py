@@ -63,8 +63,9 @@ class Nest:
                 stepped = "" if t.stepped_by is None else f" over the stored coordinates of factor {t.stepped_by}"
                 rows = f", {t.row_block} rows of {t.index} per block" if t.row_block else ""
                 transposed = f" ({list(t.transposed)} from its own layout)" if t.transposed else ""
+                ahead = "; prefetching the next tile's stored entries and output rows" if t.prefetch_next else ""
                 parts.append(f"factor(s) {list(t.packed)} packed per thread{transposed} in panels of {t.panel} "
-                             f"{self.register_block.index}{depth}{stepped}{rows}")
+                             f"{self.register_block.index}{depth}{stepped}{rows}{ahead}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")

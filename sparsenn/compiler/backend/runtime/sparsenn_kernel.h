@@ -38,7 +38,10 @@ static inline void sn_store(V* p, VV v) { std::memcpy(p, &v, sizeof v); }
 
 /* The calling thread's buffer number Id of at least n values (zeros when it grows), kept
    across calls (a register tile's packed panels: no allocation per panel); freed when the
-   thread ends. */
+   thread ends. It starts on a cache line (SN_CACHE_LINE bytes): a pack's rows are whole
+   vectors, so no vector load from it straddles two lines (calloc's 16-byte alignment
+   split every other 32-byte load of a pack across lines, each costing two loads). */
+#define SN_CACHE_LINE 64
 struct sn_buffer {
   V* data = nullptr;
   int64_t size = 0;
@@ -48,7 +51,9 @@ template <int Id> static inline V* sn_scratch(int64_t n) {
   static thread_local sn_buffer buffer;
   if (buffer.size < n) {
     std::free(buffer.data);
-    buffer.data = (V*)std::calloc((size_t)n, sizeof(V));
+    const size_t bytes = ((size_t)n * sizeof(V) + SN_CACHE_LINE - 1) / SN_CACHE_LINE * SN_CACHE_LINE;
+    buffer.data = (V*)std::aligned_alloc(SN_CACHE_LINE, bytes);
+    if (buffer.data != nullptr) std::memset(buffer.data, 0, bytes);
     buffer.size = buffer.data == nullptr ? 0 : n;
     if (buffer.data == nullptr) throw std::bad_alloc();
   }
