@@ -18,16 +18,23 @@ EXPRESSIONS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXPRESSIONS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("sizes", [{"p": 3, "q": 5, "c": 7}, {"p": 1, "q": 1, "c": 1}, {"p": 0, "q": 4, "c": 3},
-                                   {"p": 2, "q": 3, "c": 0}])
-def test_gradients_match_autograd(name, dtype, sizes):
+CASES = pytest.mark.parametrize("name, dtype, sizes", [
+    (name, dtype, sizes) for name in sorted(EXPRESSIONS) for dtype in (torch.float32, torch.float64)
+    for sizes in ({"p": 3, "q": 5, "c": 7}, {"p": 1, "q": 1, "c": 1}, {"p": 0, "q": 4, "c": 3}, {"p": 2, "q": 3, "c": 0})])
+
+
+def form_and_operands(name, dtype, sizes, seed):
+    """The BLAS form of expression ``name``, its operands at ``sizes`` and their generator."""
     text, modes = EXPRESSIONS[name]
     form = blas_form(compile_expression(text, out_format="dense").assignment)
     assert form is not None
-    generator = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(*(sizes[m] for m in mode), dtype=dtype, generator=generator) for mode in modes]
+    generator = torch.Generator().manual_seed(seed)
+    return form, [torch.randn(*(sizes[m] for m in mode), dtype=dtype, generator=generator) for mode in modes], generator
+
+
+@CASES
+def test_gradients_match_autograd(name, dtype, sizes):
+    form, tensors, generator = form_and_operands(name, dtype, sizes, 0)
     grad = torch.randn(sizes["p"], sizes["q"], dtype=dtype, generator=generator)
     leaves = [t.clone().requires_grad_() for t in tensors]
     out = form.run(leaves)
@@ -56,15 +63,10 @@ def test_an_operand_read_by_both_factors_sums_its_gradients(size):
     torch.testing.assert_close(g, leaf.grad)
 
 
-@pytest.mark.parametrize("name", sorted(EXPRESSIONS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("sizes", [{"p": 3, "q": 5, "c": 7}, {"p": 1, "q": 1, "c": 1}, {"p": 0, "q": 4, "c": 3},
-                                   {"p": 2, "q": 3, "c": 0}])
+@CASES
 def test_run_matches_torch_einsum(name, dtype, sizes):
-    text, modes = EXPRESSIONS[name]
-    form = blas_form(compile_expression(text, out_format="dense").assignment)
-    generator = torch.Generator().manual_seed(1)
-    tensors = [torch.randn(*(sizes[m] for m in mode), dtype=dtype, generator=generator) for mode in modes]
+    form, tensors, _ = form_and_operands(name, dtype, sizes, 1)
+    modes = EXPRESSIONS[name][1]
     letters = {"p": "p", "q": "q", "c": "c"}
     expected = None
     for term, (coefficient, factors) in enumerate(_terms(name)):
