@@ -16,7 +16,7 @@ guard over the op's flat arguments and a run:
   announced layout.
 
 The other tensors are tested together by one call of torch's C++ tensor guards
-(``TensorGuards``, as :func:`.validate.call_guard` does: type, dispatch keys, dtype,
+(:func:`.validate.tensor_guards`, as :func:`.validate.call_guard` uses: type, dispatch keys, dtype,
 device, sizes, strides, requires_grad), made at the first replay, in the dispatch state
 the op's calls run in; when that fails, one by one in Python as above. So a repeated
 call costs one guard, a SparseTensor view per sparse operand and the launch. Python
@@ -35,11 +35,7 @@ from torch import Tensor
 from sparsenn.formats import SparseTensor
 
 from .cache import Guard, LRUCache
-
-try:
-    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
-except ImportError:  # a torch without them: the Python test alone
-    _TensorGuards = None
+from .validate import tensor_guards
 
 __all__ = ["remember", "replay"]
 
@@ -111,7 +107,7 @@ def _guard(tensors: Sequence[Tensor], arrays: set[int], shapes: list, order: lis
             exact.append(f"(t{k} := ts[{k}]).shape == s{k} and t{k}.dtype is d{k} and t{k}.stride() == st{k} "
                          f"and t{k}.is_cpu and t{k}.layout is strided")
     checked = ", ".join(f"ts[{k}]" for k in range(len(tensors)) if k not in arrays)
-    if _TensorGuards is None or not checked:
+    if not checked:
         return eval(f"lambda ts, detail: {' and '.join(tests + exact)}", constants)
     layouts = constants["layouts"] = _TensorLayouts()
     return eval(f"lambda ts, detail: {' and '.join(tests)} and (layouts.check({checked}) "
@@ -133,11 +129,7 @@ class _TensorLayouts:
         """Make the guards from ``tensors`` unless made already (or they cannot be); True."""
         if not self.made:
             self.made = True
-            try:
-                self.check = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                           dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
-            except (TypeError, RuntimeError):  # tensors the guards cannot describe: the exact test alone
-                pass
+            self.check = tensor_guards(tensors) or _never  # none: the exact test alone
         return True
 
 

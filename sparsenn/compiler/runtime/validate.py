@@ -14,7 +14,7 @@ repeated call is recognised by its guard alone.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +31,7 @@ try:
 except ImportError:  # a torch without them: the exact guards alone
     _TensorGuards = None
 
-__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key", "call_guard"]
+__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key", "call_guard", "tensor_guards"]
 
 
 @dataclass(frozen=True)
@@ -235,20 +235,29 @@ def _exact_guard(operands: Sequence, out_format, fixed: frozenset[int]) -> Guard
     return _guard(f"def guard(ops, out_format):\n    return {' and '.join(tests)}\n", constants)
 
 
+def tensor_guards(tensors: Sequence[torch.Tensor]) -> Callable[..., bool] | None:
+    """torch's C++ guards of ``tensors`` (type, dispatch keys as they are now, dtype,
+    device, sizes, strides, requires_grad) as one check over tensors passed in the same
+    order; None where torch has none or cannot describe a tensor."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                             dynamic_dims_strides=[list(t.stride()) for t in tensors]).check
+    except (TypeError, RuntimeError):
+        return None
+
+
 def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: Guard) -> Guard | None:
     """The first test of :func:`call_guard`, falling back to ``exact``; None when torch
     has no tensor guards or no operand is checked by one."""
     tensors = [op.values if isinstance(op, SparseTensor) else op for n, op in enumerate(operands) if n not in fixed]
-    if _TensorGuards is None or not tensors:
-        return None
-    try:
-        layouts = _TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
-                                dynamic_dims_strides=[list(t.stride()) for t in tensors])
-    except (TypeError, RuntimeError):  # a tensor the guards cannot describe
+    layouts = tensor_guards(tensors) if tensors else None
+    if layouts is None:
         return None
     constants: dict[str, object] = {"SparseTensor": SparseTensor, "shared_patterns": shared_patterns,
                                     "request": out_format, "request_type": type(out_format),
-                                    "layouts": layouts.check, "exact": exact}
+                                    "layouts": layouts, "exact": exact}
     tests, checked, unmodified = [f"len(ops) == {len(operands)}", _request_test(out_format)], [], []
     for n, op in enumerate(operands):
         if isinstance(op, SparseTensor):
