@@ -35,7 +35,7 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
 * the dense path's own work per call beyond a kernel's launch: the target's
   ``dense_call_cycles`` (finding the copy and comparing its snapshot, one BLAS call
   with the bias as its ``C`` input, the result's sum checked finite, the Python around
-  them: about 37 µs, more than a small kernel takes);
+  them: 27-37 µs, more than a small kernel takes);
 * making the operand dense: writing its ``B_d`` bytes and scattering its ``nnz``
   entries, ``B_d / bw + nnz · SPARSE_ITERATION_COST · cycles_per_cost_unit``. The runtime
   keeps the dense copy while the values are unchanged (inference), so this is paid once
@@ -183,7 +183,7 @@ def sampling_cycles(nnz: int, dense_bytes: int, itemsize: int, target: Target) -
     storage order (a gradient sampled at a pattern): a cache line per entry, at most the
     whole array, its index and value written, one iteration step each."""
     read = min(nnz * target.cache_line_bytes, dense_bytes)
-    return ((read + nnz * (itemsize + 4)) / target.bytes_per_cycle(dense_bytes)
+    return ((read + nnz * (itemsize + _INDEX_BYTES)) / target.bytes_per_cycle(dense_bytes)
             + nnz * SPARSE_ITERATION_COST * target.cycles_per_cost_unit)
 
 

@@ -63,8 +63,9 @@ depends on where the suite runs).
   BLAS call in place of a fused kernel) beyond a kernel's launch, ``dense_call_cycles``
   those of the per-call dense path's own work beyond a kernel's launch (finding the
   kept copy and comparing its snapshot, the BLAS call, the result checked finite, the
-  Python around them: 37 µs against a kernel's launch on a Zen 3, measured on a layer
-  of 8 inputs and 2 outputs), ``launch_cycles`` those of a kernel's launch beyond a torch op's
+  Python around them: 27-37 µs against a kernel's launch on a Zen 3, measured on a
+  layer of 8 inputs and 2 outputs; the upper value, as the cost of checking a large
+  kept copy is counted low), ``launch_cycles`` those of a kernel's launch beyond a torch op's
   (the call's guard, the launcher: what a sparse layer pays over ``F.linear``), and
   ``relayout_cycles`` those of copying a dense operand into a kernel's layout beyond
   its elements (an allocation and a torch copy call, or finding a parameter's kept
