@@ -8,27 +8,11 @@ sparsenn is faster than both.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from pathlib import Path
 
-SPARSITY_BANDS = (("50-70%", 0.0, 0.75), ("80-90%", 0.75, 0.925), ("95-99%", 0.925, 1.0))
-BATCH_BANDS = (("b 1-2", 1, 2), ("b 7-8", 3, 8), ("b 64-512", 9, 1 << 30))
+from benchmarks.report import band_matrix, geometric_mean, speedup, target_rows
+
 LOG2_LIMIT = 5  # the colour scale saturates at 32x either way
-
-
-def alternatives(cell: dict) -> list[float]:
-    """The alternatives' times of a cell (torch.sparse's when it ran)."""
-    return [t for t in (cell["dense_ms"], cell["torch_sparse_ms"]) if t is not None]
-
-
-def best_ratio(cell: dict) -> float:
-    """Faster alternative's time over sparsenn's."""
-    return min(alternatives(cell)) / cell["sparsenn_ms"]
-
-
-def geomean(values: Iterable[float]) -> float:
-    values = list(values)
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else math.nan
 
 
 def groups(cells: list[dict]) -> list[tuple[str, int]]:
@@ -61,7 +45,7 @@ def heatmap(cells: list[dict], data: dict, label: str, path: Path) -> Path:
     passes = list(dict.fromkeys(c["pass"] for c in cells))
     batches = sorted({c["batch"] for c in cells})
     sparsities = sorted({c["sparsity"] for c in cells})
-    ratios = {(c["shape"], c["pass"], c["sparsity"], c["batch"]): best_ratio(c) for c in cells}
+    ratios = {(c["shape"], c["pass"], c["sparsity"], c["batch"]): speedup(c) for c in cells}
     figure, axes = plt.subplots(len(passes), len(shapes), figsize=(max(2.4 * len(shapes) + 1.4, 9), 2.6 * len(passes) + 1.1),
                                 squeeze=False, layout="constrained")
     norm = TwoSlopeNorm(vmin=-LOG2_LIMIT, vcenter=0, vmax=LOG2_LIMIT)
@@ -104,7 +88,9 @@ def summary(data: dict, worst: int = 10) -> str:
              f"load {data['loadavg']['start']} -> {data['loadavg']['end']}"]
     cells = data["cells"]
     if cells:
-        lines += worst_cells(cells, worst) + band_tables(cells) + targets(cells)
+        fp32 = [c for c in cells if c["dtype"] == "float32"]
+        lines += worst_cells(cells, worst) + band_tables(cells)
+        lines += ["", "issue 33 targets:", *target_rows(fp32)] if fp32 else []
     if data["spmm"]:
         lines += spmm_table(data["spmm"])
     if data["models"]:
@@ -117,9 +103,9 @@ def summary(data: dict, worst: int = 10) -> str:
     return "\n".join(lines)
 
 
-def times(value: float) -> str:
-    """``1.23x``, or ``-`` for no value (nan)."""
-    return f"{value:.2f}x" if value == value else "-"
+def times(value: float | None) -> str:
+    """``1.23x``, or ``-`` for no value (None or nan)."""
+    return f"{value:.2f}x" if value is not None and value == value else "-"
 
 
 def ratio_text(cell: dict) -> str:
@@ -132,49 +118,22 @@ def worst_cells(cells: list[dict], count: int) -> list[str]:
     """The ``count`` worst cells of each dtype and thread count."""
     lines = []
     for dtype, threads in groups(cells):
-        mine = sorted((c for c in cells if (c["dtype"], c["threads"]) == (dtype, threads)), key=best_ratio)
+        mine = sorted((c for c in cells if (c["dtype"], c["threads"]) == (dtype, threads)), key=speedup)
         lines += ["", f"worst {count} cells, {dtype}, {threads} thread(s) (ratio to the faster alternative; < 1: "
                       "sparsenn slower)"]
-        lines += [f"  {best_ratio(c):5.2f}x  {c['shape']:>9} s={c['sparsity']:<4} b={c['batch']:<3} {c['pass']:<16} "
+        lines += [f"  {speedup(c):5.2f}x  {c['shape']:>9} s={c['sparsity']:<4} b={c['batch']:<3} {c['pass']:<16} "
                   f"sparsenn {c['sparsenn_ms']:.4g} ms ({ratio_text(c)})" for c in mine[:count]]
     return lines
 
 
 def band_tables(cells: list[dict]) -> list[str]:
-    """Per pass, dtype and threads: geomean ratio to the faster alternative per band."""
-    lines = ["", "geomean ratio to the faster alternative, sparsity band x batch band"]
+    """Per pass, dtype and threads: geomean ratio to the faster alternative per band (as in BENCHMARKS.md)."""
+    lines = ["", "geomean ratio to the faster alternative, sparsity band x batch band (cells in brackets)"]
     for pass_ in dict.fromkeys(c["pass"] for c in cells):
         for dtype, threads in groups(cells):
             selected = [c for c in cells if (c["pass"], c["dtype"], c["threads"]) == (pass_, dtype, threads)]
-            if not selected:
-                continue
-            lines.append(f"  {pass_}, {dtype}, {threads} thread(s)")
-            lines.append(f"    {'sparsity':<10}" + "".join(f"{b[0]:>10}" for b in BATCH_BANDS))
-            for name, low, high in SPARSITY_BANDS:
-                row = [geomean(best_ratio(c) for c in selected
-                               if low < c["sparsity"] <= high and b_low <= c["batch"] <= b_high)
-                       for _, b_low, b_high in BATCH_BANDS]
-                lines.append(f"    {name:<10}" + "".join(f"{times(v):>10}" for v in row))
-    return lines
-
-
-def targets(cells: list[dict]) -> list[str]:
-    """The issue's fp32 targets: sparsity >= 80 %, batch >= 8 against dense and torch.sparse; batch 1 at 90 %."""
-    lines = ["", "issue 33 targets (fp32): geomean sparsenn speed-up"]
-    for pass_ in dict.fromkeys(c["pass"] for c in cells):
-        for threads in sorted({c["threads"] for c in cells}):
-            mine = [c for c in cells if c["dtype"] == "float32" and (c["pass"], c["threads"]) == (pass_, threads)]
-            big = [c for c in mine if c["sparsity"] >= 0.8 and c["batch"] >= 8]
-            sparse = [c for c in big if c["torch_sparse_ms"] is not None]
-            one = [c for c in mine if c["batch"] == 1 and c["sparsity"] == 0.9
-                   and min(int(n) for n in c["shape"].split("x")) >= 1024]
-            if not mine:
-                continue
-            lines.append(f"  {pass_}, {threads} thread(s): sparsity >= 80 %, batch >= 8: "
-                         f"{times(geomean(c['dense_ms'] / c['sparsenn_ms'] for c in big))} dense (target 2.65), "
-                         f"{times(geomean(c['torch_sparse_ms'] / c['sparsenn_ms'] for c in sparse))} torch.sparse "
-                         f"(target 1.7); batch 1 at 90 %, >= 1024 wide: "
-                         f"{times(geomean(c['dense_ms'] / c['sparsenn_ms'] for c in one))} dense (target 3)")
+            if selected:
+                lines += ["", f"{pass_}, {dtype}, {threads} thread(s)", *band_matrix(selected)]
     return lines
 
 
@@ -195,6 +154,6 @@ def spmm_table(rows: list[dict]) -> list[str]:
         ratios = [r["torch_sparse_ms"] / r["sparsenn_ms"] for r in rows if r["threads"] == threads]
         narrow = [r["torch_sparse_ms"] / r["sparsenn_ms"] for r in rows if r["threads"] == threads and r["columns"] <= 16]
         wide = [r["torch_sparse_ms"] / r["sparsenn_ms"] for r in rows if r["threads"] == threads and r["columns"] >= 64]
-        lines.append(f"  geomean {times(geomean(ratios))}; 1-16 columns {times(geomean(narrow))} (target 1), "
-                     f"64-256 columns {times(geomean(wide))} (target 1.5)")
+        lines.append(f"  geomean {times(geometric_mean(ratios))}; 1-16 columns {times(geometric_mean(narrow))} "
+                     f"(target 1), 64-256 columns {times(geometric_mean(wide))} (target 1.5)")
     return lines
