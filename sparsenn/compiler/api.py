@@ -31,8 +31,8 @@ from .plan.target import ACTIVE_TARGET, Target
 from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
 from .runtime.cache import clear_caches, forget_with_caches
-from .runtime.evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, resolved,
-                               route, weighed_dense_path)
+from .runtime.evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SampledDenseCall, SplitCall,
+                               evaluate, resolved, route, weighed_dense_path, weighed_sampled_path)
 from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
@@ -312,6 +312,9 @@ def _plan(assignment: Assignment, checked: Checked) -> Plan:
     if isinstance(routed, DensifiedCall):
         raise ValueError("the call runs densely, BLAS on a dense copy of its sparse operand, not a kernel "
                          "(explain() shows why)")
+    if isinstance(routed, SampledDenseCall):
+        raise ValueError("the call runs densely, the whole product by BLAS sampled at its pattern, not a kernel "
+                         "(explain() shows why)")
     if isinstance(routed, ShapePlan):
         return replace(routed.plan, schedule=routed.schedule)
     if isinstance(routed, DenseCall):
@@ -331,7 +334,7 @@ def kernel_schedule(equation: str, *operands, out_format=None) -> Schedule | Non
         split = routed.split
         assignment = split.assignment
         routed = route(assignment, check_call(assignment, split.operands(checked.operands), split.request))
-    if isinstance(routed, DensifiedCall):
+    if isinstance(routed, (DensifiedCall, SampledDenseCall)):
         routed = routed.shaped
     return routed.schedule if isinstance(routed, ShapePlan) else None
 
@@ -374,8 +377,12 @@ def _explain(assignment: Assignment, operands: Sequence, out_format) -> str:
         lines.append(routed.dense.describe())
         lines.append("the sparse kernel it was weighed against:")
         routed = routed.shaped
+    elif isinstance(routed, SampledDenseCall):
+        lines.append(routed.sampled.describe())
+        lines.append("the sampled kernel it was weighed against:")
+        routed = routed.shaped
     else:
-        weighed = weighed_dense_path(assignment, checked, routed)
+        weighed = weighed_dense_path(assignment, checked, routed) or weighed_sampled_path(assignment, checked, routed)
         if weighed is not None:
             lines.append(weighed.describe())
     shown = replace(routed.plan, schedule=routed.schedule)

@@ -37,14 +37,14 @@ from sparsenn.formats import SparseTensor
 from .autograd import _apply, _gradient_expression, _Spec, differentiable_evaluate, gradient_call
 from .derivatives import gradient_assignment
 from .frontend.notation import Assignment, parse_einsum
-from .plan.dense_path import (StepPath, call_cycles, dense_product_cycles, relayout_cycles, schedule_cycles,
-                              step_path, stream_cycles)
+from .plan.dense_path import StepPath, call_cycles, dense_product_cycles, step_path
+from .plan.sampled_path import sampled_kernel_cycles
 from .plan.planner import DENSE, ShapePlan, operand_infos
 from .plan.target import Target
 from .runtime.cache import Guard
 from .runtime.dense_product import BlasForm, blas_form
 from .runtime.densified import COPIES
-from .runtime.evaluate import DenseCall, DensifiedCall, Run, evaluate, guarded_run, route
+from .runtime.evaluate import DenseCall, DensifiedCall, Run, SampledDenseCall, evaluate, guarded_run, route
 from .runtime.validate import call_guard, check_call
 
 __all__ = ["DenseStep", "plan_step", "dense_step"]
@@ -78,6 +78,8 @@ def _routed_cycles(assignment: Assignment, operands: Sequence, out_format, targe
     itemsize = checked.dtype.itemsize
     if isinstance(routed, DensifiedCall):
         return routed.dense.dense_cycles + routed.dense.densify_cycles
+    if isinstance(routed, SampledDenseCall):
+        return routed.sampled.dense_cycles
     if isinstance(routed, DenseCall):
         return dense_product_cycles(assignment, [tuple(op.shape) for op in checked.operands], itemsize, target)
     if not isinstance(routed, ShapePlan) or (routed.output_format is not None and routed.anchor is None):
@@ -88,9 +90,7 @@ def _routed_cycles(assignment: Assignment, operands: Sequence, out_format, targe
     if len(sparse) == 1:
         return call_cycles(routed.plan.assignment, sched, infos, stored, itemsize, target)
     # a sampled gradient reads one pattern twice, as the operand and as its output's mask
-    kernel = max(schedule_cycles(sched, target) * stored[sparse[0]] / max(infos[sparse[0]].nnz, 1),
-                 stream_cycles(routed.plan.assignment, infos, stored, itemsize, target, stored[sparse[0]]))
-    return kernel + relayout_cycles(routed.plan.assignment, sched, infos, itemsize, target)
+    return sampled_kernel_cycles(routed.plan.assignment, sched, infos, stored, sparse[0], itemsize, target)
 
 
 def plan_step(assignment: Assignment, operands: Sequence, out_format) -> StepPath | None:

@@ -10,8 +10,10 @@ a BLAS micro-kernel at the FMA peak. Both are costed in cycles on the :class:`Ta
   so that plans are shared) to the operand's, or, when more, the time its gathers take
   to arrive (:func:`gather_cycles`): every leaf iteration reads an element of each dense
   factor at the sparse operand's stored coordinates (``X[b, crd]``), the working set
-  being the factor's extents from the gathering loop inwards (``o, i, b`` over
-  ``X[b, i]``: all of ``X``, read again for every row; ``b, o, i``: one row of ``X``).
+  being what the nest reads of the factor between two reads of one element: its
+  extents inside the innermost loop it does not index (``o, i, b`` over ``X[b, i]``:
+  all of ``X``, read again for every row; ``b, o, i``: one row of ``X``; a sampled
+  ``o, i, i', b`` over ``X[b, i, i']``: all of ``X`` for every ``o``).
   Rows gathered at random coordinates give the prefetcher no stream to follow: the L2
   delivers them at ``gather_bytes_per_cycle`` (17-20 bytes a cycle for rows of 256 B to
   1 KiB on a Zen 3, where it streams 32), and of a working set past the L2 it holds the
@@ -336,9 +338,10 @@ def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tupl
                   itemsize: int, target: Target) -> float:
     """Cycles for the dense factors a one-nest schedule gathers at operand ``sparse``'s
     stored coordinates to arrive: its leaf iterations times ``itemsize`` per gathered
-    factor (one holding the innermost loop over the sparse operand's indices), at
-    :func:`gather_cycles_per_byte` of the factor's extents from that loop inwards (see
-    the module doc); 0 without such a factor."""
+    factor (one holding the innermost loop over the sparse operand's indices and not
+    read from a register tile's packs; a tile's rows share each vector it loads), at
+    :func:`gather_cycles_per_byte` of what the nest reads of the factor between two
+    reads of an element (see the module doc); 0 without such a factor."""
     if len(sched.nests) != 1:
         return 0.0
     nest = sched.nests[0]
@@ -348,14 +351,25 @@ def gather_cycles(assignment: Assignment, sched: Schedule, shapes: Sequence[tupl
     gathering = max((nest.order.index(i) for i in held if i in nest.order), default=None)
     if gathering is None:
         return 0.0
-    inner = set(nest.order[gathering:])
+    tile = nest.register_tile
+    packed, rows = (set(tile.packed), tile.rows) if tile is not None else (set(), 1)
     cycles = 0.0
-    for access in term.factors:
-        if access.operand == sparse or nest.order[gathering] not in access.indices:
+    for k, access in enumerate(term.factors):
+        if access.operand == sparse or nest.order[gathering] not in access.indices or k in packed:
             continue
-        working_set = math.prod(sizes[i] for i in access.indices if i in inner) * itemsize
-        cycles += sched.leaves * itemsize * gather_cycles_per_byte(working_set, target)
+        per_byte = gather_cycles_per_byte(_reuse_bytes(access, nest.order, sizes, itemsize), target)
+        cycles += sched.leaves * itemsize / rows * per_byte
     return cycles
+
+
+def _reuse_bytes(access, order: Sequence[str], sizes: dict[str, int], itemsize: int) -> float:
+    """The bytes of ``access``'s factor a nest of loop ``order`` reads between two reads
+    of one element: its extents over the loops inside the innermost loop it does not
+    index (each of that loop's iterations reads them all again); all of it when it
+    indexes every loop."""
+    outside = [d for d, i in enumerate(order) if i not in access.indices]
+    inner = set(order[outside[-1] + 1:] if outside else order)
+    return math.prod(sizes[i] for i in access.indices if i in inner) * itemsize
 
 
 def gather_cycles_per_byte(working_set: float, target: Target) -> float:

@@ -1,6 +1,6 @@
 """Evaluate a call: find what its signature resolves to (cached), then run it.
 
-A call resolves to one of four runnable objects:
+A call resolves to one of these runnable objects:
 
 * a :class:`SplitCall` when an operand is blocked: the call over split indices
   (:mod:`..blocks`), itself evaluated here;
@@ -12,7 +12,9 @@ A call resolves to one of four runnable objects:
   ``torch.bmm`` into pooled memory (values, max/min reductions and epilogues over dense
   operands run as kernels: one pass, where torch would run an op per function);
 * a :class:`DensifiedCall` when the planner finds BLAS on a dense copy of the one
-  sparse operand cheaper than its kernel (``plan/dense_path.py``).
+  sparse operand cheaper than its kernel (``plan/dense_path.py``);
+* a :class:`SampledDenseCall` when it finds the whole product by BLAS, sampled at the
+  result's pattern, cheaper than a sampled kernel (``plan/sampled_path.py``).
 
 Calls whose operands kernels read as given are cached by :func:`validate.call_key`, and
 the last few signatures of each expression also by their guards
@@ -34,10 +36,11 @@ from sparsenn.formats import Format, SparseTensor
 from ..frontend import functions
 from ..frontend.blocks import Split, split_call
 from ..backend.precision import compute_dtype
-from ..frontend.notation import Access, Assignment, Term, parse_einsum
+from ..frontend.notation import Access, Assignment, Factor, Term, parse_einsum
 from ..plan.bias import fold_bias, hoist_invariant, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
+from ..plan.sampled_path import SampledDensePath, sampled_dense_path, unmasked_product
 from ..plan.terms import merge_terms
 from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_path, operand_infos, path_request,
                              plan_call)
@@ -49,11 +52,12 @@ from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
 __all__ = ["evaluate", "build_together", "guarded_run", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
-           "DenseCall", "DensifiedCall", "weighed_dense_path"]
+           "DenseCall", "DensifiedCall", "SampledDenseCall", "weighed_dense_path", "weighed_sampled_path"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
 _calls: GuardedCache[Run] = GuardedCache("calls", 1024, per_expression=4)  # call key -> the run function
+_BLAS_DTYPES = (torch.float32, torch.float64)  # the dtypes BLAS runs at its speed (the sampled dense path's)
 
 
 def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Tensor | SparseTensor:
@@ -110,7 +114,7 @@ def split_of(assignment: Assignment, checked: Checked) -> Split | None:
 
 
 def resolve(assignment: Assignment, checked: Checked
-            ) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall:
+            ) -> Launch | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall | SampledDenseCall:
     """What a checked call runs (its ``run(operands)``)."""
     routed = route(assignment, checked)
     if isinstance(routed, ShapePlan):
@@ -119,10 +123,11 @@ def resolve(assignment: Assignment, checked: Checked
 
 
 def route(assignment: Assignment, checked: Checked
-          ) -> ShapePlan | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall:
+          ) -> ShapePlan | SplitCall | PathCall | EpiloguePathCall | DenseCall | DensifiedCall | SampledDenseCall:
     """How a checked call is computed: over split indices, in torch, as a contraction
     path, as one planned kernel (its :class:`ShapePlan`, not yet bound), or densely
-    when the planner finds that cheaper than the kernel (``plan/dense_path.py``)."""
+    when the planner finds that cheaper than the kernel (``plan/dense_path.py``,
+    ``plan/sampled_path.py``)."""
     split = split_of(assignment, checked)
     if split is not None:
         return SplitCall(split)
@@ -140,6 +145,9 @@ def route(assignment: Assignment, checked: Checked
     if dense is not None and dense.taken:
         return DensifiedCall(assignment, tuple(checked.sizes[i] for i in assignment.output), dense, shaped,
                              (checked.sizes, checked.dtype, checked.index_dtype))
+    sampled = weighed_sampled_path(assignment, checked, shaped)
+    if sampled is not None and sampled.taken:
+        return SampledDenseCall(assignment, checked, sampled, shaped)
     return shaped
 
 
@@ -151,6 +159,18 @@ def weighed_dense_path(assignment: Assignment, checked: Checked, shaped: ShapePl
     stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
     return dense_path(assignment, operand_infos(checked.operands), stored, shaped.schedule,
                       compute_dtype(checked.dtype).itemsize, shaped.schedule.target, COPIES.max_bytes)
+
+
+def weighed_sampled_path(assignment: Assignment, checked: Checked, shaped: ShapePlan) -> SampledDensePath | None:
+    """The dense path of a sampled call planned as ``shaped`` weighed against its
+    kernel (``plan/sampled_path.py``), None where it does not apply: a result not
+    sampled at an operand's pattern, not in float32 or float64 (BLAS's fast types), or
+    whose whole product would not fit the output pool (:data:`.memory.POOL_BYTES`)."""
+    if shaped.anchor is None or shaped.final_format is not None or checked.dtype not in _BLAS_DTYPES:
+        return None
+    stored = [op.nnz if isinstance(op, SparseTensor) else 0 for op in checked.operands]
+    return sampled_dense_path(assignment, operand_infos(checked.operands), stored, shaped.schedule, shaped.anchor,
+                              checked.dtype.itemsize, shaped.schedule.target, memory.POOL_BYTES)
 
 
 def path_call(assignment: Assignment, infos, checked: Checked) -> PathCall | EpiloguePathCall | None:
@@ -289,6 +309,26 @@ class DensifiedCall:
                 self._launch = bind(self.shaped, operands, *self._binding)
             return self._launch.run(operands)
         return out
+
+
+class SampledDenseCall:
+    """A sampled product run densely: the whole product of its multiplied factors (one
+    BLAS call, into pooled memory when large), then sampled at the anchor's pattern by a
+    compiled call; ``shaped`` is the sampled kernel the planner weighed it against."""
+
+    def __init__(self, assignment: Assignment, checked: Checked, sampled: SampledDensePath,
+                 shaped: ShapePlan) -> None:
+        self.sampled, self.shaped = sampled, shaped
+        self._product = unmasked_product(assignment, operand_infos(checked.operands))
+        self._out_shape = tuple(checked.sizes[i] for i in assignment.output)
+        self._request = checked.operands[sampled.anchor].format
+        letters = tuple(_LETTERS[: len(assignment.output)])  # Out<pattern>[...] = product[...]
+        self._sampling = Assignment(letters, (Term(1.0, (Access(0, letters), Access(1, letters)), Factor(0)),),
+                                    ("product", "pattern"))
+
+    def run(self, operands: Sequence) -> SparseTensor:
+        whole = _summed_products(self._product, operands, self._out_shape)
+        return evaluate(self._sampling, [whole, operands[self.sampled.anchor]], self._request)
 
 
 def _made_dense(operand: SparseTensor) -> torch.Tensor:

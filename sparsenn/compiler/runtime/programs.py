@@ -31,7 +31,8 @@ from ..plan.fusion import Candidate, Fusion, dense_stage, fuse
 from ..plan.planner import DENSE, ShapePlan, fused_kernel, operand_infos, plan_call
 from ..plan.target import Target
 from .cache import LRUCache
-from .evaluate import DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SplitCall, evaluate, route
+from .evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SampledDenseCall, SplitCall, evaluate,
+                       route)
 from .launcher import FusedLaunch, Launch, Member, bind
 from .validate import call_key, check_call
 
@@ -132,6 +133,8 @@ def _candidate(step: Stage, name: str, inputs: Sequence) -> tuple[Candidate, tup
         split = runnable.split
         checked = check_call(split.assignment, split.operands(checked.operands), split.request)
         runnable = route(split.assignment, checked)
+    if isinstance(runnable, SampledDenseCall):  # a stage is planned as its kernel: fusing it may pay more
+        runnable = runnable.shaped
     dense = None
     if isinstance(runnable, DenseCall) and checked.request in (None, DENSE) and runnable.assignment.epilogue is None:
         # BLAS when it runs apart; its kernel if the planner fuses it, which pays when that kernel is cheaper
