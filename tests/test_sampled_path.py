@@ -124,3 +124,15 @@ def test_a_weight_gradient_through_the_sampled_dense_path_matches_dense_autograd
     dense = w.detach().to_dense().requires_grad_(True)
     torch.nn.functional.linear(x, dense).square().sum().backward()
     torch.testing.assert_close(w.values.grad, at_stored(w, dense.grad))
+
+
+def test_a_gradient_broadcast_over_an_index_of_the_pattern_keeps_its_kernel():
+    # d(Σ_j W[i,j]) / dW = dY[i] at every stored (i, j): no product reads j, so no BLAS form
+    w = pattern(6, 5, 0.5, torch.float64)
+    w = w.with_values(w.values.clone().requires_grad_(True))
+    with sparsenn.compiler.use_target(BLAS_FRIENDLY):
+        assert not isinstance(sampled_route("G<W>[i,j] = dY[i]", [w, torch.randn(6, dtype=torch.float64)]),
+                              SampledDenseCall)
+        grad = torch.randn(6, dtype=torch.float64)
+        sparsenn.einsum("ij->i", w).backward(grad)
+    torch.testing.assert_close(w.values.grad, grad[w.coords()[0][0]])

@@ -75,8 +75,9 @@ class SampledDensePath:
 def unmasked_product(assignment: Assignment, infos: Sequence[OperandInfo]) -> Assignment | None:
     """``assignment`` without the factors its terms read for their positions only, as a
     plain sum of products of dense operands; None unless every term's value is a product
-    of distinct factors (:attr:`~.frontend.notation.Term.multiplied`) of dense operands,
-    its other factors sparse (the masks), and there is no epilogue."""
+    of distinct factors (:attr:`~.frontend.notation.Term.multiplied`) of dense operands
+    reading every output index (no broadcast), its other factors sparse (the masks), and
+    there is no epilogue."""
     if assignment.reduction != "sum" or assignment.epilogue is not None:
         return None
     terms = []
@@ -87,7 +88,8 @@ def unmasked_product(assignment: Assignment, infos: Sequence[OperandInfo]) -> As
         factors = tuple(term.factors[k] for k in multiplied)
         masks = [a for k, a in enumerate(term.factors) if k not in multiplied]
         if any(infos[a.operand].format is not None for a in factors) or \
-                any(infos[a.operand].format is None for a in masks):
+                any(infos[a.operand].format is None for a in masks) or \
+                not set(assignment.output) <= {i for a in factors for i in a.indices}:
             return None
         terms.append(Term(term.coefficient, factors))
     return Assignment(assignment.output, tuple(terms), assignment.operand_names, extents=assignment.extents)
