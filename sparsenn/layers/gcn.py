@@ -92,6 +92,14 @@ def _(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: 
             edge_index.new_empty(stored, dtype=dtype))
 
 
+def _input_major(weight: Tensor) -> Tensor:
+    """``weight`` ``(out, in)`` with its memory input-major (``Wᵀ`` contiguous, strides
+    ``(1, out)``): the layout in which ``X Wᵀ`` over sparse ``X`` reads it, a row of
+    ``Wᵀ`` per stored feature, so the planner reads it in place (a weight stored
+    output-major is re-laid out, and the copy checked against it on every call)."""
+    return weight.t().contiguous().t()
+
+
 class SparseGCNConv(nn.Module):
     r"""Graph convolution (Kipf & Welling, ICLR 2017) with PyG's ``GCNConv`` conventions.
 
@@ -170,7 +178,7 @@ class SparseGCNConv(nn.Module):
         if self.in_channels == -1:
             self.weight = nn.parameter.UninitializedParameter(**kwargs)
         else:
-            self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, **kwargs))
+            self.weight = nn.Parameter(_input_major(torch.empty(self.out_channels, self.in_channels, **kwargs)))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_channels, **kwargs))
         else:
@@ -240,6 +248,7 @@ class SparseGCNConv(nn.Module):
         self.in_channels = in_channels
         with torch.no_grad():
             self.weight.materialize((self.out_channels, in_channels))
+            self.weight.data = _input_major(self.weight.data)
             nn.init.xavier_uniform_(self.weight)
 
     # ------------------------------------------------------------------ state_dict of a lazy layer
@@ -277,6 +286,7 @@ class SparseGCNConv(nn.Module):
                 return
             self.in_channels = saved.shape[1]
             self.weight.materialize((self.out_channels, self.in_channels))
+            self.weight.data = _input_major(self.weight.data)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
