@@ -115,7 +115,9 @@ class SparseGCNConv(nn.Module):
     or ``X`` is sparse, else as ``(Â X) Wᵀ``, so the sparse-times-dense einsum runs on the
     narrower of the two dense matrices; a dense ``X`` times ``Wᵀ`` is the dense GEMM
     ``F.linear``: einsum's all-dense path would hand it to torch too, and torch's own GEMM
-    backward is faster than einsum's.
+    backward is faster than einsum's. The weight ``(out_channels, in_channels)`` is stored
+    input-major (``weight.t()`` contiguous), the layout in which ``X Wᵀ`` over sparse ``X``
+    reads it: a row of ``Wᵀ`` per stored feature, read in place (BLAS takes either).
 
     Args:
         in_channels, out_channels: feature sizes; ``in_channels=-1`` (as in PyG) leaves the
