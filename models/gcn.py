@@ -81,9 +81,9 @@ class GCN(L.LightningModule):
         propagating the narrower dense matrix (``Â (X Wᵀ)``, as the layers choose for
         sparse features or fewer outputs than inputs)."""
         conv1, conv2 = self.conv1, self.conv2
-        narrower = all(c.out_channels <= c.in_channels for c in (conv1, conv2))
-        return (conv1.bias is not None and conv2.bias is not None
-                and (narrower or isinstance(x, SparseTensor) and conv2.out_channels <= conv2.in_channels))
+        if conv1.bias is None or conv2.bias is None or conv2.out_channels > conv2.in_channels:
+            return False
+        return conv1.out_channels <= conv1.in_channels or isinstance(x, SparseTensor)
 
     def training_step(self, batch: Data, batch_idx: int) -> Tensor:
         logits = self(batch.x, batch.edge_index)

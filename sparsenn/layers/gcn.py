@@ -239,8 +239,9 @@ class SparseGCNConv(nn.Module):
             self._initialise(shape[1])
         if shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
-        if autocast_dtype(dtype) != autocast_dtype(self.weight.dtype):
-            raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
+        weight_dtype = self.weight.dtype
+        if dtype != weight_dtype and autocast_dtype(dtype) != autocast_dtype(weight_dtype):
+            raise TypeError(f"x has dtype {dtype} but the layer's weight has {weight_dtype}")
         return shape[0]
 
     def _initialise(self, in_channels: int) -> None:
