@@ -21,7 +21,7 @@ __all__ = ["GCN", "accuracy", "feature_dropout"]
 # propagation finishes it, and the planner fuses the next layer's product with it
 # (HW's row t is computed while H's row t is in cache) when the cost model says so.
 _TWO_LAYERS = sparsenn.compile("XW[s,h] = X[s,i] * W1[h,i]; H[t,h] = relu(A1[t,s] * XW[s,h] + b1[h]); "
-                               "HW[t,c] = H[t,h] * W2[c,h]; Z[t,c] = A2[t,s] * HW[s,c] + b2[c]")
+                               "HW[t,c] = H[t,h] * W2t[h,c]; Z[t,c] = A2[t,s] * HW[s,c] + b2[c]")
 
 
 class GCN(L.LightningModule):
@@ -70,7 +70,7 @@ class GCN(L.LightningModule):
             nodes = conv1.checked_features(x)
             a1 = conv1.adjacency(edge_index, None, nodes, conv1.weight.dtype)
             a2 = conv2.adjacency(edge_index, None, nodes, conv2.weight.dtype)
-            return _TWO_LAYERS(x, conv1.weight, a1, conv1.bias, conv2.weight, a2, conv2.bias)
+            return _TWO_LAYERS(x, conv1.weight, a1, conv1.bias, conv2.weight.t(), a2, conv2.bias)
         x = feature_dropout(x, self.dropout, self.training)
         x = F.relu(self.conv1(x, edge_index))
         x = F.dropout(x, p=self.dropout, training=self.training)
@@ -81,9 +81,9 @@ class GCN(L.LightningModule):
         propagating the narrower dense matrix (``Â (X Wᵀ)``, as the layers choose for
         sparse features or fewer outputs than inputs)."""
         conv1, conv2 = self.conv1, self.conv2
-        narrower = all(c.out_channels <= c.in_channels for c in (conv1, conv2))
-        return (conv1.bias is not None and conv2.bias is not None
-                and (narrower or isinstance(x, SparseTensor) and conv2.out_channels <= conv2.in_channels))
+        if conv1.bias is None or conv2.bias is None or conv2.out_channels > conv2.in_channels:
+            return False
+        return conv1.out_channels <= conv1.in_channels or isinstance(x, SparseTensor)
 
     def training_step(self, batch: Data, batch_idx: int) -> Tensor:
         logits = self(batch.x, batch.edge_index)

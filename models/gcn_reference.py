@@ -54,11 +54,12 @@ def normalized_adjacency_csr(edge_index: Tensor, num_nodes: int, dtype: torch.dt
 
 
 def _frozen_weights(trained: GCN) -> list[Tensor]:
-    """``[W_1, b_1, W_2, b_2]`` of a GCN with the default normalisation and biases, detached copies."""
+    """``[W_1, b_1, W_2, b_2]`` of a GCN with the default normalisation and biases, detached
+    contiguous copies (``nn.Linear``'s layout, whatever the layers' own)."""
     for layer in (trained.conv1, trained.conv2):
         if layer.improved or not layer.normalize or not layer.add_self_loops or layer.bias is None:
             raise ValueError(f"only GCN layers with the default normalisation and a bias are supported, got {layer}")
-    return [t.detach().clone() for t in (trained.conv1.weight, trained.conv1.bias,
+    return [t.detach().clone(memory_format=torch.contiguous_format) for t in (trained.conv1.weight, trained.conv1.bias,
                                          trained.conv2.weight, trained.conv2.bias)]
 
 

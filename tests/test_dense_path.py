@@ -10,7 +10,7 @@ import sparsenn
 from _machines import AVX2, AVX512
 from sparsenn.compiler import cache_stats, clear_caches
 from sparsenn.compiler.runtime.densified import DenseCopies
-from sparsenn.compiler.runtime.evaluate import DensifiedCall, SplitCall, resolve, route
+from sparsenn.compiler.runtime.evaluate import DensifiedCall, SplitCall, resolve, route, weighed_dense_path
 from sparsenn.compiler.runtime.validate import check_call
 from sparsenn.compiler.api import parse
 
@@ -273,3 +273,22 @@ def test_a_trained_operand_gets_a_new_copy_at_every_step_and_is_kept_once_its_va
     with torch.no_grad():
         w.values.copy_(torch.randn_like(w.values))  # as load_state_dict writes
     check(7)
+
+
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_a_dense_operand_already_in_the_kernels_order_costs_no_copy(target):
+    """``X Wᵀ`` over sparse ``X`` reads ``W`` input-major: a weight stored so is read in
+    place (no copy costed), one stored output-major is copied into that order."""
+    x = weight(300, 500, 0.02)
+    w = torch.randn(64, 500)
+    with sparsenn.compiler.use_target(target):
+        assignment = parse("si,oi->so", 2)
+        costs = {}
+        for name, operand in (("output-major", w), ("input-major", w.t().contiguous().t())):
+            checked = check_call(assignment, [x, operand], "dense")
+            shaped = route(assignment, checked)
+            shaped = shaped.shaped if isinstance(shaped, DensifiedCall) else shaped
+            costs[name] = weighed_dense_path(assignment, checked, shaped)
+        assert costs["output-major"].relayout_cycles > 0 and "copying dense operands" in costs["output-major"].describe()
+        assert costs["input-major"].relayout_cycles == 0
+        assert costs["input-major"].sparse_cycles < costs["output-major"].sparse_cycles

@@ -194,6 +194,32 @@ def test_results_asked_for_are_kept_and_not_overwritten() -> None:
         sparsenn.compile(SOFTMAX, returns="Q")
 
 
+
+def test_a_repeated_program_call_finds_its_runner_by_its_signature() -> None:
+    """Each call finds the runner of its own signature (another shape, other results kept
+    are other signatures) and computes what softmax does; a pattern edited in place is
+    refused, not run over."""
+    program = sparsenn.compile(SOFTMAX, returns=("E", "P"))
+    plain = sparsenn.compile(SOFTMAX)
+    small, large = random_sparse((30, 40), "csr"), random_sparse((31, 40), "csr", seed=1)
+    expected = {id(S): sparsenn.softmax(S).to_dense() for S in (small, large)}
+
+    def runners() -> tuple[int, int]:
+        stats = cache_stats()["program runners"]
+        return stats.hits, stats.misses
+
+    for S in (small, large, small, large):
+        for _ in range(2):
+            torch.testing.assert_close(program(S)[1].to_dense(), expected[id(S)])
+            torch.testing.assert_close(plain(S).to_dense(), expected[id(S)])
+    hits, misses = runners()
+    torch.testing.assert_close(program(small)[1].to_dense(), expected[id(small)])
+    torch.testing.assert_close(plain(large).to_dense(), expected[id(large)])
+    assert runners() == (hits + 2, misses)
+    small.crd[1].zero_()  # an index array edited in place
+    with pytest.raises(ValueError):
+        plain(small)
+
 # ---------------------------------------------------------------------- epilogues and dense stages
 
 GCN_LAYER = "H[t,o] = relu(A[t,s] * XW[s,o] + b[o]); Z[t,c] = H[t,o] * W[c,o]"

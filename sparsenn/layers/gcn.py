@@ -92,6 +92,14 @@ def _(edge_index: Tensor, edge_weight: Tensor | None, num_nodes: int, improved: 
             edge_index.new_empty(stored, dtype=dtype))
 
 
+def _input_major(weight: Tensor) -> Tensor:
+    """``weight`` ``(out, in)`` with its memory input-major (``Wᵀ`` contiguous, strides
+    ``(1, out)``): the layout in which ``X Wᵀ`` over sparse ``X`` reads it, a row of
+    ``Wᵀ`` per stored feature, so the planner reads it in place (a weight stored
+    output-major is re-laid out, and the copy checked against it on every call)."""
+    return weight.t().contiguous().t()
+
+
 class SparseGCNConv(nn.Module):
     r"""Graph convolution (Kipf & Welling, ICLR 2017) with PyG's ``GCNConv`` conventions.
 
@@ -107,7 +115,9 @@ class SparseGCNConv(nn.Module):
     or ``X`` is sparse, else as ``(Â X) Wᵀ``, so the sparse-times-dense einsum runs on the
     narrower of the two dense matrices; a dense ``X`` times ``Wᵀ`` is the dense GEMM
     ``F.linear``: einsum's all-dense path would hand it to torch too, and torch's own GEMM
-    backward is faster than einsum's.
+    backward is faster than einsum's. The weight ``(out_channels, in_channels)`` is stored
+    input-major (``weight.t()`` contiguous), the layout in which ``X Wᵀ`` over sparse ``X``
+    reads it: a row of ``Wᵀ`` per stored feature, read in place (BLAS takes either).
 
     Args:
         in_channels, out_channels: feature sizes; ``in_channels=-1`` (as in PyG) leaves the
@@ -170,7 +180,7 @@ class SparseGCNConv(nn.Module):
         if self.in_channels == -1:
             self.weight = nn.parameter.UninitializedParameter(**kwargs)
         else:
-            self.weight = nn.Parameter(torch.empty(self.out_channels, self.in_channels, **kwargs))
+            self.weight = nn.Parameter(_input_major(torch.empty(self.out_channels, self.in_channels, **kwargs)))
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_channels, **kwargs))
         else:
@@ -229,8 +239,9 @@ class SparseGCNConv(nn.Module):
             self._initialise(shape[1])
         if shape[1] != self.in_channels:
             raise ValueError(f"x must have shape (num_nodes, {self.in_channels}), got {shape}")
-        if autocast_dtype(dtype) != autocast_dtype(self.weight.dtype):
-            raise TypeError(f"x has dtype {dtype} but the layer's weight has {self.weight.dtype}")
+        weight_dtype = self.weight.dtype
+        if dtype != weight_dtype and autocast_dtype(dtype) != autocast_dtype(weight_dtype):
+            raise TypeError(f"x has dtype {dtype} but the layer's weight has {weight_dtype}")
         return shape[0]
 
     def _initialise(self, in_channels: int) -> None:
@@ -240,6 +251,7 @@ class SparseGCNConv(nn.Module):
         self.in_channels = in_channels
         with torch.no_grad():
             self.weight.materialize((self.out_channels, in_channels))
+            self.weight.data = _input_major(self.weight.data)
             nn.init.xavier_uniform_(self.weight)
 
     # ------------------------------------------------------------------ state_dict of a lazy layer
@@ -277,6 +289,7 @@ class SparseGCNConv(nn.Module):
                 return
             self.in_channels = saved.shape[1]
             self.weight.materialize((self.out_channels, self.in_channels))
+            self.weight.data = _input_major(self.weight.data)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

@@ -282,11 +282,22 @@ def relayout_cycles(assignment: Assignment, sched: Schedule, infos: Sequence[Ope
     mode order into that order: ``max(elements · (line + itemsize) / bw_L2, 2 · bytes /
     bw)``, ``bw`` for its bytes (a blocked copy, see the module doc). An operand laid out
     in panels reads its rows a panel's width at a time, streaming at the rate of the
-    scheduler's ``DENSE_COPY_COST``: its copy is in the schedule's cost already."""
-    copied = {assignment.terms[t].factors[f].operand for (t, f), _ in sched.transposes}
+    scheduler's ``DENSE_COPY_COST``: its copy is in the schedule's cost already. An
+    operand whose memory is in that mode order already (``Wᵀ`` contiguous read as
+    ``W[h, i]`` in order ``i, h``) is read where it is: no copy."""
+    copied = {assignment.terms[t].factors[f].operand for (t, f), order in sched.transposes
+              if not _in_memory_order(infos[assignment.terms[t].factors[f].operand], order)}
     panelled = {assignment.terms[nest.term].factors[k].operand for nest in sched.nests for k, _ in nest.panels}
     return sum(target.blocked_copy_cycles(math.prod(infos[n].shape), itemsize)
                for n in copied - panelled if infos[n].format is None)
+
+
+def _in_memory_order(info: OperandInfo, order: Sequence[int]) -> bool:
+    """Whether a dense operand's memory runs in mode ``order`` (outermost first), modes of
+    extent one aside (the launcher then reads it in place)."""
+    layout = info.layout if info.layout is not None else tuple(range(len(info.shape)))
+    wide = [m for m in order if info.shape[m] != 1]
+    return info.format is None and wide == [m for m in layout if info.shape[m] != 1]
 
 
 def schedule_cycles(sched: Schedule, target: Target) -> float:

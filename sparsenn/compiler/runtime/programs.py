@@ -30,11 +30,11 @@ from ..frontend.program import Program, Stage, StageResult, stage_inputs
 from ..plan.fusion import Candidate, Fusion, dense_stage, fuse
 from ..plan.planner import DENSE, ShapePlan, fused_kernel, operand_infos, plan_call
 from ..plan.target import Target
-from .cache import LRUCache
+from .cache import GuardedCache
 from .evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SampledDenseCall, SplitCall, evaluate,
                        route)
 from .launcher import FusedLaunch, Launch, Member, bind
-from .validate import call_key, check_call
+from .validate import call_guard, call_key, check_call
 
 __all__ = ["run_program", "describe_program"]
 
@@ -63,20 +63,24 @@ class _Runner:
         return results
 
 
-_runners: LRUCache[_Runner] = LRUCache("program runners", 256)
+# A repeated call finds its runner by the guard of its signature (no key built or hashed).
+_runners: GuardedCache[_Runner] = GuardedCache("program runners", 256, per_expression=4)
 
 
 def run_program(program: Program, operands: Sequence, kept: frozenset[int] = frozenset()) -> list:
     """Every stage's result, the stages run in the planner's groups, nothing recorded for
     autograd: those of the last stage and of ``kept`` stages (the others may have been
     overwritten in place)."""
+    runner = _runners.find(program, operands, kept)
+    if runner is not None:
+        return runner.run(operands)
     key = call_key((program, kept), operands, None)
     if key is None:  # operands checked and converted per call: stage by stage
         return _Runner([_Single(stage) for stage in program.stages], Fusion((), ())).run(operands)
-    runner = _runners.get(key)
+    runner = _runners.lookup(program, key)
     if runner is None:
         runner = _planned(program, operands, kept)
-        _runners.put(key, runner)
+        _runners.store(program, key, call_guard(program, operands, kept), runner)
     return runner.run(operands)
 
 
