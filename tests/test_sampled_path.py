@@ -15,9 +15,10 @@ from sparsenn.compiler.runtime.validate import check_call
 
 GRADIENT = "G<W>[o,i] = dY[b,o] * X[b,i]"
 TARGETS = pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
-# A machine on which BLAS runs at its peak and a torch call costs nothing: the dense path
-# wins on every shape, so the tests below run it at extents where it would not pay.
-BLAS_FRIENDLY = dataclasses.replace(AVX2, gemm_efficiency=1.0, python_call_cycles=1.0)
+# A machine on which BLAS runs at its peak, a torch call costs nothing and a kernel's
+# steps are slow: the dense path wins on every shape, so the tests below run it at
+# extents where it would not pay.
+BLAS_FRIENDLY = dataclasses.replace(AVX2, gemm_efficiency=1.0, python_call_cycles=1.0, cycles_per_cost_unit=10.0)
 
 
 def sampled_route(text, operands):
@@ -136,3 +137,11 @@ def test_a_gradient_broadcast_over_an_index_of_the_pattern_keeps_its_kernel():
         grad = torch.randn(6, dtype=torch.float64)
         sparsenn.einsum("ij->i", w).backward(grad)
     torch.testing.assert_close(w.values.grad, grad[w.coords()[0][0]])
+
+
+def test_sampling_a_dense_tensor_keeps_its_kernel():
+    # nothing to multiply: the dense path's own sampling pass is this call
+    w, d = pattern(9, 7, 0.5), torch.randn(9, 7)
+    with sparsenn.compiler.use_target(BLAS_FRIENDLY):
+        assert not isinstance(sampled_route("G<W>[o,i] = D[o,i]", [w, d]), SampledDenseCall)
+        torch.testing.assert_close(sparsenn.compile("G<W>[o,i] = D[o,i]")(w, d).values, at_stored(w, d))

@@ -75,15 +75,16 @@ class SampledDensePath:
 def unmasked_product(assignment: Assignment, infos: Sequence[OperandInfo]) -> Assignment | None:
     """``assignment`` without the factors its terms read for their positions only, as a
     plain sum of products of dense operands; None unless every term's value is a product
-    of distinct factors (:attr:`~.frontend.notation.Term.multiplied`) of dense operands
-    reading every output index (no broadcast), its other factors sparse (the masks), and
-    there is no epilogue."""
+    of two or more distinct factors (:attr:`~.frontend.notation.Term.multiplied`) of
+    dense operands reading every output index (no broadcast), its other factors sparse
+    (the masks), and there is no epilogue (the sampling of a dense tensor itself, a copy,
+    runs its kernel)."""
     if assignment.reduction != "sum" or assignment.epilogue is not None:
         return None
     terms = []
     for term in assignment.terms:
         multiplied = term.multiplied
-        if not multiplied:
+        if multiplied is None or len(multiplied) < 2:  # a sampled copy: nothing for BLAS to multiply
             return None
         factors = tuple(term.factors[k] for k in multiplied)
         masks = [a for k, a in enumerate(term.factors) if k not in multiplied]
