@@ -81,7 +81,8 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
     elif reduced and innermost and nest.sparse_reduction and nest.sparse_reduction.index == index:
         (driver,) = filtering(index, states)
         reductions.sparse_reduction(lo, index, states, driver, walk.accumulator, walk.summed,
-                                    nest.sparse_reduction.accumulators, bounds, nest.sparse_reduction.gathered)
+                                    nest.sparse_reduction.accumulators, bounds, nest.sparse_reduction.gathered,
+                                    nest.sparse_reduction.masked_rest)
     else:
         blocked = walk.blocked[position](states) if position in walk.blocked else None
         if reduced and nest.row_block and nest.row_block.index == index and position == len(order) - 2:
