@@ -153,10 +153,14 @@ def sparse_reduction(
                 lo.emit(ir.Assign(target, lo.product(new, factors), "+="))
             return lo.block(body)
 
-        lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
-        if gathered:
-            _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)), masked_rest)
-        if not masked_rest:
+        if masked_rest:
+            lo.emit(ir.Decl(acc, "V", "zero", shape=(1,)))
+            _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)), n, True)
+        else:
+            lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
+            if gathered:
+                _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)),
+                               lo.s.target.gathered_vectors, False)
             lo.emit(ir.For(None, ir.le(ir.add(q, n), cursor.h), ir.Assign(q, ir.Const(n), "+="), ir.Block((
                 counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
             lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
@@ -168,15 +172,14 @@ def sparse_reduction(
 
 
 def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int],
-                   into: ir.Expr, masked_rest: bool) -> None:
+                   into: ir.Expr, n: int, masked_rest: bool) -> None:
     """When the fiber holds a whole vector of positions from ``q`` (``masked_rest``: any
-    position): every whole group of ``n`` vectors (``n`` the target's
-    ``gathered_vectors``), then every whole vector left (``masked_rest``: then the
-    positions left as one vector, its lanes past them masked), the driving factor's
-    values loaded, each dense factor gathered at the positions' coordinates (its offset
-    is affine in the coordinate), summed into ``n`` SIMD sums, whose lanes are then
-    added into ``into``; without ``masked_rest``, fewer than a vector of positions are
-    left."""
+    position): every whole group of ``n`` vectors, then every whole vector left
+    (``masked_rest``: then the positions left as one vector, its lanes past them
+    masked), the driving factor's values loaded, each dense factor gathered at the
+    positions' coordinates (its offset is affine in the coordinate), summed into ``n``
+    SIMD sums, whose lanes are then added into ``into``; without ``masked_rest``, fewer
+    than a vector of positions are left."""
     q, sums, rest = cursor.q, lo.fresh("gsum"), lo.fresh("rest")
 
     def lane_values(st, k: int, lanes: ir.Expr, count: ir.Expr | None) -> ir.Expr:
@@ -200,7 +203,6 @@ def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor
         (``count``: its first ``count`` lanes only)."""
         return product_of([lane_values(states[k], k, ir.mul(vector, ir.Lanes()), count) for k in factors])
 
-    n = lo.s.target.gathered_vectors
     step = ir.mul(ir.Const(n), ir.Lanes())
 
     def vectors():

@@ -20,7 +20,9 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   factors gathered at the vector of coordinates (an SpMV's ``x[crd[q]]``); the rest of
   each fiber then takes the scalar sums, or, when the cost model finds one vector step
   cheaper than the positions left (``cost.masked_rest``: the fibers are at least a few
-  positions long), one masked vector and no scalar sums.
+  positions long), one masked vector and no scalar sums: the ``A`` sums are then SIMD
+  sums, vector ``v`` of the fiber feeding sum ``v mod A`` (one per vector of a mean
+  fiber: a short one runs one loop of single vectors).
 * **Row block.** A loop over such a fiber whose body is an innermost vector reduction
   with some factors not indexed by the fiber (SDDMM's ``X[i, :]`` for each ``Y[j, :]``)
   takes ``row_block`` positions at a time: the common factors are loaded once per
@@ -114,7 +116,7 @@ class SparseReduction:
     index: str
     accumulators: int
     gathered: bool = False  # positions SIMD lanes at a time, the dense factors gathered
-    masked_rest: bool = False  # gathered: a fiber's last, partial vector masked, no scalar sums
+    masked_rest: bool = False  # gathered: a fiber's last, partial vector masked; the sums SIMD ones
 
 
 @dataclass(frozen=True)
@@ -228,16 +230,15 @@ def sparse_reduction(order, output, factors, target: Target, fiber: float,
     positions, at least one and at most the target's ``sparse_accumulators`` (a shorter
     chain of adds overlaps the next fiber's in the out-of-order window; more sums would
     only cost their setup and combining). ``masked_rest``: whether a gathered one takes
-    each fiber's rest as one masked vector (``cost.masked_rest``), one sum then."""
+    each fiber's rest as one masked vector (``cost.masked_rest``); its sums are then
+    SIMD sums, vector ``v`` of a fiber feeding sum ``v mod A``."""
     summed = summed_factors(order, output, factors)
     k = driver(order[-1], factors) if summed else None
     if k is None:
         return None
-    gathered = gathered_reduction(order, output, factors)
-    if gathered and masked_rest:
-        return SparseReduction(order[-1], 1, gathered, masked_rest)
     sums = max(1, min(target.sparse_accumulators, int(fiber // target.cost_vector_lanes)))
-    return SparseReduction(order[-1], sums, gathered)
+    gathered = gathered_reduction(order, output, factors)
+    return SparseReduction(order[-1], sums, gathered, gathered and masked_rest)
 
 
 def gathered_reduction(order, output, factors) -> bool:

@@ -76,11 +76,10 @@ class Nest:
         if self.sparse_reduction:
             r = self.sparse_reduction
             if r.masked_rest:
-                parts.append(f"sparse reduction over {r.index} (whole vectors of entries, gathered, then the rest as "
-                             f"one masked vector)")
+                gathered = ", whole vectors of entries gathered, then the rest as one masked vector"
             else:
                 gathered = ", whole vectors of entries first, gathered" if r.gathered else ""
-                parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators{gathered})")
+            parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators{gathered})")
         if self.row_block:
             b = self.row_block
             parts.append(f"row block: {b.size} entries of {b.index} share {b.inner} loads ({b.vectors} vector(s) each)")
