@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _machines import AVX2, AVX512
+from _machines import AVX2, AVX512, WIDE
 
 import sparsenn
 from sparsenn.compiler import use_target
@@ -96,12 +96,12 @@ def test_a_two_sparse_product_has_no_masked_rest():
     assert all(n.sparse_reduction is None or not n.sparse_reduction.masked_rest for n in nests)
 
 
-@pytest.mark.parametrize("machine", [AVX2, AVX512], ids=["avx2", "avx512"])
+@pytest.mark.parametrize("machine", [AVX2, AVX512, WIDE], ids=["avx2", "avx512", "16 lanes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("longest", [2, 11])
+@pytest.mark.parametrize("longest", [2, 11, 40])
 def test_short_fibers_match_torch(machine, dtype, longest):
-    """Rows of at most 2 entries (scalar steps) and of at most 11 (a vector and a masked
-    rest, or only a masked one), against torch."""
+    """Rows of at most 2 entries (scalar steps), of at most 11 and 40 (vectors and a
+    masked rest, or only a masked one), on 8 and 16 lanes, against torch."""
     dense = rows_of_at_most(longest).to(dtype)
     a = sparsenn.from_dense(dense, format="csr")
     tol = dict(atol=0.1, rtol=0.02) if dtype == torch.bfloat16 else dict(atol=1e-4, rtol=1e-4)
