@@ -195,13 +195,15 @@ class VectorLoad(Expr):
 @dataclass(frozen=True)
 class Gather(Expr):
     """The SIMD vector of ``array`` at ``offset + crd[at + l] * stride`` for each lane
-    ``l`` (the elements a vector of stored coordinates picks)."""
+    ``l`` (the elements a vector of stored coordinates picks); with ``count``, only the
+    lanes ``l < count`` (the others zero; no coordinate past them is read)."""
 
     array: Array
     offset: Expr
     crd: Array
     at: Expr
     stride: Expr
+    count: Expr | None = None
 
 
 @dataclass(frozen=True)
