@@ -17,7 +17,8 @@ tile's packs), and every row of ``a`` reads its gathered rows from there::
         for a in the chunk: for kb in [pk, pe) step B: the register block, reading pack
 
 A panel fills at most a quarter of the L2 (at least one register block: 4096 inputs
-by 64 columns take 1 MiB a panel), so the rows' gathers stay in the L2; the panel is
+by 64 columns take 1 MiB a panel), so the rows' gathers stay in the L2; it replaces
+a cache tile of ``k`` (and the copy in panels of that tile); the panel is
 contiguous where the copy's rows a multiple of 4 KiB apart would share a few cache
 sets. Which way costs fewer cycles decides (:func:`packed_block`): the copy, as the
 dense path costs it (:func:`.dense_path.relayout_cycles`), ``blocked_copy_cycles(E)``
@@ -59,15 +60,16 @@ def packed_block(order: Sequence[str], output: tuple[str, ...], factors: list[Fa
                  tile: RegisterTile | None, tiles: Sequence[Tile], layouts: dict[int, tuple[str, ...]],
                  dims: dict[str, int], itemsize: int, target: Target) -> tuple[PackedBlock | None, PackSource | None]:
     """(the packed block, how its factor is read) of a nest ``a, d, k`` with a register
-    block over ``k`` and no register or cache tile, ``d`` driven by one sparse level,
+    block over ``k``, no register tile and no cache tile but of ``k`` (the panels
+    replace it), ``d`` driven by one sparse level,
     and one copied dense factor holding just ``d`` and ``k`` whose memory order
     (``layouts``) is ``[k][d]`` (see the module doc); the block is None when the copy
     costs fewer cycles, both None when no pack applies."""
     none = None, None
-    if block is None or tile is not None or tiles or len(order) != 3:
+    if block is None or tile is not None or len(order) != 3:
         return none
     a, d, k = order
-    if a not in output or d in output or block.index != k:
+    if a not in output or d in output or block.index != k or any(t.index != k for t in tiles):
         return none
     if decisions.driver(d, [f.nest_factor() for f in factors]) is None:
         return none

@@ -427,8 +427,8 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
                                f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
         packed = None
         if tile is None:
-            packed, in_place, change = _packed_block(nest, block, factors, assignment.terms[nest.term], infos,
-                                                     assignment.output, dims, itemsize, target, reasons)
+            nest, packed, in_place, change = _packed_block(nest, block, factors, assignment.terms[nest.term], infos,
+                                                           assignment.output, dims, itemsize, target, reasons)
             transposes = [((t, k), mode_order) for (t, k), mode_order in transposes
                           if t != nest.term or k not in in_place]
             cost += change
@@ -487,25 +487,28 @@ def _grouped_pack_sources(nest: Nest, tile: RegisterTile, factors: list[Factor],
 
 def _packed_block(nest: Nest, block: Tile | None, factors: list[Factor], term: Term,
                   infos: Sequence[OperandInfo], output: tuple[str, ...], dims: dict[str, int], itemsize: int,
-                  target: Target, reasons: list[str]) -> tuple[PackedBlock | None, tuple[int, ...], float]:
-    """(packed block, factors read in place, change of the nest's cost) of a register
-    block whose copied vector factor may be packed where it is (``block_pack.packed_block``):
-    the factor is then read in its memory order, its copy's cost replaced by its packs';
-    ``reasons`` gets the choice."""
+                  target: Target, reasons: list[str]) -> tuple[Nest, PackedBlock | None, tuple[int, ...], float]:
+    """(nest, packed block, factors read in place, change of the nest's cost) of a
+    register block whose copied vector factor may be packed where it is
+    (``block_pack.packed_block``): the factor is then read from its packs, laid out in
+    loop order, its copy's cost replaced by theirs, and the panels replace the nest's
+    cache tile of the block's loop; ``reasons`` gets the choice."""
     layouts = {n: _memory_order(term.factors[n].indices, infos[term.factors[n].operand].layout)
                for n, f in enumerate(factors) if not f.sparse}
     packed, source = block_pack.packed_block(nest.order, output, factors, block, None, nest.tiles, layouts, dims,
                                              itemsize, target)
-    if source is None:
-        return None, (), 0.0
+    if source is None or packed is None:
+        if source is not None:
+            reasons.append(f"term {nest.term}: register block's {source.describe()}")
+        return nest, None, (), 0.0
     reasons.append(f"term {nest.term}: register block's {source.describe()}")
-    if packed is None:
-        return None, (), 0.0
+    tiles = tuple(t for t in nest.tiles if t.index != block.index)
+    nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
     f = factors[source.factor]
     change = source.transposing_cycles / target.cycles_per_cost_unit - f.transpose_cost \
         - target.relayout_cycles / target.cycles_per_cost_unit
     factors[source.factor] = replace(f, in_place=True)  # its pack is laid out in loop order
-    return packed, (source.factor,), change
+    return nest, packed, (source.factor,), change
 
 
 def _memory_order(indices: tuple[str, ...], layout: tuple[int, ...] | None) -> tuple[str, ...]:
