@@ -24,9 +24,9 @@ sets. Which way costs fewer cycles decides (:func:`packed_block`): the copy, as 
 dense path costs it (:func:`.dense_path.relayout_cycles`), ``blocked_copy_cycles(E)``
 plus the target's ``relayout_cycles`` (torch's call and allocation); the packs, per
 thread, ``PACKED_BLOCK_CHUNKS_PER_THREAD`` times ``E_t log2(lanes) / lanes`` shuffles
-for the elements in whole transposed blocks, one cycle an element for the rest (the
-lanes past ``k`` of the last block included) and ``2 E itemsize / bw`` read and
-written. The parallel loop runs in :data:`PACKED_BLOCK_CHUNKS_PER_THREAD` chunk per
+for the elements in whole transposed blocks plus one cycle an element for the rest (the
+lanes past ``k`` of the last block included), or ``2 E itemsize / bw`` read and written
+when the strip streams from beyond the L2 (:func:`pack_cycles`). The parallel loop runs in :data:`PACKED_BLOCK_CHUNKS_PER_THREAD` chunk per
 thread (an unstructured weight's chunks are balanced by their stored entries): each
 thread packs each panel once.
 """
@@ -90,10 +90,12 @@ def packed_block(order: Sequence[str], output: tuple[str, ...], factors: list[Fa
 
 def pack_cycles(depth: int, width: int, block: int, itemsize: int, target: Target) -> float:
     """Cycles of packing a ``[width][depth]`` strip into blocks of ``block`` columns
-    (see the module doc): ``log2(lanes) / lanes`` a transposed element, one a copied
-    one (padding included), its bytes read and written at the rate of their level."""
+    (see the module doc): ``log2(lanes) / lanes`` a transposed element and one a copied
+    one (padding included), or its bytes read and written at the rate of their level
+    when that takes longer (as the copy's, :meth:`.Target.blocked_copy_cycles`)."""
     lanes = target.lanes(itemsize)
     transposed = (depth - depth % lanes) * (width - width % lanes)
     padded = depth * -(-width // block) * block
     nbytes = depth * width * itemsize
-    return transposed * math.log2(lanes) / lanes + (padded - transposed) + 2 * nbytes / target.bytes_per_cycle(nbytes)
+    shuffles = transposed * math.log2(lanes) / lanes + (padded - transposed)
+    return max(shuffles, 2 * nbytes / target.bytes_per_cycle(nbytes))
