@@ -62,7 +62,8 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
             ir.Bin("/", ir.Const(policy.ahead_bytes), ir.max_(total, 1)), 1)), const=True))
         lo.emit(ir.Decl(last, "index", ir.sub(ir.Cast("index", level_size(lo, driver, driver.depth)), 1), const=True))
         lo.emit(ir.Decl(footprint, "index", _sum([  # what the loop may gather: every row's span
-            product_of([value, n, *(lo.dim(i) for i in _rows(states[k].dense_indices, index, k in lo.packed_rows))])
+            product_of([value, n, *(lo.dim(i) for i in _rows(states[k].dense_indices, index,
+                                                              k in lo.packed_rows))])
             for k, _, n in gathers]), const=True))
         first = ir.Cast("index", ir.Load(crd, q))
         ahead = ir.Cast("index", ir.Load(crd, ir.min_(ir.add(q, dist), last)))

@@ -26,9 +26,12 @@ plus the target's ``relayout_cycles`` (torch's call and allocation); the packs, 
 thread, ``PACKED_BLOCK_CHUNKS_PER_THREAD`` times ``E_t log2(lanes) / lanes`` shuffles
 for the elements in whole transposed blocks plus one cycle an element for the rest (the
 lanes past ``k`` of the last block included), or ``2 E itemsize / bw`` read and written
-when the strip streams from beyond the L2 (:func:`pack_cycles`). The parallel loop runs in :data:`PACKED_BLOCK_CHUNKS_PER_THREAD` chunk per
-thread (an unstructured weight's chunks are balanced by their stored entries): each
-thread packs each panel once.
+when the strip streams from beyond the L2 (:func:`pack_cycles`). The parallel loop
+runs in :data:`PACKED_BLOCK_CHUNKS_PER_THREAD` chunk per thread (an unstructured
+weight's chunks are balanced by their stored entries): each thread packs each panel
+once. Packed, the schedule's cost holds the packs' cycles instead of the copy's, and
+the dense path's weighing counts no copy of the factor; the loop over ``d`` prefetches
+the gathered rows of the pack as it would those of the copy.
 """
 
 from __future__ import annotations
