@@ -11,11 +11,9 @@ backward pass that packs the output's gradient.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from _machines import AVX2, AVX512
+from _machines import AVX2, AVX512, relaying
 
 import sparsenn
 from sparsenn.compiler import use_target
@@ -27,13 +25,6 @@ MACHINES = {"avx2": AVX2, "avx512": AVX512}
 # An L2 of 64 KiB: 300 inputs by blocks of 64 take one block a panel, so a batch of 200
 # runs in several panels, the last one partial.
 SMALL = Target(vector_bytes=32, vector_registers=16, l1_bytes=8 << 10, l2_bytes=64 << 10, llc_bytes=1 << 20)
-
-
-def cheap_copies(machine: Target) -> Target:
-    """``machine`` with copies so cheap (free torch calls, an L2 of unbounded bandwidth)
-    that re-laying the input out costs fewer cycles than packing it."""
-    return dataclasses.replace(machine, l2_bytes_per_cycle=1e6, llc_bytes_per_cycle=1e6, dram_bytes_per_cycle=1e6,
-                               relayout_cycles=1.0)
 
 
 def csr_weight(rows: int, cols: int, dtype=torch.float32, density: float = 0.3, seed: int = 0):
@@ -76,10 +67,10 @@ def test_a_batch_major_input_is_packed_in_the_kernel(machine, shape):
 @pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())
 def test_a_cheaper_copy_re_lays_the_input_out(machine):
     x, w = torch.randn(64, 784), csr_weight(256, 784, density=0.1)
-    sched = plan_of(x, w, cheap_copies(machine))
+    sched = plan_of(x, w, relaying(machine))
     (nest,) = sched.nests
     assert nest.packed_block is None and sched.transposes == (((0, 0), (1, 0)),), nest
-    with use_target(cheap_copies(machine)):
+    with use_target(relaying(machine)):
         assert "factor 0 re-laid out: re-laying it out at every call" in sparsenn.explain("bi,oi->bo", x, w)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import sparsenn
-from _machines import AVX2, AVX512
+from _machines import AVX2, AVX512, relaying
 from sparsenn.compiler.api import parse
 from sparsenn.compiler.plan.dense_path import (dense_product_cycles, gather_cycles_per_byte, relayout_cycles,
                                                schedule_cycles, stream_cycles)
@@ -70,14 +70,6 @@ def test_a_blas_nearer_its_peak_takes_a_moderately_sparse_product(target, rows, 
             assert ("sparse kernel kept" in text) == (not dense)
 
 
-def copying(target):
-    """``target`` with copies cheap enough (free torch calls, fast caches, the L2
-    five times faster than the last-level cache) that a kernel re-lays a batch-major
-    input out rather than packing it (``plan/block_pack.py``)."""
-    return dataclasses.replace(target, l2_bytes_per_cycle=1e6, llc_bytes_per_cycle=2e5, dram_bytes_per_cycle=2e5,
-                               relayout_cycles=1.0)
-
-
 @pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
 def test_an_input_copied_into_the_loop_order_costs_a_blocked_copy(target):
     # 128 x 3703 inputs (1.9 MB, past the L2) read feature-major, not in panels: torch's
@@ -88,7 +80,7 @@ def test_an_input_copied_into_the_loop_order_costs_a_blocked_copy(target):
         packing = weighed(x, w)[0]
         packing = packing.shaped if isinstance(packing, DensifiedCall) else packing
         assert packing.schedule.nests[0].packed_block is not None and not packing.schedule.transposes
-    target = copying(target)
+    target = relaying(target)
     with sparsenn.compiler.use_target(target):
         routed, dense = weighed(x, w)
         kernel = routed.shaped if isinstance(routed, DensifiedCall) else routed
