@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from . import decisions
 from .cost import Factor
-from .microkernel import PackSource, RegisterTile, Tile
+from .microkernel import PackSource, Tile
 from .target import Target
 
 __all__ = ["PackedBlock", "packed_block", "pack_cycles", "PACKED_BLOCK_CHUNKS_PER_THREAD"]
@@ -60,16 +60,16 @@ class PackedBlock:
 
 
 def packed_block(order: Sequence[str], output: tuple[str, ...], factors: list[Factor], block: Tile | None,
-                 tile: RegisterTile | None, tiles: Sequence[Tile], layouts: dict[int, tuple[str, ...]],
-                 dims: dict[str, int], itemsize: int, target: Target) -> tuple[PackedBlock | None, PackSource | None]:
+                 tiles: Sequence[Tile], layouts: dict[int, tuple[str, ...]], dims: dict[str, int], itemsize: int,
+                 target: Target) -> tuple[PackedBlock | None, PackSource | None]:
     """(the packed block, how its factor is read) of a nest ``a, d, k`` with a register
-    block over ``k``, no register tile and no cache tile but of ``k`` (the panels
+    block over ``k`` and no register tile, no cache tile but of ``k`` (the panels
     replace it), ``d`` driven by one sparse level,
     and one copied dense factor holding just ``d`` and ``k`` whose memory order
     (``layouts``) is ``[k][d]`` (see the module doc); the block is None when the copy
     costs fewer cycles, both None when no pack applies."""
     none = None, None
-    if block is None or tile is not None or len(order) != 3:
+    if block is None or len(order) != 3:
         return none
     a, d, k = order
     if a not in output or d in output or block.index != k or any(t.index != k for t in tiles):

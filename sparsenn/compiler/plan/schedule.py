@@ -495,8 +495,8 @@ def _packed_block(nest: Nest, block: Tile | None, factors: list[Factor], term: T
     cache tile of the block's loop; ``reasons`` gets the choice."""
     layouts = {n: _memory_order(term.factors[n].indices, infos[term.factors[n].operand].layout)
                for n, f in enumerate(factors) if not f.sparse}
-    packed, source = block_pack.packed_block(nest.order, output, factors, block, None, nest.tiles, layouts, dims,
-                                             itemsize, target)
+    packed, source = block_pack.packed_block(nest.order, output, factors, block, nest.tiles, layouts, dims, itemsize,
+                                             target)
     if source is None or packed is None:
         if source is not None:
             reasons.append(f"term {nest.term}: register block's {source.describe()}")
