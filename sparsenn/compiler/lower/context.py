@@ -49,6 +49,9 @@ class Lowering:
         # Set for a stage of a fused kernel (lower/fuse.py): every nest's team loops run at
         # this one (flattened) coordinate, with no team or chunks of their own.
         self.team_coordinate: ir.Expr | None = None
+        # Dense factors read from a per-thread pack while it is open (lower/packed_block.py):
+        # factor -> row(coordinate) giving the (array, offset) of its packed row at the open block.
+        self.packed_rows: dict[int, Callable[[ir.Expr], tuple[ir.Array, ir.Expr]]] = {}
 
     # -- building -------------------------------------------------------------
     def emit(self, *stmts: ir.Stmt) -> None:

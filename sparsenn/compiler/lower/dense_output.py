@@ -21,6 +21,7 @@ import functools
 from ..frontend.functions import IDENTITY
 from ..loops import ir
 from ..plan.decisions import reductions_from
+from ..plan.block_pack import PACKED_BLOCK_CHUNKS_PER_THREAD
 from ..plan.microkernel import PACKED_CHUNKS_PER_THREAD
 from ..plan.schedule import Nest
 from .chunks import HI, LO, NCHUNKS, balancing_pos, chunk_bounds, chunk_prologue
@@ -164,6 +165,8 @@ def _chunks(lo, nest, walk, states, term, offset, coef, once, k_anchor) -> None:
     tile = nest.register_tile
     if tile is not None and tile.packed and tile.grouped_by is not None:
         per_thread = PACKED_CHUNKS_PER_THREAD  # each chunk copies its packs
+    if nest.packed_block is not None:
+        per_thread = PACKED_BLOCK_CHUNKS_PER_THREAD  # ... and so does a packed block's
     chunk_prologue(lo, functools.reduce(ir.mul, [lo.dim(index) for index in team]), per_thread)
 
     def body():

@@ -1,6 +1,7 @@
 """Micro-kernels of dense-output nests (``plan/microkernel.py``): register blocks with
 their interleaved sums and dot tiles; register tiles are lowered by
-:mod:`.register_tile`, grouped tiles by :mod:`.grouped_tile`.
+:mod:`.register_tile`, grouped tiles by :mod:`.grouped_tile`, a register block's packs
+by :mod:`.packed_block`.
 
 A register-blocked nest ``P + R + (k,)`` runs::
 
@@ -29,6 +30,7 @@ from .iterators import locate
 from .order import NestWalk, emit_order
 from .reductions import enter
 from .grouped_tile import grouped_tile
+from .packed_block import BlockPacks
 from .register_tile import RegisterTileLowering
 from .tile_access import OUT, blocks_of_k, held, located, shifted_pos, shifted_value, vector_at
 
@@ -55,6 +57,8 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
         n_k = end
     vectors = ir.Bin("/", ir.Const(size), ir.Lanes())
     lane = ir.mul(v, ir.Lanes())
+    k_span = [k_lo, n_k]  # the blocks' range of k: all of it, or a packed block's open panel
+    packs = BlockPacks(lo, nest, k_span) if nest.packed_block is not None else None
     # The epilogue on the accumulators before the store: its slice is the block's span
     # of k (fused right after the block's reductions), its functions have vector forms.
     in_registers = (lo.a.epilogue is not None and nest.epilogue_at == r and nest.register_tile is None
@@ -73,7 +77,8 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
 
     def vector_leaf(st):
         lo.emit(ir.Decl(var_k, "index", kb, const=True))
-        loads = [lo.vector_load(st[n], count=count()) for n in with_k]
+        loads = [packs.load(kb, count()) if packs is not None and n == nest.packed_block.factor
+                 else lo.vector_load(st[n], count=count()) for n in with_k]
         lo.emit(counted(v, vectors, ir.Assign(ir.Elem(into[0], (v,)), product_of([lo.product(st, scalars), *loads]),
                                               "+=")))
 
@@ -119,11 +124,11 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
         """Loop ``r`` and those inside it, wrapped in whole blocks of k, then in the
         last, partial block, masked."""
         def one_block(last: bool):
-            partial[0], plain.block = last, (k, kb, n_k if last else ir.add(kb, size))
+            partial[0], plain.block = last, (k, kb, k_span[1] if last else ir.add(kb, size))
             one_pass(st, inner)
             partial[0], plain.block = False, (k, kb, ir.add(kb, size))
 
-        blocks_of_k(lo, kb, mask, size, (k_lo, n_k), one_block)
+        blocks_of_k(lo, kb, mask, size, tuple(k_span), one_block)
 
     wrap = {r: blocks}
     plain = NestWalk(nest, order[:-1], vector_leaf, dict(walk.bounds), block=(k, kb, ir.add(kb, size)),
@@ -133,9 +138,13 @@ def register_blocked(lo, nest, walk, states, term, offset, coef, once, k_anchor)
     elif nest.register_tile is not None:
         wrap[r - 1] = RegisterTileLowering(lo, nest, plain, coef, once, (k_lo, n_k), with_k, scalars, outside,
                                            k_anchor, offset)
+    elif packs is not None:
+        wrap[0] = packs.wrapper(plain.bounds)
+        lo.packed_rows[nest.packed_block.factor] = lambda step: packs.row(kb, step)
     if not in_registers and lo.a.epilogue is not None and nest.epilogue_at is not None:
         fuse_epilogue(lo, wrap, plain.bounds, order, nest.epilogue_at)
     emit_order(lo, plain, states)
+    lo.packed_rows.clear()
 
 
 ROW_T, COL_T = ir.Var("t"), ir.Var("u")

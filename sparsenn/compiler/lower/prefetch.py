@@ -2,7 +2,8 @@
 
 The schedule names the loops that may prefetch and the dense factors ``d[P, j, T]``
 they gather (:class:`~..plan.decisions.PrefetchLoop`); here each becomes a span
-``d + offset(P, crd[q + D], T_start)`` of ``T_end - T_start`` elements, and the loop
+``d + offset(P, crd[q + D], T_start)`` of ``T_end - T_start`` elements (a factor read
+from a per-thread pack: the pack's row ``crd[q + D]`` of the open block), and the loop
 a run-time test (:class:`~..plan.decisions.PrefetchPolicy`) choosing between a copy of
 the loop with prefetches and one without. ``D`` keeps ``ahead_bytes`` in flight,
 clamped to the level's last position (running on into the next fibers).
@@ -25,10 +26,13 @@ Span = tuple[int, dict, ir.Expr]  # (factor, start of T per index, length in ele
 def spans(lo: Lowering, factors: Sequence[int], index: str, states, bounds: dict, block) -> list[Span]:
     """The spans of ``factors`` (dense operands) gathered per position of loop ``index``:
     ``T`` from a tile or chunk bound, the open register block ``block = (k, start,
-    end)``, or whole rows."""
+    end)``, or whole rows; a factor read from a pack (``lo.packed_rows``): the block."""
     out = []
     for k in factors:
         st = states[k]
+        if k in lo.packed_rows:
+            out.append((k, {}, ir.sub(block[2], block[1])))
+            continue
         n = st.dense_indices.index(index)
         trailing = st.dense_indices[n + 1:]
         last = trailing[-1]
@@ -58,7 +62,8 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
             ir.Bin("/", ir.Const(policy.ahead_bytes), ir.max_(total, 1)), 1)), const=True))
         lo.emit(ir.Decl(last, "index", ir.sub(ir.Cast("index", level_size(lo, driver, driver.depth)), 1), const=True))
         lo.emit(ir.Decl(footprint, "index", _sum([  # what the loop may gather: every row's span
-            product_of([value, n, *(lo.dim(i) for i in _rows(states[k].dense_indices, index))])
+            product_of([value, n, *(lo.dim(i) for i in _rows(states[k].dense_indices, index,
+                                                              k in lo.packed_rows))])
             for k, _, n in gathers]), const=True))
         first = ir.Cast("index", ir.Load(crd, q))
         ahead = ir.Cast("index", ir.Load(crd, ir.min_(ir.add(q, dist), last)))
@@ -73,17 +78,21 @@ def prefetcher(lo: Lowering, policy: PrefetchPolicy, states, gathers: Sequence[S
             lo.emit(ir.Decl(target, "index", ir.Load(crd, ir.min_(ir.add(position, dist), last)), const=True))
             for g, (k, at, _) in enumerate(gathers):
                 st = states[k]
-                lo.emit(ir.Prefetch(ir.Array("dense", st.slot), lo.dense_offset(st, {**at, index: target}),
-                                    ir.min_(ir.Elem(size, (ir.Const(g),)), policy.max_bytes)))
+                if k in lo.packed_rows:
+                    array, offset = lo.packed_rows[k](target)
+                else:
+                    array, offset = ir.Array("dense", st.slot), lo.dense_offset(st, {**at, index: target})
+                lo.emit(ir.Prefetch(array, offset, ir.min_(ir.Elem(size, (ir.Const(g),)), policy.max_bytes)))
 
         return on, emit
 
     return declare
 
 
-def _rows(indices: Sequence[str], index: str) -> Sequence[str]:
-    """The indices of a gathered factor up to and including the gathering ``index``."""
-    return indices[: indices.index(index) + 1]
+def _rows(indices: Sequence[str], index: str, packed: bool) -> Sequence[str]:
+    """The indices of a gathered factor up to and including the gathering ``index``
+    (``packed``: read from a pack, whose rows are ``index``'s alone)."""
+    return (index,) if packed else indices[: indices.index(index) + 1]
 
 
 def _sum(parts):

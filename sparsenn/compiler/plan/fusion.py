@@ -187,6 +187,8 @@ def _alone(stage: Candidate) -> str | None:
     team = team_of(plan)
     if team is None:
         return f"{name}'s loop nests do not share parallel outer loops"
+    if any(nest.packed_block is not None for nest in plan.schedule.nests):
+        return f"{name} packs a factor once per chunk of its parallel loop, not per coordinate"
     if plan.assignment.epilogue is not None and not _epilogue_per_coordinate(plan, team):
         return f"{name} has an epilogue run after its loops, not per coordinate of {', '.join(team)}"
     for slot in plan.kernel.slots:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from sparsenn.formats import Format
 
 from .decisions import OutputAssembly, PrefetchLoop, PrefetchPolicy, RowBlock, SparseReduction, VectorReduction
+from .block_pack import PackedBlock
 from .microkernel import DotTile, RegisterTile, Tile
 from .target import Target
 
@@ -32,6 +33,7 @@ class Nest:
     # above it (independent chains of adds: a block of one vector would wait on each).
     block_sums: int = 1
     register_tile: RegisterTile | None = None  # ... and a second output loop with it
+    packed_block: PackedBlock | None = None  # ... or its vector factor packed per thread (plan/block_pack.py)
     dot_tile: DotTile | None = None  # two output loops around a vector reduction
     vector_reduction: VectorReduction | None = None
     sparse_reduction: SparseReduction | None = None
@@ -66,6 +68,10 @@ class Nest:
                 ahead = "; prefetching the next tile's stored entries and output rows" if t.prefetch_next else ""
                 parts.append(f"factor(s) {list(t.packed)} packed per thread{transposed} in panels of {t.panel} "
                              f"{self.register_block.index}{depth}{stepped}{rows}{ahead}")
+        if self.packed_block:
+            p = self.packed_block
+            parts.append(f"factor {p.factor} packed per thread from its own layout in panels of {p.panel} "
+                         f"{self.register_block.index}")
         if self.vector_reduction:
             v = self.vector_reduction
             parts.append(f"vector reduction over {v.index} ({v.accumulators} accumulators)")

@@ -34,7 +34,8 @@ level. It returns a :class:`Schedule`:
   which rows whose length is a multiple of a cache way's size (a batch of 256 floats)
   map onto a fraction of the cache's sets.
 * **Micro-kernels** (dense outputs): register blocks, register tiles (gathered,
-  packed, grouped), dot tiles and interleaved block sums: see :mod:`.microkernel`.
+  packed, grouped), dot tiles and interleaved block sums: see :mod:`.microkernel`; a
+  register block's vector factor packed per thread instead of copied: :mod:`.block_pack`.
 * **Code decisions** inside each nest (vector and sparse reductions, row blocks,
   prefetching loops, store-once) and the thread policy: see :mod:`.decisions`. Every
   machine parameter comes from the :class:`~.target.Target` passed in; the constants
@@ -52,8 +53,9 @@ from sparsenn.formats import Format
 
 from ..frontend import notation
 from ..frontend.notation import Assignment, Term
-from . import decisions
+from . import block_pack, decisions
 from . import microkernel
+from .block_pack import PackedBlock
 from .cost import Factor, NestCosts, OperandInfo, estimate_positions, masked_rest, nest_cost
 from .decisions import PrefetchPolicy
 from .microkernel import DotTile, RegisterTile, Tile
@@ -425,8 +427,17 @@ def _schedule_dense(assignment, infos, dims, itemsize, target: Target, anchor: i
                 total -= nest.cost - cost
                 reasons.append(f"term {nest.term}: factor(s) {list(tile.packed)} packed per thread: costed as a "
                                f"dense GEMM (cost / {GEMM_SPEEDUP:g})")
+        packed = None
+        if tile is None:
+            nest, packed, in_place, change = _packed_block(nest, block, factors, assignment.terms[nest.term], infos,
+                                                           assignment.output, dims, itemsize, target, reasons)
+            transposes = [((t, k), mode_order) for (t, k), mode_order in transposes
+                          if t != nest.term or k not in in_place]
+            cost += change
+            total += change
         sums = microkernel.block_sums(nest.order, assignment.output, factors, block, tile, itemsize, target)
-        blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost))
+        blocked.append(replace(nest, register_block=block, register_tile=tile, block_sums=sums, cost=cost,
+                               packed_block=packed))
     patterns = tuple(info.pattern for info in infos)
     units = frozenset(i for i, size in dims.items() if size == 1 and i not in assignment.output)
     nests = [_dense_decisions(nest, n, factors, assignment, target, patterns, units)
@@ -474,6 +485,37 @@ def _grouped_pack_sources(nest: Nest, tile: RegisterTile, factors: list[Factor],
                                              natural=True, in_place=True)
     in_place = tuple(source.factor for source in sources if source.in_place)
     return replace(tile, transposed=in_place), in_place, change
+
+
+def _packed_block(nest: Nest, block: Tile | None, factors: list[Factor], term: Term,
+                  infos: Sequence[OperandInfo], output: tuple[str, ...], dims: dict[str, int], itemsize: int,
+                  target: Target, reasons: list[str]) -> tuple[Nest, PackedBlock | None, tuple[int, ...], float]:
+    """(nest, packed block, factors read in place, change of the nest's cost) of a
+    register block whose copied vector factor may be packed where it is
+    (``block_pack.packed_block``): the factor is then read from its packs, laid out in
+    loop order, its copy's cost replaced by theirs, and the panels replace the nest's
+    cache tile of the block's loop; ``reasons`` gets the choice."""
+    layouts = {n: _memory_order(term.factors[n].indices, infos[term.factors[n].operand].layout)
+               for n, f in enumerate(factors) if not f.sparse}
+    packed, source = block_pack.packed_block(nest.order, output, factors, block, nest.tiles, layouts, dims, itemsize,
+                                             target)
+    if source is None or packed is None:
+        if source is not None:
+            reasons.append(f"term {nest.term}: register block's {source.describe()}")
+        return nest, None, (), 0.0
+    reasons.append(f"term {nest.term}: register block's {source.describe()}")
+    tiles = tuple(t for t in nest.tiles if t.index != block.index)
+    nest = replace(nest, tiles=tiles, panels=_panels(nest.order, tiles, factors))
+    f = factors[source.factor]
+    change = source.transposing_cycles / target.cycles_per_cost_unit - f.transpose_cost \
+        - target.relayout_cycles / target.cycles_per_cost_unit
+    factors[source.factor] = replace(f, in_place=True)  # its pack is laid out in loop order
+    return nest, packed, (source.factor,), change
+
+
+def _memory_order(indices: tuple[str, ...], layout: tuple[int, ...] | None) -> tuple[str, ...]:
+    """A dense factor's indices in its operand's memory order (``layout``: its modes, outermost first)."""
+    return tuple(indices) if layout is None else tuple(indices[m] for m in layout)
 
 
 def _schedule_sparse(assignment, infos, dims, output_format: Format, target: Target) -> Schedule:
