@@ -390,7 +390,7 @@ class SparseLinear(nn.Module):
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
         # Dynamo traces past the held signature (eager state its guards would otherwise check)
-        weight = self._weight_pattern.held_weight(self) if not is_compiling() and site.holds_signature else None
+        weight = None if is_compiling() else self._weight_pattern.held_weight(self)
         if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
             result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:

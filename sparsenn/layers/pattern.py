@@ -44,6 +44,22 @@ def _record_test(names: tuple[str, ...], record: tuple[tuple[Tensor, int, int | 
     return eval(f"lambda buffers: {' and '.join(tests) or 'True'}", arrays)
 
 
+def _holder(names: tuple[str, ...], record: tuple[tuple[Tensor, int, int | None], ...], values_name: str,
+            weight: SparseTensor) -> Callable[[dict, dict], SparseTensor | None]:
+    """``held(buffers, parameters)``: ``weight`` while the parameter ``values_name`` is its
+    values and the buffers ``names`` are the recorded arrays (the same objects), else
+    None; written out as one expression, as :func:`_record_test` is."""
+    tests = [f"parameters.get({values_name!r}) is values"]
+    tests += [f"buffers.get({name!r}) is array{n}" for n, name in enumerate(names)]
+    arrays = {f"array{n}": array for n, (array, _, _) in enumerate(record)}
+    return eval(f"lambda buffers, parameters: weight if {' and '.join(tests)} else None",
+                {**arrays, "values": weight.values, "weight": weight})
+
+
+def _none(buffers: dict, parameters: dict) -> None:
+    return None
+
+
 def _token(array: Tensor | None) -> tuple | None:
     """What identifies a buffer's current contents: the object and its data version."""
     return None if array is None else (id(array), array_version(array))
@@ -66,17 +82,27 @@ class PatternBuffers:
         self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._unchanged: Callable[[dict], bool] | None = None  # the record as a test of the buffers, if versioned
+        self._held: Callable[[dict, dict], SparseTensor | None] = _none  # _weight while its objects are the module's
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
         self.deferred: str | None = None  # why the buffers hold no pattern yet (a layer built on the meta device)
         self.validations = 0
 
-    def __getstate__(self) -> dict:  # the record's test is code made in this process: made again from the record
-        return {**self.__dict__, "_unchanged": None}
+    def __getstate__(self) -> dict:  # the record's tests are code made in this process: made again from the record
+        return {**self.__dict__, "_unchanged": None, "_held": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if self._record:
             self._unchanged = _record_test(self._names, self._record)
+        self._hold(self._weight)
+
+    def _hold(self, weight: SparseTensor | None) -> SparseTensor | None:
+        """Remember ``weight`` as the one last returned (None: none), and its test
+        (:meth:`held_weight`)."""
+        self._weight = weight
+        self._held = (_none if weight is None or self._unchanged is None
+                      else _holder(self._names, self._record, self.values_name, weight))
+        return weight
 
     @property
     def values_name(self) -> str:
@@ -100,8 +126,9 @@ class PatternBuffers:
                 if array is not None:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
         self._names = self.buffer_names()
-        self._checked, self._weight, self._record, self._unloaded = None, None, (), {}
+        self._checked, self._record, self._unloaded = None, (), {}
         self._unchanged = None
+        self._hold(None)
         self.deferred = None
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
@@ -127,10 +154,9 @@ class PatternBuffers:
                 and values.shape == checked.values.shape and unchanged(module._buffers)):
             weight = self._weight
             if weight is None or weight.values is not values:  # the same parameter: the same weight
-                weight = self._weight = checked.with_values(values)
+                weight = self._hold(checked.with_values(values))
             return weight
-        weight = self._weight = self._validate(module, values).with_values(values)
-        return weight
+        return self._hold(self._validate(module, values).with_values(values))
 
     def held_weight(self, module: nn.Module) -> SparseTensor | None:
         """The weight :meth:`tensor` last returned while the buffers and the values
@@ -139,14 +165,7 @@ class PatternBuffers:
         data pointer and version, the values' shape, dtype and layout:
         :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
         :meth:`tensor`."""
-        weight = self._weight
-        if weight is None or self._unchanged is None or module._parameters.get(f"{self.name}_values") is not weight.values:
-            return None
-        buffers = module._buffers
-        for name, (array, _, _) in zip(self._names, self._record):
-            if buffers.get(name) is not array:
-                return None
-        return weight
+        return self._held(module._buffers, module._parameters)
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
@@ -249,4 +268,5 @@ class PatternBuffers:
                f"pattern ({', '.join(self.buffer_names(saved) + (self.values_name,))})")
         for name in stale:
             self._unloaded[name] = (_token(module._buffers.get(name, module._parameters.get(name))), why)
-        self._checked = self._weight = None
+        self._checked = None
+        self._hold(None)
