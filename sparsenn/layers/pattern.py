@@ -68,8 +68,8 @@ def _token(array: Tensor | None) -> tuple | None:
 class PatternBuffers:
     """The buffers holding the pattern of the ``shape`` weight ``name`` of a module.
 
-    ``format`` is the weight's storage format; the buffer names follow its levels
-    (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
+    ``format`` is the weight's storage format; the buffer names (``names``) follow its
+    levels (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
     submodule); it holds the SparseTensor last validated over the buffers and a record
     of those buffers (object, data pointer, version counter). ``validations`` counts the
     full checks of the buffers: one while they stay unchanged, one more after each edit.
@@ -77,7 +77,7 @@ class PatternBuffers:
 
     def __init__(self, name: str, shape: tuple[int, int], fmt: Format) -> None:
         self.name, self.shape, self.format = name, shape, fmt
-        self._names = self.buffer_names()
+        self.names = self.buffer_names()
         self._checked: SparseTensor | None = None  # over the buffers as last validated
         self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
@@ -91,9 +91,11 @@ class PatternBuffers:
         return {**self.__dict__, "_unchanged": None, "_held": None}
 
     def __setstate__(self, state: dict) -> None:
+        if "_names" in state:  # pickled when the names were private
+            state["names"] = state.pop("_names")
         self.__dict__.update(state)
         if self._record:
-            self._unchanged = _record_test(self._names, self._record)
+            self._unchanged = _record_test(self.names, self._record)
         self._hold(self._weight)
 
     def _hold(self, weight: SparseTensor | None) -> SparseTensor | None:
@@ -101,7 +103,7 @@ class PatternBuffers:
         (:meth:`held_weight`)."""
         self._weight = weight
         self._held = (_none if weight is None or self._unchanged is None
-                      else _holder(self._names, self._record, self.values_name, weight))
+                      else _holder(self.names, self._record, self.values_name, weight))
         return weight
 
     @property
@@ -125,7 +127,7 @@ class PatternBuffers:
             for level, array in enumerate(arrays):
                 if array is not None:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
-        self._names = self.buffer_names()
+        self.names = self.buffer_names()
         self._checked, self._record, self._unloaded = None, (), {}
         self._unchanged = None
         self._hold(None)
@@ -187,18 +189,18 @@ class PatternBuffers:
             detail = re.sub(r"^values\b", self.values_name, detail)
             raise ValueError(f"{owner}: the {self.format} pattern of the {self.shape} {self.name} is invalid"
                              f"{self._changes(module)}: {detail}. The pattern buffers are the weight's "
-                             f"structure ({', '.join(self._names)}); load a whole pattern with "
+                             f"structure ({', '.join(self.names)}); load a whole pattern with "
                              "load_state_dict or build a new layer") from None
-        arrays = tuple(module._buffers[name] for name in self._names)
+        arrays = tuple(module._buffers[name] for name in self.names)
         self._checked = checked
         self._record = tuple((a, a.data_ptr(), None if a.is_inference() else a._version) for a in arrays)
-        self._unchanged = _record_test(self._names, self._record)
+        self._unchanged = _record_test(self.names, self._record)
         return checked
 
     def _changes(self, module: nn.Module) -> str:
         """`` after weight_crd1 was modified in place``: what changed since the last validation."""
         changes = []
-        for name, (array, address, version) in zip(self._names, self._record):
+        for name, (array, address, version) in zip(self.names, self._record):
             current = module._buffers.get(name)
             if current is None:
                 changes.append(f"{name} was removed")

@@ -23,6 +23,7 @@ import ctypes
 import functools
 import math
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ from .densified import RELAID
 from .restore import restored_as
 
 __all__ = ["Launch", "FusedLaunch", "Member", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill",
-           "run_stages"]
+           "run_source", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -68,7 +69,10 @@ class Assembly:
 class Launch:
     """A :class:`Plan` bound to a call signature (see the module doc); ``run(operands)``
     launches it. A launch bound without its kernel (``entry`` None: a fused kernel's
-    stage, which only needs the layouts) has no ``run``."""
+    stage, which only needs the layouts) has no ``run``. ``run`` follows a check that the
+    sparse operands' index arrays are those their records name (a call's guard,
+    ``validate.check_call`` or ``call_key``), so it reads their data addresses from the
+    records (``SparseTensor._versions``: no ``data_ptr()`` call each)."""
 
     plan: Plan
     entry: EntryPoints | None
@@ -77,6 +81,7 @@ class Launch:
     stages: tuple[Stage, ...]
     pointers: Pointers
     terms: tuple[str, ...]  # per argument, the expression of its data pointer over ``ops`` and ``made``
+    run_terms: tuple[str, ...]  # the same for ``run``: an operand's index arrays' from its record
     pack: Callable[..., bytes]  # the kernel's array arguments (and a dense output) as sn_run's void* array
     allocation: tuple[int, ...]  # shape of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
@@ -116,7 +121,7 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
     rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
     assembles, anchor = plan.assembles, plan.anchor
-    packed = None if assembles else _packed(launch.pack, launch.terms)
+    packed = None if assembles else _packed(launch.pack, launch.run_terms)
     allocate = None if assembles else output_allocator(launch)
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
@@ -153,12 +158,26 @@ def _direct_runner(launch: Launch) -> Callable[[Sequence], torch.Tensor]:
         lines.append(f"    made.append(stage{n}(ops, made))" if n else f"    made = [stage0(ops, [])]")
     threads = "num_threads()" if launch.parallel else "1"
     lines += ["    out = allocate()",
-              f"    if kernel_run(pack({''.join(term + ', ' for term in launch.terms)}out.data_ptr()), dims, "
+              f"    if kernel_run(pack({''.join(term + ', ' for term in launch.run_terms)}out.data_ptr()), dims, "
               f"{threads}, None) != 0:",
               "        raise MemoryError(message)",
               "    return out"]
+    shared = dict(constants)
     exec(_compiled_runner("\n".join(lines)), constants)
-    return constants.pop("run")
+    run = constants.pop("run")
+    _RUN_SOURCES[run] = (tuple(lines[1:]), shared)
+    return run
+
+
+# Each direct runner's body (lines indented once, over ``ops``) and its constants.
+_RUN_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def run_source(run: Callable) -> tuple[tuple[str, ...], dict[str, object]] | None:
+    """The body of ``run`` when it is a launch's direct runner (:func:`_direct_runner`),
+    for a caller writing it into its own function (lines indented by four spaces, over
+    ``ops``, ending in a return), and the constants it reads; else None."""
+    return _RUN_SOURCES.get(run)
 
 
 @functools.lru_cache(maxsize=256)
@@ -305,6 +324,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         else:
             sources.append((False, n))
     terms = []  # per argument, the expression of its data pointer
+    run_terms = []  # the same, an operand's index array's read from its record (see Launch)
     for argument in plan.arguments:
         staged, i = sources[argument.slot]
         op = operands[plan.kernel.slots[argument.slot].operand]
@@ -323,6 +343,12 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
             terms.append(f"{source}.values.data_ptr()")
         else:
             terms.append(f"{source}.{kind}[{argument.level}].data_ptr()")
+        if kind in ("pos", "crd") and not staged:
+            array = getattr(op, kind)[argument.level]
+            recorded = next(j for j, a in enumerate(op._index_arrays) if a is array)
+            run_terms.append(f"ops[{i}]._versions[{recorded}][0]")
+        else:
+            run_terms.append(terms[-1])
     entry = plan.load() if load else None
     kernel = plan.kernel
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
@@ -337,7 +363,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         allocation = tuple(sizes[i] for i in plan.schedule.output_order)
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
-        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms), tuple(terms),
+        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms), tuple(terms), tuple(run_terms),
         argument_packer(len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
         output_dtype(kernel, dtype), index_dtype, shaped.final_format,
     )
