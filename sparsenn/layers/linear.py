@@ -392,18 +392,22 @@ class SparseLinear(nn.Module):
         ``(1, batch)``), so a batch-major input is transposed once per call while the
         output of another SparseLinear (or of elementwise ops on it, which keep its
         strides) is read as it is."""
-        if is_compiling():
+        if is_compiling():  # Dynamo traces past the held signature (eager state its guards would otherwise check)
             traced = self._traced(x)
-            if traced is not None:
-                return traced
+            return self._through_expression(x) if traced is None else traced
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
-        # Dynamo traces past the held signature (eager state its guards would otherwise check)
-        weight = None if is_compiling() else self._weight_pattern.held_weight(self)
+        weight = self._weight_pattern.held(self._buffers, self._parameters)
         if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
             result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:
                 return result
+        return self._through_expression(x)
+
+    def _through_expression(self, x: object) -> Tensor:
+        """The forward through the call site's expression, the input checked first."""
+        bias = self._parameters["bias"]
+        site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
         x = self._checked_input(x)
         if is_sparse(x) or x.dim() == 2:
             return self._affine(site, x, bias)

@@ -82,13 +82,13 @@ class PatternBuffers:
         self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._unchanged: Callable[[dict], bool] | None = None  # the record as a test of the buffers, if versioned
-        self._held: Callable[[dict, dict], SparseTensor | None] = _none  # _weight while its objects are the module's
+        self.held: Callable[[dict, dict], SparseTensor | None] = _none  # see _hold
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
         self.deferred: str | None = None  # why the buffers hold no pattern yet (a layer built on the meta device)
         self.validations = 0
 
     def __getstate__(self) -> dict:  # the record's tests are code made in this process: made again from the record
-        return {**self.__dict__, "_unchanged": None, "_held": None}
+        return {**self.__dict__, "_unchanged": None, "held": None}
 
     def __setstate__(self, state: dict) -> None:
         if "_names" in state:  # pickled when the names were private
@@ -99,10 +99,15 @@ class PatternBuffers:
         self._hold(self._weight)
 
     def _hold(self, weight: SparseTensor | None) -> SparseTensor | None:
-        """Remember ``weight`` as the one last returned (None: none), and its test
-        (:meth:`held_weight`)."""
+        """Remember ``weight`` as the one :meth:`tensor` last returned (None: none) and
+        write ``held(module._buffers, module._parameters)``: that weight while the buffers
+        and the values parameter are still its objects (versioned ones), else None. Their
+        contents are not checked there: for a kernel call whose guard checks them (every
+        index array's data pointer and version, the values' shape, dtype and layout:
+        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
+        :meth:`tensor`."""
         self._weight = weight
-        self._held = (_none if weight is None or self._unchanged is None
+        self.held = (_none if weight is None or self._unchanged is None
                       else _holder(self.names, self._record, self.values_name, weight))
         return weight
 
@@ -159,15 +164,6 @@ class PatternBuffers:
                 weight = self._hold(checked.with_values(values))
             return weight
         return self._hold(self._validate(module, values).with_values(values))
-
-    def held_weight(self, module: nn.Module) -> SparseTensor | None:
-        """The weight :meth:`tensor` last returned while the buffers and the values
-        parameter are still those objects (versioned ones), else None. Their contents are
-        not checked here: for a kernel call whose guard checks them (every index array's
-        data pointer and version, the values' shape, dtype and layout:
-        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
-        :meth:`tensor`."""
-        return self._held(module._buffers, module._parameters)
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
