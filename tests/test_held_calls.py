@@ -209,3 +209,19 @@ def test_a_compiled_layer_takes_the_expression_for_other_inputs():
             assert compiled(torch.randn(4, 16)).dtype == torch.bfloat16
         with pytest.raises(Exception, match=r"shape \(\.\.\., 16\)"):
             compiled(torch.randn(4, 15))
+
+
+def test_a_compiled_einsum_does_not_guard_on_the_held_calls():
+    """Eager calls between compiled ones replace the equation's held call; the compiled
+    graph does not read it, so it is not compiled again."""
+    from torch._dynamo.utils import counters
+
+    a, x = sp((6, 5), dtype=torch.float32), torch.randn(5, 3)
+    held_einsum("ij,jk->ik", a, x)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda v: sparsenn.einsum("ij,jk->ik", a, v), fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x), a.to_dense() @ x)
+    held_einsum("ij,jk->ik", sp((6, 5), "coo", dtype=torch.float32), torch.randn(5, 4))  # another kind held
+    torch.testing.assert_close(compiled(x), a.to_dense() @ x)
+    assert counters["stats"]["unique_graphs"] == 1

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+from torch.compiler import is_compiling
 
 from sparsenn.formats import SparseTensor
 
@@ -55,7 +56,7 @@ def einsum(equation: str, *operands, out_format=None):
     Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
     computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
-    if type(equation) is str:
+    if type(equation) is str and not is_compiling():  # (Dynamo would guard on the dict of held calls)
         held = _PLAIN.held.get(equation)  # (out_format, held call) of the equation's last cached signature
         if held is not None and held[0] is out_format:
             result = held[1](operands)  # its guard counts the operands; None under a tracer, transform, autocast
