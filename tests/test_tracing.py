@@ -350,7 +350,7 @@ def test_opcheck_evaluate_and_its_gradient():
     weight = weight.with_values(weight.values.detach().requires_grad_())
     operands = [x.requires_grad_(), weight, bias.detach().requires_grad_()]
     fields = traced_operands.describe(operands)
-    call, anchor = tracing._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    call, anchor = tracing.encoded_call(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
     assert anchor is None
     torch.library.opcheck(torch.ops.sparsenn.evaluate.default,
                           (call, traced_operands.flatten(operands, fields[2::3]), traced_operands.sparse_shapes(operands), []))
@@ -401,7 +401,7 @@ def test_compiled_results_with_dynamic_shapes_are_contiguous():
 def _layer_call(layer: sparsenn.SparseLinear, x: torch.Tensor) -> tuple[str, list, list[int]]:
     operands = [x, layer.weight, layer.bias]
     fields = traced_operands.describe(operands)
-    call, _ = tracing._encoded(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
+    call, _ = tracing.encoded_call(_AFFINE._plain.stages[0].assignment, (), "dense", *fields)
     return call, traced_operands.flatten(operands, fields[2::3]), traced_operands.sparse_shapes(operands)
 
 
@@ -443,7 +443,7 @@ def test_traced_einsum_of_dense_operands_returns_a_tensor_of_its_own():
     torch._dynamo.reset()
     y = torch.compile(lambda t: sparsenn.einsum("ij->ij", t), fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
-    call, _ = tracing._encoded(None, ("einsum", "ij->ij", 1), None, *traced_operands.describe([x]))
+    call, _ = tracing.encoded_call(None, ("einsum", "ij->ij", 1), None, *traced_operands.describe([x]))
     torch.library.opcheck(torch.ops.sparsenn.evaluate.default, (call, [x], [], []))
 
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+from torch.compiler import is_compiling
 
 from sparsenn.formats import SparseTensor
 
@@ -24,6 +25,7 @@ from .frontend.expression import Script, parse_script
 from .frontend.notation import Assignment
 from .frontend.program import Program, signature, stage_inputs
 from .frontend.staging import plain, stage
+from .held import RECORDED, held_call
 from .plan.contract import describe_path
 from .plan.planner import Plan, ShapePlan
 from .plan.schedule import Schedule
@@ -31,8 +33,8 @@ from .plan.target import ACTIVE_TARGET, Target
 from .program_autograd import run, run_all
 from .runtime.autocast import autocast_operands
 from .runtime.cache import clear_caches, forget_with_caches
-from .runtime.evaluate import (DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SampledDenseCall, SplitCall,
-                               evaluate, resolved, route, weighed_dense_path, weighed_sampled_path)
+from .runtime.evaluate import (CALLS, DenseCall, DensifiedCall, EpiloguePathCall, PathCall, SampledDenseCall,
+                               SplitCall, evaluate, guarded_run, route, weighed_dense_path, weighed_sampled_path)
 from .runtime.programs import describe_program
 from .runtime.tracing import traced_evaluate, tracing
 from .runtime.validate import Checked, check_call, describe_operand
@@ -54,11 +56,18 @@ def einsum(equation: str, *operands, out_format=None):
     Operands share one dtype (float32, float64, bfloat16 or float16; 16-bit values are
     computed in float32); under ``torch.autocast`` they are cast to its dtype.
     """
-    if type(equation) is str and unobserved_call(operands):  # (a tracer's graph reads no cache)
-        plain = _PLAIN.get(equation)
-        run = None if plain is None else resolved(plain, operands, out_format)  # its guard counts the operands
-        if run is not None:
-            return run(operands)
+    if type(equation) is str and not is_compiling():  # (Dynamo would guard on the dict of held calls)
+        held = _PLAIN.held.get(equation)  # (out_format, held call) of the equation's last cached signature
+        if held is not None and held[0] is out_format:
+            result = held[1](operands)  # its guard counts the operands; None under a tracer, transform, autocast
+            if result is not None and result is not RECORDED:
+                return result
+        if unobserved_call(operands):  # (a tracer's graph reads no cache)
+            plain = _PLAIN.get(equation)
+            entry = None if plain is None else guarded_run(plain, operands, out_format)
+            if entry is not None:
+                _PLAIN.held[equation] = (out_format, held_call(*entry, out_format, CALLS))
+                return entry[1](operands)
     traced = tracing()
     given = equation
     equation, operands = normalise(equation, operands, remember=not traced)
@@ -84,22 +93,26 @@ class _PlainEquations:
     """Equations :func:`einsum` ran as given (core form, no rewriting), with their
     parsed assignments: a repeated call of one finds its assignment in one dictionary
     read and, when no tracer, transform, autocast or autograd sees it, runs the cached
-    resolution its guard finds (:func:`.runtime.evaluate.resolved`) at once. At most
-    ``limit`` equations are kept (all forgotten beyond it); :func:`clear_caches` empties it."""
+    resolution its guard finds (:func:`.runtime.evaluate.guarded_run`) at once; ``held``
+    keeps that resolution per equation as one function (:func:`.held.held_call`), tried
+    first by the next call with the same ``out_format`` object. At most ``limit``
+    equations are kept (all forgotten beyond it); :func:`clear_caches` empties it."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._assignments: dict[str, Assignment] = {}
         self.get = self._assignments.get
+        self.held: dict[str, tuple[object, Callable]] = {}  # equation -> (out_format, its last signature's held call)
         forget_with_caches(self)
 
     def add(self, equation: str, assignment: Assignment) -> None:
         if len(self._assignments) >= self.limit:
-            self._assignments.clear()
+            self.clear()
         self._assignments[equation] = assignment
 
     def clear(self) -> None:
         self._assignments.clear()
+        self.held.clear()
 
 
 _PLAIN = _PlainEquations(1024)

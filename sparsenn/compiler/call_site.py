@@ -18,15 +18,21 @@ site holding the signature of the last call that has none of these.
 
 from __future__ import annotations
 
-from sparsenn.formats import SparseTensor
+from collections.abc import Callable
+
+import torch
+
+from sparsenn.formats import Format, SparseTensor
 
 from .api import CompiledExpression, compile_expression
 from .autograd import HeldGradient, held_evaluate, recorded, unobserved
 from .dense_step import DenseStep, dense_step
 from .runtime.cache import Guard, forget_with_caches
 from .runtime.evaluate import Run, guarded_run
+from .runtime.tracing import encoded_call
+from .held import RECORDED, held_call, nothing_held
 
-__all__ = ["CallSite"]
+__all__ = ["CallSite", "traced_site_call"]
 
 # The expression of each (text, out_format) that sites call: several layers of one
 # expression (each site holding it) then reach it through one name when traced, where a
@@ -39,8 +45,8 @@ class CallSite:
     """``site(*operands)`` is ``expression(*operands)`` (see the module doc); the
     expression is a single-statement sum of products (:attr:`CompiledExpression.assignment`)."""
 
-    __slots__ = ("expression", "key", "assignment", "out_format", "_held", "_gradients", "_records", "_step",
-                 "__weakref__")
+    __slots__ = ("expression", "key", "assignment", "out_format", "_held", "_run_held", "_gradients", "_records",
+                 "_step", "__weakref__")
 
     def __init__(self, expression: CompiledExpression) -> None:
         if expression.assignment is None or expression.returns is not None:
@@ -49,6 +55,7 @@ class CallSite:
         expression = _EXPRESSIONS.setdefault(self.key, expression)
         self.expression, self.assignment, self.out_format = expression, expression.assignment, expression.out_format
         self._held: tuple[Guard, Run] | None = None  # one object: a thread reads a guard with its own run
+        self._run_held: Callable[[tuple], object] = nothing_held  # the held signature's unrecorded call
         self._gradients: dict[int, HeldGradient] = {}
         self._step: tuple[tuple[bool, ...], DenseStep | None] | None = None  # (operands requiring grad, the step)
         self._records = self.assignment.epilogue is None  # an epilogue is recorded as two calls
@@ -62,12 +69,11 @@ class CallSite:
     def cached(self, operands: tuple):
         """The result of a call over ``operands`` of the signature held, else None
         (nothing is run: call the site)."""
+        result = self._run_held(operands)
+        if result is not RECORDED:
+            return result
         held = self._held
-        if held is None or not unobserved() or not held[0](operands, self.out_format):
-            return None
-        if not recorded(operands):
-            return held[1](operands)
-        if not self._records:
+        if held is None or not self._records:
             return None
         step = self._dense_step(operands)
         result = None if step is None else step.run(operands)
@@ -93,7 +99,8 @@ class CallSite:
         signature unless autocast, a transform or a tracer saw it."""
         result = _EXPRESSIONS[self.key](*operands)
         if unobserved():
-            self._held = guarded_run(self.assignment, operands, self.out_format)
+            held = self._held = guarded_run(self.assignment, operands, self.out_format)
+            self._run_held = nothing_held if held is None else held_call(*held, self.out_format)
             self._gradients = {}  # the gradient calls of the signature held
             self._step = None
             if self._held is not None and self._records and recorded(operands):
@@ -103,6 +110,7 @@ class CallSite:
     def clear(self) -> None:
         """Forget the signatures held (the caches they came from were cleared)."""
         self._held = None
+        self._run_held = nothing_held
         self._gradients = {}
         self._step = None
 
@@ -111,6 +119,23 @@ class CallSite:
 
     def __deepcopy__(self, memo: dict) -> CallSite:
         return CallSite(self.expression)
+
+
+@torch.compiler.assume_constant_result
+def traced_site_call(text: str, out_format: str, fmt: Format, index_dtype: torch.dtype) -> str:
+    """The call string (:mod:`.runtime.callspec`) of the sites' expression ``text`` with
+    ``out_format`` over a dense operand, a sparse one of format ``fmt`` (index arrays of
+    ``index_dtype``) and dense ones after it, as a traced call of a site's expression
+    writes it (a layer's traced forward passes its operands' tensors to
+    :func:`.runtime.tracing.traced_op` with it). A constant for the tracer, which runs it
+    once: nothing read here is guarded."""
+    assignment = _EXPRESSIONS[(text, repr(out_format))].assignment
+    fields = [(None, None, None)] * assignment.num_operands
+    fields[1] = (fmt, index_dtype, None)
+    call, anchor = encoded_call(assignment, (), out_format, *(field for three in fields for field in three))
+    if anchor is not None:
+        raise ValueError(f"sparsenn: {text!r} over a {fmt} operand has a sparse result; a traced site call is dense")
+    return call
 
 
 def _site(text: str, out_format) -> CallSite:

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, is_autocast_enabled, nn
 from torch.compiler import is_compiling
 
 from sparsenn.compiler import CompiledExpression, compile_expression
 from sparsenn.compiler.runtime.autocast import autocast_dtype
-from sparsenn.compiler.call_site import CallSite
+from sparsenn.compiler.call_site import CallSite, traced_site_call
+from sparsenn.compiler.runtime.tracing import traced_op
 from sparsenn.formats import Format, SparseTensor, parse_format
 from sparsenn.formats.tensor import is_sparse
 from sparsenn.layers.conventions import FLOAT_DTYPES, factory_kwargs, refuse_onnx_export, refuse_torchscript
@@ -27,9 +28,13 @@ from sparsenn.layers.pattern import PatternBuffers
 __all__ = ["SparseLinear", "check_sparsity", "check_weight_format", "kept_count", "layer_nnz", "resolve_sparsity",
            "shape_problem"]
 
-_AFFINE = compile_expression("Y[b,o] = X[b,i] * W[o,i] + bias[o]", out_format="dense")
-_LINEAR = compile_expression("Y[b,o] = X[b,i] * W[o,i]", out_format="dense")
-_STRIDED = torch.strided  # a bare name: the traced forward reads no attribute of torch
+_AFFINE_TEXT = "Y[b,o] = X[b,i] * W[o,i] + bias[o]"
+_LINEAR_TEXT = "Y[b,o] = X[b,i] * W[o,i]"
+_DENSE = "dense"
+_AFFINE = compile_expression(_AFFINE_TEXT, out_format=_DENSE)
+_LINEAR = compile_expression(_LINEAR_TEXT, out_format=_DENSE)
+_STRIDED = torch.strided  # bare names: the traced forward reads no attribute of torch
+_CPU = "cpu"
 
 Method = Literal["magnitude", "random"]
 
@@ -387,18 +392,46 @@ class SparseLinear(nn.Module):
         ``(1, batch)``), so a batch-major input is transposed once per call while the
         output of another SparseLinear (or of elementwise ops on it, which keep its
         strides) is read as it is."""
+        if is_compiling():  # Dynamo traces past the held signature (eager state its guards would otherwise check)
+            traced = self._traced(x)
+            return self._through_expression(x) if traced is None else traced
         bias = self._parameters["bias"]  # as self.bias, without Module.__getattr__
         site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
-        # Dynamo traces past the held signature (eager state its guards would otherwise check)
-        weight = self._weight_pattern.held_weight(self) if not is_compiling() and site.holds_signature else None
+        weight = self._weight_pattern.held(self._buffers, self._parameters)
         if weight is not None:  # the signature's guard checks the inputs and the weight's arrays (a miss: None)
             result = site.cached((x, weight) if bias is None else (x, weight, bias))
             if result is not None:
                 return result
+        return self._through_expression(x)
+
+    def _through_expression(self, x: object) -> Tensor:
+        """The forward through the call site's expression, the input checked first."""
+        bias = self._parameters["bias"]
+        site = (self.__dict__.get("_call_sites") or self._new_call_sites())[bias is not None]
         x = self._checked_input(x)
         if is_sparse(x) or x.dim() == 2:
             return self._affine(site, x, bias)
         return self._affine(site, x.reshape(-1, self.in_features), bias).reshape(*x.shape[:-1], self.out_features)
+
+    def _traced(self, x: object) -> Tensor | None:
+        """The forward as ``torch.compile`` traces it for a dense 2-D input of the
+        weight's dtype outside autocast: the call's ``sparsenn::evaluate`` op
+        (:func:`~sparsenn.compiler.runtime.tracing.traced_op`) over the input, the
+        pattern buffers, the values and the bias read directly, its call string a
+        constant of the format and index dtype (:func:`traced_site_call`). The same op as
+        through the site's expression, with no SparseTensor built and no entry point
+        traced, so Dynamo guards little more than those tensors. None for any other
+        input (the forward then goes through the expression, which checks it)."""
+        parameters = self._parameters
+        values, bias = parameters["weight_values"], parameters["bias"]
+        if (not isinstance(x, Tensor) or x.layout != _STRIDED or x.dim() != 2 or x.shape[1] != self.in_features
+                or x.dtype != values.dtype or is_autocast_enabled(_CPU)):
+            return None
+        pattern, buffers = self._weight_pattern, self._buffers
+        arrays = [buffers[name] for name in pattern.names]
+        call = traced_site_call(_LINEAR_TEXT if bias is None else _AFFINE_TEXT, _DENSE, pattern.format, arrays[0].dtype)
+        tensors = [x, *arrays, values] if bias is None else [x, *arrays, values, bias]
+        return traced_op(call, tensors, [self.out_features, self.in_features])
 
     def _new_call_sites(self) -> tuple[CallSite, CallSite]:
         """This layer's :class:`CallSite` s of ``x W^T`` and ``x W^T + b``."""

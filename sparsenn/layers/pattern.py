@@ -44,6 +44,22 @@ def _record_test(names: tuple[str, ...], record: tuple[tuple[Tensor, int, int | 
     return eval(f"lambda buffers: {' and '.join(tests) or 'True'}", arrays)
 
 
+def _holder(names: tuple[str, ...], record: tuple[tuple[Tensor, int, int | None], ...], values_name: str,
+            weight: SparseTensor) -> Callable[[dict, dict], SparseTensor | None]:
+    """``held(buffers, parameters)``: ``weight`` while the parameter ``values_name`` is its
+    values and the buffers ``names`` are the recorded arrays (the same objects), else
+    None; written out as one expression, as :func:`_record_test` is."""
+    tests = [f"parameters.get({values_name!r}) is values"]
+    tests += [f"buffers.get({name!r}) is array{n}" for n, name in enumerate(names)]
+    arrays = {f"array{n}": array for n, (array, _, _) in enumerate(record)}
+    return eval(f"lambda buffers, parameters: weight if {' and '.join(tests)} else None",
+                {**arrays, "values": weight.values, "weight": weight})
+
+
+def _none(buffers: dict, parameters: dict) -> None:
+    return None
+
+
 def _token(array: Tensor | None) -> tuple | None:
     """What identifies a buffer's current contents: the object and its data version."""
     return None if array is None else (id(array), array_version(array))
@@ -52,8 +68,8 @@ def _token(array: Tensor | None) -> tuple | None:
 class PatternBuffers:
     """The buffers holding the pattern of the ``shape`` weight ``name`` of a module.
 
-    ``format`` is the weight's storage format; the buffer names follow its levels
-    (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
+    ``format`` is the weight's storage format; the buffer names (``names``) follow its
+    levels (``weight_pos1``, ``weight_crd1`` for csr). Kept in the module's ``__dict__`` (not a
     submodule); it holds the SparseTensor last validated over the buffers and a record
     of those buffers (object, data pointer, version counter). ``validations`` counts the
     full checks of the buffers: one while they stay unchanged, one more after each edit.
@@ -61,22 +77,39 @@ class PatternBuffers:
 
     def __init__(self, name: str, shape: tuple[int, int], fmt: Format) -> None:
         self.name, self.shape, self.format = name, shape, fmt
-        self._names = self.buffer_names()
+        self.names = self.buffer_names()
         self._checked: SparseTensor | None = None  # over the buffers as last validated
         self._weight: SparseTensor | None = None  # _checked with the values parameter, as last returned
         self._record: tuple[tuple[Tensor, int, int | None], ...] = ()  # (buffer, data pointer, version)
         self._unchanged: Callable[[dict], bool] | None = None  # the record as a test of the buffers, if versioned
+        self.held: Callable[[dict, dict], SparseTensor | None] = _none  # see _hold
         self._unloaded: dict[str, tuple[tuple | None, str]] = {}  # buffer -> (token when marked, why)
         self.deferred: str | None = None  # why the buffers hold no pattern yet (a layer built on the meta device)
         self.validations = 0
 
-    def __getstate__(self) -> dict:  # the record's test is code made in this process: made again from the record
-        return {**self.__dict__, "_unchanged": None}
+    def __getstate__(self) -> dict:  # the record's tests are code made in this process: made again from the record
+        return {**self.__dict__, "_unchanged": None, "held": None}
 
     def __setstate__(self, state: dict) -> None:
+        if "_names" in state:  # pickled when the names were private
+            state["names"] = state.pop("_names")
         self.__dict__.update(state)
         if self._record:
-            self._unchanged = _record_test(self._names, self._record)
+            self._unchanged = _record_test(self.names, self._record)
+        self._hold(self._weight)
+
+    def _hold(self, weight: SparseTensor | None) -> SparseTensor | None:
+        """Remember ``weight`` as the one :meth:`tensor` last returned (None: none) and
+        write ``held(module._buffers, module._parameters)``: that weight while the buffers
+        and the values parameter are still its objects (versioned ones), else None. Their
+        contents are not checked there: for a kernel call whose guard checks them (every
+        index array's data pointer and version, the values' shape, dtype and layout:
+        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
+        :meth:`tensor`."""
+        self._weight = weight
+        self.held = (_none if weight is None or self._unchanged is None
+                      else _holder(self.names, self._record, self.values_name, weight))
+        return weight
 
     @property
     def values_name(self) -> str:
@@ -99,9 +132,10 @@ class PatternBuffers:
             for level, array in enumerate(arrays):
                 if array is not None:
                     module.register_buffer(f"{self.name}_{kind}{level}", array)
-        self._names = self.buffer_names()
-        self._checked, self._weight, self._record, self._unloaded = None, None, (), {}
+        self.names = self.buffer_names()
+        self._checked, self._record, self._unloaded = None, (), {}
         self._unchanged = None
+        self._hold(None)
         self.deferred = None
 
     def _arrays(self, module: nn.Module) -> tuple[tuple[Tensor | None, ...], tuple[Tensor | None, ...]]:
@@ -127,26 +161,9 @@ class PatternBuffers:
                 and values.shape == checked.values.shape and unchanged(module._buffers)):
             weight = self._weight
             if weight is None or weight.values is not values:  # the same parameter: the same weight
-                weight = self._weight = checked.with_values(values)
+                weight = self._hold(checked.with_values(values))
             return weight
-        weight = self._weight = self._validate(module, values).with_values(values)
-        return weight
-
-    def held_weight(self, module: nn.Module) -> SparseTensor | None:
-        """The weight :meth:`tensor` last returned while the buffers and the values
-        parameter are still those objects (versioned ones), else None. Their contents are
-        not checked here: for a kernel call whose guard checks them (every index array's
-        data pointer and version, the values' shape, dtype and layout:
-        :func:`~sparsenn.compiler.runtime.validate.call_guard`); any other use takes
-        :meth:`tensor`."""
-        weight = self._weight
-        if weight is None or self._unchanged is None or module._parameters.get(f"{self.name}_values") is not weight.values:
-            return None
-        buffers = module._buffers
-        for name, (array, _, _) in zip(self._names, self._record):
-            if buffers.get(name) is not array:
-                return None
-        return weight
+        return self._hold(self._validate(module, values).with_values(values))
 
     def _validate(self, module: nn.Module, values: Tensor | None) -> SparseTensor:
         """Check the buffers in full; remember them as validated."""
@@ -168,18 +185,18 @@ class PatternBuffers:
             detail = re.sub(r"^values\b", self.values_name, detail)
             raise ValueError(f"{owner}: the {self.format} pattern of the {self.shape} {self.name} is invalid"
                              f"{self._changes(module)}: {detail}. The pattern buffers are the weight's "
-                             f"structure ({', '.join(self._names)}); load a whole pattern with "
+                             f"structure ({', '.join(self.names)}); load a whole pattern with "
                              "load_state_dict or build a new layer") from None
-        arrays = tuple(module._buffers[name] for name in self._names)
+        arrays = tuple(module._buffers[name] for name in self.names)
         self._checked = checked
         self._record = tuple((a, a.data_ptr(), None if a.is_inference() else a._version) for a in arrays)
-        self._unchanged = _record_test(self._names, self._record)
+        self._unchanged = _record_test(self.names, self._record)
         return checked
 
     def _changes(self, module: nn.Module) -> str:
         """`` after weight_crd1 was modified in place``: what changed since the last validation."""
         changes = []
-        for name, (array, address, version) in zip(self._names, self._record):
+        for name, (array, address, version) in zip(self.names, self._record):
             current = module._buffers.get(name)
             if current is None:
                 changes.append(f"{name} was removed")
@@ -249,4 +266,5 @@ class PatternBuffers:
                f"pattern ({', '.join(self.buffer_names(saved) + (self.values_name,))})")
         for name in stale:
             self._unloaded[name] = (_token(module._buffers.get(name, module._parameters.get(name))), why)
-        self._checked = self._weight = None
+        self._checked = None
+        self._hold(None)

@@ -51,43 +51,44 @@ from .densified import COPIES
 from .launcher import Launch, bind
 from .validate import Checked, call_guard, call_key, check_call
 
-__all__ = ["evaluate", "build_together", "guarded_run", "resolve", "resolved", "route", "split_of", "SplitCall", "PathCall",
-           "DenseCall", "DensifiedCall", "SampledDenseCall", "weighed_dense_path", "weighed_sampled_path"]
+__all__ = ["CALLS", "evaluate", "build_together", "guarded_run", "resolve", "resolved", "route", "split_of", "SplitCall",
+           "PathCall", "DenseCall", "DensifiedCall", "SampledDenseCall", "weighed_dense_path", "weighed_sampled_path"]
 
 Run = Callable[[Sequence], torch.Tensor | SparseTensor]
 
-_calls: GuardedCache[Run] = GuardedCache("calls", 1024, per_expression=4)  # call key -> the run function
+# call key -> the run function; a held call found without it counts its hit here too (``compiler/held.py``)
+CALLS: GuardedCache[Run] = GuardedCache("calls", 1024, per_expression=4)
 _BLAS_DTYPES = (torch.float32, torch.float64)  # the dtypes BLAS runs at its speed (the sampled dense path's)
 
 
 def evaluate(assignment: Assignment, operands: Sequence, out_format) -> torch.Tensor | SparseTensor:
     """``assignment`` over ``operands``: a dense tensor, or a SparseTensor when the
     result's format (from the operands' formats and ``out_format``) is sparse."""
-    run = _calls.find(assignment, operands, out_format)
+    run = CALLS.find(assignment, operands, out_format)
     if run is not None:
         return run(operands)
     key = call_key(assignment, operands, out_format)
     if key is not None:
-        run = _calls.lookup(assignment, key)
+        run = CALLS.lookup(assignment, key)
         if run is not None:
             return run(operands)
     checked = check_call(assignment, operands, out_format)
     run = resolve(assignment, checked).run
     if key is not None:
-        _calls.store(assignment, key, call_guard(assignment, operands, out_format), run)
+        CALLS.store(assignment, key, call_guard(assignment, operands, out_format), run)
     return run(checked.operands)
 
 
 def resolved(assignment: Assignment, operands: Sequence, out_format) -> Run | None:
     """The run function of a call evaluated last with operands of this call's key (its
     cached resolution), None when such calls are checked in full every time."""
-    return _calls.find(assignment, operands, out_format)
+    return CALLS.find(assignment, operands, out_format)
 
 
 def guarded_run(assignment: Assignment, operands: Sequence, out_format) -> tuple[Guard, Run] | None:
     """The guard and run function of the cached resolution of this call's signature (as
     :func:`resolved`), for a caller that keeps them (:class:`~.site.CallSite`)."""
-    return _calls.find_entry(assignment, operands, out_format)
+    return CALLS.find_entry(assignment, operands, out_format)
 
 
 def build_together(calls: Sequence[tuple[Assignment, Sequence, Request]]) -> None:

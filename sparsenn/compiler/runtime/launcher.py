@@ -23,6 +23,7 @@ import ctypes
 import functools
 import math
 import struct
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ from .densified import RELAID
 from .restore import restored_as
 
 __all__ = ["Launch", "FusedLaunch", "Member", "Assembly", "argument_packer", "bind", "output_allocator", "output_fill",
-           "run_stages"]
+           "run_source", "run_stages"]
 
 Stage = Callable[[Sequence, list], object]  # (operands, earlier stages' results) -> a tensor for the kernel
 Pointers = Callable[[Sequence, list | None], list[int]]  # (operands, stages' results) -> the arguments' data pointers
@@ -68,7 +69,10 @@ class Assembly:
 class Launch:
     """A :class:`Plan` bound to a call signature (see the module doc); ``run(operands)``
     launches it. A launch bound without its kernel (``entry`` None: a fused kernel's
-    stage, which only needs the layouts) has no ``run``."""
+    stage, which only needs the layouts) has no ``run``. ``run`` follows a check that the
+    sparse operands' index arrays are those their records name (a call's guard,
+    ``validate.check_call`` or ``call_key``), so it reads their data addresses from the
+    records (``SparseTensor._versions``: no ``data_ptr()`` call each)."""
 
     plan: Plan
     entry: EntryPoints | None
@@ -77,6 +81,7 @@ class Launch:
     stages: tuple[Stage, ...]
     pointers: Pointers
     terms: tuple[str, ...]  # per argument, the expression of its data pointer over ``ops`` and ``made``
+    run_terms: tuple[str, ...]  # the same for ``run``: an operand's index arrays' from its record
     pack: Callable[..., bytes]  # the kernel's array arguments (and a dense output) as sn_run's void* array
     allocation: tuple[int, ...]  # shape of the dense output (or the anchor's values)
     assembly: Assembly | None  # a sparse output the kernel assembles
@@ -103,16 +108,20 @@ def run_stages(stages: Sequence[Stage], operands: Sequence) -> list | None:
 
 
 def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]:
-    """The per-call work of ``launch``, a closure over its constants (read faster than
-    attributes): run the stages, pack the data pointers, call the kernel, wrap its output.
-    A dense output is allocated in the expression's index order with its memory in the
-    kernel's (:func:`memory.allocator`'s ``layout``): returned as it is."""
+    """The per-call work of ``launch``: run the stages, pack the data pointers, call the
+    kernel, wrap its output. A plain dense output (the kernel writes the result itself:
+    no anchor, no rounding, no conversion) is allocated in the expression's index order
+    with its memory in the kernel's (:func:`memory.allocator`'s ``layout``) and returned
+    as it is, by a function written out for this launch (:func:`_direct_runner`)."""
+    if not (launch.plan.assembles or launch.plan.anchor is not None or launch.final_format is not None
+            or launch.out_dtype != launch.dtype):
+        return _direct_runner(launch)
     stages, pointers, dims, parallel = launch.stages, launch.pointers, launch.dims, launch.parallel
     kernel_run, dtype, num_threads = _unconverted(launch.entry.run), launch.dtype, torch.get_num_threads
     rounded = launch.out_dtype != dtype
     plan, final = launch.plan, launch.final_format
     assembles, anchor = plan.assembles, plan.anchor
-    packed = None if assembles else _packed(launch.pack, launch.terms)
+    packed = None if assembles else _packed(launch.pack, launch.run_terms)
     allocate = None if assembles else output_allocator(launch)
 
     def run(operands: Sequence) -> torch.Tensor | SparseTensor:
@@ -133,6 +142,48 @@ def _runner(launch: Launch) -> Callable[[Sequence], torch.Tensor | SparseTensor]
         return result if final is None else result.asformat(final)
 
     return run
+
+
+def _direct_runner(launch: Launch) -> Callable[[Sequence], torch.Tensor]:
+    """``run(ops)`` of a launch whose kernel writes the dense result itself, written out
+    for it (as :func:`_pointers` is): the stages (if any) in order, the output
+    allocated, every data pointer packed in one call, the kernel called; no test of the
+    launch's kind per call."""
+    constants = {"allocate": output_allocator(launch), "kernel_run": _unconverted(launch.entry.run),
+                 "pack": launch.pack, "dims": launch.dims, "num_threads": torch.get_num_threads,
+                 "MemoryError": MemoryError, "message": _OUT_OF_MEMORY}
+    lines = ["def run(ops):"]
+    for n, stage in enumerate(launch.stages):  # made lives until the kernel has read the staged copies
+        constants[f"stage{n}"] = stage
+        lines.append(f"    made.append(stage{n}(ops, made))" if n else f"    made = [stage0(ops, [])]")
+    threads = "num_threads()" if launch.parallel else "1"
+    lines += ["    out = allocate()",
+              f"    if kernel_run(pack({''.join(term + ', ' for term in launch.run_terms)}out.data_ptr()), dims, "
+              f"{threads}, None) != 0:",
+              "        raise MemoryError(message)",
+              "    return out"]
+    shared = dict(constants)
+    exec(_compiled_runner("\n".join(lines)), constants)
+    run = constants.pop("run")
+    _RUN_SOURCES[run] = (tuple(lines[1:]), shared)
+    return run
+
+
+# Each direct runner's body (lines indented once, over ``ops``) and its constants.
+_RUN_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def run_source(run: Callable) -> tuple[tuple[str, ...], dict[str, object]] | None:
+    """The body of ``run`` when it is a launch's direct runner (:func:`_direct_runner`),
+    for a caller writing it into its own function (lines indented by four spaces, over
+    ``ops``, ending in a return), and the constants it reads; else None."""
+    return _RUN_SOURCES.get(run)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_runner(source: str):
+    """``source`` compiled once per text (the text depends on the argument layout only)."""
+    return compile(source, "<sparsenn launch>", "exec")
 
 
 @dataclass(frozen=True)
@@ -265,7 +316,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
             elif view.is_contiguous():
                 sources.append((False, n))
             else:
-                stages.append(_relaid(n, slot.layout))
+                stages.append(_relaid(n, slot.layout, op))
                 sources.append((True, len(stages) - 1))
         elif op.format != slot.fmt:
             stages.append(_restored(n, slot.fmt))
@@ -273,6 +324,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         else:
             sources.append((False, n))
     terms = []  # per argument, the expression of its data pointer
+    run_terms = []  # the same, an operand's index array's read from its record (see Launch)
     for argument in plan.arguments:
         staged, i = sources[argument.slot]
         op = operands[plan.kernel.slots[argument.slot].operand]
@@ -291,6 +343,12 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
             terms.append(f"{source}.values.data_ptr()")
         else:
             terms.append(f"{source}.{kind}[{argument.level}].data_ptr()")
+        if kind in ("pos", "crd") and not staged:
+            array = getattr(op, kind)[argument.level]
+            recorded = next(j for j, a in enumerate(op._index_arrays) if a is array)
+            run_terms.append(f"ops[{i}]._versions[{recorded}][0]")
+        else:
+            run_terms.append(terms[-1])
     entry = plan.load() if load else None
     kernel = plan.kernel
     out_shape = tuple(sizes[i] for i in plan.assignment.output)
@@ -305,7 +363,7 @@ def bind(shaped: ShapePlan, operands: Sequence, sizes: dict[str, int], dtype: to
         allocation = tuple(sizes[i] for i in plan.schedule.output_order)
     return Launch(
         plan, entry, (ctypes.c_int64 * max(len(kernel.indices), 1))(*[sizes[i] for i in kernel.indices]),
-        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms), tuple(terms),
+        runs_parallel(shaped.schedule), tuple(stages), _pointers(terms), tuple(terms), tuple(run_terms),
         argument_packer(len(plan.arguments) + int(kernel.dense_output)), allocation, assembly, out_shape, dtype,
         output_dtype(kernel, dtype), index_dtype, shaped.final_format,
     )
@@ -318,22 +376,24 @@ def argument_packer(count: int) -> Callable[..., bytes]:
     return struct.Struct(f"{count}P").pack
 
 
-def _relaid(n: int, layout: tuple[int, ...] | None) -> Stage:
-    """Dense operand ``n`` copied, contiguous with its modes in ``layout`` order: a
-    parameter's copy kept while it is unchanged (:func:`_copied`), any other operand
-    copied at every call (:func:`_relaid_copy`)."""
+def _relaid(n: int, layout: tuple[int, ...] | None, operand: torch.Tensor) -> Stage:
+    """Dense operand ``n`` (shaped, strided and typed as ``operand``: the launch's call key
+    fixes them) copied, contiguous with its modes in ``layout`` order: a parameter's
+    copy kept while it is unchanged (:func:`_copied`), any other operand copied at every
+    call (:func:`_relaid_copier`, decided here for the key's layout)."""
 
     def copy(t: torch.Tensor, allocate: Callable[..., torch.Tensor]) -> torch.Tensor:
         view = t if layout is None else t.permute(layout)
         return allocate(view.shape, dtype=view.dtype).copy_(view)
 
     kept = _copied(n, copy, ("contiguous", layout))
+    relaid = _relaid_copier(operand, layout)
 
     def stage(ops, made):
         op = ops[n]
-        if isinstance(op, torch.nn.Parameter):
-            return kept(ops, made)
-        return _relaid_copy(op, layout)
+        if type(op) is not torch.Tensor and isinstance(op, torch.nn.Parameter):  # a plain tensor skips the
+            return kept(ops, made)                                                # metaclass's instance check
+        return relaid(op)
 
     return stage
 
@@ -342,20 +402,29 @@ BLOCKED_TRANSPOSE_ELEMENTS = 1 << 14
 ALIASING_ROW_BYTES = 512
 
 
-def _relaid_copy(t: torch.Tensor, layout: tuple[int, ...] | None) -> torch.Tensor:
-    """``t`` copied into memory with its modes in ``layout`` order (None: as indexed),
-    through the permuted destination (:func:`memory.empty_permuted`: one copy, no
-    permuted view): torch then reads ``t`` down its columns. A matrix whose rows lie a
-    multiple of :data:`ALIASING_ROW_BYTES` apart would be read from a fraction of the
-    cache's sets that way (its rows map onto the same ones), so one of at least
+def _relaid_copier(t: torch.Tensor, layout: tuple[int, ...] | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``copy(u)``: a tensor ``u`` of ``t``'s shape, strides and dtype copied into memory
+    with its modes in ``layout`` order (None: as indexed), its allocation bound
+    (:func:`memory.allocator`). Through the permuted destination (one copy, no permuted
+    view) torch reads ``u`` down its columns. A matrix whose rows lie a multiple of
+    :data:`ALIASING_ROW_BYTES` apart would be read from a fraction of the cache's sets
+    that way (its rows map onto the same ones), so one of at least
     :data:`BLOCKED_TRANSPOSE_ELEMENTS` is written in the copy's own order from its
     transposed view, which torch transposes in cache blocks: 512 x 128 floats in 56
     against 98 us, 64 x 1024 in 57 against 220 us (784 or 3703 columns: 10 % slower
     blocked; below 128 x 128 the blocks' set-up costs more than they save)."""
+    shape = tuple(t.shape)
     if (layout == (1, 0) and t.numel() >= BLOCKED_TRANSPOSE_ELEMENTS and t.stride(1) == 1
             and t.stride(0) * t.element_size() % ALIASING_ROW_BYTES == 0):
-        return memory.empty((t.shape[1], t.shape[0]), t.dtype).copy_(t.T)
-    return memory.empty_permuted(t.shape, tuple(range(t.dim())) if layout is None else layout, t.dtype).copy_(t)
+        allocate = memory.allocator((shape[1], shape[0]), t.dtype)
+        return lambda u: allocate().copy_(u.T)
+    allocate = memory.allocator(shape, t.dtype, layout=tuple(range(t.dim())) if layout is None else layout)
+    return lambda u: allocate().copy_(u)
+
+
+def _relaid_copy(t: torch.Tensor, layout: tuple[int, ...] | None) -> torch.Tensor:
+    """``t`` copied as :func:`_relaid_copier` copies it."""
+    return _relaid_copier(t, layout)(t)
 
 
 def _panelled(n: int, layout: tuple[int, ...] | None, size: int) -> Stage:
@@ -383,7 +452,7 @@ def _copied(n: int, copy: Callable[[torch.Tensor, Callable[..., torch.Tensor]], 
 
     def stage(ops, made):
         op = ops[n]
-        if isinstance(op, torch.nn.Parameter):
+        if type(op) is not torch.Tensor and isinstance(op, torch.nn.Parameter):
             return RELAID.copy_for(op, lambda t: copy(t.detach(), torch.empty), how)
         return copy(op, memory.empty)
 

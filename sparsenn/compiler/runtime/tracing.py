@@ -44,7 +44,7 @@ from .launcher import Launch
 from .traced_operands import describe, differentiable_slots, flatten, rebuild, sparse_shapes, unchecked_pattern
 from .validate import check_call
 
-__all__ = ["planned_layouts", "traced_evaluate", "tracing", "transforming"]
+__all__ = ["encoded_call", "planned_layouts", "traced_evaluate", "traced_op", "tracing", "transforming"]
 
 
 def tracing() -> bool:
@@ -62,7 +62,7 @@ def transforming() -> bool:
 
 
 @torch.compiler.assume_constant_result
-def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) -> tuple[str, int | None]:
+def encoded_call(assignment: Assignment | None, derive: tuple, out_format, *fields) -> tuple[str, int | None]:
     """The call string and anchor of ``derived(assignment, derive)`` over operands
     described by ``fields``: three per operand, ``format, index_dtype, shares`` (a None
     format: dense). Constant per call site: the tracer runs it once and records the
@@ -72,6 +72,7 @@ def _encoded(assignment: Assignment | None, derive: tuple, out_format, *fields) 
     target, written = derived(assignment, derive)
     spec = CallSpec(target, layouts, out_format, anchor_of(target, layouts, out_format), written)
     return remember_spec(spec), spec.anchor
+
 
 
 def _static_layouts(call: str, tensors: Sequence[Tensor], shapes: Sequence
@@ -186,17 +187,24 @@ def traced_evaluate(assignment: Assignment | None, operands: Sequence, out_forma
     """``evaluate(derived(assignment, derive), operands, out_format)`` as one
     ``sparsenn::evaluate`` op (differentiable through ``sparsenn::evaluate_backward``); a
     sparse result keeps the anchor operand's pattern."""
-    if is_in_onnx_export():
-        raise RuntimeError("torch.onnx.export cannot export sparsenn's compiled sparse kernels (the sparsenn::evaluate "
-                           "op has no ONNX equivalent); use torch.export.export (the ExportedProgram keeps sparsenn's "
-                           "ops, and runs where sparsenn is installed) or torch.compile")
     fields = describe(operands)
-    call, anchor = _encoded(assignment, derive, out_format, *fields)
-    tensors, shapes = flatten(operands, fields[2::3]), sparse_shapes(operands)
-    order, reads = _static_layouts(call, tensors, shapes)
-    tensors = [_read_in(t, read) for t, read in zip(tensors, reads)]
-    result = torch.ops.sparsenn.evaluate(call, tensors, shapes, order)
+    call, anchor = encoded_call(assignment, derive, out_format, *fields)
+    result = traced_op(call, flatten(operands, fields[2::3]), sparse_shapes(operands))
     if anchor is None:
         return result
     pattern = operands[anchor]
     return pattern._share(pattern.shape, pattern.format, result)  # the op's values: no checks to trace
+
+
+def traced_op(call: str, tensors: Sequence[Tensor], shapes: Sequence) -> Tensor:
+    """The ``sparsenn::evaluate`` op of ``call`` over the flattened ``tensors`` and the
+    sparse operands' ``shapes`` (:mod:`.traced_operands`), each dense operand read in
+    the order its kernel reads it and the result in the layout the kernel writes
+    (:func:`planned_layouts`, when the sizes are static)."""
+    if is_in_onnx_export():
+        raise RuntimeError("torch.onnx.export cannot export sparsenn's compiled sparse kernels (the sparsenn::evaluate "
+                           "op has no ONNX equivalent); use torch.export.export (the ExportedProgram keeps sparsenn's "
+                           "ops, and runs where sparsenn is installed) or torch.compile")
+    order, reads = _static_layouts(call, tensors, shapes)
+    tensors = [_read_in(t, read) for t, read in zip(tensors, reads)]
+    return torch.ops.sparsenn.evaluate(call, tensors, shapes, order)

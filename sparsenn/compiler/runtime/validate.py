@@ -14,6 +14,7 @@ repeated call is recognised by its guard alone.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,8 @@ try:
 except ImportError:  # a torch without them: the exact guards alone
     _TensorGuards = None
 
-__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key", "call_guard", "tensor_guards"]
+__all__ = ["Checked", "describe_operand", "output_request", "check_call", "call_key", "call_guard", "strict_test",
+           "tensor_guards"]
 
 
 @dataclass(frozen=True)
@@ -274,11 +276,28 @@ def _strict_guard(operands: Sequence, out_format, fixed: frozenset[int], exact: 
     if len(sparse) >= 2 and not fixed.issuperset(sparse):
         constants["shared"] = shared_patterns(operands)
         tests.append("shared_patterns(ops) == shared")
-    return _guard(f"def guard(ops, out_format):\n"
-                  f"    try:\n"
-                  f"        return ({' and '.join(tests)}) or exact(ops, out_format)\n"
-                  f"    except RuntimeError:  # an inference tensor's version read\n"
-                  f"        return exact(ops, out_format)\n", constants)
+    test = " and ".join(tests)
+    shared = dict(constants)
+    guard = _guard(f"def guard(ops, out_format):\n"
+                   f"    try:\n"
+                   f"        return ({test}) or exact(ops, out_format)\n"
+                   f"    except RuntimeError:  # an inference tensor's version read\n"
+                   f"        return exact(ops, out_format)\n", constants)
+    _STRICT_TESTS[guard] = (test, shared)
+    return guard
+
+
+# Each strict guard's first test, as text over ``ops`` and ``out_format`` and its constants.
+_STRICT_TESTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def strict_test(guard: Guard) -> tuple[str, dict[str, object]] | None:
+    """The first test of ``guard`` (made by :func:`call_guard`), for a caller writing it
+    into its own function: an expression over ``ops`` and ``out_format`` that is true
+    only for calls ``guard`` passes (it may raise RuntimeError, or be false where
+    ``guard`` is true: ask ``guard`` then), and the constants it reads. None when
+    ``guard`` has no such test."""
+    return _STRICT_TESTS.get(guard)
 
 
 def _guard(source: str, constants: dict[str, object]) -> Guard:
