@@ -22,10 +22,11 @@ def step_of(layer, batch):
 
 
 @TARGETS
-@pytest.mark.parametrize("sparsity, batch", [(0.5, 512), (0.7, 64)])
+@pytest.mark.parametrize("sparsity, batch", [(0.5, 64), (0.7, 64)])
 def test_a_small_layer_trains_densely(host_target, target, sparsity, batch):
-    # 128 -> 7: each sparse call is a few µs of work behind a launch, and the forward and
-    # weight gradient copy x feature-major (a cache line per element read across rows)
+    # 128 -> 7: each sparse call is a few µs of work behind a launch (from batch 256 the
+    # sparse step, its input packed in the kernels and its weight gradient by BLAS, costs
+    # about what the dense step does: within 5 % of it on a Zen 3 at batch 512)
     host_target(target)
     step = step_of(sparsenn.SparseLinear(128, 7, sparsity=sparsity), batch)
     assert step is not None and step.dense and step.dense_cycles < step.sparse_cycles
@@ -46,13 +47,13 @@ def test_no_step_without_a_gradient_of_the_sparse_values(avx2_host):
 
 
 def test_explain_shows_the_step_and_both_costs(avx2_host):
-    # 30 % sparse: at 50 % the step's sparse kernels (the input packed in them, not
-    # copied) cost about as much as the dense step
-    layer = sparsenn.SparseLinear(128, 7, sparsity=0.3)
-    text = sparsenn.explain("bi,oi->bo", torch.randn(256, 128), layer.weight)
+    # 30 % sparse, both gradients wanted: the sparse kernels do 70 % of BLAS's work at a
+    # fraction of its rate
+    layer = sparsenn.SparseLinear(256, 256, sparsity=0.3)
+    text = sparsenn.explain("bi,oi->bo", torch.randn(64, 256, requires_grad=True), layer.weight)
     assert "training step (at a layer's call site): dense, through torch's autograd" in text
     assert "against the sparse kernels of the call and its gradients" in text
-    assert "training step" not in sparsenn.explain("bi,oi->bo", torch.randn(256, 128), layer.weight.detach())
+    assert "training step" not in sparsenn.explain("bi,oi->bo", torch.randn(64, 256), layer.weight.detach())
 
 
 def reference(layer, x, grad):
