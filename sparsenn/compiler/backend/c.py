@@ -128,9 +128,7 @@ def _expr(e: ir.Expr, stored: frozenset[str]) -> tuple[str, int]:
     if isinstance(e, ir.Gather):
         base = _expr(ir.Address(e.array, e.offset), stored)[0]
         crd = _expr(ir.Address(e.crd, e.at), stored)[0]
-        if e.count is None:
-            return f"sn_gather({base}, {crd}, {print_expr(e.stride, stored)})", _ATOM
-        return f"sn_gather_first({base}, {crd}, {print_expr(e.stride, stored)}, {print_expr(e.count, stored)})", _ATOM
+        return f"sn_gather({base}, {crd}, {print_expr(e.stride, stored)})", _ATOM
     if isinstance(e, ir.Call):
         return _call(e, stored), _ATOM
     if isinstance(e, ir.Math):

@@ -195,15 +195,13 @@ class VectorLoad(Expr):
 @dataclass(frozen=True)
 class Gather(Expr):
     """The SIMD vector of ``array`` at ``offset + crd[at + l] * stride`` for each lane
-    ``l`` (the elements a vector of stored coordinates picks); with ``count``, only the
-    lanes ``l < count`` (the others zero; no coordinate past them is read)."""
+    ``l`` (the elements a vector of stored coordinates picks)."""
 
     array: Array
     offset: Expr
     crd: Array
     at: Expr
     stride: Expr
-    count: Expr | None = None
 
 
 @dataclass(frozen=True)

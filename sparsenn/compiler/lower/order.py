@@ -81,8 +81,7 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
     elif reduced and innermost and nest.sparse_reduction and nest.sparse_reduction.index == index:
         (driver,) = filtering(index, states)
         reductions.sparse_reduction(lo, index, states, driver, walk.accumulator, walk.summed,
-                                    nest.sparse_reduction.accumulators, bounds, nest.sparse_reduction.gathered,
-                                    nest.sparse_reduction.masked_rest)
+                                    nest.sparse_reduction.accumulators, bounds, nest.sparse_reduction.gathered)
     else:
         blocked = walk.blocked[position](states) if position in walk.blocked else None
         if reduced and nest.row_block and nest.row_block.index == index and position == len(order) - 2:
@@ -107,49 +106,29 @@ def emit_order(lo: Lowering, walk: NestWalk, states: list, position: int = 0, wr
 
 def _team_loops(lo: Lowering, walk: NestWalk, states: list) -> None:
     """The loops the team shares as one loop over their flattened coordinates (in the
-    chunk's bounds, those of ``order[0]``), the coordinate decomposed into the loops'
-    indices once, at the chunk's first, then stepped as an odometer (no division per
-    iteration), the factors' levels located at each; in a fused kernel's stage, the
-    one coordinate it runs at, decomposed, with no loop (a loop of one iteration
-    around an ``omp simd`` reduction keeps GCC from vectorising it)."""
+    chunk's bounds, those of ``order[0]``), each iteration decomposing its coordinate
+    into the loops' indices and locating the factors' levels there; in a fused
+    kernel's stage, the one coordinate it runs at, with no loop (a loop of one
+    iteration around an ``omp simd`` reduction keeps GCC from vectorising it)."""
     team = walk.order[:walk.nest.team_loops]
     flat = lo.fresh("flat")
     if lo.team_coordinate is not None:
         lo.emit(ir.Decl(flat, "index", lo.team_coordinate, const=True))
-        _decomposed(lo, team, flat, const=True)
-        _located_below(lo, team, walk, states)
+        _step_at(lo, team, flat, walk, states)
         return
     first, last = walk.bounds[team[0]]
-    counters = {index: lo.fresh("team") for index in team}
-    _decomposed(lo, team, first, names=counters)
-
-    def iteration():
-        lo.emit(*(ir.Decl(lo.var(index), "index", counters[index], const=True) for index in team))
-        carry: ir.Stmt = ir.Incr(counters[team[0]])
-        for index in team[1:]:
-            counter = counters[index]
-            carry = ir.Block((ir.Incr(counter), ir.If(ir.eq(counter, lo.dim(index)), ir.Block((
-                ir.Assign(counter, ir.Const(0)), carry)))), scoped=False)
-        lo.emit(carry)  # the next iteration's indices, before a ``continue`` in the body could skip it
-        _located_below(lo, team, walk, states)
-
-    lo.emit(ir.For(ir.Decl(flat, "index", first), ir.lt(flat, last), ir.Incr(flat), lo.block(iteration)))
+    lo.emit(ir.For(ir.Decl(flat, "index", first), ir.lt(flat, last), ir.Incr(flat),
+                   lo.block(lambda: _step_at(lo, team, flat, walk, states))))
 
 
-def _decomposed(lo: Lowering, team: Sequence[str], flat: ir.Expr, const: bool = False,
-                names: dict[str, ir.Var] | None = None) -> None:
-    """Declare the team loops' indices (as ``names``, else the loops' variables) at their
-    flattened coordinate ``flat``: the last loop's fastest."""
-    rest = flat
+def _step_at(lo: Lowering, team: Sequence[str], flat: ir.Var, walk: NestWalk, states: list) -> None:
+    """The team loops' indices decomposed from their flattened coordinate ``flat``, the
+    factors located there, and the loops below."""
+    rest: ir.Expr = flat
     for index in reversed(team[1:]):
-        name = names[index] if names else lo.var(index)
-        lo.emit(ir.Decl(name, "index", ir.Bin("%", rest, lo.dim(index)), const=const))
+        lo.emit(ir.Decl(lo.var(index), "index", ir.Bin("%", rest, lo.dim(index)), const=True))
         rest = ir.Bin("/", rest, lo.dim(index))
-    lo.emit(ir.Decl(names[team[0]] if names else lo.var(team[0]), "index", rest, const=const))
-
-
-def _located_below(lo: Lowering, team: Sequence[str], walk: NestWalk, states: list) -> None:
-    """The factors located at the team loops' indices (declared), and the loops below."""
+    lo.emit(ir.Decl(lo.var(team[0]), "index", rest, const=True))
     located = states
     for index in team:
         located, before = list(located), located

@@ -7,8 +7,8 @@
   lanes combined by NaN-keeping ``sn_vmax`` / ``sn_vmin``;
 * :func:`sparse_reduction`: ``acc += coef * sum_q prod(factors at crd[q])`` over a
   fiber, gathered: whole vectors of positions first (values loaded, dense factors
-  gathered at ``crd[q : q + lanes]``), then the rest as one masked vector; or position
-  ``q`` into sum ``q mod A`` of ``A`` interleaved sums, a scalar tail;
+  gathered at ``crd[q : q + lanes]``); then position ``q`` into sum ``q mod A`` of
+  ``A`` interleaved sums, a scalar tail;
 * :func:`row_blocker`: blocks of ``R`` positions of a fiber whose vector reductions
   share the loads of the factors not indexed by it, then one transpose-and-add
   (``hsums``) of the ``R`` sums.
@@ -137,7 +137,7 @@ def enter(lo: Lowering, index: str, states, cursor: Cursor, position: ir.Expr) -
 
 def sparse_reduction(
     lo: Lowering, index: str, states, driver: int, accumulator: ir.Var, summed: Summed, accumulators: int,
-    bounds=None, gathered: bool = False, masked_rest: bool = False,
+    bounds=None, gathered: bool = False,
 ) -> None:
     coef, factors = summed
     acc = lo.fresh("sacc")
@@ -153,41 +153,33 @@ def sparse_reduction(
                 lo.emit(ir.Assign(target, lo.product(new, factors), "+="))
             return lo.block(body)
 
-        if masked_rest:
-            lo.emit(ir.Decl(acc, "V", "zero", shape=(1,)))
-            _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)), n, True)
-        else:
-            lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
-            if gathered:
-                _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)),
-                               lo.s.target.gathered_vectors, False)
-            lo.emit(ir.For(None, ir.le(ir.add(q, n), cursor.h), ir.Assign(q, ir.Const(n), "+="), ir.Block((
-                counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
-            lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
-            lo.emit(counted(U, n, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="), pragma=None,
-                            start=1))
+        lo.emit(ir.Decl(acc, "V", "zero", shape=(n,)))
+        if gathered:
+            _gathered_sums(lo, index, states, driver, cursor, factors, ir.Elem(acc, (ir.Const(0),)))
+        lo.emit(ir.For(None, ir.le(ir.add(q, n), cursor.h), ir.Assign(q, ir.Const(n), "+="), ir.Block((
+            counted(U, n, *step(ir.add(q, U), ir.Elem(acc, (U,))).stmts),))))
+        lo.emit(ir.For(None, ir.lt(q, cursor.h), ir.Incr(q), step(q, ir.Elem(acc, (ir.Const(0),)))))
+        lo.emit(counted(U, n, ir.Assign(ir.Elem(acc, (ir.Const(0),)), ir.Elem(acc, (U,)), "+="), pragma=None, start=1))
         lo.emit(ir.Assign(accumulator, ir.mul(coef, ir.Elem(acc, (ir.Const(0),))), "+="))
 
     lo.emit(lo.block(fill))
 
 
 def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor, factors: Sequence[int],
-                   into: ir.Expr, n: int, masked_rest: bool) -> None:
-    """When the fiber holds a whole vector of positions from ``q`` (``masked_rest``: any
-    position): every whole group of ``n`` vectors, then every whole vector left
-    (``masked_rest``: then the positions left as one vector, its lanes past them
-    masked), the driving factor's values loaded, each dense factor gathered at the
-    positions' coordinates (its offset is affine in the coordinate), summed into ``n``
-    SIMD sums, whose lanes are then added into ``into``; without ``masked_rest``, fewer
-    than a vector of positions are left."""
-    q, sums, rest = cursor.q, lo.fresh("gsum"), lo.fresh("rest")
+                   into: ir.Expr) -> None:
+    """When the fiber holds a whole group of ``n`` vectors of positions from ``q`` (``n``
+    the target's ``gathered_vectors``): every such group, the driving factor's values
+    loaded, each dense factor gathered at the positions' coordinates (its offset is
+    affine in the coordinate), summed into SIMD sums, whose lanes are then added into
+    ``into``."""
+    q, sums = cursor.q, lo.fresh("gsum")
+    lanes = ir.mul(U, ir.Lanes())
 
-    def lane_values(st, k: int, lanes: ir.Expr, count: ir.Expr | None) -> ir.Expr:
+    def lane_values(st, k: int) -> ir.Expr:
         if not st.valued:
             return ONES
         if k == driver:
-            mask = None if count is None else ir.Call("first_lanes", (count,))
-            return ir.VectorLoad(ir.Array("val", st.slot), ir.add(q, lanes), mask)
+            return ir.VectorLoad(ir.Array("val", st.slot), ir.add(q, lanes))
         if index not in st.dense_indices:
             return ir.Call("splat", (lo.values(states, [k])[0],))
         base = lo.dense_offset(st, {index: ir.Const(0)})
@@ -196,33 +188,21 @@ def _gathered_sums(lo: Lowering, index: str, states, driver: int, cursor: Cursor
             stride = product_of(after) if after else ir.Const(1)
         else:
             stride = ir.sub(lo.dense_offset(st, {index: ir.Const(1)}), base)
-        return ir.Gather(ir.Array("dense", st.slot), base, cursor.crd, ir.add(q, lanes), stride, count)
+        return ir.Gather(ir.Array("dense", st.slot), base, cursor.crd, ir.add(q, lanes), stride)
 
-    def gathered_product(vector: ir.Expr, count: ir.Expr | None = None) -> ir.Expr:
-        """The product of the factors over the positions of vector ``vector`` from ``q``
-        (``count``: its first ``count`` lanes only)."""
-        return product_of([lane_values(states[k], k, ir.mul(vector, ir.Lanes()), count) for k in factors])
-
+    n = lo.s.target.gathered_vectors
     step = ir.mul(ir.Const(n), ir.Lanes())
 
-    def vectors():
+    def groups():
         lo.emit(ir.Decl(sums, "VV", "zero", shape=(n,)))
-        if n > 1:
-            lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
-                counted(U, n, ir.Assign(ir.Elem(sums, (U,)), gathered_product(U), "+=")),))))
-        lo.emit(ir.For(None, ir.le(ir.add(q, ir.Lanes()), cursor.h), ir.Assign(q, ir.Lanes(), "+="),
-                       ir.Block((ir.Assign(ir.Elem(sums, (ir.Const(0),)), gathered_product(ir.Const(0)), "+="),))))
-        if masked_rest:
-            last = ir.Elem(sums, (ir.Const(n - 1),))
-            lo.emit(ir.If(ir.lt(q, cursor.h), ir.Block((
-                ir.Decl(rest, "index", ir.sub(cursor.h, q), const=True),
-                ir.Assign(last, gathered_product(ir.Const(0), rest), "+=")))))
+        lo.emit(ir.For(None, ir.le(ir.add(q, step), cursor.h), ir.Assign(q, step, "+="), ir.Block((
+            counted(U, n, ir.Assign(ir.Elem(sums, (U,)), product_of(
+                [lane_values(states[k], k) for k in factors]), "+=")),))))
         lo.emit(counted(U, n, ir.Assign(ir.Elem(sums, (ir.Const(0),)), ir.Elem(sums, (U,)), "+="),
                         pragma=None, start=1))
         lo.emit(ir.Assign(into, ir.Call("hsum", (ir.Elem(sums, (ir.Const(0),)),)), "+="))
 
-    whole = ir.lt(q, cursor.h) if masked_rest else ir.le(ir.add(q, ir.Lanes()), cursor.h)
-    lo.emit(ir.If(whole, lo.block(vectors)))
+    lo.emit(ir.If(ir.le(ir.add(q, step), cursor.h), lo.block(groups)))
 
 
 def row_blocker(

@@ -20,12 +20,11 @@ that an enclosing loop it does not index makes it traverse in full (its first le
 entered under that loop without another factor filtering it: ``b, o, i`` over a weight ``W[o, i]`` reads all of ``W`` once per ``b``; a gathered
 operand, entered at another's stored coordinates, is not traversed in full). An
 innermost sparse reduction that gathers its dense factors
-(:func:`~.decisions.gathered_reduction`, an SpMV's ``x[crd[q]]``) runs the whole vectors
-of positions of each fiber ``lanes`` at a time: each position costs
-``(SPARSE_ITERATION_COST + factors) / lanes`` plus ``GATHER_COST`` per gathered factor,
-the rest of the fiber (all of it when shorter than ``lanes``, else about ``lanes / 2``)
-``SPARSE_ITERATION_COST + factors`` a position as any scalar step, or as one masked
-vector (:func:`masked_rest`) one vector step with every lane's gather counted. Only level
+(:func:`~.decisions.gathered_reduction`, an SpMV's ``x[crd[q]]``) runs the whole groups
+of ``G = gathered_vectors x lanes`` positions of each fiber ``lanes`` at a time: each
+position costs ``(SPARSE_ITERATION_COST + factors) / lanes`` plus ``GATHER_COST`` per
+gathered factor, the rest of the fiber (all of it when shorter than ``G``, else about
+``G / 2``) ``SPARSE_ITERATION_COST + factors`` as any scalar step. Only level
 capabilities are used, never format names.
 """
 
@@ -43,7 +42,7 @@ from .decisions import NestFactor, gathered_reduction, reductions_from
 from .target import Target
 
 __all__ = ["OperandInfo", "Factor", "estimate_positions", "stored_in_order", "read_in_order", "outside_vector",
-           "register_blockable", "nest_cost", "NestCosts", "masked_rest"]
+           "register_blockable", "nest_cost", "NestCosts"]
 
 TRANSPOSE_COST = 4.0
 SPARSE_ITERATION_COST = 4.0  # an indirect (crd, value) step versus a dense one
@@ -210,7 +209,7 @@ def nest_cost(
                 cost += RESTREAM_COST * (iters - 1) * (factors[k].nnz + factors[k].storage)
         if fibers and gathered and position == len(order) - 1:
             trip = fibers[0]
-            work = _gathered_work(trip, nest_factors, index, lanes)
+            work = _gathered_work(trip, nest_factors, index, len(term.factors), lanes, target)
         elif fibers:
             trip = n * math.prod(min(fk / n, 1.0) for fk in fibers)
             work = SPARSE_ITERATION_COST * sum(fibers)
@@ -233,29 +232,15 @@ def nest_cost(
     return cost, iters, factors
 
 
-def _gathered_work(fiber: float, factors: Sequence[NestFactor], index: str, lanes: int) -> float:
+def _gathered_work(fiber: float, factors: Sequence[NestFactor], index: str, products: int, lanes: int,
+                   target: Target) -> float:
     """The work of a gathered reduction over a fiber of ``fiber`` positions (see the
-    module doc): its whole vectors of positions a vector at a time, then the rest."""
-    rest, step, vector = _gathered_steps(fiber, factors, index, lanes)
-    return (fiber - rest) * vector / lanes + min(rest * step, vector)
-
-
-def masked_rest(fiber: float, factors: Sequence[NestFactor], index: str, lanes: int) -> bool:
-    """Whether a gathered reduction over ``index``, over fibers of ``fiber`` positions,
-    takes the rest of each fiber after its whole vectors as one masked vector: one
-    vector step, ``SPARSE_ITERATION_COST + factors + GATHER_COST · gathers · lanes``,
-    costs less than a scalar step per position left (``fiber`` when shorter than
-    ``lanes``, else about ``lanes / 2``)."""
-    rest, step, vector = _gathered_steps(fiber, factors, index, lanes)
-    return vector < rest * step
-
-
-def _gathered_steps(fiber: float, factors: Sequence[NestFactor], index: str, lanes: int) -> tuple[float, float, float]:
-    """(positions left after the whole vectors, the cost of a scalar step, of a vector
-    step) of a gathered reduction over ``index``."""
+    module doc): its whole groups a vector of positions at a time, the rest one by one."""
+    group = target.gathered_vectors * lanes
+    scalar = fiber if fiber < group else group / 2
     gathers = sum(1 for f in factors if not f.sparse and index in f.indices)
-    step = SPARSE_ITERATION_COST + len(factors)
-    return (fiber if fiber < lanes else lanes / 2), step, step + GATHER_COST * gathers * lanes
+    step = SPARSE_ITERATION_COST + products
+    return step * scalar + (fiber - scalar) * (step / lanes + GATHER_COST * gathers)
 
 
 class NestCosts:

@@ -17,12 +17,7 @@ these functions decide, from the :class:`~.target.Target` and level capabilities
   levels) sums into up to ``sparse_accumulators`` interleaved sums, as many as its fibers
   are long: position ``q`` feeds sum ``q mod A``. When the level is the driving factor's last and the other factors are
   dense, whole vectors of positions go first: the values loaded as a vector, the dense
-  factors gathered at the vector of coordinates (an SpMV's ``x[crd[q]]``); the rest of
-  each fiber then takes the scalar sums, or, when the cost model finds one vector step
-  cheaper than the positions left (``cost.masked_rest``: the fibers are at least a few
-  positions long), one masked vector and no scalar sums: the ``A`` sums are then SIMD
-  sums, vector ``v`` of the fiber feeding sum ``v mod A`` (one per vector of a mean
-  fiber: a short one runs one loop of single vectors).
+  factors gathered at the vector of coordinates (an SpMV's ``x[crd[q]]``).
 * **Row block.** A loop over such a fiber whose body is an innermost vector reduction
   with some factors not indexed by the fiber (SDDMM's ``X[i, :]`` for each ``Y[j, :]``)
   takes ``row_block`` positions at a time: the common factors are loaded once per
@@ -116,7 +111,6 @@ class SparseReduction:
     index: str
     accumulators: int
     gathered: bool = False  # positions SIMD lanes at a time, the dense factors gathered
-    masked_rest: bool = False  # gathered: a fiber's last, partial vector masked; the sums SIMD ones
 
 
 @dataclass(frozen=True)
@@ -223,22 +217,18 @@ def extremum_reduction(order, output, factors, target: Target) -> VectorReductio
     return VectorReduction(k, target.register_block_vectors, (0,)) if contiguous_factors(k, factors, [0]) else None
 
 
-def sparse_reduction(order, output, factors, target: Target, fiber: float,
-                     masked_rest: bool = False) -> SparseReduction | None:
+def sparse_reduction(order, output, factors, target: Target, fiber: float) -> SparseReduction | None:
     """The sparse reduction of the innermost loop (see the module doc), over fibers of
     ``fiber`` positions on average: one interleaved sum per ``cost_vector_lanes``
     positions, at least one and at most the target's ``sparse_accumulators`` (a shorter
     chain of adds overlaps the next fiber's in the out-of-order window; more sums would
-    only cost their setup and combining). ``masked_rest``: whether a gathered one takes
-    each fiber's rest as one masked vector (``cost.masked_rest``); its sums are then
-    SIMD sums, vector ``v`` of a fiber feeding sum ``v mod A``."""
+    only cost their setup and combining)."""
     summed = summed_factors(order, output, factors)
     k = driver(order[-1], factors) if summed else None
     if k is None:
         return None
     sums = max(1, min(target.sparse_accumulators, int(fiber // target.cost_vector_lanes)))
-    gathered = gathered_reduction(order, output, factors)
-    return SparseReduction(order[-1], sums, gathered, gathered and masked_rest)
+    return SparseReduction(order[-1], sums, gathered_reduction(order, output, factors))
 
 
 def gathered_reduction(order, output, factors) -> bool:

@@ -81,10 +81,7 @@ class Nest:
                          f"{t.col_count})")
         if self.sparse_reduction:
             r = self.sparse_reduction
-            if r.masked_rest:
-                gathered = ", whole vectors of entries gathered, then the rest as one masked vector"
-            else:
-                gathered = ", whole vectors of entries first, gathered" if r.gathered else ""
+            gathered = ", whole vectors of entries first, gathered" if r.gathered else ""
             parts.append(f"sparse reduction over {r.index} ({r.accumulators} accumulators{gathered})")
         if self.row_block:
             b = self.row_block

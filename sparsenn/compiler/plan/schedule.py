@@ -56,7 +56,7 @@ from ..frontend.notation import Assignment, Term
 from . import block_pack, decisions
 from . import microkernel
 from .block_pack import PackedBlock
-from .cost import Factor, NestCosts, OperandInfo, estimate_positions, masked_rest, nest_cost
+from .cost import Factor, NestCosts, OperandInfo, estimate_positions, nest_cost
 from .decisions import PrefetchPolicy
 from .microkernel import DotTile, RegisterTile, Tile
 from .nest import Nest, Schedule, Workspace
@@ -261,11 +261,9 @@ def _dense_decisions(nest: Nest, n: int, factors: list[Factor], assignment: Assi
         order, f, bounded, block and block.index, decisions.reductions_from(order, output, len(order) - 1)),
         "simd": decisions.simd_loop(order, output, f)}
     if block is None and order and not _scalar(assignment, nest.term):  # no loops (a scalar): no micro-kernel
-        fiber = _fiber(order[-1], factors)
         fields |= {
             "vector_reduction": decisions.vector_reduction(order, output, f, target),
-            "sparse_reduction": decisions.sparse_reduction(order, output, f, target, fiber, masked_rest(
-                fiber, f, order[-1], target.cost_vector_lanes)),
+            "sparse_reduction": decisions.sparse_reduction(order, output, f, target, _fiber(order[-1], factors)),
             "row_block": decisions.row_block(order, output, f, target),
         }
         fields["dot_tile"] = microkernel.dot_tile(order, output, factors, fields["vector_reduction"], nest.tiles, target)

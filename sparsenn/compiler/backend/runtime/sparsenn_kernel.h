@@ -375,56 +375,17 @@ static inline void sn_store_first(S* p, VV v, sn_lane_mask m) {
 #endif
 #endif  // SN_LANE_MASKS
 
-/* The stored coordinates crd[0 .. SN_W) as offsets c[l]: 4-byte ones two to a 64-bit
-   load, split by a shift (a gather of scalar loads is bound by its loads: one per
-   element and one per coordinate; this halves the second kind). */
-template <class J> static inline void sn_coordinates(const J* crd, int64_t (&c)[SN_W]) {
-#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-  if constexpr (sizeof(J) == 4 && SN_W % 2 == 0) {
-    for (int l = 0; l < SN_W; l += 2) {
-      uint64_t pair;
-      std::memcpy(&pair, crd + l, sizeof pair);
-      c[l] = (J)(uint32_t)pair;
-      c[l + 1] = (J)(uint32_t)(pair >> 32);
-    }
-    return;
-  }
-#endif
-  for (int l = 0; l < SN_W; ++l) c[l] = crd[l];
-}
-
 /* The vector of p[crd[l] * stride] over lanes l: values at a vector of stored
-   coordinates (a loop the compiler turns into a gather instruction where it costs one
-   less than loads and inserts). */
+   coordinates (a loop the compiler turns into a gather instruction where there is one). */
 template <class J> static inline VV sn_gather(const V* p, const J* crd, int64_t stride) {
-  int64_t c[SN_W];
-  sn_coordinates(crd, c);
   VV v;
-  for (int l = 0; l < SN_W; ++l) v[l] = p[c[l] * stride];
+  for (int l = 0; l < SN_W; ++l) v[l] = p[(int64_t)crd[l] * stride];
   return v;
 }
 #ifdef SN_STORAGE
 template <class J> static inline VV sn_gather(const S* p, const J* crd, int64_t stride) {
-  int64_t c[SN_W];
-  sn_coordinates(crd, c);
   VU h;
-  for (int l = 0; l < SN_W; ++l) h[l] = p[c[l] * stride].bits;
-  return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
-}
-#endif
-
-/* sn_gather's lanes l < n, the others zero: no coordinate past them is read (a fiber's
-   last, partial vector). The lanes are tested against n, not a lane mask's lanes
-   (which cost more to extract: measured on a Zen 3). */
-template <class J> static inline VV sn_gather_first(const V* p, const J* crd, int64_t stride, int64_t n) {
-  VV v{};
-  for (int l = 0; l < SN_W; ++l) if (l < n) v[l] = p[(int64_t)crd[l] * stride];
-  return v;
-}
-#ifdef SN_STORAGE
-template <class J> static inline VV sn_gather_first(const S* p, const J* crd, int64_t stride, int64_t n) {
-  VU h{};
-  for (int l = 0; l < SN_W; ++l) if (l < n) h[l] = p[(int64_t)crd[l] * stride].bits;
+  for (int l = 0; l < SN_W; ++l) h[l] = p[(int64_t)crd[l] * stride].bits;
   return __builtin_bit_cast(VV, sn_is_bf16 ? sn_bf16_widened(h) : sn_f16_widened<VU, VV>(h));
 }
 #endif
