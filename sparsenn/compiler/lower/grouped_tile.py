@@ -31,6 +31,7 @@ from .context import Lowering, counted, product_of
 from .iterators import FactorState, LevelExprs, fiber_length, locate
 from .order import NestWalk, emit_order
 from .tile_access import OUT, blocks_of_k, by_layers, rows_left
+from .transposed_strip import emit_transposed_strip
 
 __all__ = ["grouped_tile"]
 
@@ -254,44 +255,16 @@ class _GroupedPacks:
         rows ``j = (d - dl) E + e`` (contiguous in the factor) by ``lanes x lanes``
         blocks transposed in registers where whole, the rest element by element (zeros
         past ``k``)."""
-        lo, d, e, k, size = self.lo, self.d, self.e, self.k, self.size
+        lo, d, e, k = self.lo, self.d, self.e, self.k
         start, end = self.layer
-        block_start, column, row, whole_rows, whole_columns = (
-            lo.fresh(x) for x in ("pb", "pj", "pr", "prows", "pcols"))
-        rows = ir.mul(ir.sub(end, start), lo.dim(e))
-        stride = ir.mul(lo.dim(d), lo.dim(e))  # between consecutive k
 
-        def source(c: ir.Expr, j: ir.Expr) -> ir.Expr:
-            return lo.dense_offset(st[n], {k: ir.add(block_start, c), d: start, e: j})
+        def source(block: ir.Expr, c: ir.Expr, j: ir.Expr) -> ir.Expr:
+            return lo.dense_offset(st[n], {k: ir.add(block, c), d: start, e: j})
 
-        def at(c: ir.Expr, j: ir.Expr) -> ir.Expr:
-            return self.offset(block_start, start, j, c)
-
-        dense, pack = ir.Array("dense", st[n].slot), ir.Array("pack", n)
-        transpose = ir.Effect("transpose_block", (ir.Address(dense, source(column, row)), stride,
-                                                  ir.Address(pack, at(column, row)), ir.Const(size)))
-        lanes_of_rows = ir.For(ir.Decl(row, "index", ir.Const(0)), ir.lt(row, whole_rows),
-                               ir.Assign(row, ir.Lanes(), "+="), ir.Block((transpose,)))
-        blocks = ir.For(ir.Decl(column, "index", ir.Const(0)), ir.lt(column, whole_columns),
-                        ir.Assign(column, ir.Lanes(), "+="), ir.Block((lanes_of_rows,)))
-
-        def elements(columns: tuple[ir.Expr, ir.Expr], rows_range: tuple[ir.Expr, ir.Expr]) -> ir.Stmt:
-            value = ir.Select(ir.lt(ir.add(block_start, column), self.panel_end),
-                              ir.Load(dense, source(column, row)), ir.Const(0.0))
-            inner = ir.For(ir.Decl(row, "index", rows_range[0]), ir.lt(row, rows_range[1]), ir.Incr(row),
-                           ir.Block((ir.Assign(ir.Load(pack, at(column, row)), value),)))
-            return ir.For(ir.Decl(column, "index", columns[0]), ir.lt(column, columns[1]), ir.Incr(column),
-                          ir.Block((inner,)))
-
-        present = ir.sub(self.panel_end, block_start)  # columns of k in this block, from 1 up
-        whole = ir.min_(ir.Const(size), ir.sub(present, ir.Bin("%", present, ir.Lanes())))
-        body = (ir.Decl(whole_columns, "index", whole, const=True),
-                blocks,
-                elements((ir.Const(0), ir.Const(size)), (whole_rows, rows)),
-                elements((whole_columns, ir.Const(size)), (ir.Const(0), whole_rows)))
-        lo.emit(ir.Decl(whole_rows, "index", ir.sub(rows, ir.Bin("%", rows, ir.Lanes())), const=True))
-        lo.emit(ir.For(ir.Decl(block_start, "index", self.panel_start), ir.lt(block_start, self.panel_end),
-                       ir.Assign(block_start, ir.Const(size), "+="), ir.Block(body)))
+        emit_transposed_strip(lo, ir.Array("dense", st[n].slot), ir.Array("pack", n), source,
+                              lambda block, c, j: self.offset(block, start, j, c),
+                              ir.mul(lo.dim(d), lo.dim(e)),  # between consecutive k
+                              ir.mul(ir.sub(end, start), lo.dim(e)), self.size, (self.panel_start, self.panel_end))
 
     def each_panel(self, st, rows: tuple[ir.Expr, ir.Expr, ir.Expr], k_range, panel_tiles) -> None:
         """``panel_tiles(rows, tile rows)`` for each row block of the whole tiles' rows

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..loops import ir
 from ..plan.schedule import Nest
 from .context import Lowering
+from .transposed_strip import emit_transposed_strip
 
 __all__ = ["BlockPacks"]
 
@@ -79,39 +80,12 @@ class BlockPacks:
         """The open panel's strip: for each block, ``lanes x lanes`` blocks of ``k`` and
         ``d`` transposed in registers where whole, the rest element by element (zeros
         past the panel's end)."""
-        lo, d, k, size = self.lo, self.d, self.k, self.size
-        block_start, column, row, whole_rows, whole_columns = (
-            lo.fresh(x) for x in ("pb", "pj", "pr", "prows", "pcols"))
-        rows = lo.dim(d)
-        dense = ir.Array("dense", st[self.n].slot)
+        lo, d, k = self.lo, self.d, self.k
 
-        def source(c: ir.Expr, j: ir.Expr) -> ir.Expr:
-            return lo.dense_offset(st[self.n], {k: ir.add(block_start, c), d: j})
+        def source(block: ir.Expr, c: ir.Expr, j: ir.Expr) -> ir.Expr:
+            return lo.dense_offset(st[self.n], {k: ir.add(block, c), d: j})
 
-        stride = lo.dim(d)  # between consecutive k: the factor holds just k and d, laid out [k][d]
-        transpose = ir.Effect("transpose_block", (ir.Address(dense, source(column, row)), stride,
-                                                  ir.Address(self.pack_array, self.offset(block_start, row, column)),
-                                                  ir.Const(size)))
-        lanes_of_rows = ir.For(ir.Decl(row, "index", ir.Const(0)), ir.lt(row, whole_rows),
-                               ir.Assign(row, ir.Lanes(), "+="), ir.Block((transpose,)))
-        blocks = ir.For(ir.Decl(column, "index", ir.Const(0)), ir.lt(column, whole_columns),
-                        ir.Assign(column, ir.Lanes(), "+="), ir.Block((lanes_of_rows,)))
-
-        def elements(columns: tuple[ir.Expr, ir.Expr], rows_range: tuple[ir.Expr, ir.Expr]) -> ir.Stmt:
-            value = ir.Select(ir.lt(ir.add(block_start, column), self.panel_end),
-                              ir.Load(dense, source(column, row)), ir.Const(0.0))
-            inner = ir.For(ir.Decl(row, "index", rows_range[0]), ir.lt(row, rows_range[1]), ir.Incr(row),
-                           ir.Block((ir.Assign(ir.Load(self.pack_array, self.offset(block_start, row, column)),
-                                               value),)))
-            return ir.For(ir.Decl(column, "index", columns[0]), ir.lt(column, columns[1]), ir.Incr(column),
-                          ir.Block((inner,)))
-
-        present = ir.sub(self.panel_end, block_start)  # columns of k in this block, from 1 up
-        whole = ir.min_(ir.Const(size), ir.sub(present, ir.Bin("%", present, ir.Lanes())))
-        body = (ir.Decl(whole_columns, "index", whole, const=True),
-                blocks,
-                elements((ir.Const(0), ir.Const(size)), (whole_rows, rows)),
-                elements((whole_columns, ir.Const(size)), (ir.Const(0), whole_rows)))
-        lo.emit(ir.Decl(whole_rows, "index", ir.sub(rows, ir.Bin("%", rows, ir.Lanes())), const=True))
-        lo.emit(ir.For(ir.Decl(block_start, "index", self.panel_start), ir.lt(block_start, self.panel_end),
-                       ir.Assign(block_start, ir.Const(size), "+="), ir.Block(body)))
+        # the factor holds just k and d, laid out [k][d]: d's extent apart between consecutive k
+        emit_transposed_strip(lo, ir.Array("dense", st[self.n].slot), self.pack_array, source,
+                              lambda block, c, j: self.offset(block, j, c), lo.dim(d), lo.dim(d), self.size,
+                              (self.panel_start, self.panel_end))
