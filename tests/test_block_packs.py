@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _machines import AVX2, AVX512, relaying
+from _reference import assert_layer_matches_dense
 
 import sparsenn
 from sparsenn.compiler import use_target
@@ -135,12 +136,7 @@ def test_packed_blocks_on_threads_forward_and_backward(threads):
             y.square().sum().backward()
     finally:
         torch.set_num_threads(before)
-    dense = layer.weight.to_dense().detach().requires_grad_()
-    x2 = x.detach().clone().requires_grad_()
-    expected = torch.nn.functional.linear(x2, dense, layer.bias)
-    expected.square().sum().backward()
-    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-3)
+    assert_layer_matches_dense(layer, x, y)
 
 
 @pytest.mark.parametrize("machine", MACHINES.values(), ids=MACHINES.keys())

@@ -61,7 +61,9 @@ def test_the_product_over_sparse_features_reads_the_layers_weight_in_place(targe
         assert _launch("si,oi->so", x, conv.weight.detach().contiguous()).stages
 
 
-def test_no_relaid_copy_is_kept_or_checked_for_the_layers_weight():
+@pytest.mark.parametrize("target", [AVX2, AVX512], ids=["avx2", "avx512"])
+def test_no_relaid_copy_is_kept_or_checked_for_the_layers_weight(target, host_target):
+    host_target(target)
     torch.manual_seed(0)
     conv = SparseGCNConv(300, 64, cached=True).eval()
     dense, x = _features(50, 300)

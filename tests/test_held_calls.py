@@ -12,10 +12,19 @@ import torch
 from torch import nn
 
 import sparsenn
+from _machines import AVX2, AVX512, relaying
 from sparsenn import SparseLinear
 from sparsenn.compiler import api, cache_stats
 
 WRITTEN = "<sparsenn held call>"
+
+
+@pytest.fixture(autouse=True, params=[AVX2, AVX512], ids=["avx2", "avx512"])
+def machine(request, host_target):
+    """Every test plans for an explicit machine (a launch's kind, hence whether its run
+    is written out, follows the plan), on both vector widths."""
+    host_target(request.param)
+    return request.param
 
 
 def sp(shape, fmt="csr", density=0.4, seed=0, dtype=torch.float64):
@@ -148,7 +157,8 @@ def test_a_layer_s_held_call_under_vmap_and_autocast():
             assert layer(x).dtype == torch.bfloat16
 
 
-def test_a_relaid_input_is_copied_whether_a_tensor_or_a_parameter():
+def test_a_relaid_input_is_copied_whether_a_tensor_or_a_parameter(machine, host_target):
+    host_target(relaying(machine))  # copies cheaper than the kernel packing the input itself
     torch.manual_seed(0)
     layer = SparseLinear(128, 7, sparsity=0.5)
     x = torch.randn(64, 128)
