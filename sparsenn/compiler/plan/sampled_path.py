@@ -46,9 +46,11 @@ __all__ = ["SampledDensePath", "sampled_dense_path", "sampled_kernel_cycles", "u
 
 @dataclass(frozen=True)
 class SampledDensePath:
-    """A sampled product computed whole by BLAS, then sampled at operand ``anchor``'s
-    pattern, weighed against the sampled kernel; costs in cycles, ``taken`` when cheaper."""
+    """A sampled product computed whole by BLAS (``product``: its multiplied factors,
+    :func:`unmasked_product`), then sampled at operand ``anchor``'s pattern, weighed
+    against the sampled kernel; costs in cycles, ``taken`` when cheaper."""
 
+    product: Assignment
     anchor: int
     kernel_cycles: float
     product_cycles: float
@@ -122,7 +124,7 @@ def sampled_dense_path(assignment: Assignment, infos: Sequence[OperandInfo], sto
     if dense_bytes > budget:
         return None
     shapes = [info.shape for info in infos]
-    return SampledDensePath(anchor,
+    return SampledDensePath(product, anchor,
                             sampled_kernel_cycles(assignment, sched, infos, stored, anchor, itemsize, target),
                             dense_product_cycles(product, shapes, itemsize, target),
                             sampling_cycles(stored[anchor], dense_bytes, itemsize, target),

@@ -40,7 +40,7 @@ from ..frontend.notation import Access, Assignment, Factor, Term, parse_einsum
 from ..plan.bias import fold_bias, hoist_invariant, split_epilogue
 from ..plan.contract import Step
 from ..plan.dense_path import DensePath, dense_path
-from ..plan.sampled_path import SampledDensePath, sampled_dense_path, unmasked_product
+from ..plan.sampled_path import SampledDensePath, sampled_dense_path
 from ..plan.terms import merge_terms
 from ..plan.planner import (DENSE, Request, ShapePlan, build_plans, contraction_path, operand_infos, path_request,
                              plan_call)
@@ -320,7 +320,6 @@ class SampledDenseCall:
     def __init__(self, assignment: Assignment, checked: Checked, sampled: SampledDensePath,
                  shaped: ShapePlan) -> None:
         self.sampled, self.shaped = sampled, shaped
-        self._product = unmasked_product(assignment, operand_infos(checked.operands))
         self._out_shape = tuple(checked.sizes[i] for i in assignment.output)
         self._request = checked.operands[sampled.anchor].format
         letters = tuple(_LETTERS[: len(assignment.output)])  # Out<pattern>[...] = product[...]
@@ -328,7 +327,7 @@ class SampledDenseCall:
                                     ("product", "pattern"))
 
     def run(self, operands: Sequence) -> SparseTensor:
-        whole = _summed_products(self._product, operands, self._out_shape)
+        whole = _summed_products(self.sampled.product, operands, self._out_shape)
         return evaluate(self._sampling, [whole, operands[self.sampled.anchor]], self._request)
 
 
